@@ -1,0 +1,42 @@
+"""Backends: where arrays live and kernels run. ``get_backend("auto" | "cpu" | "cuda")``."""
+
+from __future__ import annotations
+
+from ..errors import BackendError
+from .base import Backend, check_array
+
+__all__ = ["Backend", "check_array", "get_backend", "cuda_available"]
+
+
+def cuda_available() -> bool:
+    """True when numba-cuda is installed and sees a GPU (or runs the simulator)."""
+    try:
+        from numba import cuda
+    except ImportError:
+        return False
+    try:
+        return bool(cuda.is_available())
+    except Exception:
+        return False
+
+
+def get_backend(name: str, *, log=None, device_id: int = 0) -> Backend:
+    """Return the backend for ``[train] backend``; ``auto`` prefers the GPU and logs its choice."""
+    if name == "cpu" or (name == "auto" and not cuda_available()):
+        from .cpu import CpuBackend
+
+        if name == "auto" and log is not None:
+            log("backend auto: no GPU found, using the CPU backend")
+        return CpuBackend()
+    if name in ("cuda", "auto"):
+        if not cuda_available():
+            raise BackendError('backend = "cuda" but no CUDA GPU is available (install hpctrain[cuda] and check nvidia-smi)')
+        try:
+            from .cuda import CudaBackend
+        except ImportError as e:
+            raise BackendError(f"the CUDA backend is not available: {e}") from None
+        backend = CudaBackend(device_id=device_id)
+        if name == "auto" and log is not None:
+            log(f"backend auto: using the CUDA backend on {backend.device_name}")
+        return backend
+    raise BackendError(f"unknown backend {name!r} (expected auto, cpu or cuda)")

@@ -1,0 +1,383 @@
+"""CPU backend: matrix products through numpy's BLAS, everything else ``numba.njit``.
+
+Shape letters: B batch rows, C features (channels), K reduction size,
+M/N output rows/columns of a product. All arrays are float32 and C-contiguous
+unless a docstring says otherwise (targets are int64). Kernels that produce a
+gradient take ``accumulate``: False overwrites, True adds (micro-batches).
+Compiled kernels are cached on disk (``cache=True``) so a second run does not
+recompile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from .base import Backend, check_array
+
+__all__ = ["CpuBackend"]
+
+_jit = numba.njit(cache=True, nogil=True)
+_SQRT_HALF = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+
+
+# --------------------------------------------------------------------------- bias
+
+
+@_jit
+def _bias_add(y, bias):
+    B, C = y.shape
+    for i in range(B):
+        for j in range(C):
+            y[i, j] += bias[j]
+
+
+@_jit
+def _bias_grad(dout, dbias, accumulate):
+    B, C = dout.shape
+    acc = np.zeros(C, dtype=np.float64)
+    for i in range(B):
+        for j in range(C):
+            acc[j] += dout[i, j]
+    for j in range(C):
+        dbias[j] = (dbias[j] + acc[j]) if accumulate else acc[j]
+
+
+@_jit
+def _add_inplace(out, x):
+    o = out.ravel()
+    v = x.ravel()
+    for i in range(o.size):
+        o[i] += v[i]
+
+
+# --------------------------------------------------------------------------- activations
+
+
+@_jit
+def _relu_forward(x, out):
+    xs, o = x.ravel(), out.ravel()
+    for i in range(xs.size):
+        o[i] = xs[i] if xs[i] > 0 else np.float32(0.0)
+
+
+@_jit
+def _relu_backward(x, dout, dinp):
+    xs, d, di = x.ravel(), dout.ravel(), dinp.ravel()
+    for i in range(xs.size):
+        di[i] = d[i] if xs[i] > 0 else np.float32(0.0)
+
+
+@_jit
+def _gelu_forward(x, out):
+    xs, o = x.ravel(), out.ravel()
+    for i in range(xs.size):
+        v = np.float64(xs[i])
+        o[i] = 0.5 * v * (1.0 + math.erf(v * _SQRT_HALF))
+
+
+@_jit
+def _gelu_backward(x, dout, dinp):
+    xs, d, di = x.ravel(), dout.ravel(), dinp.ravel()
+    for i in range(xs.size):
+        v = np.float64(xs[i])
+        cdf = 0.5 * (1.0 + math.erf(v * _SQRT_HALF))
+        pdf = _INV_SQRT_2PI * math.exp(-0.5 * v * v)
+        di[i] = d[i] * (cdf + v * pdf)
+
+
+@_jit
+def _tanh_forward(x, out):
+    xs, o = x.ravel(), out.ravel()
+    for i in range(xs.size):
+        o[i] = math.tanh(xs[i])
+
+
+@_jit
+def _tanh_backward(y, dout, dinp):
+    ys, d, di = y.ravel(), dout.ravel(), dinp.ravel()
+    for i in range(ys.size):
+        di[i] = d[i] * (1.0 - ys[i] * ys[i])
+
+
+# --------------------------------------------------------------------------- layernorm
+
+
+@_jit
+def _layernorm_forward(x, weight, bias, eps, out, mean, rstd):
+    B, C = x.shape
+    for i in range(B):
+        m = 0.0
+        for j in range(C):
+            m += x[i, j]
+        m /= C
+        v = 0.0
+        for j in range(C):
+            d = x[i, j] - m
+            v += d * d
+        v /= C
+        s = 1.0 / math.sqrt(v + eps)
+        for j in range(C):
+            out[i, j] = (x[i, j] - m) * s * weight[j] + bias[j]
+        mean[i] = m
+        rstd[i] = s
+
+
+@_jit
+def _layernorm_backward(dout, x, weight, mean, rstd, dinp, dweight, dbias, accumulate):
+    B, C = x.shape
+    dw = np.zeros(C, dtype=np.float64)
+    db = np.zeros(C, dtype=np.float64)
+    for i in range(B):
+        m = np.float64(mean[i])
+        s = np.float64(rstd[i])
+        # dnorm = dout * weight; dx = s * (dnorm - mean(dnorm) - norm * mean(dnorm * norm))
+        sum_dn = 0.0
+        sum_dn_n = 0.0
+        for j in range(C):
+            n = (x[i, j] - m) * s
+            dn = np.float64(dout[i, j]) * weight[j]
+            sum_dn += dn
+            sum_dn_n += dn * n
+            dw[j] += dout[i, j] * n
+            db[j] += dout[i, j]
+        sum_dn /= C
+        sum_dn_n /= C
+        for j in range(C):
+            n = (x[i, j] - m) * s
+            dn = np.float64(dout[i, j]) * weight[j]
+            dinp[i, j] = s * (dn - sum_dn - n * sum_dn_n)
+    for j in range(C):
+        dweight[j] = (dweight[j] + dw[j]) if accumulate else dw[j]
+        dbias[j] = (dbias[j] + db[j]) if accumulate else db[j]
+
+
+# --------------------------------------------------------------------------- losses
+
+
+@_jit
+def _cross_entropy(logits, targets, dlogits, grad_scale):
+    """Softmax cross-entropy per row; returns (sum of losses, number correct, bad target or -1)."""
+    B, C = logits.shape
+    total = 0.0
+    correct = 0
+    for i in range(B):
+        t = targets[i]
+        if t < 0 or t >= C:
+            return total, correct, i
+        mx = np.float64(logits[i, 0])
+        arg = 0
+        for j in range(1, C):
+            if logits[i, j] > mx:
+                mx = np.float64(logits[i, j])
+                arg = j
+        z = 0.0
+        for j in range(C):
+            z += math.exp(logits[i, j] - mx)
+        logz = math.log(z) + mx
+        total += logz - logits[i, t]
+        if arg == t:
+            correct += 1
+        for j in range(C):
+            p = math.exp(logits[i, j] - logz)
+            dlogits[i, j] = (p - (1.0 if j == t else 0.0)) * grad_scale
+    return total, correct, -1
+
+
+@_jit
+def _mse(pred, target, dpred, grad_scale):
+    p, t, d = pred.ravel(), target.ravel(), dpred.ravel()
+    total = 0.0
+    for i in range(p.size):
+        diff = np.float64(p[i]) - t[i]
+        total += diff * diff
+        d[i] = 2.0 * diff * grad_scale
+    return total
+
+
+# --------------------------------------------------------------------------- flat buffers
+
+
+@_jit
+def _sum_squares(x):
+    acc = 0.0
+    for i in range(x.size):
+        v = np.float64(x[i])
+        acc += v * v
+    return acc
+
+
+@_jit
+def _scale(x, s):
+    for i in range(x.size):
+        x[i] *= s
+
+
+@_jit
+def _sgd_update(p, g, buf, lr, momentum, weight_decay, nesterov):
+    for i in range(p.size):
+        d = g[i] + weight_decay * p[i]
+        if momentum != 0.0:
+            b = momentum * buf[i] + d
+            buf[i] = b
+            d = d + momentum * b if nesterov else b
+        p[i] -= lr * d
+
+
+@_jit
+def _adam_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, decoupled):
+    bc1 = 1.0 - beta1**step
+    bc2_sqrt = math.sqrt(1.0 - beta2**step)
+    step_size = lr / bc1
+    for i in range(p.size):
+        w = np.float64(p[i])
+        d = np.float64(g[i])
+        if decoupled:
+            w *= 1.0 - lr * weight_decay
+        else:
+            d += weight_decay * w
+        mi = beta1 * m[i] + (1.0 - beta1) * d
+        vi = beta2 * v[i] + (1.0 - beta2) * d * d
+        m[i] = mi
+        v[i] = vi
+        p[i] = w - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
+
+
+class CpuBackend(Backend):
+    """Arrays are numpy arrays in host memory."""
+
+    name = "cpu"
+    is_device = False
+
+    # -- memory
+    def empty(self, shape, dtype=np.float32):
+        return np.empty(shape, dtype=dtype)
+
+    def zeros(self, shape, dtype=np.float32):
+        return np.zeros(shape, dtype=dtype)
+
+    def asarray(self, host):
+        return np.ascontiguousarray(host)
+
+    def to_host(self, arr):
+        return np.asarray(arr)
+
+    def copy_(self, dst, src):
+        np.copyto(dst, src)
+
+    def synchronize(self):
+        pass
+
+    # -- matrix products (X·Wᵀ, dY·W, dYᵀ·X)
+    def matmul_nt(self, a, b, out, bias=None):
+        """out[M,N] = a[M,K] @ b[N,K]ᵀ (+ bias[N]): the Linear forward."""
+        check_array("matmul_nt", "a", a, ndim=2)
+        check_array("matmul_nt", "b", b, ndim=2, cols=a.shape[1])
+        check_array("matmul_nt", "out", out, shape=(a.shape[0], b.shape[0]))
+        np.matmul(a, b.T, out=out)
+        if bias is not None:
+            check_array("matmul_nt", "bias", bias, shape=(b.shape[0],))
+            _bias_add(out, bias)
+
+    def matmul_nn(self, a, b, out):
+        """out[M,N] = a[M,K] @ b[K,N]: the Linear input gradient dY·W."""
+        check_array("matmul_nn", "a", a, ndim=2)
+        check_array("matmul_nn", "b", b, ndim=2, rows=a.shape[1])
+        check_array("matmul_nn", "out", out, shape=(a.shape[0], b.shape[1]))
+        np.matmul(a, b, out=out)
+
+    def matmul_tn(self, a, b, out, accumulate=False):
+        """out[M,N] (+)= a[K,M]ᵀ @ b[K,N]: the Linear weight gradient dYᵀ·X."""
+        check_array("matmul_tn", "a", a, ndim=2)
+        check_array("matmul_tn", "b", b, ndim=2, rows=a.shape[0])
+        check_array("matmul_tn", "out", out, shape=(a.shape[1], b.shape[1]))
+        if accumulate:
+            _add_inplace(out, a.T @ b)
+        else:
+            np.matmul(a.T, b, out=out)
+
+    def bias_grad(self, dout, dbias, accumulate=False):
+        check_array("bias_grad", "dout", dout, ndim=2)
+        check_array("bias_grad", "dbias", dbias, shape=(dout.shape[1],))
+        _bias_grad(dout, dbias, accumulate)
+
+    # -- activations
+    def relu_forward(self, x, out):
+        check_array("relu_forward", "out", out, shape=check_array("relu_forward", "x", x).shape)
+        _relu_forward(x, out)
+
+    def relu_backward(self, x, dout, dinp):
+        self._check_same("relu_backward", x=x, dout=dout, dinp=dinp)
+        _relu_backward(x, dout, dinp)
+
+    def gelu_forward(self, x, out):
+        check_array("gelu_forward", "out", out, shape=check_array("gelu_forward", "x", x).shape)
+        _gelu_forward(x, out)
+
+    def gelu_backward(self, x, dout, dinp):
+        self._check_same("gelu_backward", x=x, dout=dout, dinp=dinp)
+        _gelu_backward(x, dout, dinp)
+
+    def tanh_forward(self, x, out):
+        check_array("tanh_forward", "out", out, shape=check_array("tanh_forward", "x", x).shape)
+        _tanh_forward(x, out)
+
+    def tanh_backward(self, y, dout, dinp):
+        self._check_same("tanh_backward", y=y, dout=dout, dinp=dinp)
+        _tanh_backward(y, dout, dinp)
+
+    # -- layernorm
+    def layernorm_forward(self, x, weight, bias, eps, out, mean, rstd):
+        B, C = check_array("layernorm_forward", "x", x, ndim=2).shape
+        check_array("layernorm_forward", "weight", weight, shape=(C,))
+        check_array("layernorm_forward", "bias", bias, shape=(C,))
+        check_array("layernorm_forward", "out", out, shape=(B, C))
+        check_array("layernorm_forward", "mean", mean, shape=(B,))
+        check_array("layernorm_forward", "rstd", rstd, shape=(B,))
+        _layernorm_forward(x, weight, bias, float(eps), out, mean, rstd)
+
+    def layernorm_backward(self, dout, x, weight, mean, rstd, dinp, dweight, dbias, accumulate=False):
+        B, C = check_array("layernorm_backward", "x", x, ndim=2).shape
+        for name, arr in (("dout", dout), ("dinp", dinp)):
+            check_array("layernorm_backward", name, arr, shape=(B, C))
+        for name, arr in (("weight", weight), ("dweight", dweight), ("dbias", dbias)):
+            check_array("layernorm_backward", name, arr, shape=(C,))
+        _layernorm_backward(dout, x, weight, mean, rstd, dinp, dweight, dbias, accumulate)
+
+    # -- losses
+    def cross_entropy(self, logits, targets, dlogits, grad_scale):
+        B, C = check_array("cross_entropy", "logits", logits, ndim=2).shape
+        check_array("cross_entropy", "targets", targets, shape=(B,), dtype=np.int64)
+        check_array("cross_entropy", "dlogits", dlogits, shape=(B, C))
+        total, correct, bad = _cross_entropy(logits, targets, dlogits, float(grad_scale))
+        if bad >= 0:
+            self.bad_target(targets, bad, C)
+        return float(total), int(correct)
+
+    def mse(self, pred, target, dpred, grad_scale):
+        check_array("mse", "pred", pred, ndim=2)
+        check_array("mse", "target", target, shape=pred.shape)
+        check_array("mse", "dpred", dpred, shape=pred.shape)
+        return float(_mse(pred, target, dpred, float(grad_scale)))
+
+    # -- flat buffers
+    def sum_squares(self, x):
+        return float(_sum_squares(check_array("sum_squares", "x", x, ndim=1)))
+
+    def scale_(self, x, s):
+        _scale(check_array("scale_", "x", x, ndim=1), np.float32(s))
+
+    def fill_(self, x, value):
+        x.fill(value)
+
+    def sgd_update(self, param, grad, momentum_buf, *, lr, momentum, weight_decay, nesterov):
+        self._check_flat("sgd_update", param=param, grad=grad, momentum_buf=momentum_buf)
+        _sgd_update(param, grad, momentum_buf, np.float32(lr), np.float32(momentum), np.float32(weight_decay), nesterov)
+
+    def adam_update(self, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, decoupled):
+        self._check_flat("adam_update", param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+        _adam_update(param, grad, exp_avg, exp_avg_sq, float(lr), float(beta1), float(beta2), float(eps),
+                     float(weight_decay), int(step), bool(decoupled))

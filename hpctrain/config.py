@@ -1,0 +1,358 @@
+"""TOML config -> frozen dataclasses.
+
+A config has the sections ``[model] [data] [train] [optim] [checkpoint]
+[parallel]``; docs/config.md documents every key. Unknown sections or keys and
+values of the wrong type raise ``ConfigError`` naming the key. Relative paths
+resolve against the folder of the config file, including paths given with
+``--set``.
+
+    cfg = load_config("jobs/configs/digits.toml", ["train.steps=100"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["Config", "LayerSpec", "load_config", "parse_config", "config_to_toml"]
+
+LAYER_KEYS = {
+    "linear": {"in": int, "out": int, "bias": bool},
+    "relu": {},
+    "gelu": {},
+    "tanh": {},
+    "layernorm": {"dim": int, "eps": float},
+}
+LAYER_REQUIRED = {"linear": ("in", "out"), "layernorm": ("dim",)}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    type: str
+    args: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, key, default=None):
+        return dict(self.args).get(key, default)
+
+    def as_dict(self):
+        return {"type": self.type, **dict(self.args)}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    layers: tuple[LayerSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""
+    inputs: str = ""
+    targets: str = ""
+    val_fraction: float = 0.1
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    loss: str = "cross_entropy"
+    batch_size: int = 64
+    steps: int = 1000
+    seed: int = 0
+    backend: str = "auto"
+    log_every: int = 50
+    eval_every: int = 200
+    metrics: str = ""
+    grad_clip: float = 0.0
+    micro_batches: int = 1
+    skip_nonfinite: bool = False
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = -1.0  # -1: torch.optim's default for `name`
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    schedule: str = "constant"
+    warmup_steps: int = 0
+
+    @property
+    def decay(self) -> float:
+        if self.weight_decay >= 0:
+            return self.weight_decay
+        return 0.01 if self.name == "adamw" else 0.0
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    init: str = ""
+    dir: str = ""
+    every: int = 0
+    keep: int = 3
+    resume: str = "auto"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int | str = "auto"
+    pp: int = 1
+    tp: int = 1
+    bucket_mb: float = 25.0
+    overlap: bool = True
+    cuda_aware: bool | str = "auto"
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    source: str = ""  # the config file it came from, for messages
+
+    def to_toml(self) -> str:
+        return config_to_toml(self)
+
+    def digest(self) -> str:
+        """A hash of the resolved config, compared across ranks at start-up."""
+        return hashlib.sha256(self.to_toml().encode()).hexdigest()
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "checkpoint": CheckpointConfig,
+    "parallel": ParallelConfig,
+}
+PATH_KEYS = {("data", "path"), ("train", "metrics"), ("checkpoint", "init"), ("checkpoint", "dir")}
+CHOICES = {
+    ("train", "loss"): ("cross_entropy", "mse"),
+    ("train", "backend"): ("auto", "cpu", "cuda"),
+    ("optim", "name"): ("sgd", "adam", "adamw"),
+    ("optim", "schedule"): ("constant", "cosine", "linear"),
+}
+
+
+def _type_name(value) -> str:
+    return {bool: "bool", int: "integer", float: "float", str: "string", list: "array", dict: "table"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _coerce(key: str, value, annotation: str):
+    """Check one scalar against the dataclass annotation; return the stored value."""
+    bad = ConfigError(f"{key}: expected {annotation.replace('|', 'or')}, got {_type_name(value)} {value!r}")
+    if annotation == "bool":
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if annotation == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if annotation == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: must be finite, got {value!r}")
+        return float(value)
+    if annotation == "str":
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if annotation == "int | str":  # parallel.dp
+        if isinstance(value, str) and value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f'{key}: expected a positive integer or "auto", got {value!r}')
+        return value
+    if annotation == "bool | str":  # parallel.cuda_aware
+        if isinstance(value, bool) or value == "auto":
+            return value
+        raise ConfigError(f'{key}: expected true, false or "auto", got {value!r}')
+    if annotation == "tuple[float, float]":
+        if not isinstance(value, list) or len(value) != 2:
+            raise ConfigError(f"{key}: expected an array of two floats, got {value!r}")
+        return tuple(_coerce(f"{key}[{i}]", v, "float") for i, v in enumerate(value))
+    raise AssertionError(annotation)
+
+
+def _parse_layers(value) -> tuple[LayerSpec, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError("model.layers: expected an array of tables like {type = \"linear\", in = 64, out = 10}")
+    layers = []
+    for i, table in enumerate(value):
+        where = f"model.layers[{i}]"
+        kind = table.get("type")
+        if kind not in LAYER_KEYS:
+            raise ConfigError(f"{where}.type: expected one of {', '.join(LAYER_KEYS)}, got {kind!r}")
+        allowed = LAYER_KEYS[kind]
+        args = {}
+        for key, v in table.items():
+            if key == "type":
+                continue
+            if key not in allowed:
+                raise ConfigError(f"{where}: unknown key {key!r} for a {kind} layer (known: {', '.join(allowed) or 'none'})")
+            args[key] = _coerce(f"{where}.{key}", v, allowed[key].__name__)
+        for key in LAYER_REQUIRED.get(kind, ()):
+            if key not in args:
+                raise ConfigError(f"{where}: a {kind} layer needs {key!r}")
+        for key in ("in", "out", "dim"):
+            if key in args and args[key] < 1:
+                raise ConfigError(f"{where}.{key}: must be >= 1, got {args[key]}")
+        if kind == "linear":
+            args.setdefault("bias", True)
+        if kind == "layernorm":
+            args.setdefault("eps", 1e-5)
+            if args["eps"] <= 0:
+                raise ConfigError(f"{where}.eps: must be > 0, got {args['eps']}")
+        layers.append(LayerSpec(kind, tuple(sorted(args.items()))))
+    return tuple(layers)
+
+
+def _check_ranges(cfg: Config) -> None:
+    def need(ok, key, what):
+        if not ok:
+            raise ConfigError(f"{key}: {what}")
+
+    t, o, d, c, p = cfg.train, cfg.optim, cfg.data, cfg.checkpoint, cfg.parallel
+    need(cfg.model.layers, "model.layers", "the model needs at least one layer")
+    need(d.path, "data.path", "required (an HDF5 file)")
+    need(d.inputs, "data.inputs", "required (the name of the input dataset)")
+    need(d.targets, "data.targets", "required (the name of the target dataset)")
+    need(0.0 <= d.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
+    need(t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
+    need(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
+    need(t.log_every >= 1, "train.log_every", f"must be >= 1, got {t.log_every}")
+    need(t.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 = only at the end), got {t.eval_every}")
+    need(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 = off), got {t.grad_clip}")
+    need(t.micro_batches >= 1, "train.micro_batches", f"must be >= 1, got {t.micro_batches}")
+    need(o.lr >= 0, "optim.lr", f"must be >= 0, got {o.lr}")
+    need(0 <= o.momentum < 1 or o.momentum == 0, "optim.momentum", f"must be in [0, 1), got {o.momentum}")
+    need(not (o.nesterov and o.momentum <= 0), "optim.nesterov", "needs optim.momentum > 0 (as in torch.optim.SGD)")
+    need(o.weight_decay >= 0 or o.weight_decay == -1.0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    need(all(0 <= b < 1 for b in o.betas), "optim.betas", f"each must be in [0, 1), got {list(o.betas)}")
+    need(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
+    need(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    need(c.every >= 0, "checkpoint.every", f"must be >= 0 (0 = only at the end), got {c.every}")
+    need(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
+    need(p.dp == "auto" or p.dp >= 1, "parallel.dp", f'must be >= 1 or "auto", got {p.dp}')
+    need(p.pp >= 1, "parallel.pp", f"must be >= 1, got {p.pp}")
+    need(p.tp >= 1, "parallel.tp", f"must be >= 1, got {p.tp}")
+    need(p.bucket_mb > 0, "parallel.bucket_mb", f"must be > 0, got {p.bucket_mb}")
+
+
+def parse_config(data: dict, base_dir: str = ".", source: str = "<config>") -> Config:
+    """Build a Config from a parsed TOML document (a dict)."""
+    sections = {}
+    for name, table in data.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown section [{name}] (known: {', '.join(SECTIONS)})")
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{name}] must be a table, got {_type_name(table)}")
+        cls = SECTIONS[name]
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values = {}
+        for key, value in table.items():
+            full = f"{name}.{key}"
+            if key not in fields:
+                raise ConfigError(f"{full}: unknown key (known in [{name}]: {', '.join(fields)})")
+            if name == "model" and key == "layers":
+                values[key] = _parse_layers(value)
+                continue
+            values[key] = _coerce(full, value, fields[key].type)
+            choices = CHOICES.get((name, key))
+            if choices and values[key] not in choices:
+                raise ConfigError(f"{full}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+            if (name, key) in PATH_KEYS and values[key]:
+                values[key] = os.path.normpath(os.path.join(base_dir, os.path.expanduser(values[key])))
+            if (name, key) == ("checkpoint", "resume") and values[key] not in ("auto", "never"):
+                values[key] = os.path.normpath(os.path.join(base_dir, os.path.expanduser(values[key])))
+        sections[name] = cls(**values)
+    cfg = Config(**sections, source=source)
+    _check_ranges(cfg)
+    return cfg
+
+
+def _parse_override(item: str):
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set {item!r}: the key must be section.key, got {key!r}")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # not a TOML value: take it as a string
+    return parts[0], parts[1], value
+
+
+def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a TOML config file and apply ``section.key=value`` overrides."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path!r} is a directory") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: malformed TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file") from None
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] must be a table")
+        table[key] = value
+    return parse_config(data, base_dir=os.path.dirname(os.path.abspath(path)), source=path)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(type(v))
+
+
+def config_to_toml(cfg: Config) -> str:
+    """The resolved config as TOML text; ``load_config`` of it gives the same Config."""
+    lines = []
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        lines.append(f"[{name}]")
+        if name == "model":
+            lines.append("layers = [")
+            for layer in section.layers:
+                inner = ", ".join(f"{k} = {_toml_value(v)}" for k, v in layer.as_dict().items())
+                lines.append(f"  {{{inner}}},")
+            lines.append("]")
+        else:
+            for f in dataclasses.fields(section):
+                lines.append(f"{f.name} = {_toml_value(getattr(section, f.name))}")
+        lines.append("")
+    return "\n".join(lines)

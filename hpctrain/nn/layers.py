@@ -1,0 +1,133 @@
+"""Layers: forward and backward side by side, each calling backend kernels.
+
+Shape letters: B batch rows, C features. ``forward(be, x)`` returns
+``(out, saved)``: what the backward pass needs is returned explicitly, never
+stashed on the layer. ``backward(be, dout, saved, accumulate, need_dinp)``
+writes the parameter gradients into the gradient views (adding when
+``accumulate``) and returns the input gradient (None when not needed).
+Parameter names and shapes follow torch.nn: Linear weight is (out, in).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["Linear", "ReLU", "GELU", "Tanh", "LayerNorm", "make_layer"]
+
+
+class Layer:
+    params: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    in_features: int | None = None  # None: any width, output width = input width
+    out_features: int | None = None
+
+    def init(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        return {}
+
+    def bind(self, weights: dict, grads: dict) -> None:
+        """Give the layer its parameter and gradient views (local names)."""
+        self.w, self.g = weights, grads
+
+
+class Linear(Layer):
+    """y[B,out] = x[B,in] · Wᵀ + b, W of shape (out, in) as in torch.nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
+        self.params = (("weight", (out_features, in_features)),) + ((("bias", (out_features,)),) if bias else ())
+
+    def init(self, rng):
+        bound = 1.0 / math.sqrt(self.in_features)  # torch: kaiming_uniform_(a=sqrt(5)) == U(-1/sqrt(in), 1/sqrt(in))
+        out = {"weight": rng.uniform(-bound, bound, (self.out_features, self.in_features)).astype(np.float32)}
+        if self.has_bias:
+            out["bias"] = rng.uniform(-bound, bound, (self.out_features,)).astype(np.float32)
+        return out
+
+    def forward(self, be, x):
+        out = be.empty((x.shape[0], self.out_features))
+        be.matmul_nt(x, self.w["weight"], out, bias=self.w.get("bias"))
+        return out, x
+
+    def backward(self, be, dout, x, accumulate=False, need_dinp=True):
+        be.matmul_tn(dout, x, self.g["weight"], accumulate=accumulate)
+        if self.has_bias:
+            be.bias_grad(dout, self.g["bias"], accumulate=accumulate)
+        if not need_dinp:
+            return None
+        dinp = be.empty(x.shape)
+        be.matmul_nn(dout, self.w["weight"], dinp)
+        return dinp
+
+
+class ReLU(Layer):
+    def forward(self, be, x):
+        out = be.empty(x.shape)
+        be.relu_forward(x, out)
+        return out, x
+
+    def backward(self, be, dout, x, accumulate=False, need_dinp=True):
+        dinp = be.empty(x.shape)
+        be.relu_backward(x, dout, dinp)
+        return dinp
+
+
+class GELU(Layer):
+    """Exact GELU, 0.5·x·(1 + erf(x/√2)): torch.nn.GELU's default."""
+
+    def forward(self, be, x):
+        out = be.empty(x.shape)
+        be.gelu_forward(x, out)
+        return out, x
+
+    def backward(self, be, dout, x, accumulate=False, need_dinp=True):
+        dinp = be.empty(x.shape)
+        be.gelu_backward(x, dout, dinp)
+        return dinp
+
+
+class Tanh(Layer):
+    def forward(self, be, x):
+        out = be.empty(x.shape)
+        be.tanh_forward(x, out)
+        return out, out  # the backward pass needs tanh(x), not x
+
+    def backward(self, be, dout, y, accumulate=False, need_dinp=True):
+        dinp = be.empty(y.shape)
+        be.tanh_backward(y, dout, dinp)
+        return dinp
+
+
+class LayerNorm(Layer):
+    """Normalise over the last dimension, then scale and shift, as torch.nn.LayerNorm(dim, eps)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        self.in_features = self.out_features = dim
+        self.eps = eps
+        self.params = (("weight", (dim,)), ("bias", (dim,)))
+
+    def init(self, rng):
+        C = self.out_features
+        return {"weight": np.ones(C, np.float32), "bias": np.zeros(C, np.float32)}
+
+    def forward(self, be, x):
+        B = x.shape[0]
+        out, mean, rstd = be.empty(x.shape), be.empty((B,)), be.empty((B,))
+        be.layernorm_forward(x, self.w["weight"], self.w["bias"], self.eps, out, mean, rstd)
+        return out, (x, mean, rstd)
+
+    def backward(self, be, dout, saved, accumulate=False, need_dinp=True):
+        x, mean, rstd = saved
+        dinp = be.empty(x.shape)
+        be.layernorm_backward(dout, x, self.w["weight"], mean, rstd, dinp, self.g["weight"], self.g["bias"],
+                              accumulate=accumulate)
+        return dinp
+
+
+def make_layer(spec) -> Layer:
+    """Build a layer from a config ``LayerSpec``."""
+    if spec.type == "linear":
+        return Linear(spec.get("in"), spec.get("out"), spec.get("bias", True))
+    if spec.type == "layernorm":
+        return LayerNorm(spec.get("dim"), spec.get("eps", 1e-5))
+    return {"relu": ReLU, "gelu": GELU, "tanh": Tanh}[spec.type]()

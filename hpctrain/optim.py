@@ -1,0 +1,71 @@
+"""SGD, Adam and AdamW over the flat buffers, gradient clipping and LR schedules.
+
+The update rules are torch.optim's documented ones: SGD with momentum
+(dampening 0), Nesterov and L2 weight decay; Adam with L2 weight decay; AdamW
+with decoupled weight decay. Each step is one fused kernel over the whole
+flat buffer. Slot names match torch.optim's state (``momentum_buffer``,
+``exp_avg``, ``exp_avg_sq``) so checkpoints read like a torch state dict.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .params import FlatBuffer
+
+__all__ = ["Optimizer", "make_optimizer", "lr_at", "clip_coefficient"]
+
+
+class Optimizer:
+    """Holds the optimizer slots and the step count; ``step(lr)`` updates params in place."""
+
+    def __init__(self, cfg, backend, params: FlatBuffer, grads: FlatBuffer):
+        self.cfg, self.backend, self.params, self.grads = cfg, backend, params, grads
+        self.name = cfg.name
+        self.weight_decay = cfg.decay
+        self.step_count = 0
+        if cfg.name == "sgd":
+            slots = ("momentum_buffer",) if cfg.momentum != 0 else ()
+        else:
+            slots = ("exp_avg", "exp_avg_sq")
+        self.slots = {name: FlatBuffer(backend, params.layout) for name in slots}
+
+    def step(self, lr: float) -> None:
+        self.step_count += 1
+        be, c = self.backend, self.cfg
+        p, g = self.params.data, self.grads.data
+        if self.name == "sgd":
+            buf = self.slots["momentum_buffer"].data if self.slots else p  # unused without momentum
+            be.sgd_update(p, g, buf, lr=lr, momentum=c.momentum, weight_decay=self.weight_decay, nesterov=c.nesterov)
+        else:
+            be.adam_update(p, g, self.slots["exp_avg"].data, self.slots["exp_avg_sq"].data, lr=lr, beta1=c.betas[0],
+                           beta2=c.betas[1], eps=c.eps, weight_decay=self.weight_decay, step=self.step_count,
+                           decoupled=self.name == "adamw")
+
+
+def make_optimizer(cfg, backend, params, grads) -> Optimizer:
+    return Optimizer(cfg, backend, params, grads)
+
+
+def lr_at(cfg, step: int, total_steps: int) -> float:
+    """Learning rate for 0-based ``step``: linear warmup over ``warmup_steps``, then the schedule.
+
+    Warmup: lr·(step+1)/warmup_steps. After it, with progress p = (step − warmup) /
+    max(1, total − warmup): constant lr; cosine lr·½(1 + cos πp); linear lr·(1 − p).
+    """
+    w = cfg.warmup_steps
+    if step < w:
+        return cfg.lr * (step + 1) / w
+    p = min(1.0, (step - w) / max(1, total_steps - w))
+    if cfg.schedule == "cosine":
+        return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * p))
+    if cfg.schedule == "linear":
+        return cfg.lr * (1.0 - p)
+    return cfg.lr
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))

@@ -1,0 +1,36 @@
+"""Launch the multi-rank and CUDA-simulator sub-suites from the one test command."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _run(cmd, env_extra, timeout):
+    env = dict(os.environ, **env_extra)
+    env.pop("PYTEST_ADDOPTS", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    print(output[-6000:])
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{output[-6000:]}"
+    assert " passed" in output, f"{' '.join(cmd)} ran no test:\n{output[-3000:]}"
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_mpi_suite(ranks):
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.fail("mpiexec not found: install hpctrain[mpich] or load your site's MPI module")
+    _run([mpiexec, "-n", str(ranks), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/mpi"],
+         {"HPCTRAIN_SUBSUITE": "mpi"}, timeout=600)
+
+
+def test_cuda_simulator_suite():
+    pytest.importorskip("numba.cuda", reason="numba-cuda is not installed (pip install hpctrain[test])")
+    _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/cuda"],
+         {"HPCTRAIN_SUBSUITE": "cuda", "NUMBA_ENABLE_CUDASIM": "1"}, timeout=900)

@@ -1,0 +1,44 @@
+"""Small data files and configs for tests."""
+
+import h5py
+import numpy as np
+
+from hpctrain.config import parse_config
+
+
+def make_classification(path, n=96, features=6, classes=3, seed=0, nan_row=None):
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((classes, features)) * 2
+    y = rng.integers(0, classes, n)
+    x = (centers[y] + rng.standard_normal((n, features)) * 0.5).astype(np.float32)
+    if nan_row is not None:
+        x[nan_row, 0] = np.nan
+    with h5py.File(path, "w") as f:
+        f["x"] = x
+        f["y"] = y.astype(np.int64)
+    return x, y
+
+
+def make_regression(path, n=64, features=5, outputs=2, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, features)).astype(np.float32)
+    y = (x @ rng.standard_normal((features, outputs))).astype(np.float32)
+    with h5py.File(path, "w") as f:
+        f["x"] = x
+        f["y"] = y
+    return x, y
+
+
+def config(path, *, features=6, hidden=8, classes=3, loss="cross_entropy", **sections):
+    data = {
+        "model": {"layers": [{"type": "linear", "in": features, "out": hidden}, {"type": "tanh"},
+                             {"type": "layernorm", "dim": hidden}, {"type": "gelu"},
+                             {"type": "linear", "in": hidden, "out": hidden}, {"type": "relu"},
+                             {"type": "linear", "in": hidden, "out": classes}]},
+        "data": {"path": str(path), "inputs": "x", "targets": "y", "val_fraction": 0.25, "shuffle": False},
+        "train": {"loss": loss, "batch_size": 8, "steps": 5, "backend": "cpu", "log_every": 1, "eval_every": 0},
+        "optim": {"name": "sgd", "lr": 0.1},
+    }
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return parse_config(data)

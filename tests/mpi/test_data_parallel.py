@@ -1,0 +1,124 @@
+"""Data-parallel training equals single-process training; ranks stay bit-identical.
+
+Run under ``mpiexec -n 1`` and ``-n 2`` by tests/test_suites.py; expectations come from the world size.
+Each rank also trains the same config alone on COMM_SELF, which is the single-process reference.
+"""
+
+import hashlib
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from helpers import config, make_classification
+from hpctrain.dist.agree import QuietExit
+from hpctrain.dist.mesh import Mesh
+from hpctrain.errors import LayoutError
+from hpctrain.train import Trainer
+
+quiet = dict(log=lambda *a: None)
+
+
+def train(cfg, comm):
+    mesh = Mesh(comm=comm)
+    try:
+        t = Trainer(cfg, mesh=mesh, **quiet)
+        t.run()
+        t.close()
+        return t.params.to_host_dict()
+    finally:
+        mesh.free()
+
+
+def digest(params):
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(params[name].tobytes())
+    return np.frombuffer(h.digest(), dtype=np.uint8).copy()
+
+
+@pytest.fixture
+def data(shared_dir, comm):
+    path = f"{shared_dir}/d.h5"
+    if comm.rank == 0:
+        make_classification(path, n=128)
+    comm.Barrier()
+    return path
+
+
+@pytest.mark.parametrize("optim", [{"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"name": "adamw", "lr": 0.01}],
+                         ids=["sgd", "adamw"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("micro", [1, 2], ids=["1-micro", "2-micro"])
+def test_world_equals_single_process(comm, data, optim, overlap, micro):
+    batch = 8 * comm.size  # every world size gets an even share
+    cfg = config(data, optim=optim, train={"steps": 6, "batch_size": batch, "micro_batches": micro},
+                 data={"shuffle": True}, parallel={"overlap": overlap, "bucket_mb": 0.0002})  # 50-float buckets
+    world = train(cfg, comm)
+    alone = train(cfg, MPI.COMM_SELF)
+    for name in world:
+        np.testing.assert_allclose(world[name], alone[name], rtol=2e-5, atol=2e-6, err_msg=name)
+    # every rank holds bit-identical parameters
+    mine = digest(world)
+    root = mine.copy()
+    comm.Bcast(root, root=0)
+    same = np.array([int(np.array_equal(mine, root))], dtype=np.int32)
+    comm.Allreduce(MPI.IN_PLACE, same, op=MPI.MIN)
+    assert same[0] == 1
+
+
+def test_grad_sync_uses_several_buckets(comm, data):
+    cfg = config(data, train={"steps": 1, "batch_size": 8 * comm.size}, parallel={"bucket_mb": 0.0002})
+    mesh = Mesh(comm=comm)
+    t = Trainer(cfg, mesh=mesh, **quiet)
+    assert len(t.sync.buckets) == -(-t.model.layout.size // 50)
+    assert t.sync.active == (comm.size > 1)
+    t.close()
+    mesh.free()
+
+
+def test_config_mismatch_is_caught(comm, data):
+    if comm.size < 2:
+        pytest.skip("needs two ranks: a layout can only differ between ranks")
+    hidden = 8 if comm.rank == 0 else 9
+    cfg = config(data, hidden=hidden, train={"batch_size": 8 * comm.size})
+    mesh = Mesh(comm=comm)
+    expected = LayoutError if comm.rank == 0 else QuietExit
+    with pytest.raises(expected) as info:
+        Trainer(cfg, mesh=mesh, **quiet)
+    if comm.rank == 0:
+        assert "rank 1 has a different config from rank 0" in str(info.value)
+    mesh.free()
+
+
+def test_parameter_layout_mismatch_names_the_first_difference(comm):
+    if comm.size < 2:
+        pytest.skip("needs two ranks: a layout can only differ between ranks")
+    from hpctrain.dist.agree import check_same_everywhere
+    from hpctrain.params import ParamLayout
+
+    shape = (4, 3) if comm.rank == 0 else (4, 5)
+    layout = ParamLayout([("0.weight", shape), ("0.bias", (4,))])
+    expected = LayoutError if comm.rank == 0 else QuietExit
+    with pytest.raises(expected) as info:
+        check_same_everywhere(comm, "parameter layout", layout.describe(), layout.first_difference)
+    if comm.rank == 0:
+        assert "rank 1 has a different parameter layout from rank 0: parameter #0: '0.weight 4x5 0' here, " \
+               "'0.weight 4x3 0' there" in str(info.value)
+
+
+def test_world_size_that_does_not_fit_is_an_error(comm, data):
+    with pytest.raises(LayoutError, match=f"does not match the world size {comm.size}"):
+        Mesh(comm=comm, dp=comm.size + 1)
+
+
+def test_batch_not_divisible_by_dp(comm, data):
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    cfg = config(data, train={"batch_size": 8 * comm.size + 1})
+    mesh = Mesh(comm=comm)
+    with pytest.raises((QuietExit, Exception)) as info:
+        Trainer(cfg, mesh=mesh, **quiet)
+    if comm.rank == 0:
+        assert f"not divisible by the data-parallel size {comm.size}" in str(info.value)
+    mesh.free()

@@ -1,0 +1,106 @@
+"""The command line: bad input gives one clear line and exit status 2; the digits job learns."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import make_classification
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+GOOD = """
+[model]
+layers = [{type = "linear", in = 6, out = 8}, {type = "relu"}, {type = "linear", in = 8, out = 3}]
+[data]
+path = "d.h5"
+inputs = "x"
+targets = "y"
+[train]
+batch_size = 8
+steps = 3
+backend = "cpu"
+log_every = 1
+metrics = "out/m.jsonl"
+[checkpoint]
+dir = "out"
+"""
+
+
+def hpctrain(*args, cwd=ROOT, launcher=()):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([*launcher, sys.executable, "-m", "hpctrain", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def job(tmp_path):
+    make_classification(tmp_path / "d.h5", n=64)
+    make_classification(tmp_path / "nan.h5", n=64, nan_row=40)
+    return tmp_path
+
+
+BAD = [
+    ("malformed", lambda t: "[model\n", "malformed TOML"),
+    ("section", lambda t: t + "[extra]\nx = 1\n", r"unknown section [extra]"),
+    ("key", lambda t: t.replace("steps = 3", "step = 3"), "train.step: unknown key"),
+    ("type", lambda t: t.replace("steps = 3", "steps = '3'"), "train.steps: expected int, got string '3'"),
+    ("width", lambda t: t.replace("in = 8, out = 3", "in = 7, out = 3"),
+     "model.layers[2].in = 7 does not match the previous output width 8"),
+    ("targets", lambda t: t + '[train]\n' if False else t.replace('backend = "cpu"', 'backend = "cpu"\nloss = "mse"'),
+     "mse needs targets of shape (N, 3)"),
+    ("file", lambda t: t.replace('"d.h5"', '"missing.h5"'), "missing.h5 does not exist"),
+    ("dataset", lambda t: t.replace('inputs = "x"', 'inputs = "images"'), "no dataset 'images' (data.inputs)"),
+    ("nan", lambda t: t.replace('"d.h5"', '"nan.h5"'), "inputs contain NaN or Inf (first in row 40)"),
+    ("batch", lambda t: t.replace("batch_size = 8", "batch_size = 100"),
+     "train.batch_size = 100 is larger than the training split (58 rows)"),
+]
+
+
+@pytest.mark.parametrize("name,edit,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_one_line_and_exit_2(job, name, edit, message):
+    (job / "c.toml").write_text(edit(GOOD))
+    proc = hpctrain("train", str(job / "c.toml"))
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("hpctrain: error: "), proc.stderr
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not (job / "out").exists()  # nothing written before the input was found good
+
+
+def test_train_with_overrides_and_module_entry(job):
+    (job / "c.toml").write_text(GOOD)
+    proc = hpctrain("train", str(job / "c.toml"), "--set", "train.steps=4", "--set",
+                    f"train.metrics={job}/elsewhere/m.jsonl", "--set", "optim.name=adamw")
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (job / "elsewhere" / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert (job / "out" / "final.h5").exists()
+    assert "step      4/4" in proc.stdout
+
+
+def test_unknown_override_key(job):
+    (job / "c.toml").write_text(GOOD)
+    proc = hpctrain("train", str(job / "c.toml"), "--set", "optim.learning_rate=0.1")
+    assert proc.returncode == 2 and "optim.learning_rate: unknown key" in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+def test_bad_input_under_mpiexec_is_reported_once(job):
+    (job / "c.toml").write_text(GOOD.replace('"d.h5"', '"nan.h5"'))
+    proc = hpctrain("train", str(job / "c.toml"), launcher=(shutil.which("mpiexec"), "-n", "2"))
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpctrain: error")]
+    assert len(errors) == 1 and "[rank 1/2]" in errors[0]  # row 40 is in rank 1's share of the scan and "NaN" in errors[0], proc.stderr
+
+
+def test_digits_job_reaches_97_percent(tmp_path):
+    proc = hpctrain("train", "jobs/configs/digits.toml", "--set", f"train.metrics={tmp_path}/m.jsonl",
+                    "--set", f"checkpoint.dir={tmp_path}/ckpt")
+    assert proc.returncode == 0, proc.stderr
+    evals = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines() if "val_accuracy" in line]
+    assert evals[-1]["val_accuracy"] >= 0.97

@@ -1,0 +1,89 @@
+"""Config parsing: defaults, overrides, paths, and errors that name the key."""
+
+import os
+
+import pytest
+
+from hpctrain.config import load_config, parse_config
+from hpctrain.errors import ConfigError
+
+BASE = """
+[model]
+layers = [{type = "linear", in = 4, out = 3}, {type = "relu"}, {type = "linear", in = 3, out = 2, bias = false}]
+[data]
+path = "data/d.h5"
+inputs = "x"
+targets = "y"
+"""
+
+
+def write(tmp_path, text, name="c.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_defaults_and_relative_paths(tmp_path):
+    cfg = load_config(write(tmp_path, BASE))
+    assert cfg.data.path == os.path.join(str(tmp_path), "data", "d.h5")
+    assert cfg.train.batch_size == 64 and cfg.optim.name == "sgd" and cfg.parallel.dp == "auto"
+    assert cfg.model.layers[2].get("bias") is False
+    assert cfg.model.layers[0].get("bias") is True
+
+
+def test_overrides_are_toml_values_or_strings(tmp_path):
+    cfg = load_config(write(tmp_path, BASE), ["train.steps=7", "optim.betas=[0.8, 0.9]", "train.metrics=/tmp/run/m.jsonl",
+                                             "optim.name=adamw", "parallel.overlap=false", "optim.lr=1"])
+    assert cfg.train.steps == 7 and cfg.optim.betas == (0.8, 0.9) and cfg.train.metrics == "/tmp/run/m.jsonl"
+    assert cfg.optim.name == "adamw" and cfg.parallel.overlap is False and cfg.optim.lr == 1.0
+
+
+def test_round_trip_through_toml(tmp_path):
+    cfg = load_config(write(tmp_path, BASE), ["optim.name=adam", "train.steps=3"])
+    again = load_config(write(tmp_path, cfg.to_toml(), "again.toml"))
+    assert again.to_toml() == cfg.to_toml()
+    assert again.digest() == cfg.digest()
+
+
+@pytest.mark.parametrize("extra,message", [
+    ("[bogus]\nx = 1", r"unknown section \[bogus\]"),
+    ("[train]\nbatch = 3", "train.batch: unknown key"),
+    ("[train]\nsteps = 'many'", "train.steps: expected int, got string 'many'"),
+    ("[train]\nsteps = 1.5", "train.steps: expected int, got float"),
+    ("[train]\nshuffle = 1", "train.shuffle: unknown key"),
+    ("[data.x]\nk = 1", "data.x: unknown key"),
+    ("[optim]\nname = 'lamb'", "optim.name: expected one of 'sgd', 'adam', 'adamw', got 'lamb'"),
+    ("[optim]\nlr = true", "optim.lr: expected float, got bool"),
+    ("[optim]\nbetas = [0.9]", "optim.betas: expected an array of two floats"),
+    ("[train]\nbatch_size = 0", "train.batch_size: must be >= 1"),
+    ("[parallel]\ndp = 'many'", "parallel.dp: expected a positive integer or \"auto\""),
+    ("[data]\nval_fraction = 1.0", r"data.val_fraction: must be in \[0, 1\)"),
+])
+def test_errors_name_the_key(tmp_path, extra, message):
+    text = BASE + "\n" + extra if not extra.startswith("[data]") else BASE.replace('targets = "y"', 'targets = "y"\n' + extra.split("\n", 1)[1])
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, text))
+
+
+def test_layer_errors(tmp_path):
+    def layers(spec):
+        return {"model": {"layers": spec}, "data": {"path": "d.h5", "inputs": "x", "targets": "y"}}
+    with pytest.raises(ConfigError, match=r"model.layers\[0\].type: expected one of"):
+        parse_config(layers([{"type": "conv"}]))
+    with pytest.raises(ConfigError, match=r"model.layers\[0\]: a linear layer needs 'out'"):
+        parse_config(layers([{"type": "linear", "in": 3}]))
+    with pytest.raises(ConfigError, match=r"model.layers\[1\]: unknown key 'in' for a relu layer"):
+        parse_config(layers([{"type": "linear", "in": 3, "out": 2}, {"type": "relu", "in": 2}]))
+    with pytest.raises(ConfigError, match=r"model.layers\[0\].in: expected int"):
+        parse_config(layers([{"type": "linear", "in": "3", "out": 2}]))
+
+
+def test_missing_required_and_malformed(tmp_path):
+    with pytest.raises(ConfigError, match="data.path: required"):
+        parse_config({"model": {"layers": [{"type": "relu"}]}})
+    with pytest.raises(ConfigError, match="malformed TOML"):
+        load_config(write(tmp_path, "[model\nlayers = "))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.toml"))
+    with pytest.raises(ConfigError, match="--set 'train.steps': expected section.key=value"):
+        load_config(write(tmp_path, BASE), ["train.steps"])

@@ -1,0 +1,295 @@
+"""On-disk details of hpctrain checkpoints: file names, atomic writes, digests, attributes.
+
+docs/checkpoint-format.md is the reference for everything here; hpctrain/checkpoint.py
+builds the public API on top. Nothing in this module talks to MPI: only the rank
+that writes (rank 0) calls it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import socket
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import h5py
+import numpy as np
+
+from .errors import CheckpointError
+
+FORMAT = "hpctrain-checkpoint"
+VERSION = 1  # bump only when an older reader would misread a newer file
+DIGEST = "sha256"  # root attribute ``checksum`` and the per-dataset attribute name
+LIBVER = ("v108", "v108")  # superblock v2 and v2 object headers: HDF5 checksums the metadata too
+OPTIMIZERS = {  # optimizer name -> (slots it must have, slots it may have), torch.optim's names
+    "sgd": ((), ("momentum_buffer",)),
+    "adam": (("exp_avg", "exp_avg_sq"), ()),
+    "adamw": (("exp_avg", "exp_avg_sq"), ()),
+}
+LAYOUT_KEYS = ("world_size", "dp", "pp", "tp")
+RNG_PREFIX = "rng_"
+
+_NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
+_TEMP_RE = re.compile(r"^\.ckpt-\d{8,}\.h5\.(?P<host>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+STALE_SECONDS = 15 * 60  # a temp file from another host untouched this long has no live writer
+
+
+# --------------------------------------------------------------------------- names and files
+
+
+def checkpoint_name(step: int) -> str:
+    return f"ckpt-{step:08d}.h5"
+
+
+def list_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every ``ckpt-<step>.h5`` in ``directory``, oldest step first; temp files never match."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        m = _NAME_RE.match(name)
+        if m:
+            found.append((int(m.group(1)), os.path.join(directory, name)))
+    return sorted(found)
+
+
+def make_temp(directory: str, step: int) -> str:
+    """An empty private file next to the final one, named so no loader mistakes it for a checkpoint."""
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+    fd, path = tempfile.mkstemp(prefix=f".{checkpoint_name(step)}.{host}.{os.getpid()}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    return path
+
+
+def clean_stale_temps(directory: str) -> list[str]:
+    """Remove temp files whose writer is gone: same host and dead pid, or untouched for STALE_SECONDS."""
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+    removed = []
+    for name in os.listdir(directory):
+        m = _TEMP_RE.match(name)
+        if not m:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if m.group("host") == host:
+                stale = not _pid_alive(int(m.group("pid")))
+            else:
+                stale = time.time() - os.stat(path).st_mtime > STALE_SECONDS
+            if stale:
+                os.unlink(path)
+                removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename or unlink in ``directory`` durable; file systems that cannot fsync a directory say EINVAL."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def open_read(path: str, what: str) -> h5py.File:
+    """Open read-only (no HDF5 file lock: files are immutable once renamed into place, and Lustre/NFS often lack flock)."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{what} {path} does not exist")
+    if os.path.isdir(path):
+        raise CheckpointError(f"{what} {path} is a directory, not a file")
+    try:
+        is_hdf5 = h5py.is_hdf5(path)
+    except OSError as e:
+        raise CheckpointError(f"{what} {path} cannot be read ({e})") from None
+    if not is_hdf5:
+        raise CheckpointError(f"{what} {path} is not an HDF5 file")
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as e:
+        hint = " (the file is truncated)" if "truncated" in str(e) else " (damaged or truncated?)"
+        raise CheckpointError(f"{what} {path} cannot be opened as HDF5{hint}: {e}") from None
+
+
+# --------------------------------------------------------------------------- datasets and digests
+
+
+def sha256_hex(arr: np.ndarray) -> str:
+    """Digest of the array's bytes: C order, little-endian float32, exactly what the dataset stores."""
+    return hashlib.sha256(memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))).hexdigest()
+
+
+def workers() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def write_dataset(f: h5py.File, path: str, arr: np.ndarray) -> None:
+    """One contiguous (unchunked, unfiltered) little-endian float32 dataset; a plain reader can mmap it."""
+    f.create_dataset(path, data=arr)
+
+
+def write_datasets(f: h5py.File, arrays: list[tuple[str, np.ndarray]]) -> None:
+    """Write every ``(path, array)`` and its ``sha256`` attribute; digests are computed in threads meanwhile."""
+    with ThreadPoolExecutor(workers()) as pool:
+        digests = [(path, pool.submit(sha256_hex, arr)) for path, arr in arrays]
+        for path, arr in arrays:
+            write_dataset(f, path, arr)
+        for path, digest in digests:
+            f[path].attrs[DIGEST] = digest.result()
+
+
+def checksum_kind(ds: h5py.Dataset) -> str:
+    if DIGEST in ds.attrs:
+        return DIGEST
+    return "fletcher32" if ds.fletcher32 else "none"
+
+
+def verify_datasets(items, *, keep: bool):
+    """Read ``(label, dataset)`` items and check each one's checksum; yield ``(label, array or None, problem)``.
+
+    ``problem`` is "" when the stored sha256 matches (or HDF5's Fletcher32 filter passed
+    on read), else what went wrong. Digests run in threads while the next dataset is
+    read; at most a few arrays are held at once unless ``keep``.
+    """
+    pending = []
+    with ThreadPoolExecutor(workers()) as pool:
+        for label, ds in items:
+            try:
+                arr = np.empty(ds.shape, dtype="<f4")
+                if arr.size:
+                    ds.read_direct(arr)
+            except (OSError, ValueError, TypeError, RuntimeError) as e:
+                kind = "fletcher32 checksum failed or data unreadable" if ds.fletcher32 else "data unreadable"
+                pending.append((label, None, None, f"{kind} ({e})"))
+                continue
+            stored = ds.attrs.get(DIGEST)
+            if isinstance(stored, bytes):
+                stored = stored.decode("ascii", "replace")
+            pending.append((label, arr, stored, pool.submit(sha256_hex, arr) if stored is not None else None))
+            while len(pending) > 2 * workers():
+                yield _settle(pending.pop(0), keep)
+        while pending:
+            yield _settle(pending.pop(0), keep)
+
+
+def _settle(item, keep):
+    label, arr, stored, digest = item
+    if arr is None:
+        return label, None, digest  # here ``digest`` is the read problem
+    problem = ""
+    if digest is not None:
+        actual = digest.result()
+        if not isinstance(stored, str) or actual != stored:
+            problem = f"sha256 mismatch (stored {str(stored)[:16]}..., data hashes to {actual[:16]}...)"
+    return label, (arr if keep else None), problem
+
+
+def fit_problems(group, layout) -> list[str]:
+    """What keeps ``group`` (``/params`` or an optimizer slot) from fitting ``layout``; [] when it fits."""
+    have = set(group.keys())
+    want = set(layout.names)
+    problems = []
+    if want - have:
+        problems.append("missing " + ", ".join(_by_layout(want - have, layout)))
+    if have - want:
+        problems.append("unexpected " + ", ".join(sorted(have - want)))
+    for spec in layout:
+        if spec.name not in have:
+            continue
+        obj = group[spec.name]
+        if not isinstance(obj, h5py.Dataset):
+            problems.append(f"{spec.name} is a group, not a dataset")
+        elif tuple(obj.shape) != spec.shape:
+            problems.append(f"{spec.name} has shape {tuple(obj.shape)}, the model needs {spec.shape}")
+        elif obj.dtype != np.dtype("<f4"):
+            problems.append(f"{spec.name} has dtype {obj.dtype}, expected float32")
+    return problems
+
+
+def _by_layout(names, layout):
+    return [n for n in layout.names if n in names]
+
+
+# --------------------------------------------------------------------------- attributes
+
+
+def check_rng(rng: dict) -> None:
+    for key, value in rng.items():
+        if not isinstance(key, str) or not _KEY_RE.match(key):
+            raise ValueError(f"rng key {key!r} must be an identifier")
+        if not isinstance(value, (bool, int, float, str, np.integer, np.floating, np.bool_)):
+            raise TypeError(f"rng[{key!r}] must be a bool, int, float or str, got {type(value).__name__}")
+
+
+def encode_attr(value):
+    """Python scalar -> what h5py stores: bool as HDF5 enum (numpy bool), int as int64, float as float64, str as UTF-8."""
+    if isinstance(value, (bool, np.bool_)):
+        return np.bool_(value)
+    if isinstance(value, (int, np.integer)):
+        return np.int64(value)
+    if isinstance(value, (float, np.floating)):
+        return np.float64(value)
+    return str(value)
+
+
+def decode_attr(value):
+    """What h5py returns -> the Python scalar; None for anything else (arrays, compound types)."""
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value[()]
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, str):
+        return value
+    return None
+
+
+def int_attr(attrs, key: str, path: str, *, minimum: int = 0) -> int:
+    if key not in attrs:
+        raise CheckpointError(f"checkpoint {path} has no root attribute {key!r}")
+    value = decode_attr(attrs[key])
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CheckpointError(f"checkpoint {path}: root attribute {key!r} = {attrs[key]!r}, expected an integer >= {minimum}")
+    return value
+
+
+def str_attr(attrs, key: str, path: str) -> str:
+    if key not in attrs:
+        raise CheckpointError(f"checkpoint {path} has no root attribute {key!r}")
+    value = decode_attr(attrs[key])
+    if not isinstance(value, str):
+        raise CheckpointError(f"checkpoint {path}: root attribute {key!r} = {attrs[key]!r}, expected a string")
+    return value

@@ -1,67 +1,474 @@
-"""HDF5 weights files and checkpoints.
+"""HDF5 weights files and checkpoints; docs/checkpoint-format.md describes the files.
 
 A weights-only file is HDF5 with a group ``/params`` holding one float32
-dataset per parameter, named and shaped as torch's ``state_dict()``.
+dataset per parameter, named and shaped as torch's ``state_dict()``. A
+checkpoint adds root attributes (format, version, step, data position, config,
+layout, optimizer, RNG settings) and the optimizer slots under
+``/optim/<slot>/<name>``; every dataset carries a ``sha256`` attribute that the
+loaders check.
+
+Only one rank writes (rank 0; nothing here is collective):
+
+    state = CheckpointState(step=..., epoch=..., data_position=..., config_text=cfg.to_toml(), ...)
+    path = save_checkpoint(cfg.checkpoint.dir, state, keep=cfg.checkpoint.keep)
+    state = find_resume(cfg.checkpoint.dir, model.layout, log)    # resume = "auto"; None if no checkpoint
+    state = load_checkpoint(path, model.layout, optim_name="adam")
+
+A file appears under its final name ``ckpt-<step:08d>.h5`` only once it is
+complete: it is written to a hidden temp file in the same directory, fsynced,
+renamed into place and the directory fsynced.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
+from dataclasses import dataclass, field
 
 import h5py
 import numpy as np
 
+from . import checkpoint_format as fmt
 from .errors import CheckpointError
+from .params import ParamLayout
 
-__all__ = ["save_weights", "load_weights"]
+__all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "find_resume", "list_checkpoints", "inspect",
+           "save_weights", "load_weights"]
+
+list_checkpoints = fmt.list_checkpoints
+
+_H5_ERRORS = (OSError, KeyError, RuntimeError)  # what h5py raises on damaged metadata
+
+
+@dataclass
+class CheckpointState:
+    """Everything a run needs to continue, in host memory.
+
+    ``step`` counts training steps done (the next step to run); ``epoch`` and
+    ``data_position`` (steps into that epoch) say where the data order stands,
+    which is a pure function of (``rng``'s seed, step). ``layout`` is
+    ``{"world_size", "dp", "pp", "tp"}`` of the run that wrote it (any layout may
+    load it). ``params`` and each ``slots[slot]`` map PyTorch names to full,
+    unsharded float32 arrays; ``optim_step`` is the optimizer's own step count
+    (skipped non-finite steps do not count). ``path`` is set by the loaders.
+    """
+
+    step: int
+    epoch: int
+    data_position: int
+    config_text: str
+    layout: dict
+    params: dict
+    optim_name: str
+    optim_step: int
+    slots: dict = field(default_factory=dict)
+    rng: dict = field(default_factory=dict)
+    path: str = ""
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def save_checkpoint(directory: str, state: CheckpointState, *, keep: int) -> str:
+    """Write ``<directory>/ckpt-<step:08d>.h5`` atomically, then keep only the ``keep`` newest checkpoints.
+
+    Returns the path. Stale temp files of killed writers are removed first. An
+    existing file for the same step is replaced. Retention deletes the
+    checkpoints with the lowest steps, never the one just written. Call it on
+    one rank only.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+    arrays = _checked_arrays(state)
+    final = os.path.join(directory, fmt.checkpoint_name(state.step))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fmt.clean_stale_temps(directory)
+        tmp = fmt.make_temp(directory, state.step)
+    except OSError as e:
+        raise CheckpointError(f"cannot write checkpoint {final}: {e}") from None
+    try:
+        with h5py.File(tmp, "w", libver=fmt.LIBVER, locking=False) as f:
+            _write_root_attrs(f, state)
+            f.create_group("params", track_order=True)
+            optim = f.create_group("optim")
+            for slot in state.slots:
+                optim.create_group(slot, track_order=True)
+            fmt.write_datasets(f, arrays)
+        fmt.fsync_file(tmp)
+        os.replace(tmp, final)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(e, OSError):
+            raise CheckpointError(f"cannot write checkpoint {final}: {e}") from None
+        raise
+    try:
+        fmt.fsync_dir(directory)
+        _retain(directory, keep, final)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {final} was written, but pruning old checkpoints failed: {e}") from None
+    return final
+
+
+def _checked_arrays(state: CheckpointState) -> list[tuple[str, np.ndarray]]:
+    """Check a state before anything touches the disk; return ``(dataset path, array)`` in write order."""
+    for key in ("step", "epoch", "data_position", "optim_step"):
+        value = getattr(state, key)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"CheckpointState.{key} must be an integer >= 0, got {value!r}")
+    if not isinstance(state.config_text, str):
+        raise TypeError(f"CheckpointState.config_text must be a str, got {type(state.config_text).__name__}")
+    if set(state.layout) != set(fmt.LAYOUT_KEYS):
+        raise ValueError(f"CheckpointState.layout must have exactly the keys {', '.join(fmt.LAYOUT_KEYS)}, "
+                         f"got {', '.join(map(str, state.layout)) or 'none'}")
+    lay = {k: state.layout[k] for k in fmt.LAYOUT_KEYS}
+    if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in lay.values()) \
+            or lay["dp"] * lay["pp"] * lay["tp"] != lay["world_size"]:
+        raise ValueError(f"CheckpointState.layout must hold integers >= 1 with dp x pp x tp = world_size, got {lay}")
+    if state.optim_name not in fmt.OPTIMIZERS:
+        raise ValueError(f"CheckpointState.optim_name must be one of {', '.join(fmt.OPTIMIZERS)}, got {state.optim_name!r}")
+    _check_slot_names(state.optim_name, set(state.slots), lambda msg: ValueError(f"CheckpointState.slots: {msg}"))
+    fmt.check_rng(state.rng)
+    arrays = []
+    for name, arr in state.params.items():
+        if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"parameter name {name!r} cannot be an HDF5 dataset name")
+        arrays.append((f"params/{name}", _float32(arr, f"params[{name!r}]")))
+    for slot, tensors in state.slots.items():
+        if set(tensors) != set(state.params):
+            diff = sorted(set(tensors) ^ set(state.params))
+            raise ValueError(f"slots[{slot!r}] must have the same names as params; these differ: {', '.join(diff)}")
+        for name, arr in state.params.items():
+            t = _float32(tensors[name], f"slots[{slot!r}][{name!r}]")
+            if t.shape != np.shape(arr):
+                raise ValueError(f"slots[{slot!r}][{name!r}] has shape {t.shape}, params[{name!r}] has {np.shape(arr)}")
+            arrays.append((f"optim/{slot}/{name}", t))
+    return arrays
+
+
+def _float32(arr, label: str) -> np.ndarray:
+    arr = np.asarray(arr)
+    if arr.dtype != np.float32:
+        raise TypeError(f"{label} must be float32, got {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype="<f4")
+
+
+def _check_slot_names(optim_name: str, have: set, error):
+    required, optional = fmt.OPTIMIZERS[optim_name]
+    missing = [s for s in required if s not in have]
+    unknown = sorted(have - set(required) - set(optional))
+    if missing or unknown:
+        allowed = ", ".join(required + optional) or "none"
+        raise error(f"optimizer {optim_name} keeps slots {allowed}; "
+                    + "; ".join(filter(None, [missing and "missing " + ", ".join(missing),
+                                              unknown and "unexpected " + ", ".join(unknown)])))
+
+
+def _write_root_attrs(f: h5py.File, state: CheckpointState) -> None:
+    import hpctrain
+
+    a = f.attrs
+    a["format"] = fmt.FORMAT
+    a["version"] = np.int64(fmt.VERSION)
+    a["checksum"] = fmt.DIGEST
+    for key in ("step", "epoch", "data_position"):
+        a[key] = np.int64(getattr(state, key))
+    a["config"] = state.config_text
+    for key in fmt.LAYOUT_KEYS:
+        a[key] = np.int64(state.layout[key])
+    a["optimizer"] = state.optim_name
+    a["optimizer_step"] = np.int64(state.optim_step)
+    for key, value in state.rng.items():
+        a[fmt.RNG_PREFIX + key] = fmt.encode_attr(value)
+    a["hpctrain_version"] = str(getattr(hpctrain, "__version__", ""))
+    a["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _retain(directory: str, keep: int, newest: str) -> None:
+    others = [p for _, p in fmt.list_checkpoints(directory) if os.path.abspath(p) != os.path.abspath(newest)]
+    doomed = others[: max(0, len(others) - (keep - 1))]
+    for path in doomed:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    if doomed:
+        fmt.fsync_dir(directory)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def load_checkpoint(path: str, layout: ParamLayout, *, optim_name: str | None = None) -> CheckpointState:
+    """Read and verify a checkpoint for a model with ``layout``; any problem is a CheckpointError.
+
+    Checks the format attribute and version, that ``/params`` and every slot hold
+    exactly the layout's names and shapes in float32, the slots fit the stored
+    optimizer (and ``optim_name`` when given), and every dataset's sha256.
+    Opens the file read-only.
+    """
+    with fmt.open_read(path, "checkpoint") as f:
+        try:
+            state = _read_meta(f, path)
+            if optim_name is not None and optim_name != state.optim_name:
+                raise CheckpointError(f"checkpoint {path} holds {state.optim_name} optimizer state but the optimizer is "
+                                      f"{optim_name}; to start {optim_name} from its weights, use it as checkpoint.init")
+            groups = _groups(f, path, state.optim_name)
+            _check_fit(f"checkpoint {path}", groups, layout, strict_dtype=True)
+            tensors, failures = _read_groups(groups, layout)
+        except _H5_ERRORS as e:
+            raise CheckpointError(f"checkpoint {path} is damaged: {e}") from None
+    if failures:
+        raise CheckpointError(f"checkpoint {path} failed verification: " + "; ".join(failures))
+    state.params = tensors.pop("params")
+    state.slots = tensors
+    state.path = path
+    return state
+
+
+def find_resume(directory: str, layout: ParamLayout, log, *, optim_name: str | None = None) -> CheckpointState | None:
+    """The newest checkpoint in ``directory`` that verifies, for ``checkpoint.resume = "auto"``.
+
+    Each newer one that fails is reported through ``log`` and skipped, and the
+    log names the one used instead. Returns None when the directory holds no
+    ``ckpt-*.h5``; raises CheckpointError when it holds some but none verifies
+    (starting afresh would silently throw the run away). Reads only.
+    """
+    found = fmt.list_checkpoints(directory) if directory else []
+    skipped = []
+    for _, path in reversed(found):
+        try:
+            state = load_checkpoint(path, layout, optim_name=optim_name)
+        except CheckpointError as e:
+            log(f"resume: skipping {os.path.basename(path)}: {e}")
+            skipped.append(os.path.basename(path))
+            continue
+        if skipped:
+            log(f"resume: using {os.path.basename(path)} (step {state.step}) in {directory} instead of the newer "
+                f"{', '.join(skipped)}, which failed verification")
+        return state
+    if skipped:
+        raise CheckpointError(f"no checkpoint in {directory} verifies ({', '.join(skipped)}; see the log); move them "
+                              'away or set checkpoint.resume = "never" to start afresh')
+    return None
+
+
+def _read_meta(f: h5py.File, path: str) -> CheckpointState:
+    a = f.attrs
+    if "format" not in a:
+        if isinstance(f.get("params"), h5py.Group):
+            raise CheckpointError(f"checkpoint {path} is a weights-only file (/params but no format attribute): "
+                                  "use it as checkpoint.init")
+        raise CheckpointError(f"checkpoint {path} is not an hpctrain checkpoint (no format attribute)")
+    _check_format(a, path, "checkpoint")
+    checksum = fmt.str_attr(a, "checksum", path)
+    if checksum != fmt.DIGEST:
+        raise CheckpointError(f"checkpoint {path} uses checksum {checksum!r}; this hpctrain knows {fmt.DIGEST!r}")
+    optim_name = fmt.str_attr(a, "optimizer", path)
+    if optim_name not in fmt.OPTIMIZERS:
+        raise CheckpointError(f"checkpoint {path}: unknown optimizer {optim_name!r}")
+    layout = {k: fmt.int_attr(a, k, path, minimum=1) for k in fmt.LAYOUT_KEYS}
+    rng = {k[len(fmt.RNG_PREFIX):]: fmt.decode_attr(v) for k, v in a.items() if k.startswith(fmt.RNG_PREFIX)}
+    bad = [k for k, v in rng.items() if v is None]
+    if bad:
+        raise CheckpointError(f"checkpoint {path}: rng attribute(s) {', '.join(bad)} are not scalars")
+    return CheckpointState(step=fmt.int_attr(a, "step", path), epoch=fmt.int_attr(a, "epoch", path),
+                           data_position=fmt.int_attr(a, "data_position", path),
+                           config_text=fmt.str_attr(a, "config", path), layout=layout, params={},
+                           optim_name=optim_name, optim_step=fmt.int_attr(a, "optimizer_step", path), rng=rng)
+
+
+def _check_format(attrs, path: str, what: str) -> None:
+    name = fmt.decode_attr(attrs["format"])
+    if name != fmt.FORMAT:
+        raise CheckpointError(f"{what} {path} has format attribute {attrs['format']!r}, expected {fmt.FORMAT!r}")
+    version = fmt.decode_attr(attrs.get("version"))
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CheckpointError(f"{what} {path} has an invalid version attribute {attrs.get('version')!r}")
+    if version > fmt.VERSION:
+        raise CheckpointError(f"{what} {path} was written by a newer hpctrain (format version {version}; this "
+                              f"hpctrain reads up to version {fmt.VERSION}): upgrade hpctrain to read it")
+
+
+def _groups(f: h5py.File, path: str, optim_name: str) -> list[tuple[str, h5py.Group]]:
+    """``[("params", group), (slot, group), ...]`` after checking the slots fit the optimizer."""
+    params = f.get("params")
+    if not isinstance(params, h5py.Group):
+        raise CheckpointError(f"checkpoint {path} has no /params group")
+    optim = f.get("optim")
+    if optim is not None and not isinstance(optim, h5py.Group):
+        raise CheckpointError(f"checkpoint {path}: /optim is not a group")
+    slots = list(optim.keys()) if optim is not None else []
+    _check_slot_names(optim_name, set(slots), lambda msg: CheckpointError(f"checkpoint {path}: {msg}"))
+    not_groups = [s for s in slots if not isinstance(optim[s], h5py.Group)]
+    if not_groups:
+        raise CheckpointError(f"checkpoint {path}: /optim/{not_groups[0]} is not a group")
+    return [("params", params)] + [(slot, optim[slot]) for slot in slots]
+
+
+def _check_fit(what: str, groups, layout: ParamLayout, *, strict_dtype: bool) -> None:
+    """Raise one error listing every name, shape or dtype that differs from ``layout`` (groups alike, said once)."""
+    entries = {}  # problems -> group paths that have them
+    for _, group in groups:
+        problems = tuple(fmt.fit_problems(group, layout, strict_dtype=strict_dtype))
+        if problems:
+            entries.setdefault(problems, []).append(group.name)
+    if entries:
+        parts = [f"{', '.join(names)}: {'; '.join(problems)}" for problems, names in entries.items()]
+        raise CheckpointError(f"{what} does not fit the model: " + " | ".join(parts))
+
+
+def _read_groups(groups, layout: ParamLayout):
+    items = [((label, spec.name), group[spec.name]) for label, group in groups for spec in layout]
+    tensors = {label: {} for label, _ in groups}
+    failures = []
+    for (label, name), arr, problem in fmt.verify_datasets(items, keep=True):
+        where = f"/params/{name}" if label == "params" else f"/optim/{label}/{name}"
+        if problem:
+            failures.append(f"{where}: {problem}")
+        else:
+            tensors[label][name] = arr
+    return tensors, failures
+
+
+# --------------------------------------------------------------------------- weights files
 
 
 def save_weights(path: str, params: dict[str, np.ndarray]) -> None:
-    """Write ``/params/<name>`` datasets atomically (temporary file, fsync, rename)."""
+    """Write ``/params/<name>`` datasets atomically (temporary file, fsync, rename); Fletcher32 on each dataset."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".h5", dir=folder)
     os.close(fd)
     try:
-        with h5py.File(tmp, "w") as f:
-            group = f.create_group("params")
+        with h5py.File(tmp, "w", locking=False) as f:
+            group = f.create_group("params", track_order=True)
             for name, arr in params.items():
                 group.create_dataset(name, data=np.asarray(arr, dtype=np.float32), fletcher32=True)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        fmt.fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    fmt.fsync_dir(folder)
 
 
-def load_weights(path: str, layout) -> dict[str, np.ndarray]:
-    """Read ``/params`` from a weights file or checkpoint; names and shapes must match ``layout`` exactly."""
-    if not os.path.exists(path):
-        raise CheckpointError(f"weights file {path} does not exist")
-    try:
-        f = h5py.File(path, "r")
-    except OSError as e:
-        raise CheckpointError(f"weights file {path} is not a readable HDF5 file ({e})") from None
-    with f:
-        group = f.get("params")
-        if not isinstance(group, h5py.Group):
-            raise CheckpointError(f"weights file {path} has no /params group")
-        have = set(group.keys())
-        want = set(layout.names)
-        problems = []
-        if want - have:
-            problems.append("missing " + ", ".join(sorted(want - have)))
-        if have - want:
-            problems.append("unexpected " + ", ".join(sorted(have - want)))
-        for spec in layout:
-            if spec.name in have and tuple(group[spec.name].shape) != spec.shape:
-                problems.append(f"{spec.name} has shape {tuple(group[spec.name].shape)}, the model needs {spec.shape}")
-        if problems:
-            raise CheckpointError(f"weights file {path} does not fit the model: " + "; ".join(problems))
+def load_weights(path: str, layout: ParamLayout) -> dict[str, np.ndarray]:
+    """Read ``/params`` from a weights file or a checkpoint; names and shapes must match ``layout`` exactly.
+
+    Datasets with a ``sha256`` attribute (checkpoints) are verified against it;
+    Fletcher32-filtered ones (save_weights) by HDF5 as they are read. Any float
+    dtype is accepted and converted to float32.
+    """
+    with fmt.open_read(path, "weights file") as f:
         try:
-            return {spec.name: np.asarray(group[spec.name][...], dtype=np.float32) for spec in layout}
-        except OSError as e:
-            raise CheckpointError(f"weights file {path}: a dataset failed to read or verify ({e})") from None
+            if "format" in f.attrs:
+                _check_format(f.attrs, path, "weights file")
+            group = f.get("params")
+            if not isinstance(group, h5py.Group):
+                raise CheckpointError(f"weights file {path} has no /params group")
+            _check_fit(f"weights file {path}", [("params", group)], layout, strict_dtype=False)
+            tensors, failures = _read_groups([("params", group)], layout)
+        except _H5_ERRORS as e:
+            raise CheckpointError(f"weights file {path} is damaged: {e}") from None
+    if failures:
+        raise CheckpointError(f"weights file {path} failed verification: " + "; ".join(failures))
+    return tensors["params"]
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def inspect(path: str) -> tuple[str, bool]:
+    """A readable description of a checkpoint or weights file and whether every checksum verifies.
+
+    Lists step, layout, optimizer and RNG settings, every parameter's name and
+    shape, the optimizer slots, and each dataset that fails its checksum. ``ok``
+    is False for any problem; files never raise here. ``hpctrain inspect PATH``.
+    """
+    try:
+        f = fmt.open_read(path, "file")
+    except CheckpointError as e:
+        return f"{path}\n  problem: {e}\nresult: FAILED", False
+    lines, problems = [path], []
+    with f:
+        try:
+            _inspect_file(f, path, lines, problems)
+        except _H5_ERRORS as e:
+            problems.append(f"the file is damaged: {e}")
+    for p in problems:
+        lines.append(f"  problem: {p}")
+    lines.append("result: OK, every checksum verifies" if not problems else f"result: FAILED ({len(problems)} problem(s))")
+    return "\n".join(lines), not problems
+
+
+def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
+    state = None
+    if "format" not in f.attrs:
+        lines.append("  kind: weights-only file (/params, no format attribute)")
+    else:
+        try:
+            state = _read_meta(f, path)
+        except CheckpointError as e:
+            problems.append(str(e))
+            lines.append(f"  kind: format {f.attrs['format']!r}, version {f.attrs.get('version')!r}")
+    if state is not None:
+        lay = state.layout
+        lines += [f"  kind: hpctrain checkpoint, format version {fmt.decode_attr(f.attrs['version'])}, "
+                  f"{fmt.DIGEST} per dataset, written by hpctrain {fmt.decode_attr(f.attrs.get('hpctrain_version'))} "
+                  f"at {fmt.decode_attr(f.attrs.get('created'))}",
+                  f"  step {state.step}, epoch {state.epoch}, data position {state.data_position} steps into the epoch",
+                  f"  layout: world_size {lay['world_size']} = dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']}",
+                  f"  optimizer: {state.optim_name}, {state.optim_step} optimizer steps",
+                  "  rng: " + (", ".join(f"{k}={v!r}" for k, v in state.rng.items()) or "none"),
+                  f"  config: {len(state.config_text.splitlines())} lines (hpctrain inspect shows them last)"]
+    params = f.get("params")
+    if not isinstance(params, h5py.Group):
+        problems.append("no /params group")
+        return
+    specs = [(n, ds) for n, ds in params.items() if isinstance(ds, h5py.Dataset)]
+    total = sum(int(np.prod(ds.shape)) for _, ds in specs)
+    lines.append(f"parameters: {len(specs)} tensors, {total:,} values ({total * 4 / 2**20:.1f} MiB as float32)")
+    width = max([len(n) for n, _ in specs] + [4])
+    for name, ds in specs:
+        lines.append(f"  {name:<{width}}  {'x'.join(map(str, ds.shape)) or 'scalar':<14} {ds.dtype}")
+    layout = ParamLayout([(n, ds.shape) for n, ds in specs])
+    groups = [("params", params)]
+    optim = f.get("optim")
+    if isinstance(optim, h5py.Group):
+        for slot, group in optim.items():
+            if not isinstance(group, h5py.Group):
+                problems.append(f"/optim/{slot} is not a group")
+                continue
+            fit = fmt.fit_problems(group, layout, strict_dtype=True)
+            lines.append(f"optimizer slot {slot}: " + ("same names and shapes as the parameters" if not fit
+                                                      else "; ".join(fit)))
+            problems += [f"/optim/{slot}: {p}" for p in fit]
+            groups.append((slot, group))
+    elif state is not None:
+        lines.append("optimizer slots: none")
+    items, kinds = [], {}
+    for label, group in groups:
+        for name, ds in group.items():
+            if isinstance(ds, h5py.Dataset):
+                items.append((ds.name, ds))
+                kind = fmt.checksum_kind(ds)
+                kinds[kind] = kinds.get(kind, 0) + 1
+                if state is not None and kind != fmt.DIGEST:
+                    problems.append(f"{ds.name} has no {fmt.DIGEST} attribute")
+    bad = 0
+    for label, _, problem in fmt.verify_datasets(items, keep=False):
+        if problem:
+            bad += 1
+            problems.append(f"{label}: {problem}")
+    summary = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    lines.append(f"checksums: {len(items) - bad} of {len(items)} datasets verify ({summary})"
+                 + (" -- datasets without a checksum are only read, not verified" if "none" in kinds else ""))
+    if state is not None:
+        lines.append("config:")
+        lines += [f"  {line}" for line in state.config_text.splitlines()]

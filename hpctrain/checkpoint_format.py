@@ -212,8 +212,11 @@ def _settle(item, keep):
     return label, (arr if keep else None), problem
 
 
-def fit_problems(group, layout) -> list[str]:
-    """What keeps ``group`` (``/params`` or an optimizer slot) from fitting ``layout``; [] when it fits."""
+def fit_problems(group, layout, *, strict_dtype: bool = True) -> list[str]:
+    """What keeps ``group`` (``/params`` or an optimizer slot) from fitting ``layout``; [] when it fits.
+
+    ``strict_dtype``: the datasets must be little-endian float32 (checkpoints), else any float (weights files).
+    """
     have = set(group.keys())
     want = set(layout.names)
     problems = []
@@ -229,8 +232,10 @@ def fit_problems(group, layout) -> list[str]:
             problems.append(f"{spec.name} is a group, not a dataset")
         elif tuple(obj.shape) != spec.shape:
             problems.append(f"{spec.name} has shape {tuple(obj.shape)}, the model needs {spec.shape}")
-        elif obj.dtype != np.dtype("<f4"):
-            problems.append(f"{spec.name} has dtype {obj.dtype}, expected float32")
+        elif strict_dtype and obj.dtype != np.dtype("<f4"):
+            problems.append(f"{spec.name} has dtype {obj.dtype}, expected little-endian float32")
+        elif obj.dtype.kind != "f":
+            problems.append(f"{spec.name} has dtype {obj.dtype}, expected a float type")
     return problems
 
 

@@ -54,7 +54,7 @@ def test_adam_first_step_by_hand():
     before = params.data.copy()
     grads.data[:] = np.where(np.arange(grads.data.size) % 2, 2.0, -3.0)
     opt.step(0.5)
-    np.testing.assert_allclose(params.data - before, -0.5 * np.sign(grads.data), rtol=1e-6)
+    np.testing.assert_allclose(params.data - before, -0.5 * np.sign(grads.data), rtol=1e-5)  # float32 rounding
 
 
 def test_default_weight_decay_follows_torch():

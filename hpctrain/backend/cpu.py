@@ -19,7 +19,11 @@ from .base import Backend, check_array
 
 __all__ = ["CpuBackend"]
 
-_jit = numba.njit(cache=True, nogil=True)
+# error_model="numpy": a division by zero gives inf/nan (caught by the non-finite checks) instead of
+# raising, which is what lets LLVM vectorise the loops (the Adam update runs 6x faster)
+_jit = numba.njit(cache=True, nogil=True, error_model="numpy")
+# reductions may reassociate their sums so they vectorise; the result is still deterministic
+_jit_reduce = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
 _SQRT_HALF = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
 
@@ -201,7 +205,7 @@ def _mse(pred, target, dpred, grad_scale):
 # --------------------------------------------------------------------------- flat buffers
 
 
-@_jit
+@_jit_reduce
 def _sum_squares(x):
     acc = 0.0
     for i in range(x.size):
@@ -216,34 +220,43 @@ def _scale(x, s):
         x[i] *= s
 
 
+# The updates run in float32 like torch.optim's, with the branches hoisted out of the loops so
+# that LLVM vectorises them.
+
+
 @_jit
-def _sgd_update(p, g, buf, lr, momentum, weight_decay, nesterov):
+def _sgd_plain(p, g, lr, weight_decay):
     for i in range(p.size):
-        d = g[i] + weight_decay * p[i]
-        if momentum != 0.0:
+        p[i] -= lr * (g[i] + weight_decay * p[i])
+
+
+@_jit
+def _sgd_momentum(p, g, buf, lr, momentum, weight_decay, nesterov):
+    if nesterov:
+        for i in range(p.size):
+            d = g[i] + weight_decay * p[i]
             b = momentum * buf[i] + d
             buf[i] = b
-            d = d + momentum * b if nesterov else b
-        p[i] -= lr * d
+            p[i] -= lr * (d + momentum * b)
+    else:
+        for i in range(p.size):
+            b = momentum * buf[i] + (g[i] + weight_decay * p[i])
+            buf[i] = b
+            p[i] -= lr * b
 
 
 @_jit
-def _adam_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, decoupled):
-    bc1 = 1.0 - beta1**step
-    bc2_sqrt = math.sqrt(1.0 - beta2**step)
-    step_size = lr / bc1
+def _adam_update(p, g, m, v, step_size, beta1, beta2, bc2_sqrt, eps, l2, keep):
+    """keep = 1 − lr·wd for AdamW (decoupled), 1 for Adam; l2 = wd for Adam, 0 for AdamW."""
+    one = np.float32(1.0)
     for i in range(p.size):
-        w = np.float64(p[i])
-        d = np.float64(g[i])
-        if decoupled:
-            w *= 1.0 - lr * weight_decay
-        else:
-            d += weight_decay * w
-        mi = beta1 * m[i] + (1.0 - beta1) * d
-        vi = beta2 * v[i] + (1.0 - beta2) * d * d
+        w = p[i] * keep
+        d = g[i] + l2 * p[i]
+        mi = beta1 * m[i] + (one - beta1) * d
+        vi = beta2 * v[i] + (one - beta2) * d * d
         m[i] = mi
         v[i] = vi
-        p[i] = w - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
+        p[i] = w - step_size * mi / (np.sqrt(vi) / bc2_sqrt + eps)
 
 
 class CpuBackend(Backend):
@@ -375,9 +388,17 @@ class CpuBackend(Backend):
 
     def sgd_update(self, param, grad, momentum_buf, *, lr, momentum, weight_decay, nesterov):
         self._check_flat("sgd_update", param=param, grad=grad, momentum_buf=momentum_buf)
-        _sgd_update(param, grad, momentum_buf, np.float32(lr), np.float32(momentum), np.float32(weight_decay), nesterov)
+        f32 = np.float32
+        if momentum == 0:
+            _sgd_plain(param, grad, f32(lr), f32(weight_decay))
+        else:
+            _sgd_momentum(param, grad, momentum_buf, f32(lr), f32(momentum), f32(weight_decay), bool(nesterov))
 
     def adam_update(self, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, decoupled):
         self._check_flat("adam_update", param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
-        _adam_update(param, grad, exp_avg, exp_avg_sq, float(lr), float(beta1), float(beta2), float(eps),
-                     float(weight_decay), int(step), bool(decoupled))
+        f32 = np.float32
+        step_size = lr / (1.0 - beta1**step)
+        bc2_sqrt = math.sqrt(1.0 - beta2**step)
+        keep, l2 = (1.0 - lr * weight_decay, 0.0) if decoupled else (1.0, weight_decay)
+        _adam_update(param, grad, exp_avg, exp_avg_sq, f32(step_size), f32(beta1), f32(beta2), f32(bc2_sqrt),
+                     f32(eps), f32(l2), f32(keep))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import threading
 import time
 
 import numpy as np
@@ -25,7 +27,7 @@ from .data import Sampler, open_dataset
 from .dist.agree import QuietExit, check_same_everywhere, run_everywhere
 from .dist.data_parallel import GradSync
 from .dist.mesh import mpi_cuda_aware
-from .errors import DataError, LayoutError, NonFiniteError
+from .errors import CheckpointError, DataError, LayoutError, NonFiniteError
 from .nn import Sequential, make_loss
 from .optim import clip_coefficient, lr_at, make_optimizer
 from .params import FlatBuffer
@@ -76,69 +78,138 @@ class Trainer:
         self.cuda_aware = bool(self.be.is_device and (mpi_cuda_aware() if ca == "auto" else ca))
 
     def _init_state(self):
-        """Parameters from a checkpoint, a weights file or a fresh init; rank 0's are broadcast to all."""
+        """Buffers and optimizer, then the starting point: a checkpoint, a weights file or a fresh init.
+
+        Rank 0 reads whatever file is involved; its parameters, optimizer slots and step are
+        broadcast so every rank starts identical.
+        """
         cfg = self.cfg
         self.params = FlatBuffer(self.be, self.model.layout)
         self.grads = FlatBuffer(self.be, self.model.layout)
         self.model.bind(self.params, self.grads)
         self.optim = make_optimizer(cfg.optim, self.be, self.params, self.grads)
-        self.step = 0
-        if cfg.checkpoint.init:
+        state = run_everywhere(self.mesh.world, self._read_start if self.rank0 else lambda: None)
+        header = np.zeros(2, dtype=np.int64)  # step, optimizer step
+        if state is not None:
+            header[:] = state.step, state.optim_step
+            self.log(f"resuming from {state.path} at step {state.step}"
+                     + (f" (checkpoint.init {cfg.checkpoint.init} ignored)" if cfg.checkpoint.init else ""))
+            weights = state.params
+        elif cfg.checkpoint.init and self.rank0:
             weights = ckpt.load_weights(cfg.checkpoint.init, self.model.layout)
             self.log(f"initial weights from {cfg.checkpoint.init}")
         else:
             weights = self.model.init_params(cfg.train.seed)
-        host = np.empty(self.model.layout.size, dtype=np.float32)
-        for spec in self.model.layout:
-            host[spec.offset : spec.end] = weights[spec.name].reshape(-1)
-        self.mesh.world.Bcast(host, root=0)  # every rank starts from rank 0's parameters
-        self.be.copy_(self.params.data, self.be.asarray(host))
+        self.mesh.world.Bcast(header, root=0)
+        self.step, self.optim.step_count = int(header[0]), int(header[1])
+        self._broadcast_into(self.params, weights)
+        for slot, buf in self.optim.slots.items():
+            self._broadcast_into(buf, state.slots[slot] if state is not None else None)
+
+    def _read_start(self):
+        """On rank 0: the checkpoint to resume from (or None), checked against this run's model and optimizer."""
+        c, layout = self.cfg.checkpoint, self.model.layout
+        if c.resume == "never":
+            return None
+        if c.resume == "auto":
+            state = ckpt.find_resume(c.dir, layout, self.log) if c.dir else None
+        else:
+            state = ckpt.load_checkpoint(c.resume, layout)
+        if state is None:
+            return None
+        wanted = set(self.optim.slots)
+        if state.optim_name != self.optim.name or not wanted <= set(state.slots):
+            raise CheckpointError(f"{state.path}: written with optimizer {state.optim_name!r} (slots "
+                                  f"{', '.join(sorted(state.slots)) or 'none'}), but optim.name is {self.optim.name!r} "
+                                  f"(slots {', '.join(sorted(wanted)) or 'none'})")
+        return state
+
+    def _broadcast_into(self, buf: FlatBuffer, arrays):
+        """Rank 0's named host arrays (None on other ranks, or zeros) into ``buf`` on every rank."""
+        host = np.zeros(self.model.layout.size, dtype=np.float32)
+        if self.rank0 and arrays is not None:
+            for spec in self.model.layout:
+                host[spec.offset : spec.end] = np.asarray(arrays[spec.name], dtype=np.float32).reshape(-1)
+        self.mesh.world.Bcast(host, root=0)
+        self.be.copy_(buf.data, self.be.asarray(host))
+
+    def save_checkpoint(self) -> str:
+        """Write a checkpoint of the current step on rank 0 (not collective); returns its path there."""
+        if not (self.rank0 and self.cfg.checkpoint.dir):
+            return ""
+        cfg, mesh = self.cfg, self.mesh
+        state = ckpt.CheckpointState(
+            step=self.step, epoch=self.sampler.epoch_of(self.step),
+            data_position=self.step % self.sampler.steps_per_epoch, config_text=cfg.to_toml(),
+            layout=dict(mesh.layout), params=self.params.to_host_dict(), optim_name=self.optim.name,
+            optim_step=self.optim.step_count, slots={k: v.to_host_dict() for k, v in self.optim.slots.items()},
+            rng={"data_seed": cfg.data.seed, "shuffle": int(cfg.data.shuffle), "init_seed": cfg.train.seed})
+        t0 = time.perf_counter()
+        path = ckpt.save_checkpoint(cfg.checkpoint.dir, state, keep=cfg.checkpoint.keep)
+        self.log(f"checkpoint {path} written in {time.perf_counter() - t0:.2f} s")
+        return path
 
     # ------------------------------------------------------------------ the loop
 
     def run(self):
-        cfg, be, mesh = self.cfg, self.be, self.mesh
-        t, B, k = cfg.train, cfg.train.batch_size, cfg.train.micro_batches
-        grad_scale = self.loss.grad_scale(B, self.model.out_features)
-        metrics = _Metrics(t.metrics if self.rank0 else "")
-        totals = dict(compute=0.0, comm=0.0, optim=0.0, data=0.0)
-        window_start, window_steps = time.perf_counter(), 0
+        """Train until ``train.steps`` (collective: every rank calls it). Returns the last metrics on rank 0.
+
+        SIGTERM and SIGUSR1 (what Slurm sends before a time limit) stop the run at the next step
+        boundary, after a checkpoint when ``checkpoint.dir`` is set.
+        """
+        cfg, t = self.cfg, self.cfg.train
+        metrics = _Metrics(t.metrics if self.rank0 else "", append=self.step > 0)
+        window = _Window()
         last = {}
+        stop = _StopFlag()
+        saved_at = -1
         try:
             while self.step < t.steps:
-                step = self.step
-                lr = lr_at(cfg.optim, step, t.steps)
-                timing = self._train_step(step, lr, grad_scale)
-                for key in totals:
-                    totals[key] += timing[key]
-                window_steps += 1
+                lr = lr_at(cfg.optim, self.step, t.steps)
+                timing = self._train_step(self.step, lr, self.grad_scale)
                 self.step += 1
+                window.add(timing)
                 if self.step % t.log_every == 0 or self.step == t.steps:
-                    now = time.perf_counter()
-                    loss = self._global_mean(timing["loss_sum"], B * (self.model.out_features if self.loss.name == "mse" else 1))
-                    rate = window_steps * B / max(now - window_start, 1e-9)
-                    last = dict(step=self.step, loss=loss, lr=lr, samples_per_s=rate, grad_norm=timing["grad_norm"],
-                                **{f"{k_}_s": v / window_steps for k_, v in totals.items()})
-                    if timing["skipped"]:
-                        last["skipped"] = True
-                    metrics.write(last)
-                    self.log(f"step {self.step:>6}/{t.steps}  loss {loss:.4f}  lr {lr:.3g}  {rate:,.0f} samples/s  "
-                             f"(compute {totals['compute'] / window_steps * 1e3:.1f} ms, comm wait "
-                             f"{totals['comm'] / window_steps * 1e3:.1f} ms, optim {totals['optim'] / window_steps * 1e3:.1f} ms)")
-                    totals = dict.fromkeys(totals, 0.0)
-                    window_start, window_steps = time.perf_counter(), 0
+                    last = self._log_train(window, timing, lr, metrics)
                 if self.data.n_val and ((t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps):
-                    ev = self.evaluate()
-                    metrics.write(dict(step=self.step, **ev))
-                    last.update(ev)
-                    self.log(f"eval step {self.step}: " + "  ".join(f"{k_} {v:.4f}" for k_, v in ev.items()))
+                    last.update(self._log_eval(metrics))
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.save_checkpoint()
+                    saved_at = self.step
+                if stop.any_rank(self.mesh.world):
+                    self.log(f"signal {stop.name} received: stopping at step {self.step}")
+                    break
         finally:
+            stop.restore()
             metrics.close()
-        if cfg.checkpoint.dir and self.rank0:
-            path = os.path.join(cfg.checkpoint.dir, "final.h5")
-            ckpt.save_weights(path, self.params.to_host_dict())
-            self.log(f"final weights written to {path}")
+        if saved_at != self.step:
+            self.save_checkpoint()
         return last
+
+    @property
+    def grad_scale(self):
+        return self.loss.grad_scale(self.cfg.train.batch_size, self.model.out_features)
+
+    def _log_train(self, window, timing, lr, metrics):
+        B = self.cfg.train.batch_size
+        per_row = self.model.out_features if self.loss.name == "mse" else 1
+        loss = self._global_mean(timing["loss_sum"], B * per_row)
+        means, rate = window.flush(B)
+        record = dict(step=self.step, loss=loss, lr=lr, samples_per_s=rate, grad_norm=timing["grad_norm"],
+                      **{f"{k}_s": v for k, v in means.items()})
+        if timing["skipped"]:
+            record["skipped"] = True
+        metrics.write(record)
+        self.log(f"step {self.step:>6}/{self.cfg.train.steps}  loss {loss:.4f}  lr {lr:.3g}  {rate:,.0f} samples/s  "
+                 f"(compute {means['compute'] * 1e3:.1f} ms, comm wait {means['comm'] * 1e3:.1f} ms, "
+                 f"optim {means['optim'] * 1e3:.1f} ms)")
+        return record
+
+    def _log_eval(self, metrics):
+        ev = self.evaluate()
+        metrics.write(dict(step=self.step, **ev))
+        self.log(f"eval step {self.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+        return ev
 
     def _train_step(self, step, lr, grad_scale):
         cfg, be = self.cfg, self.be
@@ -215,13 +286,13 @@ class Trainer:
 
 
 class _Metrics:
-    """JSONL metrics on rank 0: one object a line, flushed as written."""
+    """JSONL metrics on rank 0: one object a line, flushed as written; appended to when resuming."""
 
-    def __init__(self, path):
+    def __init__(self, path, append=False):
         self.f = None
         if path:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            self.f = open(path, "w")
+            self.f = open(path, "a" if append else "w")
 
     def write(self, record):
         if self.f:
@@ -231,6 +302,59 @@ class _Metrics:
     def close(self):
         if self.f:
             self.f.close()
+
+
+class _Window:
+    """Per-step time split and throughput since the last training log line."""
+
+    KEYS = ("compute", "comm", "optim", "data")
+
+    def __init__(self):
+        self.totals, self.steps, self.start = dict.fromkeys(self.KEYS, 0.0), 0, time.perf_counter()
+
+    def add(self, timing):
+        for k in self.KEYS:
+            self.totals[k] += timing[k]
+        self.steps += 1
+
+    def flush(self, batch_size):
+        now = time.perf_counter()
+        n = max(self.steps, 1)
+        means = {k: v / n for k, v in self.totals.items()}
+        rate = self.steps * batch_size / max(now - self.start, 1e-9)
+        self.totals, self.steps, self.start = dict.fromkeys(self.KEYS, 0.0), 0, now
+        return means, rate
+
+
+class _StopFlag:
+    """SIGTERM/SIGUSR1 set a flag; ranks agree on it at each step boundary (a one-int Allreduce)."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self):
+        self.name, self._old = "", {}
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.name = signal.Signals(signum).name
+
+    def any_rank(self, comm) -> bool:
+        from mpi4py import MPI
+
+        flag = np.array([1 if self.name else 0], dtype=np.int32)
+        if comm.Get_size() > 1:
+            comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+        if flag[0] and not self.name:
+            self.name = "from another rank"
+        return bool(flag[0])
+
+    def restore(self):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 def _first_line_diff(mine: str, theirs: str) -> str:

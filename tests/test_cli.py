@@ -79,7 +79,7 @@ def test_train_with_overrides_and_module_entry(job):
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (job / "elsewhere" / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
-    assert (job / "out" / "final.h5").exists()
+    assert (job / "out" / "ckpt-00000004.h5").exists()  # the final checkpoint
     assert "step      4/4" in proc.stdout
 
 

@@ -1,0 +1,397 @@
+"""CUDA kernels for everything but the GEMM: element-wise, reductions, LayerNorm, losses, optimizers.
+
+Shape letters: B rows, C features, n elements of a flat buffer. Forward and
+backward kernels sit side by side. Three launch shapes, all with ``NT`` threads
+per block (a power of two fixed at construction: shared-array shapes must be
+compile-time constants):
+
+* element-wise: a grid-stride loop over the flat array, so any grid size covers
+  any n (the backend caps the grid; the simulator runs a tiny one);
+* row kernels (LayerNorm, cross-entropy): one block per row (grid-stride over
+  rows), the block's threads stride over the C columns and combine with a
+  shared-memory tree;
+* column sums (bias and LayerNorm parameter gradients): a RX×RY block where RX
+  threads take neighbouring columns (coalesced reads) and RY threads split the rows;
+  the RY partial sums are combined in shared memory. No atomics: results are
+  deterministic run to run.
+
+Arithmetic is float32 like the arrays (float32 literals keep numba from promoting
+to the slow float64 units), except the scalars handed back to the host (loss
+sums, the gradient norm), which accumulate in float64.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+
+import numpy as np
+from numba import cuda, float32, float64, int64
+
+from ..errors import BackendError
+
+__all__ = ["ops_kernels", "reduce_shape"]
+
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+_HALF = np.float32(0.5)
+_SQRT_HALF = np.float32(1.0 / math.sqrt(2.0))
+_INV_SQRT_2PI = np.float32(1.0 / math.sqrt(2.0 * math.pi))
+_NEG_INF = np.float32(-np.inf)
+
+
+def reduce_shape(nt: int) -> tuple[int, int]:
+    """(RX, RY) of the column-sum block: a warp of columns on a GPU, a square-ish block when tiny."""
+    rx = 32 if nt >= 64 else max(1, nt // 4)
+    return rx, nt // rx
+
+
+@functools.lru_cache(maxsize=None)
+def ops_kernels(nt: int) -> SimpleNamespace:
+    """Every non-GEMM kernel for blocks of ``nt`` threads; compiled lazily, once per process."""
+    if nt < 2 or nt & (nt - 1) or nt > 1024:
+        raise BackendError(f"CUDA block size {nt}: must be a power of two between 2 and 1024")
+    RX, RY = reduce_shape(nt)
+    NT = nt
+
+    # ------------------------------------------------------------------ block reductions
+
+    @cuda.jit(device=True)
+    def block_sum(sh, v):
+        """Sum of ``v`` over the block's NT threads (1-D block); every thread gets the total."""
+        t = cuda.threadIdx.x
+        sh[t] = v
+        cuda.syncthreads()
+        s = NT // 2
+        while s > 0:
+            if t < s:
+                sh[t] += sh[t + s]
+            cuda.syncthreads()
+            s //= 2
+        total = sh[0]
+        cuda.syncthreads()  # so the caller may reuse ``sh`` at once
+        return total
+
+    @cuda.jit(device=True)
+    def column_sum(sh, v):
+        """Sum of ``v`` over threadIdx.y of a RX×RY block; valid in the ty == 0 threads."""
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        sh[ty, tx] = v
+        cuda.syncthreads()
+        s = RY // 2
+        while s > 0:
+            if ty < s:
+                sh[ty, tx] += sh[ty + s, tx]
+            cuda.syncthreads()
+            s //= 2
+        return sh[0, tx]
+
+    # ------------------------------------------------------------------ memory and flat buffers
+
+    @cuda.jit
+    def fill(x, value):
+        """x[n] = value (any dtype)."""
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            x[i] = value
+
+    @cuda.jit
+    def scale(x, s):
+        """x[n] *= s."""
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            x[i] *= s
+
+    @cuda.jit
+    def sum_squares_partial(x, partial):
+        """partial[block] = Σ x² over the block's share of x[n] (float64)."""
+        sh = cuda.shared.array(NT, float64)
+        acc = float64(0.0)
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            v = float64(x[i])
+            acc += v * v
+        total = block_sum(sh, acc)
+        if cuda.threadIdx.x == 0:
+            partial[cuda.blockIdx.x] = total
+
+    @cuda.jit
+    def sum_partials(partial, out):
+        """out[0] = Σ partial (one block)."""
+        sh = cuda.shared.array(NT, float64)
+        acc = float64(0.0)
+        for i in range(cuda.threadIdx.x, partial.size, NT):
+            acc += partial[i]
+        total = block_sum(sh, acc)
+        if cuda.threadIdx.x == 0:
+            out[0] = total
+
+    # ------------------------------------------------------------------ bias gradient
+
+    @cuda.jit
+    def bias_grad(dout, dbias, accumulate):
+        """dbias[C] (+)= Σ_rows dout[B,C]."""
+        sh = cuda.shared.array((RY, RX), float32)
+        B, C = dout.shape
+        col = cuda.blockIdx.x * RX + cuda.threadIdx.x
+        acc = float32(0.0)
+        if col < C:
+            for i in range(cuda.threadIdx.y, B, RY):
+                acc += dout[i, col]
+        total = column_sum(sh, acc)
+        if cuda.threadIdx.y == 0 and col < C:
+            if accumulate:
+                total += dbias[col]
+            dbias[col] = total
+
+    # ------------------------------------------------------------------ activations
+
+    @cuda.jit
+    def relu_forward(x, out):
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            v = x[i]
+            out[i] = v if v > _ZERO else _ZERO
+
+    @cuda.jit
+    def relu_backward(x, dout, dinp):
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            dinp[i] = dout[i] if x[i] > _ZERO else _ZERO
+
+    @cuda.jit
+    def gelu_forward(x, out):
+        """Exact GELU: 0.5·x·(1 + erf(x/√2))."""
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            v = x[i]
+            out[i] = _HALF * v * (_ONE + math.erf(v * _SQRT_HALF))
+
+    @cuda.jit
+    def gelu_backward(x, dout, dinp):
+        """dinp = dout·(Φ(x) + x·φ(x))."""
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            v = x[i]
+            cdf = _HALF * (_ONE + math.erf(v * _SQRT_HALF))
+            pdf = _INV_SQRT_2PI * math.exp(-_HALF * v * v)
+            dinp[i] = dout[i] * (cdf + v * pdf)
+
+    @cuda.jit
+    def tanh_forward(x, out):
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            out[i] = math.tanh(x[i])
+
+    @cuda.jit
+    def tanh_backward(y, dout, dinp):
+        """Takes y = tanh(x), as the layer saves it."""
+        for i in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+            v = y[i]
+            dinp[i] = dout[i] * (_ONE - v * v)
+
+    # ------------------------------------------------------------------ layernorm
+
+    @cuda.jit
+    def layernorm_forward(x, weight, bias, eps, out, mean, rstd):
+        """out[B,C] = (x − mean)·rstd·weight + bias per row; saves mean[B], rstd[B] (two-pass variance)."""
+        sh = cuda.shared.array(NT, float32)
+        B, C = x.shape
+        inv_c = _ONE / float32(C)
+        t = cuda.threadIdx.x
+        for row in range(cuda.blockIdx.x, B, cuda.gridDim.x):
+            acc = float32(0.0)
+            for j in range(t, C, NT):
+                acc += x[row, j]
+            m = block_sum(sh, acc) * inv_c
+            acc = float32(0.0)
+            for j in range(t, C, NT):
+                d = x[row, j] - m
+                acc += d * d
+            r = _ONE / math.sqrt(block_sum(sh, acc) * inv_c + eps)
+            for j in range(t, C, NT):
+                out[row, j] = (x[row, j] - m) * r * weight[j] + bias[j]
+            if t == 0:
+                mean[row] = m
+                rstd[row] = r
+
+    @cuda.jit
+    def layernorm_backward_rows(dout, x, weight, mean, rstd, dinp):
+        """dinp = rstd·(dn − mean(dn) − n·mean(dn·n)) with n the normalised x and dn = dout·weight."""
+        sh = cuda.shared.array(NT, float32)
+        B, C = x.shape
+        inv_c = _ONE / float32(C)
+        t = cuda.threadIdx.x
+        for row in range(cuda.blockIdx.x, B, cuda.gridDim.x):
+            m = mean[row]
+            r = rstd[row]
+            acc_dn = float32(0.0)
+            acc_dn_n = float32(0.0)
+            for j in range(t, C, NT):
+                dn = dout[row, j] * weight[j]
+                acc_dn += dn
+                acc_dn_n += dn * (x[row, j] - m) * r
+            mean_dn = block_sum(sh, acc_dn) * inv_c
+            mean_dn_n = block_sum(sh, acc_dn_n) * inv_c
+            for j in range(t, C, NT):
+                n = (x[row, j] - m) * r
+                dinp[row, j] = r * (dout[row, j] * weight[j] - mean_dn - n * mean_dn_n)
+
+    @cuda.jit
+    def layernorm_backward_params(dout, x, mean, rstd, dweight, dbias, accumulate):
+        """dweight[C] (+)= Σ_rows dout·n, dbias[C] (+)= Σ_rows dout."""
+        sh_w = cuda.shared.array((RY, RX), float32)
+        sh_b = cuda.shared.array((RY, RX), float32)
+        B, C = x.shape
+        col = cuda.blockIdx.x * RX + cuda.threadIdx.x
+        acc_w = float32(0.0)
+        acc_b = float32(0.0)
+        if col < C:
+            for i in range(cuda.threadIdx.y, B, RY):
+                d = dout[i, col]
+                acc_w += d * (x[i, col] - mean[i]) * rstd[i]
+                acc_b += d
+        total_w = column_sum(sh_w, acc_w)
+        total_b = column_sum(sh_b, acc_b)
+        if cuda.threadIdx.y == 0 and col < C:
+            if accumulate:
+                total_w += dweight[col]
+                total_b += dbias[col]
+            dweight[col] = total_w
+            dbias[col] = total_b
+
+    # ------------------------------------------------------------------ losses
+
+    @cuda.jit
+    def cross_entropy_rows(logits, targets, dlogits, grad_scale, row_loss, row_flag):
+        """Per row of logits[B,C]: row_loss = logsumexp − logit[target] (float64),
+        row_flag = 1 if argmax == target else 0, or −1 for a target outside [0, C);
+        dlogits = (softmax − onehot)·grad_scale."""
+        sh_max = cuda.shared.array(NT, float32)
+        sh_arg = cuda.shared.array(NT, int64)
+        sh_sum = cuda.shared.array(NT, float32)
+        B, C = logits.shape
+        t = cuda.threadIdx.x
+        for row in range(cuda.blockIdx.x, B, cuda.gridDim.x):
+            target = targets[row]
+            # max and first argmax, as numpy's argmax breaks ties
+            best = _NEG_INF
+            best_j = int64(C)
+            for j in range(t, C, NT):
+                v = logits[row, j]
+                if v > best:
+                    best = v
+                    best_j = j
+            sh_max[t] = best
+            sh_arg[t] = best_j
+            cuda.syncthreads()
+            s = NT // 2
+            while s > 0:
+                if t < s:
+                    other = sh_max[t + s]
+                    if other > sh_max[t] or (other == sh_max[t] and sh_arg[t + s] < sh_arg[t]):
+                        sh_max[t] = other
+                        sh_arg[t] = sh_arg[t + s]
+                cuda.syncthreads()
+                s //= 2
+            mx = sh_max[0]
+            arg = sh_arg[0]
+            acc = float32(0.0)
+            for j in range(t, C, NT):
+                acc += math.exp(logits[row, j] - mx)
+            logz = math.log(block_sum(sh_sum, acc)) + mx  # block_sum's barrier also guards sh_max/sh_arg
+            bad = target < 0 or target >= C
+            if t == 0:
+                if bad:
+                    row_loss[row] = 0.0
+                    row_flag[row] = -1
+                else:
+                    row_loss[row] = float64(logz) - float64(logits[row, target])
+                    row_flag[row] = 1 if arg == target else 0
+            if not bad:
+                for j in range(t, C, NT):
+                    p = math.exp(logits[row, j] - logz)
+                    if j == target:
+                        p -= _ONE
+                    dlogits[row, j] = p * grad_scale
+
+    @cuda.jit
+    def cross_entropy_finish(row_loss, row_flag, out):
+        """out = [Σ row_loss, number correct, first row with a bad target (B if none)] (one block)."""
+        sh_loss = cuda.shared.array(NT, float64)
+        sh_correct = cuda.shared.array(NT, float64)
+        sh_bad = cuda.shared.array(NT, int64)
+        B = row_loss.size
+        t = cuda.threadIdx.x
+        loss = float64(0.0)
+        correct = float64(0.0)
+        bad = int64(B)
+        for i in range(t, B, NT):
+            loss += row_loss[i]
+            f = row_flag[i]
+            if f == 1:
+                correct += 1.0
+            elif f < 0 and i < bad:
+                bad = i
+        loss = block_sum(sh_loss, loss)
+        correct = block_sum(sh_correct, correct)
+        sh_bad[t] = bad
+        cuda.syncthreads()
+        s = NT // 2
+        while s > 0:
+            if t < s and sh_bad[t + s] < sh_bad[t]:
+                sh_bad[t] = sh_bad[t + s]
+            cuda.syncthreads()
+            s //= 2
+        if t == 0:
+            out[0] = loss
+            out[1] = correct
+            out[2] = float64(sh_bad[0])
+
+    @cuda.jit
+    def mse_partial(pred, target, dpred, grad_scale, partial):
+        """dpred = 2·(pred − target)·grad_scale over flat [n]; partial[block] = Σ (pred − target)²."""
+        sh = cuda.shared.array(NT, float64)
+        acc = float64(0.0)
+        two_scale = float32(2.0) * grad_scale
+        for i in range(cuda.grid(1), pred.size, cuda.gridsize(1)):
+            diff = pred[i] - target[i]
+            dpred[i] = two_scale * diff
+            d64 = float64(diff)
+            acc += d64 * d64
+        total = block_sum(sh, acc)
+        if cuda.threadIdx.x == 0:
+            partial[cuda.blockIdx.x] = total
+
+    # ------------------------------------------------------------------ optimizers
+
+    @cuda.jit
+    def sgd_update(p, g, buf, lr, momentum, weight_decay, use_momentum, nesterov):
+        """torch.optim.SGD (dampening 0) over flat [n]: d = g + wd·p; b = μ·b + d; p −= lr·(d + μ·b | b | d)."""
+        for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
+            d = g[i] + weight_decay * p[i]
+            if use_momentum:
+                b = momentum * buf[i] + d
+                buf[i] = b
+                if nesterov:
+                    d = d + momentum * b
+                else:
+                    d = b
+            p[i] -= lr * d
+
+    @cuda.jit
+    def adam_update(p, g, m, v, step_size, beta1, beta2, bc2_sqrt, eps, l2, keep):
+        """torch.optim.Adam/AdamW over flat [n]; keep = 1 − lr·wd (AdamW) or 1, l2 = wd (Adam) or 0."""
+        omb1 = _ONE - beta1
+        omb2 = _ONE - beta2
+        for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
+            w = p[i]
+            d = g[i] + l2 * w
+            mi = beta1 * m[i] + omb1 * d
+            vi = beta2 * v[i] + omb2 * d * d
+            m[i] = mi
+            v[i] = vi
+            p[i] = w * keep - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
+
+    return SimpleNamespace(
+        NT=NT, RX=RX, RY=RY, fill=fill, scale=scale, sum_squares_partial=sum_squares_partial,
+        sum_partials=sum_partials, bias_grad=bias_grad, relu_forward=relu_forward, relu_backward=relu_backward,
+        gelu_forward=gelu_forward, gelu_backward=gelu_backward, tanh_forward=tanh_forward,
+        tanh_backward=tanh_backward, layernorm_forward=layernorm_forward,
+        layernorm_backward_rows=layernorm_backward_rows, layernorm_backward_params=layernorm_backward_params,
+        cross_entropy_rows=cross_entropy_rows, cross_entropy_finish=cross_entropy_finish, mse_partial=mse_partial,
+        sgd_update=sgd_update, adam_update=adam_update)

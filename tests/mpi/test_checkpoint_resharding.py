@@ -1,0 +1,61 @@
+"""A checkpoint written on the world resumes on one process and vice versa, to float tolerance.
+
+Run under mpiexec -n 1 and -n 2 by tests/test_suites.py.
+"""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from helpers import config, make_classification
+from hpctrain.dist.mesh import Mesh
+from hpctrain.train import Trainer
+
+
+def train(cfg, comm):
+    mesh = Mesh(comm=comm)
+    try:
+        t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+        t.run()
+        t.close()
+        return t.params.to_host_dict()
+    finally:
+        mesh.free()
+
+
+@pytest.fixture
+def job(shared_dir, comm):
+    path = f"{shared_dir}/d.h5"
+    if comm.rank == 0:
+        make_classification(path, n=128)
+    comm.Barrier()
+
+    def cfg(**checkpoint):
+        return config(path, train={"steps": 10, "batch_size": 8 * comm.size}, optim={"name": "adamw", "lr": 0.01},
+                      data={"shuffle": True}, checkpoint=checkpoint)
+    return cfg
+
+
+def assert_close(a, b):
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+def test_world_checkpoint_resumes_on_one_process(comm, shared_dir, job):
+    world_dir = f"{shared_dir}/world"
+    straight = train(job(dir=world_dir, every=5), comm)
+    mine = f"{shared_dir}/alone-{comm.rank}"
+    os.makedirs(mine)
+    shutil.copy(f"{world_dir}/ckpt-00000005.h5", mine)
+    resumed = train(job(dir=mine), MPI.COMM_SELF)
+    assert_close(straight, resumed)
+
+
+def test_single_process_checkpoint_resumes_on_the_world(comm, shared_dir, job):
+    mine = f"{shared_dir}/alone-{comm.rank}"
+    straight = train(job(dir=mine, every=5), MPI.COMM_SELF)
+    resumed = train(job(dir=f"{shared_dir}/world", resume=f"{shared_dir}/alone-0/ckpt-00000005.h5"), comm)
+    assert_close(straight, resumed)

@@ -1,0 +1,119 @@
+"""Resuming is exact: N steps straight equal N/2 steps, a checkpoint, and N/2 more, bit for bit."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import config, make_classification
+from hpctrain.checkpoint import list_checkpoints, load_checkpoint
+from hpctrain.dist.mesh import Mesh
+from hpctrain.errors import CheckpointError
+from hpctrain.train import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    m = Mesh()
+    yield m
+    m.free()
+
+
+def run(cfg, mesh, log=None):
+    t = Trainer(cfg, mesh=mesh, log=log or (lambda *a: None))
+    t.run()
+    t.close()
+    return t
+
+
+@pytest.mark.parametrize("optim", [{"name": "sgd", "lr": 0.05, "momentum": 0.9}, {"name": "adamw", "lr": 0.01}],
+                         ids=["sgd", "adamw"])
+def test_resume_is_bit_exact(tmp_path, mesh, optim):
+    make_classification(tmp_path / "d.h5", n=96)
+    common = dict(optim=dict(optim, schedule="cosine", warmup_steps=2), data={"shuffle": True})
+    straight = run(config(tmp_path / "d.h5", train={"steps": 10}, **common), mesh)
+    ckdir = str(tmp_path / "ck")
+    # the same job, "killed" after step 5: its step-10 checkpoint is removed
+    run(config(tmp_path / "d.h5", train={"steps": 10}, checkpoint={"dir": ckdir, "every": 5}, **common), mesh)
+    os.remove(os.path.join(ckdir, "ckpt-00000010.h5"))
+    lines = []
+    resumed = run(config(tmp_path / "d.h5", train={"steps": 10}, checkpoint={"dir": ckdir}, **common), mesh,
+                  lines.append)
+    assert any("resuming from" in line and "ckpt-00000005.h5 at step 5" in line for line in lines)
+    a, b = straight.params.to_host_dict(), resumed.params.to_host_dict()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    for slot in straight.optim.slots:
+        sa, sb = straight.optim.slots[slot].to_host_dict(), resumed.optim.slots[slot].to_host_dict()
+        for name in sa:
+            np.testing.assert_array_equal(sa[name], sb[name], err_msg=f"{slot}/{name}")
+    assert resumed.optim.step_count == straight.optim.step_count == 10
+
+
+def test_every_keep_and_final(tmp_path, mesh):
+    make_classification(tmp_path / "d.h5", n=96)
+    ckdir = tmp_path / "ck"
+    run(config(tmp_path / "d.h5", train={"steps": 7}, checkpoint={"dir": str(ckdir), "every": 2, "keep": 2}), mesh)
+    assert [step for step, _ in list_checkpoints(str(ckdir))] == [6, 7]
+    state = load_checkpoint(str(ckdir / "ckpt-00000007.h5"), Trainer(
+        config(tmp_path / "d.h5", checkpoint={"resume": "never"}), mesh=mesh, log=lambda *a: None).model.layout)
+    assert state.step == 7 and state.layout == {"world_size": 1, "dp": 1, "pp": 1, "tp": 1}
+
+
+def test_resume_never_and_init_ignored(tmp_path, mesh):
+    make_classification(tmp_path / "d.h5", n=96)
+    ckdir = str(tmp_path / "ck")
+    first = run(config(tmp_path / "d.h5", train={"steps": 3}, checkpoint={"dir": ckdir}), mesh)
+    fresh = Trainer(config(tmp_path / "d.h5", train={"steps": 6}, checkpoint={"dir": ckdir, "resume": "never"}),
+                    mesh=mesh, log=lambda *a: None)
+    assert fresh.step == 0
+    lines = []
+    Trainer(config(tmp_path / "d.h5", train={"steps": 6}, checkpoint={"dir": ckdir, "init": ckdir + "/ckpt-00000003.h5"}),
+            mesh=mesh, log=lines.append)
+    assert any("checkpoint.init" in line and "ignored" in line for line in lines)
+    assert first.step == 3
+
+
+def test_optimizer_mismatch_is_refused(tmp_path, mesh):
+    make_classification(tmp_path / "d.h5", n=96)
+    ckdir = str(tmp_path / "ck")
+    run(config(tmp_path / "d.h5", train={"steps": 2}, checkpoint={"dir": ckdir}, optim={"name": "sgd"}), mesh)
+    with pytest.raises(CheckpointError, match="optim"):
+        Trainer(config(tmp_path / "d.h5", train={"steps": 4}, checkpoint={"dir": ckdir}, optim={"name": "adam"}),
+                mesh=mesh, log=lambda *a: None)
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
+    make_classification(tmp_path / "d.h5", n=96)
+    (tmp_path / "c.toml").write_text(f"""
+[model]
+layers = [{{type = "linear", in = 6, out = 64}}, {{type = "relu"}}, {{type = "linear", in = 64, out = 3}}]
+[data]
+path = "d.h5"
+inputs = "x"
+targets = "y"
+[train]
+batch_size = 8
+steps = 100000000
+backend = "cpu"
+log_every = 1000
+[checkpoint]
+dir = "ck"
+""")
+    proc = subprocess.Popen([sys.executable, "-m", "hpctrain", "train", str(tmp_path / "c.toml")], cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    first = proc.stdout.readline()  # training is under way once the first progress line is out
+    while first and not first.startswith("step"):
+        first = proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "signal SIGTERM received: stopping at step" in out
+    checkpoints = list_checkpoints(str(tmp_path / "ck"))
+    assert len(checkpoints) == 1

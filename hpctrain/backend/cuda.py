@@ -1,0 +1,419 @@
+"""CUDA backend: every kernel of a training step as a ``numba.cuda.jit`` kernel on one stream.
+
+    [train]
+    backend = "cuda"          # or "auto": the GPU when there is one
+
+Shape letters: B batch rows, C features, K reduction size, M/N output rows/columns
+of a product, n elements of a flat buffer. The methods and their signatures are
+CpuBackend's (cpu.py); arrays are numba device arrays. Parameters, gradients,
+optimizer state and activations stay on the device for the whole step: what
+crosses the bus each step is the input batch (``asarray``) and a few scalars
+(the loss sum and correct count from ``cross_entropy``/``mse``, the gradient norm
+from ``sum_squares``), plus the gradients when MPI is not CUDA-aware
+(``to_host_into``/``from_host_into`` through a pinned buffer). See docs/gpu.md.
+
+Every kernel and copy goes on the backend's one stream, in order; methods that
+return host values (``to_host``, the losses, ``sum_squares``) synchronise it,
+``synchronize()`` does so explicitly (before MPI reads device memory).
+
+Launch shapes are fixed at construction: ``tile`` (the GEMM tiling, see
+cuda_gemm.py) and ``block`` (threads per block of the other kernels). The
+defaults are for real GPUs; under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``),
+which runs every GPU thread as a Python thread, they default to tiny ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from ..errors import BackendError
+from .base import Backend, check_array
+from .cuda_gemm import EPI_ACCUMULATE, EPI_BIAS, EPI_STORE, GPU_TILE, SIM_TILE, GemmTile, gemm_kernels, launch_config
+from .cuda_mem import DevicePool, is_out_of_memory, out_of_memory_error
+from .cuda_ops import ops_kernels
+
+__all__ = ["CudaBackend", "simulator"]
+
+GPU_BLOCK, SIM_BLOCK = 256, 16
+SIM_MAX_BLOCKS = 4  # small, so that the simulator exercises the grid-stride loops
+
+
+def simulator() -> bool:
+    """True when numba-cuda runs the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
+    from numba.cuda.core import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+def _is_device_array(arr) -> bool:
+    return bool(getattr(arr, "__cuda_ndarray__", False) or hasattr(arr, "__cuda_array_interface__"))
+
+
+class CudaBackend(Backend):
+    """Arrays are numba device arrays on one GPU; ``CudaBackend(device_id=0, tile=..., block=...)``.
+
+    ``device_id`` is the GPU to use (the node-local rank when started by ``get_backend``);
+    with a single visible GPU (e.g. Slurm's per-task ``CUDA_VISIBLE_DEVICES``) any id
+    maps to it. ``tile`` is a ``GemmTile`` (or a 5-tuple BM, BN, BK, TM, TN), ``block``
+    the threads per block of the other kernels (a power of two), ``max_blocks`` the
+    grid cap of the grid-stride kernels.
+    """
+
+    name = "cuda"
+    is_device = True
+
+    def __init__(self, device_id: int = 0, *, tile=None, block: int | None = None, max_blocks: int | None = None):
+        self.simulator = simulator()
+        if not cuda.is_available():
+            raise BackendError("the CUDA backend needs a GPU: numba.cuda sees none (check nvidia-smi, or set "
+                               "NUMBA_ENABLE_CUDASIM=1 to run the kernels in the simulator)")
+        if int(device_id) < 0:
+            raise BackendError(f"CUDA device_id must be >= 0, got {device_id}")
+        if self.simulator:
+            self.device_id = 0  # the simulator has one device, shared by every rank
+            self.device_name = "CUDA simulator"
+        else:
+            count = len(cuda.gpus)
+            if count > 1 and device_id >= count:
+                raise BackendError(f"CUDA device {device_id} requested (the node-local rank) but only {count} GPUs "
+                                   "are visible: start at most one rank per GPU on each node")
+            self.device_id = int(device_id) if count > 1 else 0
+            cuda.select_device(self.device_id)
+            name = cuda.get_current_device().name
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self.device_name = f"{name} (device {self.device_id})"
+        self.tile = GemmTile(*(tile if tile is not None else (SIM_TILE if self.simulator else GPU_TILE))).check()
+        self.block = int(block if block is not None else (SIM_BLOCK if self.simulator else GPU_BLOCK))
+        if max_blocks is None:
+            max_blocks = SIM_MAX_BLOCKS if self.simulator else 32 * _multiprocessors()
+        self.max_blocks = int(max_blocks)
+        if self.max_blocks < 1:
+            raise BackendError(f"max_blocks must be >= 1, got {max_blocks}")
+        self._gemm_nt, self._gemm_nn, self._gemm_tn = gemm_kernels(self.tile)
+        self._k = ops_kernels(self.block)
+        self.stream = cuda.stream()
+        self._pool = None if self.simulator else DevicePool(_raw_alloc, _wrap)
+        self._no_bias = self.zeros((1,))  # the GEMM kernel always takes a bias array
+        self._scalars = self.zeros((3,), np.float64)  # device-side results of the reductions
+        self._host_scalars = self.pinned_host((3,), np.float64)
+
+    # ------------------------------------------------------------------ memory
+
+    def empty(self, shape, dtype=np.float32):
+        """An uninitialised device array (from the caching pool on a GPU)."""
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        try:
+            if self._pool is None or math.prod(shape) == 0:
+                return cuda.device_array(shape, dtype=dtype, stream=self.stream)
+            return self._pool.alloc(shape, dtype)
+        except Exception as e:
+            if is_out_of_memory(e):
+                raise out_of_memory_error("empty", shape, dtype, "GPU", e) from None
+            raise
+
+    def zeros(self, shape, dtype=np.float32):
+        out = self.empty(shape, dtype)
+        self.fill_(out, 0)
+        return out
+
+    def asarray(self, host):
+        """Host numpy array -> device array of the same shape and dtype (device arrays pass through)."""
+        if _is_device_array(host):
+            return host
+        host = np.ascontiguousarray(host)
+        out = self.empty(host.shape, host.dtype)
+        if host.size:
+            out.copy_to_device(host, stream=self.stream)
+        return out
+
+    def to_host(self, arr):
+        """Device array -> new host numpy array (synchronises)."""
+        if not _is_device_array(arr):
+            return np.asarray(arr)
+        check_array("to_host", "arr", arr, dtype=arr.dtype)
+        out = arr.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+    def copy_(self, dst, src):
+        """dst (device) = src (device or host), same shape and dtype."""
+        check_array("copy_", "dst", dst, dtype=dst.dtype)
+        self._require_device("copy_", "dst", dst)
+        if not _is_device_array(src):
+            src = np.ascontiguousarray(src)
+        check_array("copy_", "src", src, shape=dst.shape, dtype=dst.dtype)
+        if dst.size:
+            dst.copy_to_device(src, stream=self.stream)
+
+    def synchronize(self):
+        self.stream.synchronize()
+
+    def pinned_host(self, shape, dtype=np.float32):
+        """A page-locked host array: the staging buffer when MPI is not CUDA-aware."""
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        try:
+            return cuda.pinned_array(shape, dtype=dtype)
+        except Exception as e:
+            if is_out_of_memory(e):
+                raise out_of_memory_error("pinned_host", shape, dtype, "pinned host", e) from None
+            raise
+
+    def to_host_into(self, dev, host):
+        """host[...] = dev[...] (same shape and dtype); returns when the copy is done."""
+        self._require_device("to_host_into", "dev", dev)
+        check_array("to_host_into", "dev", dev, dtype=dev.dtype)
+        check_array("to_host_into", "host", host, shape=dev.shape, dtype=dev.dtype)
+        if dev.size:
+            dev.copy_to_host(host, stream=self.stream)
+        self.stream.synchronize()  # MPI reads ``host`` right after
+
+    def from_host_into(self, host, dev):
+        """dev[...] = host[...] (same shape and dtype); returns when the copy is done."""
+        self._require_device("from_host_into", "dev", dev)
+        check_array("from_host_into", "dev", dev, dtype=dev.dtype)
+        check_array("from_host_into", "host", host, shape=dev.shape, dtype=dev.dtype)
+        if dev.size:
+            dev.copy_to_device(host, stream=self.stream)
+        self.stream.synchronize()  # the caller may overwrite ``host`` (MPI receives into it) next
+
+    # ------------------------------------------------------------------ matrix products (X·Wᵀ, dY·W, dYᵀ·X)
+
+    def matmul_nt(self, a, b, out, bias=None):
+        """out[M,N] = a[M,K] @ b[N,K]ᵀ (+ bias[N]): the Linear forward, bias fused into the store."""
+        self._check("matmul_nt", "a", a, ndim=2)
+        self._check("matmul_nt", "b", b, ndim=2, cols=a.shape[1])
+        self._check("matmul_nt", "out", out, shape=(a.shape[0], b.shape[0]))
+        if bias is not None:
+            self._check("matmul_nt", "bias", bias, shape=(b.shape[0],))
+        self._gemm(self._gemm_nt, a, b, out, a.shape[0], b.shape[0], a.shape[1],
+                   bias, EPI_STORE if bias is None else EPI_BIAS)
+
+    def matmul_nn(self, a, b, out):
+        """out[M,N] = a[M,K] @ b[K,N]: the Linear input gradient dY·W."""
+        self._check("matmul_nn", "a", a, ndim=2)
+        self._check("matmul_nn", "b", b, ndim=2, rows=a.shape[1])
+        self._check("matmul_nn", "out", out, shape=(a.shape[0], b.shape[1]))
+        self._gemm(self._gemm_nn, a, b, out, a.shape[0], b.shape[1], a.shape[1], None, EPI_STORE)
+
+    def matmul_tn(self, a, b, out, accumulate=False):
+        """out[M,N] (+)= a[K,M]ᵀ @ b[K,N]: the Linear weight gradient dYᵀ·X."""
+        self._check("matmul_tn", "a", a, ndim=2)
+        self._check("matmul_tn", "b", b, ndim=2, rows=a.shape[0])
+        self._check("matmul_tn", "out", out, shape=(a.shape[1], b.shape[1]))
+        self._gemm(self._gemm_tn, a, b, out, a.shape[1], b.shape[1], a.shape[0],
+                   None, EPI_ACCUMULATE if accumulate else EPI_STORE)
+
+    def _gemm(self, kernel, a, b, out, M, N, K, bias, epilogue):
+        if M == 0 or N == 0:
+            return
+        grid, threads = launch_config(self.tile, M, N)
+        kernel[grid, threads, self.stream](a, b, out, self._no_bias if bias is None else bias, M, N, K, epilogue)
+
+    def bias_grad(self, dout, dbias, accumulate=False):
+        """dbias[C] (+)= Σ_rows dout[B,C]."""
+        self._check("bias_grad", "dout", dout, ndim=2)
+        self._check("bias_grad", "dbias", dbias, shape=(dout.shape[1],))
+        C = dout.shape[1]
+        if C:
+            k = self._k
+            self._launch(k.bias_grad, -(-C // k.RX), (k.RX, k.RY), dout, dbias, bool(accumulate))
+
+    # ------------------------------------------------------------------ activations
+
+    def relu_forward(self, x, out):
+        self._unary("relu_forward", self._k.relu_forward, x=x, out=out)
+
+    def relu_backward(self, x, dout, dinp):
+        self._binary("relu_backward", self._k.relu_backward, x=x, dout=dout, dinp=dinp)
+
+    def gelu_forward(self, x, out):
+        self._unary("gelu_forward", self._k.gelu_forward, x=x, out=out)
+
+    def gelu_backward(self, x, dout, dinp):
+        self._binary("gelu_backward", self._k.gelu_backward, x=x, dout=dout, dinp=dinp)
+
+    def tanh_forward(self, x, out):
+        self._unary("tanh_forward", self._k.tanh_forward, x=x, out=out)
+
+    def tanh_backward(self, y, dout, dinp):
+        self._binary("tanh_backward", self._k.tanh_backward, y=y, dout=dout, dinp=dinp)
+
+    def _unary(self, op, kernel, *, x, out):
+        self._check(op, "x", x)
+        self._check(op, "out", out, shape=x.shape)
+        self._elementwise(kernel, x.size, _flat(x), _flat(out))
+
+    def _binary(self, op, kernel, **arrays):
+        for name, arr in arrays.items():
+            self._require_device(op, name, arr)
+        self._check_same(op, **arrays)
+        first = next(iter(arrays.values()))
+        self._elementwise(kernel, first.size, *(_flat(a) for a in arrays.values()))
+
+    # ------------------------------------------------------------------ layernorm
+
+    def layernorm_forward(self, x, weight, bias, eps, out, mean, rstd):
+        """out[B,C] = (x − mean)·rstd·weight + bias; saves mean[B] and rstd[B] for the backward pass."""
+        B, C = self._check("layernorm_forward", "x", x, ndim=2).shape
+        self._check("layernorm_forward", "weight", weight, shape=(C,))
+        self._check("layernorm_forward", "bias", bias, shape=(C,))
+        self._check("layernorm_forward", "out", out, shape=(B, C))
+        self._check("layernorm_forward", "mean", mean, shape=(B,))
+        self._check("layernorm_forward", "rstd", rstd, shape=(B,))
+        if B and C:
+            self._launch(self._k.layernorm_forward, self._rows_grid(B), self.block,
+                         x, weight, bias, np.float32(eps), out, mean, rstd)
+
+    def layernorm_backward(self, dout, x, weight, mean, rstd, dinp, dweight, dbias, accumulate=False):
+        """dinp[B,C]; dweight[C], dbias[C] (+)= their sums over the rows."""
+        B, C = self._check("layernorm_backward", "x", x, ndim=2).shape
+        for name, arr in (("dout", dout), ("dinp", dinp)):
+            self._check("layernorm_backward", name, arr, shape=(B, C))
+        for name, arr in (("weight", weight), ("dweight", dweight), ("dbias", dbias)):
+            self._check("layernorm_backward", name, arr, shape=(C,))
+        for name, arr in (("mean", mean), ("rstd", rstd)):
+            self._check("layernorm_backward", name, arr, shape=(B,))
+        if not C:
+            return
+        k = self._k
+        if B:
+            self._launch(k.layernorm_backward_rows, self._rows_grid(B), self.block, dout, x, weight, mean, rstd, dinp)
+        self._launch(k.layernorm_backward_params, -(-C // k.RX), (k.RX, k.RY),
+                     dout, x, mean, rstd, dweight, dbias, bool(accumulate))
+
+    # ------------------------------------------------------------------ losses (host scalars out)
+
+    def cross_entropy(self, logits, targets, dlogits, grad_scale):
+        """Softmax cross-entropy of logits[B,C] against int64 targets[B]: returns (loss sum, correct);
+        writes dlogits = (softmax − onehot)·grad_scale. A target outside [0, C) raises BackendError."""
+        B, C = self._check("cross_entropy", "logits", logits, ndim=2).shape
+        self._check("cross_entropy", "targets", targets, shape=(B,), dtype=np.int64)
+        self._check("cross_entropy", "dlogits", dlogits, shape=(B, C))
+        if B == 0:
+            return 0.0, 0
+        if C == 0:
+            self.bad_target(targets, 0, C)
+        row_loss, row_flag = self.empty((B,), np.float64), self.empty((B,), np.int32)
+        k = self._k
+        self._launch(k.cross_entropy_rows, self._rows_grid(B), self.block,
+                     logits, targets, dlogits, np.float32(grad_scale), row_loss, row_flag)
+        self._launch(k.cross_entropy_finish, 1, self.block, row_loss, row_flag, self._scalars)
+        total, correct, bad = self._read_scalars()
+        if bad < B:
+            self.bad_target(targets, int(bad), C)
+        return float(total), int(correct)
+
+    def mse(self, pred, target, dpred, grad_scale):
+        """Σ (pred − target)² over pred[B,C] (host float); writes dpred = 2·(pred − target)·grad_scale."""
+        self._check("mse", "pred", pred, ndim=2)
+        self._check("mse", "target", target, shape=pred.shape)
+        self._check("mse", "dpred", dpred, shape=pred.shape)
+        return self._sum_reduce(self._k.mse_partial, pred.size, _flat(pred), _flat(target), _flat(dpred),
+                                np.float32(grad_scale))
+
+    # ------------------------------------------------------------------ flat buffers
+
+    def sum_squares(self, x):
+        """Σ x² over a flat x[n] as a host float (the global gradient norm²), float64 accumulation."""
+        self._check("sum_squares", "x", x, ndim=1)
+        return self._sum_reduce(self._k.sum_squares_partial, x.size, x)
+
+    def scale_(self, x, s):
+        """x[n] *= s."""
+        self._check("scale_", "x", x, ndim=1)
+        self._elementwise(self._k.scale, x.size, x, np.float32(s))
+
+    def fill_(self, x, value):
+        """x[...] = value, any dtype."""
+        self._require_device("fill_", "x", x)
+        check_array("fill_", "x", x, dtype=x.dtype)
+        self._elementwise(self._k.fill, x.size, _flat(x), x.dtype.type(value))
+
+    def sgd_update(self, param, grad, momentum_buf, *, lr, momentum, weight_decay, nesterov):
+        """torch.optim.SGD step over the flat buffers, one fused kernel (momentum_buf unused if momentum = 0)."""
+        for name, arr in (("param", param), ("grad", grad), ("momentum_buf", momentum_buf)):
+            self._require_device("sgd_update", name, arr)
+        self._check_flat("sgd_update", param=param, grad=grad, momentum_buf=momentum_buf)
+        f32 = np.float32
+        self._elementwise(self._k.sgd_update, param.size, param, grad, momentum_buf, f32(lr), f32(momentum),
+                          f32(weight_decay), bool(momentum != 0), bool(nesterov))
+
+    def adam_update(self, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, decoupled):
+        """torch.optim.Adam (L2 decay) / AdamW (decoupled decay) step over the flat buffers, one fused kernel."""
+        for name, arr in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            self._require_device("adam_update", name, arr)
+        self._check_flat("adam_update", param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+        f32 = np.float32
+        step_size = lr / (1.0 - beta1**step)  # bias corrections in float64 on the host, as cpu.py does
+        bc2_sqrt = math.sqrt(1.0 - beta2**step)
+        keep, l2 = (1.0 - lr * weight_decay, 0.0) if decoupled else (1.0, weight_decay)
+        self._elementwise(self._k.adam_update, param.size, param, grad, exp_avg, exp_avg_sq, f32(step_size),
+                          f32(beta1), f32(beta2), f32(bc2_sqrt), f32(eps), f32(l2), f32(keep))
+
+    # ------------------------------------------------------------------ launching
+
+    def _launch(self, kernel, grid, threads, *args):
+        kernel[grid, threads, self.stream](*args)
+
+    def _elementwise(self, kernel, n, *args):
+        if n:
+            self._launch(kernel, self._grid(n), self.block, *args)
+
+    def _grid(self, n):
+        return max(1, min(-(-n // self.block), self.max_blocks))
+
+    def _rows_grid(self, rows):
+        return max(1, min(rows, self.max_blocks if self.simulator else 65535))
+
+    def _sum_reduce(self, kernel, n, *args):
+        """Run a kernel that writes per-block float64 partial sums, add them up on the device, return the total."""
+        if n == 0:
+            return 0.0
+        grid = self._grid(n)
+        partial = self.empty((grid,), np.float64)
+        self._launch(kernel, grid, self.block, *args, partial)
+        self._launch(self._k.sum_partials, 1, self.block, partial, self._scalars)
+        return float(self._read_scalars()[0])
+
+    def _read_scalars(self):
+        self._scalars.copy_to_host(self._host_scalars, stream=self.stream)
+        self.stream.synchronize()
+        return self._host_scalars.copy()
+
+    # ------------------------------------------------------------------ argument checks
+
+    def _require_device(self, op, name, arr):
+        if not _is_device_array(arr):
+            shape = getattr(arr, "shape", None)
+            raise BackendError(f"{op}: {name} must be a device array (backend.asarray), got "
+                               f"{type(arr).__name__}" + (f" with shape {tuple(shape)}" if shape is not None else ""))
+
+    def _check(self, op, name, arr, **kw):
+        """check_array plus: the array lives on the device (a host array would be copied back and forth)."""
+        self._require_device(op, name, arr)
+        return check_array(op, name, arr, **kw)
+
+
+def _flat(arr):
+    """A 1-D view of a C-contiguous device array (the element-wise kernels index flat)."""
+    return arr if arr.ndim == 1 else arr.reshape(arr.size)
+
+
+def _multiprocessors() -> int:
+    try:
+        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    except Exception:  # an attribute the driver does not report: a safe grid cap anyway
+        return 128
+
+
+def _raw_alloc(nbytes):
+    return cuda.current_context().memalloc(nbytes)
+
+
+def _wrap(block, shape, dtype, owner):
+    desc = {"shape": shape, "strides": None, "typestr": dtype.str, "data": (block.device_pointer_value, False),
+            "version": 3}
+    return cuda.from_cuda_array_interface(desc, owner=owner, sync=False)

@@ -1,0 +1,128 @@
+"""Device memory for the CUDA backend: a caching pool, and out-of-memory errors that say what failed.
+
+Why a pool: layers ask for a fresh activation or gradient array (``backend.empty``)
+for every layer of every step. ``cudaMalloc``/``cudaFree`` are slow and synchronise
+the device, and numba's default allocator calls them for each array. The pool
+keeps every block it ever allocated: when the last array (or view: slice,
+reshape) over a block is garbage-collected, the block goes back on a free list
+keyed by its rounded byte size, and the next request of that size reuses it
+without touching the driver. Training repeats the same shapes every step, so
+after the first step no allocation reaches the driver.
+
+Why this is safe: the backend issues every kernel and copy on one stream, so
+work queued on a block by its previous owner finishes before anything the next
+owner queues on it. (Code that hands a pool array to another stream, or to MPI,
+synchronises the backend's stream first, as the data-parallel sync does.)
+
+How an array keeps its block: the array is built with
+``cuda.from_cuda_array_interface(..., owner=lease)``; numba's device-array views
+hold a reference to that owner, so the ``_Lease`` lives exactly as long as any
+array or view over the block, and its ``__del__`` hands the block back.
+
+When the device is full, the pool first releases every cached block to the
+driver and retries once; if that fails too the caller gets a ``BackendError``
+naming the operation, the shape and the bytes requested.
+
+Under the CUDA simulator there are no device pointers: arrays are plain
+``cuda.device_array`` (numpy underneath) and the pool is not used.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import numpy as np
+
+from ..errors import BackendError
+
+__all__ = ["DevicePool", "is_out_of_memory", "out_of_memory_error"]
+
+_GRANULE = 512  # bytes; cudaMalloc aligns to at least this anyway
+_CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for numba's CudaAPIError(CUDA_ERROR_OUT_OF_MEMORY) and for a host MemoryError."""
+    if isinstance(error, MemoryError):
+        return True
+    code = getattr(error, "code", None)
+    try:
+        if code is not None and int(code) == _CUDA_ERROR_OUT_OF_MEMORY:
+            return True
+    except (TypeError, ValueError):
+        pass
+    text = str(error).upper().replace(" ", "_")
+    return "OUT_OF_MEMORY" in text
+
+
+def out_of_memory_error(op: str, shape, dtype, where: str, error: BaseException) -> BackendError:
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    return BackendError(f"{op}: out of {where} memory allocating shape {tuple(shape)} {np.dtype(dtype).name} "
+                        f"({nbytes / 2**20:.1f} MiB): {error}. Lower train.batch_size or the model width, "
+                        "or use more ranks")
+
+
+def rounded_bytes(nbytes: int) -> int:
+    """The size class of a request: the byte count rounded up to the allocation granule."""
+    return max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
+
+
+class _Lease:
+    """Held (through numba's view references) by every array over one block; returns the block when freed."""
+
+    __slots__ = ("pool", "size", "block")
+
+    def __init__(self, pool, size, block):
+        self.pool, self.size, self.block = weakref.ref(pool), size, block
+
+    def __del__(self):
+        pool = self.pool()
+        if pool is not None:  # at interpreter exit the pool may be gone first; the block is then simply dropped
+            pool._give_back(self.size, self.block)
+
+
+class DevicePool:
+    """Caching allocator over ``raw_alloc(nbytes) -> block``; ``wrap(block, shape, dtype, owner) -> array``.
+
+    ``alloc`` raises whatever ``raw_alloc`` raises after one retry with the cache emptied;
+    the backend turns an out-of-memory error into a ``BackendError``.
+    """
+
+    def __init__(self, raw_alloc, wrap):
+        self._raw_alloc, self._wrap = raw_alloc, wrap
+        self._free: dict[int, list] = {}
+        self.hits = self.misses = 0
+        self.cached_bytes = 0  # bytes on the free lists
+        self.leased_bytes = 0  # bytes in arrays that are alive
+
+    def alloc(self, shape, dtype):
+        shape = tuple(int(s) for s in shape)
+        dtype = np.dtype(dtype)
+        size = rounded_bytes(math.prod(shape) * dtype.itemsize)
+        blocks = self._free.get(size)
+        if blocks:
+            block = blocks.pop()
+            self.cached_bytes -= size
+            self.hits += 1
+        else:
+            try:
+                block = self._raw_alloc(size)
+            except Exception as e:
+                if not is_out_of_memory(e) or not self.cached_bytes:
+                    raise
+                self.release_cached()  # other sizes may be sitting idle: give them back and retry once
+                block = self._raw_alloc(size)
+            self.misses += 1
+        self.leased_bytes += size
+        return self._wrap(block, shape, dtype, _Lease(self, size, block))
+
+    def _give_back(self, size, block):
+        self.leased_bytes -= size
+        self.cached_bytes += size
+        self._free.setdefault(size, []).append(block)
+
+    def release_cached(self) -> None:
+        """Drop every idle block (numba frees them); arrays in use are not affected."""
+        self._free.clear()
+        self.cached_bytes = 0

@@ -1,0 +1,84 @@
+"""The explicit mesh: data-, pipeline- and tensor-parallel communicators.
+
+``Mesh`` duplicates ``COMM_WORLD`` (never uses the user's communicator itself)
+and splits it into dp × pp × tp groups. Ranks are ordered tensor-parallel
+fastest, then data-parallel, then pipeline (as Megatron-core does):
+
+    world rank = pp_rank · (dp · tp) + dp_rank · tp + tp_rank
+
+Building a Mesh is collective over the world communicator: every rank must
+construct it, with the same layout. The layout is checked against the world
+size before any collective, so a misfit is an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from ..errors import LayoutError
+
+__all__ = ["Mesh", "resolve_layout", "mpi_cuda_aware"]
+
+
+def resolve_layout(world_size: int, dp, pp: int, tp: int) -> tuple[int, int, int]:
+    """Return (dp, pp, tp) for ``world_size``; ``dp = "auto"`` is world / (pp · tp)."""
+    if world_size % (pp * tp):
+        raise LayoutError(f"world size {world_size} is not divisible by parallel.pp · parallel.tp = {pp} · {tp}")
+    if dp == "auto":
+        dp = world_size // (pp * tp)
+    if dp * pp * tp != world_size:
+        raise LayoutError(f"parallel.dp · pp · tp = {dp} · {pp} · {tp} = {dp * pp * tp} does not match the "
+                          f"world size {world_size} (start {dp * pp * tp} ranks, or set dp = \"auto\")")
+    return dp, pp, tp
+
+
+class Mesh:
+    """Communicators for one dp × pp × tp layout. Collective to construct; call ``free()`` when done."""
+
+    def __init__(self, *, dp="auto", pp: int = 1, tp: int = 1, comm=None):
+        from mpi4py import MPI
+
+        base = comm if comm is not None else MPI.COMM_WORLD
+        self.dp, self.pp, self.tp = resolve_layout(base.Get_size(), dp, pp, tp)  # local: no collective yet
+        self.world = base.Dup()
+        self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
+        self.pp_rank, rest = divmod(self.rank, self.dp * self.tp)
+        self.dp_rank, self.tp_rank = divmod(rest, self.tp)
+        self.dp_comm = self.world.Split(self.pp_rank * self.tp + self.tp_rank, self.rank)
+        self.tp_comm = self.world.Split(self.pp_rank * self.dp + self.dp_rank, self.rank)
+        self.pp_comm = self.world.Split(self.dp_rank * self.tp + self.tp_rank, self.rank)
+
+    @property
+    def layout(self) -> dict:
+        return {"world_size": self.size, "dp": self.dp, "pp": self.pp, "tp": self.tp}
+
+    def describe(self) -> str:
+        return f"world {self.size} = dp {self.dp} x pp {self.pp} x tp {self.tp}"
+
+    def free(self) -> None:
+        for comm in (self.dp_comm, self.tp_comm, self.pp_comm, self.world):
+            comm.Free()
+
+
+def mpi_cuda_aware() -> bool:
+    """Ask the MPI library whether it takes CUDA device buffers; False when it has no way to say.
+
+    Open MPI: ``MPIX_Query_cuda_support()``. MPICH >= 4: ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &ok)``.
+    """
+    from mpi4py import MPI  # noqa: F401  (loads libmpi into the process)
+
+    lib = ctypes.CDLL(None)
+    try:
+        fn = lib.MPIX_Query_cuda_support
+        fn.restype = ctypes.c_int
+        return bool(fn())
+    except AttributeError:
+        pass
+    try:
+        fn = lib.MPIX_GPU_query_support
+        ok = ctypes.c_int(0)
+        if fn(ctypes.c_int(0), ctypes.byref(ok)) == 0:  # MPIX_GPU_SUPPORT_CUDA == 0
+            return bool(ok.value)
+    except AttributeError:
+        pass
+    return False

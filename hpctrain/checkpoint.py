@@ -22,7 +22,7 @@ renamed into place and the directory fsynced.
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -85,11 +85,11 @@ def save_checkpoint(directory: str, state: CheckpointState, *, keep: int) -> str
     try:
         os.makedirs(directory, exist_ok=True)
         fmt.clean_stale_temps(directory)
-        tmp = fmt.make_temp(directory, state.step)
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoint {final}: {e}") from None
+    tmp = fmt.temp_path(directory, state.step)
     try:
-        with h5py.File(tmp, "w", libver=fmt.LIBVER, locking=False) as f:
+        with h5py.File(tmp, "x", libver=fmt.LIBVER, locking=False) as f:
             _write_root_attrs(f, state)
             f.create_group("params", track_order=True)
             optim = f.create_group("optim")
@@ -186,6 +186,7 @@ def _write_root_attrs(f: h5py.File, state: CheckpointState) -> None:
         a[fmt.RNG_PREFIX + key] = fmt.encode_attr(value)
     a["hpctrain_version"] = str(getattr(hpctrain, "__version__", ""))
     a["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    a[fmt.ATTRS_DIGEST] = fmt.attrs_digest(a)
 
 
 def _retain(directory: str, keep: int, newest: str) -> None:
@@ -276,10 +277,14 @@ def _read_meta(f: h5py.File, path: str) -> CheckpointState:
     bad = [k for k, v in rng.items() if v is None]
     if bad:
         raise CheckpointError(f"checkpoint {path}: rng attribute(s) {', '.join(bad)} are not scalars")
-    return CheckpointState(step=fmt.int_attr(a, "step", path), epoch=fmt.int_attr(a, "epoch", path),
-                           data_position=fmt.int_attr(a, "data_position", path),
-                           config_text=fmt.str_attr(a, "config", path), layout=layout, params={},
-                           optim_name=optim_name, optim_step=fmt.int_attr(a, "optimizer_step", path), rng=rng)
+    state = CheckpointState(step=fmt.int_attr(a, "step", path), epoch=fmt.int_attr(a, "epoch", path),
+                            data_position=fmt.int_attr(a, "data_position", path),
+                            config_text=fmt.str_attr(a, "config", path), layout=layout, params={},
+                            optim_name=optim_name, optim_step=fmt.int_attr(a, "optimizer_step", path), rng=rng)
+    if fmt.str_attr(a, fmt.ATTRS_DIGEST, path) != fmt.attrs_digest(a):
+        raise CheckpointError(f"checkpoint {path}: the root attributes fail their checksum ({fmt.ATTRS_DIGEST}); "
+                              "the file is damaged")
+    return state
 
 
 def _check_format(attrs, path: str, what: str) -> None:
@@ -342,10 +347,9 @@ def save_weights(path: str, params: dict[str, np.ndarray]) -> None:
     """Write ``/params/<name>`` datasets atomically (temporary file, fsync, rename); Fletcher32 on each dataset."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".h5", dir=folder)
-    os.close(fd)
+    tmp = os.path.join(folder, f".tmp-{secrets.token_hex(8)}.h5")
     try:
-        with h5py.File(tmp, "w", locking=False) as f:
+        with h5py.File(tmp, "x", locking=False) as f:
             group = f.create_group("params", track_order=True)
             for name, arr in params.items():
                 group.create_dataset(name, data=np.asarray(arr, dtype=np.float32), fletcher32=True)
@@ -426,14 +430,15 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
                   f"  layout: world_size {lay['world_size']} = dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']}",
                   f"  optimizer: {state.optim_name}, {state.optim_step} optimizer steps",
                   "  rng: " + (", ".join(f"{k}={v!r}" for k, v in state.rng.items()) or "none"),
-                  f"  config: {len(state.config_text.splitlines())} lines (hpctrain inspect shows them last)"]
+                  f"  root attributes verify ({fmt.ATTRS_DIGEST}); config: {len(state.config_text.splitlines())} "
+                  "lines, shown at the end"]
     params = f.get("params")
     if not isinstance(params, h5py.Group):
         problems.append("no /params group")
         return
     specs = [(n, ds) for n, ds in params.items() if isinstance(ds, h5py.Dataset)]
     total = sum(int(np.prod(ds.shape)) for _, ds in specs)
-    lines.append(f"parameters: {len(specs)} tensors, {total:,} values ({total * 4 / 2**20:.1f} MiB as float32)")
+    lines.append(f"parameters: {len(specs)} tensors, {total:,} values ({_size(total * 4)} as float32)")
     width = max([len(n) for n, _ in specs] + [4])
     for name, ds in specs:
         lines.append(f"  {name:<{width}}  {'x'.join(map(str, ds.shape)) or 'scalar':<14} {ds.dtype}")
@@ -472,3 +477,10 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
     if state is not None:
         lines.append("config:")
         lines += [f"  {line}" for line in state.config_text.splitlines()]
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes} B" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024

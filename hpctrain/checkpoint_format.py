@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import re
+import secrets
 import socket
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +32,7 @@ OPTIMIZERS = {  # optimizer name -> (slots it must have, slots it may have), tor
     "adamw": (("exp_avg", "exp_avg_sq"), ()),
 }
 LAYOUT_KEYS = ("world_size", "dp", "pp", "tp")
+ATTRS_DIGEST = "attrs_sha256"  # root attribute: sha256 of the other root attributes (strings live in an unchecksummed heap)
 RNG_PREFIX = "rng_"
 
 _NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
@@ -60,12 +62,14 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def make_temp(directory: str, step: int) -> str:
-    """An empty private file next to the final one, named so no loader mistakes it for a checkpoint."""
+def temp_path(directory: str, step: int) -> str:
+    """A fresh hidden name next to the final one, which no loader mistakes for a checkpoint.
+
+    The caller creates it exclusively (h5py mode "x"), so it gets the permissions of any new
+    file (0666 less the umask), not mkstemp's 0600, and the renamed checkpoint keeps them.
+    """
     host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
-    fd, path = tempfile.mkstemp(prefix=f".{checkpoint_name(step)}.{host}.{os.getpid()}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    return path
+    return os.path.join(directory, f".{checkpoint_name(step)}.{host}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
 
 
 def clean_stale_temps(directory: str) -> list[str]:
@@ -280,6 +284,13 @@ def decode_attr(value):
     if isinstance(value, str):
         return value
     return None
+
+
+def attrs_digest(attrs) -> str:
+    """sha256 of every root attribute but ATTRS_DIGEST: compact JSON of {name: value}, keys sorted, UTF-8."""
+    values = {k: decode_attr(v) for k, v in attrs.items() if k != ATTRS_DIGEST}
+    text = json.dumps(values, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()  # damaged text still hashes
 
 
 def int_attr(attrs, key: str, path: str, *, minimum: int = 0) -> int:

@@ -76,6 +76,9 @@ class Trainer:
             raise DataError(problem)
         ca = cfg.parallel.cuda_aware
         self.cuda_aware = bool(self.be.is_device and (mpi_cuda_aware() if ca == "auto" else ca))
+        if self.cuda_aware and getattr(self.be, "simulator", False):
+            self.log("parallel.cuda_aware: simulated device arrays have no device pointer; staging through host memory")
+            self.cuda_aware = False
 
     def _init_state(self):
         """Buffers and optimizer, then the starting point: a checkpoint, a weights file or a fresh init.

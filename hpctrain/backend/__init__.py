@@ -20,13 +20,24 @@ def cuda_available() -> bool:
         return False
 
 
+def _simulator() -> bool:
+    import os
+
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
 def get_backend(name: str, *, log=None, device_id: int = 0) -> Backend:
-    """Return the backend for ``[train] backend``; ``auto`` prefers the GPU and logs its choice."""
-    if name == "cpu" or (name == "auto" and not cuda_available()):
+    """Return the backend for ``[train] backend``; ``auto`` prefers a real GPU and logs its choice.
+
+    Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) ``auto`` takes the CPU: the simulator is for
+    testing kernels, far too slow to train on; ``backend = "cuda"`` still uses it.
+    """
+    if name == "cpu" or (name == "auto" and (_simulator() or not cuda_available())):
         from .cpu import CpuBackend
 
         if name == "auto" and log is not None:
-            log("backend auto: no GPU found, using the CPU backend")
+            why = "the CUDA simulator is on" if _simulator() else "no GPU found"
+            log(f"backend auto: {why}, using the CPU backend")
         return CpuBackend()
     if name in ("cuda", "auto"):
         if not cuda_available():

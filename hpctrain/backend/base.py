@@ -58,7 +58,9 @@ class Backend:
     ``relu/gelu/tanh_forward/backward``. ``layernorm_forward/backward``.
     Losses return host scalars: ``cross_entropy`` -> (loss sum, correct),
     ``mse`` -> loss sum. Flat buffers: ``sum_squares``, ``scale_``, ``fill_``,
-    ``sgd_update``, ``adam_update``.
+    ``sgd_update``, ``adam_update``. Device backends also stage gradients for an MPI that
+    is not CUDA-aware: ``pinned_host(shape)``, ``to_host_into(dev, host)``,
+    ``from_host_into(host, dev)``.
     """
 
     name = "base"

@@ -104,6 +104,15 @@ class CudaBackend(Backend):
 
     def empty(self, shape, dtype=np.float32):
         """An uninitialised device array (from the caching pool on a GPU)."""
+        return self._alloc("empty", shape, dtype)
+
+    def zeros(self, shape, dtype=np.float32):
+        out = self._alloc("zeros", shape, dtype)
+        self.fill_(out, 0)
+        return out
+
+    def _alloc(self, op, shape, dtype):
+        """Allocate for ``op``; running out of device memory is a BackendError naming op, shape and size."""
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         try:
             if self._pool is None or math.prod(shape) == 0:
@@ -111,20 +120,15 @@ class CudaBackend(Backend):
             return self._pool.alloc(shape, dtype)
         except Exception as e:
             if is_out_of_memory(e):
-                raise out_of_memory_error("empty", shape, dtype, "GPU", e) from None
+                raise out_of_memory_error(op, shape, dtype, "GPU", e) from None
             raise
-
-    def zeros(self, shape, dtype=np.float32):
-        out = self.empty(shape, dtype)
-        self.fill_(out, 0)
-        return out
 
     def asarray(self, host):
         """Host numpy array -> device array of the same shape and dtype (device arrays pass through)."""
         if _is_device_array(host):
             return host
         host = np.ascontiguousarray(host)
-        out = self.empty(host.shape, host.dtype)
+        out = self._alloc("asarray", host.shape, host.dtype)
         if host.size:
             out.copy_to_device(host, stream=self.stream)
         return out
@@ -296,7 +300,8 @@ class CudaBackend(Backend):
             return 0.0, 0
         if C == 0:
             self.bad_target(targets, 0, C)
-        row_loss, row_flag = self.empty((B,), np.float64), self.empty((B,), np.int32)
+        row_loss = self._alloc("cross_entropy", (B,), np.float64)
+        row_flag = self._alloc("cross_entropy", (B,), np.int32)
         k = self._k
         self._launch(k.cross_entropy_rows, self._rows_grid(B), self.block,
                      logits, targets, dlogits, np.float32(grad_scale), row_loss, row_flag)
@@ -311,7 +316,7 @@ class CudaBackend(Backend):
         self._check("mse", "pred", pred, ndim=2)
         self._check("mse", "target", target, shape=pred.shape)
         self._check("mse", "dpred", dpred, shape=pred.shape)
-        return self._sum_reduce(self._k.mse_partial, pred.size, _flat(pred), _flat(target), _flat(dpred),
+        return self._sum_reduce("mse", self._k.mse_partial, pred.size, _flat(pred), _flat(target), _flat(dpred),
                                 np.float32(grad_scale))
 
     # ------------------------------------------------------------------ flat buffers
@@ -319,7 +324,7 @@ class CudaBackend(Backend):
     def sum_squares(self, x):
         """Σ x² over a flat x[n] as a host float (the global gradient norm²), float64 accumulation."""
         self._check("sum_squares", "x", x, ndim=1)
-        return self._sum_reduce(self._k.sum_squares_partial, x.size, x)
+        return self._sum_reduce("sum_squares", self._k.sum_squares_partial, x.size, x)
 
     def scale_(self, x, s):
         """x[n] *= s."""
@@ -368,12 +373,12 @@ class CudaBackend(Backend):
     def _rows_grid(self, rows):
         return max(1, min(rows, self.max_blocks if self.simulator else 65535))
 
-    def _sum_reduce(self, kernel, n, *args):
+    def _sum_reduce(self, op, kernel, n, *args):
         """Run a kernel that writes per-block float64 partial sums, add them up on the device, return the total."""
         if n == 0:
             return 0.0
         grid = self._grid(n)
-        partial = self.empty((grid,), np.float64)
+        partial = self._alloc(op, (grid,), np.float64)
         self._launch(kernel, grid, self.block, *args, partial)
         self._launch(self._k.sum_partials, 1, self.block, partial, self._scalars)
         return float(self._read_scalars()[0])

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from numba import cuda, float32
+from numba import cuda, float32, uint64
 
 from ..errors import BackendError
 
@@ -82,17 +82,29 @@ def gemm_kernels(tile: GemmTile):
             _make_gemm(tile, a_kmajor=False, b_kmajor=False))
 
 
+def _bank_pad(width: int, BK: int) -> int:
+    """Pad so that a warp storing a transposed tile (thread t -> row t % BK, column t // BK) hits 32 banks.
+
+    Word (t % BK)·W + t // BK falls in bank ((t % BK)·(W mod 32) + t // BK) mod 32: with
+    W ≡ 32 / BK (mod 32) those are all different.
+    """
+    if 32 % BK:
+        return 1
+    return (32 // BK - width) % 32
+
+
 def _make_gemm(tile: GemmTile, *, a_kmajor: bool, b_kmajor: bool):
     BM, BN, BK, TM, TN = tile
     NTX, NTY = tile.threads
     NT = NTX * NTY
-    # A k-major operand is stored transposed into shared memory (k rows, m columns); the pad
-    # column staggers those strided stores across banks. Shapes must be plain constants.
-    AW = BM + (1 if a_kmajor else 0)
-    BW = BN + (1 if b_kmajor else 0)
+    # A k-major operand is stored transposed into shared memory (k rows, m columns), with pad
+    # columns that spread those strided stores over the 32 banks. Shapes must be plain constants.
+    AW = BM + (_bank_pad(BM, BK) if a_kmajor else 0)
+    BW = BN + (_bank_pad(BN, BK) if b_kmajor else 0)
     A_ELEMS, B_ELEMS = BM * BK, BN * BK
     A_LOADS = (A_ELEMS + NT - 1) // NT
     B_LOADS = (B_ELEMS + NT - 1) // NT
+    A_EVEN, B_EVEN = A_ELEMS % NT == 0, B_ELEMS % NT == 0  # every thread loads the same count: no check
 
     @cuda.jit
     def gemm(a, b, c, bias, M, N, K, epilogue):
@@ -113,7 +125,7 @@ def _make_gemm(tile: GemmTile, *, a_kmajor: bool, b_kmajor: bool):
         for k0 in range(0, K, BK):
             for load in range(A_LOADS):
                 e = tid + load * NT
-                if e < A_ELEMS:
+                if A_EVEN or e < A_ELEMS:
                     if a_kmajor:  # a[M,K]: neighbouring threads take neighbouring k
                         kk = e % BK
                         mm = e // BK
@@ -123,15 +135,15 @@ def _make_gemm(tile: GemmTile, *, a_kmajor: bool, b_kmajor: bool):
                     gm = m0 + mm
                     gk = k0 + kk
                     v = float32(0.0)
-                    if gm < M and gk < K:
+                    if gm < M and gk < K:  # unsigned indices: numba skips its negative-index wraparound
                         if a_kmajor:
-                            v = a[gm, gk]
+                            v = a[uint64(gm), uint64(gk)]
                         else:
-                            v = a[gk, gm]
+                            v = a[uint64(gk), uint64(gm)]
                     a_tile[kk, mm] = v
             for load in range(B_LOADS):
                 e = tid + load * NT
-                if e < B_ELEMS:
+                if B_EVEN or e < B_ELEMS:
                     if b_kmajor:  # b[N,K]
                         kk = e % BK
                         nn = e // BK
@@ -143,9 +155,9 @@ def _make_gemm(tile: GemmTile, *, a_kmajor: bool, b_kmajor: bool):
                     v = float32(0.0)
                     if gn < N and gk < K:
                         if b_kmajor:
-                            v = b[gn, gk]
+                            v = b[uint64(gn), uint64(gk)]
                         else:
-                            v = b[gk, gn]
+                            v = b[uint64(gk), uint64(gn)]
                     b_tile[kk, nn] = v
             cuda.syncthreads()
             for kk in range(BK):

@@ -1,0 +1,47 @@
+"""The CUDA sub-suite: every CUDA kernel against the numpy references and the CPU backend.
+
+    HPCTRAIN_SUBSUITE=cuda NUMBA_ENABLE_CUDASIM=1 python -m pytest tests/cuda   # no GPU: the simulator
+    HPCTRAIN_SUBSUITE=cuda python -m pytest tests/cuda                          # on a GPU
+
+Under the simulator every GPU thread is a Python thread, so shapes are tiny and the
+backend's launch shapes are the simulator defaults (16 threads per block, 8×8 GEMM
+tiles). Tests that need a real device carry ``cudatest.needs_gpu(reason)``.
+"""
+
+import sys
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from cudatest import SIM
+from hpctrain.backend.cpu import CpuBackend
+from hpctrain.backend.cuda import CudaBackend
+
+if SIM:
+    # The simulator's block manager polls its threads at every syncthreads(); with Python's default
+    # 5 ms thread switch interval each barrier costs several switch intervals. 50 µs makes the
+    # barrier-heavy kernels (GEMM tiles, block reductions) about 10x faster.
+    sys.setswitchinterval(5e-5)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not cuda.is_available():
+        skip = pytest.mark.skip(reason="numba.cuda sees no GPU; run with NUMBA_ENABLE_CUDASIM=1 for the simulator")
+        for item in items:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def be():
+    return CudaBackend()
+
+
+@pytest.fixture(scope="session")
+def cpu():
+    return CpuBackend()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

@@ -1,0 +1,132 @@
+"""The tiled, register-blocked GEMM in its three layouts against numpy and the CPU backend.
+
+Shapes are odd and not multiples of any tile, so every launch has partial tiles at
+the M, N and K edges; several tilings (including ones where the loads do not
+divide evenly over the threads) run the same kernel source.
+"""
+
+import numpy as np
+import pytest
+
+import reference as ref
+from cudatest import AGREE, F32, needs_gpu, rand
+from hpctrain.backend.cuda import CudaBackend
+from hpctrain.backend.cuda_gemm import GPU_TILE, SIM_TILE, GemmTile
+from hpctrain.errors import BackendError
+
+SHAPES = [(1, 1, 1), (5, 9, 7), (13, 11, 6)]  # (M, K, N)
+TILES = [SIM_TILE, GemmTile(6, 4, 5, 3, 2)]  # the second: 4 threads load 30 and 20 elements per K step
+
+
+@pytest.fixture(scope="module", params=TILES, ids=lambda t: "x".join(map(str, t)))
+def tiled(request):
+    return CudaBackend(tile=request.param)
+
+
+def _linear(rng, M, K, N):
+    return rand(rng, M, K), rand(rng, N, K), rand(rng, N), rand(rng, M, N)
+
+
+@pytest.mark.parametrize("M,K,N", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matmul_nt_matches_reference_and_cpu(tiled, cpu, rng, M, K, N, with_bias):
+    x, w, b, _ = _linear(rng, M, K, N)
+    bias = b if with_bias else None
+    out = tiled.empty((M, N))
+    tiled.matmul_nt(tiled.asarray(x), tiled.asarray(w), out, bias=None if bias is None else tiled.asarray(bias))
+    got = tiled.to_host(out)
+    np.testing.assert_allclose(got, ref.linear_forward(x, w, bias), **F32)
+    want = np.empty((M, N), np.float32)
+    cpu.matmul_nt(x, w, want, bias=bias)
+    np.testing.assert_allclose(got, want, **AGREE)
+
+
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_matmul_nn_matches_reference_and_cpu(tiled, cpu, rng, M, K, N):
+    x, w, _, dout = _linear(rng, M, K, N)
+    dinp = tiled.empty((M, K))
+    tiled.matmul_nn(tiled.asarray(dout), tiled.asarray(w), dinp)
+    got = tiled.to_host(dinp)
+    np.testing.assert_allclose(got, ref.linear_backward(dout, x, w)[0], **F32)
+    want = np.empty((M, K), np.float32)
+    cpu.matmul_nn(dout, w, want)
+    np.testing.assert_allclose(got, want, **AGREE)
+
+
+@pytest.mark.parametrize("M,K,N", SHAPES)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_matmul_tn_matches_reference_and_cpu(tiled, cpu, rng, M, K, N, accumulate):
+    x, w, _, dout = _linear(rng, M, K, N)
+    start = rand(rng, N, K)
+    dweight = tiled.asarray(start.copy())
+    tiled.matmul_tn(tiled.asarray(dout), tiled.asarray(x), dweight, accumulate=accumulate)
+    got = tiled.to_host(dweight)
+    expected = ref.linear_backward(dout, x, w)[1] + (start if accumulate else 0)
+    np.testing.assert_allclose(got, expected, **F32)
+    want = start.copy()
+    cpu.matmul_tn(dout, x, want, accumulate=accumulate)
+    np.testing.assert_allclose(got, want, **AGREE)
+
+
+def test_gemm_on_views_of_a_flat_buffer(be, rng):
+    """Weights are reshaped slices of the flat parameter buffer; the kernel must honour the offset."""
+    w, b, x = rand(rng, 7, 5), rand(rng, 7), rand(rng, 3, 5)
+    flat = be.asarray(np.concatenate([rand(rng, 4), w.ravel(), b]))
+    wv, bv = flat[4:39].reshape(7, 5), flat[39:46]
+    out = be.empty((3, 7))
+    be.matmul_nt(be.asarray(x), wv, out, bias=bv)
+    np.testing.assert_allclose(be.to_host(out), ref.linear_forward(x, w, b), **F32)
+
+
+@pytest.mark.parametrize("layout", ["nt", "nn", "tn"])
+def test_gpu_default_tile_runs_in_one_block(rng, layout):
+    """The 128×128×8 / 8×8 tiling the backend uses on a GPU (256 threads), on one small block."""
+    be = CudaBackend(tile=GPU_TILE)
+    x, w, b, dout = _linear(rng, 3, 9, 5)
+    if layout == "nt":
+        out = be.empty((3, 5))
+        be.matmul_nt(be.asarray(x), be.asarray(w), out, bias=be.asarray(b))
+        expected = ref.linear_forward(x, w, b)
+    elif layout == "nn":
+        out = be.empty((3, 9))
+        be.matmul_nn(be.asarray(dout), be.asarray(w), out)
+        expected = ref.linear_backward(dout, x, w)[0]
+    else:
+        out = be.empty((5, 9))
+        be.matmul_tn(be.asarray(dout), be.asarray(x), out)
+        expected = ref.linear_backward(dout, x, w)[1]
+    np.testing.assert_allclose(be.to_host(out), expected, **F32)
+
+
+@needs_gpu("hundreds of 256-thread blocks take minutes in the simulator")
+@pytest.mark.parametrize("M,K,N", [(300, 257, 129), (1024, 1000, 513)])
+def test_gpu_tile_on_larger_shapes(rng, M, K, N):
+    be = CudaBackend()
+    x, w, b, dout = _linear(rng, M, K, N)
+    tol = dict(rtol=1e-4, atol=1e-4)
+    out = be.empty((M, N))
+    be.matmul_nt(be.asarray(x), be.asarray(w), out, bias=be.asarray(b))
+    np.testing.assert_allclose(be.to_host(out), ref.linear_forward(x, w, b), **tol)
+    dinp = be.empty((M, K))
+    be.matmul_nn(be.asarray(dout), be.asarray(w), dinp)
+    dweight = be.empty((N, K))
+    be.matmul_tn(be.asarray(dout), be.asarray(x), dweight)
+    rdinp, rdweight, _ = ref.linear_backward(dout, x, w)
+    np.testing.assert_allclose(be.to_host(dinp), rdinp, **tol)
+    np.testing.assert_allclose(be.to_host(dweight), rdweight, **tol)
+
+
+def test_empty_product_is_a_no_op_and_k0_gives_bias(be):
+    out = be.empty((0, 3))
+    be.matmul_nt(be.empty((0, 4)), be.zeros((3, 4)), out)
+    bias = np.array([1.0, 2.0, 3.0], np.float32)
+    out = be.empty((2, 3))
+    be.matmul_nt(be.zeros((2, 0)), be.zeros((3, 0)), out, bias=be.asarray(bias))
+    np.testing.assert_array_equal(be.to_host(out), np.tile(bias, (2, 1)))
+
+
+@pytest.mark.parametrize("tile,match", [((8, 8, 4, 3, 2), "multiple of TM"), ((8, 8, 0, 2, 2), ">= 1"),
+                                        ((128, 128, 8, 2, 2), "threads per block")])
+def test_bad_tile_is_rejected(tile, match):
+    with pytest.raises(BackendError, match=match):
+        CudaBackend(tile=tile)

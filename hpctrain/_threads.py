@@ -9,6 +9,7 @@ runs before numpy is first imported, so ``hpctrain/__init__.py`` calls it first.
 """
 
 import os
+import sys
 
 _LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "PMI_LOCAL_SIZE")
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -24,4 +25,17 @@ def share_cores_between_local_ranks(environ=os.environ) -> None:
             threads = str(max(1, cores // int(value)))
             for name in _THREAD_VARS:
                 environ[name] = threads
+            if "numpy" in sys.modules:  # too late for the variables: BLAS has started its threads
+                _limit_running_blas(int(threads))
             return
+
+
+def _limit_running_blas(threads: int) -> None:
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        print(f"hpctrain: warning: numpy was imported before hpctrain, so its BLAS may run more threads than "
+              f"this rank's share of the cores; set OMP_NUM_THREADS={threads} or import hpctrain first",
+              file=sys.stderr)
+        return
+    threadpool_limits(threads)

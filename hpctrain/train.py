@@ -161,6 +161,10 @@ class Trainer:
         boundary, after a checkpoint when ``checkpoint.dir`` is set.
         """
         cfg, t = self.cfg, self.cfg.train
+        if self.step >= t.steps > 0:
+            self.log(f"training already finished: resumed at step {self.step} of {t.steps} (to train again, set "
+                     "checkpoint.resume = \"never\", a new checkpoint.dir, or more train.steps)")
+            return self._log_eval(_Metrics("")) if self.data.n_val else {}
         metrics = _Metrics(t.metrics if self.rank0 else "", append=self.step > 0)
         window = _Window()
         last = {}

@@ -117,3 +117,14 @@ dir = "ck"
     assert "signal SIGTERM received: stopping at step" in out
     checkpoints = list_checkpoints(str(tmp_path / "ck"))
     assert len(checkpoints) == 1
+
+
+def test_finished_run_reports_instead_of_training_again(tmp_path, mesh):
+    make_classification(tmp_path / "d.h5", n=96)
+    ckdir = str(tmp_path / "ck")
+    run(config(tmp_path / "d.h5", train={"steps": 3}, checkpoint={"dir": ckdir}), mesh)
+    lines = []
+    again = run(config(tmp_path / "d.h5", train={"steps": 3}, checkpoint={"dir": ckdir}), mesh, lines.append)
+    assert again.step == 3
+    assert any("training already finished: resumed at step 3 of 3" in line for line in lines)
+    assert [step for step, _ in list_checkpoints(ckdir)] == [3]

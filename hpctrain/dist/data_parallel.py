@@ -29,9 +29,9 @@ touches a device buffer.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-
-import numpy as np
 
 __all__ = ["GradSync", "make_buckets"]
 
@@ -72,8 +72,14 @@ class GradSync:
         self.active = comm.Get_size() > 1
         self.wait_seconds = 0.0
         self._ready = 0  # buckets [0, _ready) have all their gradients written
-        self._launched = 0  # buckets [0, _launched) have their Iallreduce started
+        self._launched = 0  # buckets [0, _launched) have their reduction started
         self._requests = []
+        # Host buffers with MPI_THREAD_MULTIPLE: a communication thread runs blocking Allreduces while
+        # backward goes on (MPI progresses nonblocking collectives only inside MPI calls, so Iallreduce
+        # alone barely overlaps). Device buffers keep the nonblocking path on the caller's thread.
+        self.threaded = (self.active and overlap and not backend.is_device
+                         and MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+        self._worker = _Reducer(comm) if self.threaded else None
 
     def _buffer(self, lo, hi):
         """What MPI reduces for [lo, hi): the gradient slice itself, or its host staging copy."""
@@ -95,6 +101,11 @@ class GradSync:
             return
         while self._ready < len(self.buckets) and self.buckets[self._ready][0] >= rng[0]:
             self._ready += 1
+        if self._worker is not None:
+            while self._launched < self._ready:
+                self._worker.submit(self.grads.data[slice(*self.buckets[self._launched])])
+                self._launched += 1
+            return
         if self._launched < self._ready:
             self.backend.synchronize()  # the gradients must be in memory before MPI reads them
             lo, hi = self.buckets[self._launched]
@@ -109,6 +120,13 @@ class GradSync:
             return
         t0 = time.perf_counter()
         self.backend.synchronize()
+        if self._worker is not None:
+            for lo, hi in self.buckets[self._launched :]:
+                self._worker.submit(self.grads.data[lo:hi])
+            self._launched = len(self.buckets)
+            self._worker.join()
+            self.wait_seconds = time.perf_counter() - t0
+            return
         for lo, hi in self.buckets[self._launched :]:  # not started yet: blocking, bucket by bucket
             self.comm.Allreduce(self.MPI.IN_PLACE, self._buffer(lo, hi), op=self.MPI.SUM)
         self.MPI.Request.Waitall(self._requests)
@@ -117,3 +135,38 @@ class GradSync:
         if not self.direct:
             self.backend.from_host_into(self.host, self.grads.data)
         self.wait_seconds = time.perf_counter() - t0
+
+
+class _Reducer:
+    """A daemon thread that sums submitted buffers over ``comm`` with blocking Allreduce, in order.
+
+    Only this thread uses ``comm`` while a step's buckets are in flight; ``join`` waits for all
+    of them and re-raises the thread's error, if any.
+    """
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+
+        self.MPI, self.comm = MPI, comm
+        self.queue = queue.Queue()
+        self.error = None
+        threading.Thread(target=self._run, name="hpctrain-grad-allreduce", daemon=True).start()
+
+    def submit(self, buf) -> None:
+        self.queue.put(buf)
+
+    def _run(self):
+        while True:
+            buf = self.queue.get()
+            try:
+                if self.error is None:
+                    self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+            except BaseException as e:  # handed to the training thread in join()
+                self.error = e
+            finally:
+                self.queue.task_done()
+
+    def join(self) -> None:
+        self.queue.join()
+        if self.error is not None:
+            raise self.error

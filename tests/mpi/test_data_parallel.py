@@ -122,3 +122,17 @@ def test_batch_not_divisible_by_dp(comm, data):
     if comm.rank == 0:
         assert f"not divisible by the data-parallel size {comm.size}" in str(info.value)
     mesh.free()
+
+
+def test_nonblocking_path_equals_single_process(comm, data):
+    """The Iallreduce path (what device buffers use) on host buffers: same result as one process."""
+    cfg = config(data, train={"steps": 4, "batch_size": 8 * comm.size}, parallel={"bucket_mb": 0.0002})
+    mesh = Mesh(comm=comm)
+    t = Trainer(cfg, mesh=mesh, **quiet)
+    t.sync._worker = None  # what GradSync does without MPI_THREAD_MULTIPLE or with a device backend
+    t.run()
+    t.close()
+    mesh.free()
+    alone = train(cfg, MPI.COMM_SELF)
+    for name, value in t.params.to_host_dict().items():
+        np.testing.assert_allclose(value, alone[name], rtol=2e-5, atol=2e-6, err_msg=name)

@@ -36,13 +36,15 @@ __all__ = ["Trainer"]
 
 
 class Trainer:
+    """One training job over a mesh. Building it and ``run()`` are collective over ``mesh.world``.
+
+    ``log`` receives rank 0's progress lines (other ranks log nothing).
+    """
+
     def __init__(self, cfg, *, mesh, log=print):
         self.cfg, self.mesh = cfg, mesh
         self.rank0 = mesh.rank == 0
         self.log = log if self.rank0 else (lambda *a, **k: None)
-        if mesh.pp > 1 or mesh.tp > 1:
-            raise LayoutError(f"parallel.pp = {mesh.pp}, parallel.tp = {mesh.tp}: only data parallelism "
-                              "(pp = tp = 1) is supported so far")
         run_everywhere(mesh.world, self._build)
         check_same_everywhere(mesh.world, "config", cfg.to_toml(), lambda theirs: _first_line_diff(cfg.to_toml(), theirs))
         check_same_everywhere(mesh.world, "parameter layout", self.model.layout.describe(),
@@ -52,7 +54,8 @@ class Trainer:
                              bucket_mb=cfg.parallel.bucket_mb, overlap=cfg.parallel.overlap,
                              cuda_aware=self.cuda_aware)
         self.log(f"hpctrain: {mesh.describe()}, backend {self.be.name}, {self.model.layout.size:,} parameters, "
-                 f"{len(self.sync.buckets)} gradient bucket(s), overlap {'on' if cfg.parallel.overlap else 'off'}"
+                 f"{len(self.sync.buckets)} gradient bucket(s), overlap "
+                 f"{('on, communication thread' if self.sync.threaded else 'on') if cfg.parallel.overlap else 'off'}"
                  + (f", gradients {'straight to CUDA-aware MPI' if self.cuda_aware else 'staged through host memory'}"
                     if self.be.is_device else ""))
 
@@ -61,6 +64,9 @@ class Trainer:
     def _build(self):
         """Everything that can fail on bad input, before any parameter exists (run on every rank)."""
         cfg, mesh = self.cfg, self.mesh
+        if mesh.pp > 1 or mesh.tp > 1:
+            raise LayoutError(f"parallel.pp = {mesh.pp}, parallel.tp = {mesh.tp}: only data parallelism "
+                              "(pp = tp = 1) is supported so far")
         self.be = get_backend(cfg.train.backend, log=self.log, device_id=_local_rank(mesh))
         self.model = Sequential(cfg.model.layers)
         self.loss = make_loss(cfg.train.loss)

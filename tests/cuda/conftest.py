@@ -45,3 +45,20 @@ def cpu():
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def poison_uninitialised_memory(monkeypatch):
+    """Under the simulator, ``empty`` hands out NaN-filled arrays, so a kernel that reads memory it
+    never wrote fails every time instead of now and then (numpy's empty memory is often zeros)."""
+    if not SIM:
+        return
+    original = CudaBackend.empty
+
+    def poisoned(self, shape, dtype=np.float32):
+        out = original(self, shape, dtype)
+        if np.dtype(dtype).kind == "f":
+            out.copy_to_device(np.full(out.shape, np.nan, dtype=out.dtype))
+        return out
+
+    monkeypatch.setattr(CudaBackend, "empty", poisoned)

@@ -136,3 +136,15 @@ def test_nonblocking_path_equals_single_process(comm, data):
     alone = train(cfg, MPI.COMM_SELF)
     for name, value in t.params.to_host_dict().items():
         np.testing.assert_allclose(value, alone[name], rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+def test_pipeline_and_tensor_layouts_are_refused_clearly(comm, data):
+    if comm.size < 2:
+        pytest.skip("needs two ranks for pp = 2")
+    mesh = Mesh(comm=comm, dp=comm.size // 2, pp=2)
+    cfg = config(data, train={"batch_size": 8 * comm.size})
+    with pytest.raises((LayoutError, QuietExit)) as info:
+        Trainer(cfg, mesh=mesh, **quiet)
+    if comm.rank == 0:
+        assert "only data parallelism (pp = tp = 1) is supported so far" in str(info.value)
+    mesh.free()

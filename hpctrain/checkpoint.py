@@ -420,7 +420,8 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
             state = _read_meta(f, path)
         except CheckpointError as e:
             problems.append(str(e))
-            lines.append(f"  kind: format {f.attrs['format']!r}, version {f.attrs.get('version')!r}")
+            lines.append(f"  kind: format {fmt.decode_attr(f.attrs['format'])!r}, "
+                         f"version {fmt.decode_attr(f.attrs.get('version'))}")
     if state is not None:
         lay = state.layout
         lines += [f"  kind: hpctrain checkpoint, format version {fmt.decode_attr(f.attrs['version'])}, "

@@ -81,17 +81,15 @@ class OptimConfig:
     lr: float = 0.01
     momentum: float = 0.0
     nesterov: bool = False
-    weight_decay: float = -1.0  # -1: torch.optim's default for `name`
+    weight_decay: float = -1.0  # unset: resolved to torch.optim's default for `name` below
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     schedule: str = "constant"
     warmup_steps: int = 0
 
-    @property
-    def decay(self) -> float:
-        if self.weight_decay >= 0:
-            return self.weight_decay
-        return 0.01 if self.name == "adamw" else 0.0
+    def __post_init__(self):
+        if self.weight_decay < 0:  # torch.optim's defaults: AdamW 0.01, SGD and Adam 0
+            object.__setattr__(self, "weight_decay", 0.01 if self.name == "adamw" else 0.0)
 
 
 @dataclass(frozen=True)
@@ -245,7 +243,6 @@ def _check_ranges(cfg: Config) -> None:
     need(o.lr >= 0, "optim.lr", f"must be >= 0, got {o.lr}")
     need(0 <= o.momentum < 1 or o.momentum == 0, "optim.momentum", f"must be in [0, 1), got {o.momentum}")
     need(not (o.nesterov and o.momentum <= 0), "optim.nesterov", "needs optim.momentum > 0 (as in torch.optim.SGD)")
-    need(o.weight_decay >= 0 or o.weight_decay == -1.0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
     need(all(0 <= b < 1 for b in o.betas), "optim.betas", f"each must be in [0, 1), got {list(o.betas)}")
     need(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
     need(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
@@ -276,6 +273,8 @@ def parse_config(data: dict, base_dir: str = ".", source: str = "<config>") -> C
                 values[key] = _parse_layers(value)
                 continue
             values[key] = _coerce(full, value, fields[key].type)
+            if (name, key) == ("optim", "weight_decay") and values[key] < 0:
+                raise ConfigError(f"{full}: must be >= 0, got {value!r}")
             choices = CHOICES.get((name, key))
             if choices and values[key] not in choices:
                 raise ConfigError(f"{full}: expected one of {', '.join(map(repr, choices))}, got {value!r}")

@@ -22,7 +22,7 @@ class Optimizer:
     def __init__(self, cfg, backend, params: FlatBuffer, grads: FlatBuffer):
         self.cfg, self.backend, self.params, self.grads = cfg, backend, params, grads
         self.name = cfg.name
-        self.weight_decay = cfg.decay
+        self.weight_decay = cfg.weight_decay
         self.step_count = 0
         if cfg.name == "sgd":
             slots = ("momentum_buffer",) if cfg.momentum != 0 else ()

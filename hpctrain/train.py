@@ -152,7 +152,7 @@ class Trainer:
             data_position=self.step % self.sampler.steps_per_epoch, config_text=cfg.to_toml(),
             layout=dict(mesh.layout), params=self.params.to_host_dict(), optim_name=self.optim.name,
             optim_step=self.optim.step_count, slots={k: v.to_host_dict() for k, v in self.optim.slots.items()},
-            rng={"data_seed": cfg.data.seed, "shuffle": int(cfg.data.shuffle), "init_seed": cfg.train.seed})
+            rng={"data_seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "init_seed": cfg.train.seed})
         t0 = time.perf_counter()
         path = ckpt.save_checkpoint(cfg.checkpoint.dir, state, keep=cfg.checkpoint.keep)
         self.log(f"checkpoint {path} written in {time.perf_counter() - t0:.2f} s")

@@ -57,6 +57,7 @@ def test_round_trip_through_toml(tmp_path):
     ("[optim]\nbetas = [0.9]", "optim.betas: expected an array of two floats"),
     ("[train]\nbatch_size = 0", "train.batch_size: must be >= 1"),
     ("[parallel]\ndp = 'many'", "parallel.dp: expected a positive integer or \"auto\""),
+    ("[optim]\nweight_decay = -1.0", "optim.weight_decay: must be >= 0, got -1.0"),
     ("[data]\nval_fraction = 1.0", r"data.val_fraction: must be in \[0, 1\)"),
 ])
 def test_errors_name_the_key(tmp_path, extra, message):

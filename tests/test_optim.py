@@ -58,10 +58,10 @@ def test_adam_first_step_by_hand():
 
 
 def test_default_weight_decay_follows_torch():
-    assert OptimConfig(name="adamw").decay == 0.01
-    assert OptimConfig(name="adam").decay == 0.0
-    assert OptimConfig(name="sgd").decay == 0.0
-    assert OptimConfig(name="adamw", weight_decay=0.0).decay == 0.0
+    assert OptimConfig(name="adamw").weight_decay == 0.01
+    assert OptimConfig(name="adam").weight_decay == 0.0
+    assert OptimConfig(name="sgd").weight_decay == 0.0
+    assert OptimConfig(name="adamw", weight_decay=0.0).weight_decay == 0.0
 
 
 def test_schedules():

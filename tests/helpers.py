@@ -42,3 +42,18 @@ def config(path, *, features=6, hidden=8, classes=3, loss="cross_entropy", **sec
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)
     return parse_config(data)
+
+
+def train_params(cfg, comm):
+    """Train ``cfg`` on a mesh over ``comm`` (collective) and return the final parameters by name."""
+    from hpctrain.dist.mesh import Mesh
+    from hpctrain.train import Trainer
+
+    mesh = Mesh(comm=comm)
+    try:
+        t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+        t.run()
+        t.close()
+        return t.params.to_host_dict()
+    finally:
+        mesh.free()

@@ -90,9 +90,9 @@ def test_optimizer_mismatch_is_refused(tmp_path, mesh):
 
 def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
     make_classification(tmp_path / "d.h5", n=96)
-    (tmp_path / "c.toml").write_text(f"""
+    (tmp_path / "c.toml").write_text("""
 [model]
-layers = [{{type = "linear", in = 6, out = 64}}, {{type = "relu"}}, {{type = "linear", in = 64, out = 3}}]
+layers = [{type = "linear", in = 6, out = 64}, {type = "relu"}, {type = "linear", in = 64, out = 3}]
 [data]
 path = "d.h5"
 inputs = "x"

@@ -60,42 +60,36 @@ class Linear(Layer):
         return dinp
 
 
-class ReLU(Layer):
+class _Activation(Layer):
+    """An element-wise activation: ``<kernel>_forward(x, out)`` and ``<kernel>_backward(saved, dout, dinp)``."""
+
+    kernel = ""
+    saves_output = False  # tanh's backward needs tanh(x), the others need x
+
     def forward(self, be, x):
         out = be.empty(x.shape)
-        be.relu_forward(x, out)
-        return out, x
+        getattr(be, f"{self.kernel}_forward")(x, out)
+        return out, (out if self.saves_output else x)
 
-    def backward(self, be, dout, x, accumulate=False, need_dinp=True):
-        dinp = be.empty(x.shape)
-        be.relu_backward(x, dout, dinp)
+    def backward(self, be, dout, saved, accumulate=False, need_dinp=True):
+        dinp = be.empty(saved.shape)
+        getattr(be, f"{self.kernel}_backward")(saved, dout, dinp)
         return dinp
 
 
-class GELU(Layer):
+class ReLU(_Activation):
+    kernel = "relu"
+
+
+class GELU(_Activation):
     """Exact GELU, 0.5·x·(1 + erf(x/√2)): torch.nn.GELU's default."""
 
-    def forward(self, be, x):
-        out = be.empty(x.shape)
-        be.gelu_forward(x, out)
-        return out, x
-
-    def backward(self, be, dout, x, accumulate=False, need_dinp=True):
-        dinp = be.empty(x.shape)
-        be.gelu_backward(x, dout, dinp)
-        return dinp
+    kernel = "gelu"
 
 
-class Tanh(Layer):
-    def forward(self, be, x):
-        out = be.empty(x.shape)
-        be.tanh_forward(x, out)
-        return out, out  # the backward pass needs tanh(x), not x
-
-    def backward(self, be, dout, y, accumulate=False, need_dinp=True):
-        dinp = be.empty(y.shape)
-        be.tanh_backward(y, dout, dinp)
-        return dinp
+class Tanh(_Activation):
+    kernel = "tanh"
+    saves_output = True
 
 
 class LayerNorm(Layer):

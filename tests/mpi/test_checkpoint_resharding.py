@@ -10,20 +10,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import config, make_classification
-from hpctrain.dist.mesh import Mesh
-from hpctrain.train import Trainer
-
-
-def train(cfg, comm):
-    mesh = Mesh(comm=comm)
-    try:
-        t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
-        t.run()
-        t.close()
-        return t.params.to_host_dict()
-    finally:
-        mesh.free()
+from helpers import config, make_classification, train_params as train
 
 
 @pytest.fixture

@@ -10,24 +10,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import config, make_classification
+from helpers import config, make_classification, train_params as train
 from hpctrain.dist.agree import QuietExit
 from hpctrain.dist.mesh import Mesh
 from hpctrain.errors import LayoutError
 from hpctrain.train import Trainer
 
 quiet = dict(log=lambda *a: None)
-
-
-def train(cfg, comm):
-    mesh = Mesh(comm=comm)
-    try:
-        t = Trainer(cfg, mesh=mesh, **quiet)
-        t.run()
-        t.close()
-        return t.params.to_host_dict()
-    finally:
-        mesh.free()
 
 
 def digest(params):

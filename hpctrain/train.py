@@ -295,6 +295,7 @@ class Trainer:
         return result
 
     def close(self):
+        self.sync.close()
         self.data.close()
 
 

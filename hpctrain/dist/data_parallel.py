@@ -136,6 +136,12 @@ class GradSync:
             self.backend.from_host_into(self.host, self.grads.data)
         self.wait_seconds = time.perf_counter() - t0
 
+    def close(self) -> None:
+        """Stop the communication thread, if any (not collective)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
 
 class _Reducer:
     """A daemon thread that sums submitted buffers over ``comm`` with blocking Allreduce, in order.
@@ -155,9 +161,16 @@ class _Reducer:
     def submit(self, buf) -> None:
         self.queue.put(buf)
 
+    def close(self) -> None:
+        """Stop the thread once what was submitted is done."""
+        self.queue.put(None)
+
     def _run(self):
         while True:
             buf = self.queue.get()
+            if buf is None:
+                self.queue.task_done()
+                return
             try:
                 if self.error is None:
                     self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)

@@ -31,6 +31,7 @@ from typing import NamedTuple
 from numba import cuda, float32, uint64
 
 from ..errors import BackendError
+from . import cuda_sim
 
 __all__ = ["GemmTile", "GPU_TILE", "SIM_TILE", "gemm_kernels", "launch_config", "EPI_STORE", "EPI_ACCUMULATE",
            "EPI_BIAS"]
@@ -77,6 +78,7 @@ def launch_config(tile: GemmTile, M: int, N: int):
 def gemm_kernels(tile: GemmTile):
     """The (nt, nn, tn) kernels for one tiling; compiled lazily on first launch, once per process."""
     tile.check()
+    cuda_sim.install()  # under the simulator: shared arrays that every thread of a block agrees on
     return (_make_gemm(tile, a_kmajor=True, b_kmajor=True),
             _make_gemm(tile, a_kmajor=True, b_kmajor=False),
             _make_gemm(tile, a_kmajor=False, b_kmajor=False))

@@ -30,6 +30,7 @@ import numpy as np
 from numba import cuda, float32, float64, int64
 
 from ..errors import BackendError
+from . import cuda_sim
 
 __all__ = ["ops_kernels", "reduce_shape"]
 
@@ -52,6 +53,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
     """Every non-GEMM kernel for blocks of ``nt`` threads; compiled lazily, once per process."""
     if nt < 2 or nt & (nt - 1) or nt > 1024:
         raise BackendError(f"CUDA block size {nt}: must be a power of two between 2 and 1024")
+    cuda_sim.install()  # under the simulator: shared arrays that every thread of a block agrees on
     RX, RY = reduce_shape(nt)
     NT = nt
 

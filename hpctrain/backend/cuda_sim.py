@@ -1,0 +1,84 @@
+"""A fix for numba-cuda's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``): thread-safe shared arrays.
+
+The simulator runs every GPU thread of a block as a Python thread and gives
+``cuda.shared.array(shape, dtype)`` block-wide identity by the calling source
+line: the first thread to reach the line creates the array and stores it in a
+per-launch dict, the others look it up. numba-cuda (0.30.x) does that
+check-then-store without a lock::
+
+    res = self._allocations.get(caller)        # thread A: None ... GIL switch
+    if res is None:                            # thread B: None, creates and stores its own
+        res = np.empty(shape, dtype)           # thread A: creates another one
+        self._allocations[caller] = res        # and overwrites B's
+
+so when the interpreter switches threads inside that window, threads of the
+block's first launch end up with *different* "shared" arrays: a block reduction
+or a GEMM tile then reads another thread's never-written ``np.empty`` memory
+(garbage, sometimes NaN) and the kernel silently returns wrong values. It is
+rare (about 1 launch in 500 with the test suite's 50 µs switch interval and a
+pytest-deep stack, under load), which made whole training runs fail now and then
+with "the gradients contain NaN or Inf". See tests/cuda/test_cuda_simulator.py.
+
+``install()`` replaces ``FakeCUDAShared.array`` with the same lookup, keyed by
+the same (file, line) of the caller, done under a lock. It is called by the
+kernel factories (cuda_ops.ops_kernels, cuda_gemm.gemm_kernels) and does
+nothing on a real GPU. Shared arrays still alias by source line, as before: one
+``cuda.shared.array(...)`` per line (docs: DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+__all__ = ["install"]
+
+_lock = threading.Lock()
+_installed = False
+
+
+def _simulator() -> bool:
+    from numba.cuda.core import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+def install() -> None:
+    """Make the simulator's static shared arrays thread-safe (idempotent; a no-op off the simulator)."""
+    global _installed
+    if _installed or not _simulator():
+        return
+    with _lock:
+        if _installed:
+            return
+        from numba.cuda.simulator import kernelapi
+
+        shared_cls = kernelapi.FakeCUDAShared
+        original = shared_cls.array
+
+        def array(self, shape, dtype, alignment=None):
+            # Dynamic shared memory (shape 0) and the alignment error take no per-line identity: as before.
+            if alignment is not None or (not isinstance(shape, tuple) and shape == 0):
+                return original(self, shape, dtype, alignment)
+            frame = sys._getframe(1)  # the kernel (or device function) line, as the simulator's stack[-2]
+            caller = (frame.f_code.co_filename, frame.f_lineno)
+            del frame
+            with _lock:  # one kernel runs at a time in the simulator: one lock for every launch is enough
+                res = self._allocations.get(caller)
+                if res is None:
+                    res = self._allocations[caller] = np.empty(shape, _as_dtype(dtype))
+            return res
+
+        array.__doc__ = "Thread-safe FakeCUDAShared.array (hpctrain.backend.cuda_sim)."
+        array._hpctrain_thread_safe = True
+        shared_cls.array = array
+        _installed = True
+
+
+def _as_dtype(dtype):
+    from numba.core import types
+    from numba.np import numpy_support
+
+    return numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else np.dtype(dtype)

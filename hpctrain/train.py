@@ -126,12 +126,27 @@ class Trainer:
             state = ckpt.load_checkpoint(c.resume, layout)
         if state is None:
             return None
+        self._warn_about_resume(state)
         wanted = set(self.optim.slots)
         if state.optim_name != self.optim.name or not wanted <= set(state.slots):
             raise CheckpointError(f"{state.path}: written with optimizer {state.optim_name!r} (slots "
                                   f"{', '.join(sorted(state.slots)) or 'none'}), but optim.name is {self.optim.name!r} "
                                   f"(slots {', '.join(sorted(wanted)) or 'none'})")
         return state
+
+    def _warn_about_resume(self, state):
+        """Log what would make a resumed run differ from the run that wrote the checkpoint."""
+        c, d = self.cfg.checkpoint, self.cfg.data
+        if c.dir:
+            newer = [step for step, _ in ckpt.list_checkpoints(c.dir) if step > state.step]
+            if newer:
+                self.log(f"warning: {c.dir} holds checkpoints newer than the one resumed (steps "
+                         f"{', '.join(map(str, newer))}); retention keeps the highest steps and resume = \"auto\" "
+                         "would pick them later: move them away if they belong to an abandoned run")
+        saved = {k: state.rng.get(k) for k in ("data_seed", "shuffle")}
+        now = {"data_seed": d.seed, "shuffle": d.shuffle}
+        if any(saved[k] is not None and saved[k] != now[k] for k in now):
+            self.log(f"warning: the data order changed since the checkpoint was written ({saved} then, {now} now)")
 
     def _broadcast_into(self, buf: FlatBuffer, arrays):
         """Rank 0's named host arrays (None on other ranks, or zeros) into ``buf`` on every rank."""

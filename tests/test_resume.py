@@ -128,3 +128,14 @@ def test_finished_run_reports_instead_of_training_again(tmp_path, mesh):
     assert again.step == 3
     assert any("training already finished: resumed at step 3 of 3" in line for line in lines)
     assert [step for step, _ in list_checkpoints(ckdir)] == [3]
+
+
+def test_resuming_an_older_checkpoint_warns_about_newer_ones(tmp_path, mesh):
+    make_classification(tmp_path / "d.h5", n=96)
+    ckdir = str(tmp_path / "ck")
+    run(config(tmp_path / "d.h5", train={"steps": 6}, checkpoint={"dir": ckdir, "every": 2}), mesh)
+    lines = []
+    Trainer(config(tmp_path / "d.h5", train={"steps": 6}, data={"seed": 7, "shuffle": True},
+                   checkpoint={"dir": ckdir, "resume": ckdir + "/ckpt-00000002.h5"}), mesh=mesh, log=lines.append)
+    assert any("holds checkpoints newer than the one resumed (steps 4, 6)" in line for line in lines), lines
+    assert any("warning: the data order changed" in line for line in lines), lines

@@ -137,3 +137,22 @@ def test_pipeline_and_tensor_layouts_are_refused_clearly(comm, data):
     if comm.rank == 0:
         assert "only data parallelism (pp = tp = 1) is supported so far" in str(info.value)
     mesh.free()
+
+
+def test_uneven_validation_shares_match_single_process(comm, shared_dir):
+    """31 validation rows split over the ranks unevenly: no hang, and the same loss and accuracy as one process."""
+    path = f"{shared_dir}/odd.h5"
+    if comm.rank == 0:
+        make_classification(path, n=124 + 31)  # val_fraction 0.2 -> 31 validation rows
+    comm.Barrier()
+    cfg = config(path, train={"steps": 3, "batch_size": 8 * comm.size}, data={"val_fraction": 0.2})
+    results = []
+    for c in (comm, MPI.COMM_SELF):
+        mesh = Mesh(comm=c)
+        t = Trainer(cfg, mesh=mesh, **quiet)
+        results.append(t.run())
+        t.close()
+        mesh.free()
+    world, alone = results
+    assert world["val_accuracy"] == pytest.approx(alone["val_accuracy"])
+    assert world["val_loss"] == pytest.approx(alone["val_loss"], rel=1e-5)

@@ -109,6 +109,7 @@ def test_micro_batches_equal_one_batch(tmp_path, mesh):
         np.testing.assert_allclose(results[0][name], results[1][name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
 def test_nonfinite_gradients_stop_or_skip(tmp_path, mesh):
     make_classification(tmp_path / "d.h5", n=64)
     cfg = config(tmp_path / "d.h5", train={"steps": 3}, optim={"lr": 1e38})

@@ -77,9 +77,13 @@ class GradSync:
         # Host buffers with MPI_THREAD_MULTIPLE: a communication thread runs blocking Allreduces while
         # backward goes on (MPI progresses nonblocking collectives only inside MPI calls, so Iallreduce
         # alone barely overlaps). Device buffers keep the nonblocking path on the caller's thread.
-        self.threaded = (self.active and overlap and not backend.is_device
-                         and MPI.Query_thread() == MPI.THREAD_MULTIPLE)
-        self._worker = _Reducer(comm) if self.threaded else None
+        threaded = self.active and overlap and not backend.is_device and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._worker = _Reducer(comm) if threaded else None
+
+    @property
+    def threaded(self) -> bool:
+        """True when a communication thread reduces the buckets."""
+        return self._worker is not None
 
     def _buffer(self, lo, hi):
         """What MPI reduces for [lo, hi): the gradient slice itself, or its host staging copy."""

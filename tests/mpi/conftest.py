@@ -31,3 +31,15 @@ def shared_dir(comm):
     comm.Barrier()
     if comm.rank == 0:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def data(shared_dir, comm):
+    """A 128-row classification file (tests/helpers.py) in the shared folder, written by rank 0."""
+    from helpers import make_classification
+
+    path = f"{shared_dir}/d.h5"
+    if comm.rank == 0:
+        make_classification(path, n=128)
+    comm.Barrier()
+    return path

@@ -10,15 +10,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import config, make_classification, train_params as train
+from helpers import config, train_params as train
 
 
 @pytest.fixture
-def job(shared_dir, comm):
-    path = f"{shared_dir}/d.h5"
-    if comm.rank == 0:
-        make_classification(path, n=128)
-    comm.Barrier()
+def job(data, comm):
+    path = data
 
     def cfg(**checkpoint):
         return config(path, train={"steps": 10, "batch_size": 8 * comm.size}, optim={"name": "adamw", "lr": 0.01},

@@ -26,15 +26,6 @@ def digest(params):
     return np.frombuffer(h.digest(), dtype=np.uint8).copy()
 
 
-@pytest.fixture
-def data(shared_dir, comm):
-    path = f"{shared_dir}/d.h5"
-    if comm.rank == 0:
-        make_classification(path, n=128)
-    comm.Barrier()
-    return path
-
-
 @pytest.mark.parametrize("optim", [{"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"name": "adamw", "lr": 0.01}],
                          ids=["sgd", "adamw"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])

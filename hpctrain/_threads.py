@@ -2,9 +2,10 @@
 
 Several ranks on one node each starting one BLAS thread per core oversubscribe
 the node many times over (a 40x slowdown was measured with 2 ranks on 2 cores).
-Like torchrun, hpctrain sets OMP_NUM_THREADS / OPENBLAS_NUM_THREADS /
-MKL_NUM_THREADS to cores // ranks-on-this-node when the launcher tells how many
-ranks share the node and the user has set none of them. This only works if it
+Where torchrun sets OMP_NUM_THREADS=1, hpctrain gives each rank its share:
+OMP_NUM_THREADS / OPENBLAS_NUM_THREADS / MKL_NUM_THREADS = the cores this rank
+is bound to, or cores // ranks-on-this-node when it is not bound, when the
+launcher tells how many ranks share the node and the user has set none of them. This only works if it
 runs before numpy is first imported, so ``hpctrain/__init__.py`` calls it first.
 """
 
@@ -21,8 +22,10 @@ def share_cores_between_local_ranks(environ=os.environ) -> None:
     for var in _LOCAL_SIZE_VARS:
         value = environ.get(var, "").split("(")[0]  # SLURM_NTASKS_PER_NODE may read "2(x4)"
         if value.isdigit() and int(value) > 1:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            threads = str(max(1, cores // int(value)))
+            node = os.cpu_count() or 1
+            mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else node
+            # a launcher that bound this rank to its own cores has already shared the node out
+            threads = str(mine if mine < node else max(1, node // int(value)))
             for name in _THREAD_VARS:
                 environ[name] = threads
             if "numpy" in sys.modules:  # too late for the variables: BLAS has started its threads

@@ -50,6 +50,7 @@ def _train(args) -> int:
         trainer.run()
     finally:
         trainer.close()
+    mesh.free()  # collective: only on the way out of a run every rank finished
     return 0
 
 

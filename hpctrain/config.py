@@ -12,7 +12,6 @@ resolve against the folder of the config file, including paths given with
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
 import tomllib
@@ -123,10 +122,6 @@ class Config:
 
     def to_toml(self) -> str:
         return config_to_toml(self)
-
-    def digest(self) -> str:
-        """A hash of the resolved config, compared across ranks at start-up."""
-        return hashlib.sha256(self.to_toml().encode()).hexdigest()
 
 
 SECTIONS = {
@@ -241,7 +236,7 @@ def _check_ranges(cfg: Config) -> None:
     need(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 = off), got {t.grad_clip}")
     need(t.micro_batches >= 1, "train.micro_batches", f"must be >= 1, got {t.micro_batches}")
     need(o.lr >= 0, "optim.lr", f"must be >= 0, got {o.lr}")
-    need(0 <= o.momentum < 1 or o.momentum == 0, "optim.momentum", f"must be in [0, 1), got {o.momentum}")
+    need(0 <= o.momentum < 1, "optim.momentum", f"must be in [0, 1), got {o.momentum}")
     need(not (o.nesterov and o.momentum <= 0), "optim.nesterov", "needs optim.momentum > 0 (as in torch.optim.SGD)")
     need(all(0 <= b < 1 for b in o.betas), "optim.betas", f"each must be in [0, 1), got {list(o.betas)}")
     need(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")

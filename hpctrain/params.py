@@ -9,7 +9,6 @@ buffer and the optimizer step is one kernel over the whole buffer.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
@@ -70,8 +69,13 @@ class ParamLayout:
         """One line per parameter: ``name shape offset``; what ranks hash and compare."""
         return "\n".join(f"{s.name} {'x'.join(map(str, s.shape))} {s.offset}" for s in self.specs)
 
-    def digest(self) -> str:
-        return hashlib.sha256(self.describe().encode()).hexdigest()
+    def pack(self, arrays: dict[str, np.ndarray] | None) -> np.ndarray:
+        """Named arrays -> one flat float32 host array in this layout (zeros when ``arrays`` is None)."""
+        host = np.zeros(self.size, dtype=np.float32)
+        if arrays is not None:
+            for s in self.specs:
+                host[s.offset : s.end] = np.asarray(arrays[s.name], dtype=np.float32).reshape(-1)
+        return host
 
     def first_difference(self, other_description: str) -> str:
         """Say where another rank's ``describe()`` first differs from this one."""
@@ -103,7 +107,4 @@ class FlatBuffer:
         return {s.name: np.array(host[s.offset : s.end].reshape(s.shape)) for s in self.layout}
 
     def load_host_dict(self, arrays: dict[str, np.ndarray]) -> None:
-        host = np.empty(self.layout.size, dtype=np.float32)
-        for s in self.layout:
-            host[s.offset : s.end] = np.asarray(arrays[s.name], dtype=np.float32).reshape(-1)
-        self.backend.copy_(self.data, self.backend.asarray(host))
+        self.backend.copy_(self.data, self.backend.asarray(self.layout.pack(arrays)))

@@ -27,7 +27,7 @@ from .data import Sampler, open_dataset
 from .dist.agree import QuietExit, check_same_everywhere, run_everywhere
 from .dist.data_parallel import GradSync
 from .dist.mesh import mpi_cuda_aware
-from .errors import CheckpointError, DataError, LayoutError, NonFiniteError
+from .errors import CheckpointError, ConfigError, DataError, LayoutError, NonFiniteError
 from .nn import Sequential, make_loss
 from .optim import clip_coefficient, lr_at, make_optimizer
 from .params import FlatBuffer
@@ -80,11 +80,20 @@ class Trainer:
         problem = self.data.scan(n * mesh.rank // mesh.size, n * (mesh.rank + 1) // mesh.size)
         if problem:
             raise DataError(problem)
+        if self.rank0:
+            self._check_outputs()
         ca = cfg.parallel.cuda_aware
         self.cuda_aware = bool(self.be.is_device and (mpi_cuda_aware() if ca == "auto" else ca))
         if self.cuda_aware and getattr(self.be, "simulator", False):
             self.log("parallel.cuda_aware: simulated device arrays have no device pointer; staging through host memory")
             self.cuda_aware = False
+
+    def _check_outputs(self):
+        """On rank 0: the metrics file and the checkpoint folder can be written (creates nothing)."""
+        if self.cfg.train.metrics:
+            _check_writable("train.metrics", self.cfg.train.metrics, folder=False)
+        if self.cfg.checkpoint.dir:
+            _check_writable("checkpoint.dir", self.cfg.checkpoint.dir, folder=True)
 
     def _init_state(self):
         """Buffers and optimizer, then the starting point: a checkpoint, a weights file or a fresh init.
@@ -97,17 +106,17 @@ class Trainer:
         self.grads = FlatBuffer(self.be, self.model.layout)
         self.model.bind(self.params, self.grads)
         self.optim = make_optimizer(cfg.optim, self.be, self.params, self.grads)
-        state = run_everywhere(self.mesh.world, self._read_start if self.rank0 else lambda: None)
+        # rank 0 reads whatever file is involved; a bad file is reported before any broadcast
+        state, weights = run_everywhere(self.mesh.world, self._read_start if self.rank0 else lambda: (None, None))
         header = np.zeros(2, dtype=np.int64)  # step, optimizer step
         if state is not None:
             header[:] = state.step, state.optim_step
+            weights = state.params
             self.log(f"resuming from {state.path} at step {state.step}"
                      + (f" (checkpoint.init {cfg.checkpoint.init} ignored)" if cfg.checkpoint.init else ""))
-            weights = state.params
-        elif cfg.checkpoint.init and self.rank0:
-            weights = ckpt.load_weights(cfg.checkpoint.init, self.model.layout)
+        elif weights is not None:
             self.log(f"initial weights from {cfg.checkpoint.init}")
-        else:
+        elif self.rank0:
             weights = self.model.init_params(cfg.train.seed)
         self.mesh.world.Bcast(header, root=0)
         self.step, self.optim.step_count = int(header[0]), int(header[1])
@@ -116,23 +125,27 @@ class Trainer:
             self._broadcast_into(buf, state.slots[slot] if state is not None else None)
 
     def _read_start(self):
-        """On rank 0: the checkpoint to resume from (or None), checked against this run's model and optimizer."""
+        """On rank 0: (checkpoint state or None, ``checkpoint.init`` weights or None), checked against this run."""
         c, layout = self.cfg.checkpoint, self.model.layout
-        if c.resume == "never":
-            return None
+        state = None
         if c.resume == "auto":
             state = ckpt.find_resume(c.dir, layout, self.log) if c.dir else None
-        else:
+        elif c.resume != "never":
             state = ckpt.load_checkpoint(c.resume, layout)
+        elif c.dir and ckpt.list_checkpoints(c.dir):
+            steps = ", ".join(str(step) for step, _ in ckpt.list_checkpoints(c.dir))
+            raise CheckpointError(f"checkpoint.dir {c.dir} already holds checkpoints (steps {steps}); with "
+                                  "checkpoint.resume = \"never\" this run's checkpoints would mix with them (and "
+                                  "retention could delete this run's): use a new checkpoint.dir or move them away")
         if state is None:
-            return None
+            return None, (ckpt.load_weights(c.init, layout) if c.init else None)
         self._warn_about_resume(state)
         wanted = set(self.optim.slots)
         if state.optim_name != self.optim.name or not wanted <= set(state.slots):
             raise CheckpointError(f"{state.path}: written with optimizer {state.optim_name!r} (slots "
                                   f"{', '.join(sorted(state.slots)) or 'none'}), but optim.name is {self.optim.name!r} "
                                   f"(slots {', '.join(sorted(wanted)) or 'none'})")
-        return state
+        return state, None
 
     def _warn_about_resume(self, state):
         """Log what would make a resumed run differ from the run that wrote the checkpoint."""
@@ -149,11 +162,8 @@ class Trainer:
             self.log(f"warning: the data order changed since the checkpoint was written ({saved} then, {now} now)")
 
     def _broadcast_into(self, buf: FlatBuffer, arrays):
-        """Rank 0's named host arrays (None on other ranks, or zeros) into ``buf`` on every rank."""
-        host = np.zeros(self.model.layout.size, dtype=np.float32)
-        if self.rank0 and arrays is not None:
-            for spec in self.model.layout:
-                host[spec.offset : spec.end] = np.asarray(arrays[spec.name], dtype=np.float32).reshape(-1)
+        """Rank 0's named host arrays (None: zeros) into ``buf`` on every rank."""
+        host = self.model.layout.pack(arrays if self.rank0 else None)
         self.mesh.world.Bcast(host, root=0)
         self.be.copy_(buf.data, self.be.asarray(host))
 
@@ -186,7 +196,7 @@ class Trainer:
             self.log(f"training already finished: resumed at step {self.step} of {t.steps} (to train again, set "
                      "checkpoint.resume = \"never\", a new checkpoint.dir, or more train.steps)")
             return self._log_eval(_Metrics("")) if self.data.n_val else {}
-        metrics = _Metrics(t.metrics if self.rank0 else "", append=self.step > 0)
+        metrics = _Metrics(t.metrics if self.rank0 else "", resume_step=self.step)
         window = _Window()
         last = {}
         stop = _StopFlag()
@@ -315,22 +325,66 @@ class Trainer:
 
 
 class _Metrics:
-    """JSONL metrics on rank 0: one object a line, flushed as written; appended to when resuming."""
+    """JSONL metrics on rank 0: one object a line, flushed as written.
 
-    def __init__(self, path, append=False):
+    A resumed run keeps the lines up to the step it resumes from and appends after them.
+    NaN and Inf (a skipped non-finite step) are written as null, so every line is valid JSON.
+    """
+
+    def __init__(self, path, resume_step=0):
         self.f = None
-        if path:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            self.f = open(path, "a" if append else "w")
+        if not path:
+            return
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if resume_step > 0 and os.path.exists(path):
+            _truncate_after(path, resume_step)
+            self.f = open(path, "a")
+        else:
+            self.f = open(path, "w")
 
     def write(self, record):
         if self.f:
-            self.f.write(json.dumps(record) + "\n")
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+            self.f.write(json.dumps(clean, allow_nan=False) + "\n")
             self.f.flush()
 
     def close(self):
         if self.f:
             self.f.close()
+
+
+def _check_writable(key, path, *, folder):
+    """ConfigError unless ``path`` (a folder or a file) exists writable, or can be created."""
+    if os.path.exists(path):
+        if os.path.isdir(path) != folder:
+            raise ConfigError(f"{key}: {path} is {'not a folder' if folder else 'a folder'}")
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"{key}: {path} is not writable")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: cannot create {path}: {parent} is not a writable folder")
+
+
+def _truncate_after(path, step):
+    """Drop the metrics lines of steps after ``step`` (left by a run that went on past the checkpoint)."""
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            record_step = json.loads(line).get("step", 0)
+        except (ValueError, AttributeError):
+            record_step = 0  # not a metrics record: keep it as it is
+        if not isinstance(record_step, int) or record_step <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
 
 
 class _Window:

@@ -42,7 +42,6 @@ def test_round_trip_through_toml(tmp_path):
     cfg = load_config(write(tmp_path, BASE), ["optim.name=adam", "train.steps=3"])
     again = load_config(write(tmp_path, cfg.to_toml(), "again.toml"))
     assert again.to_toml() == cfg.to_toml()
-    assert again.digest() == cfg.digest()
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -1,5 +1,6 @@
 """Resuming is exact: N steps straight equal N/2 steps, a checkpoint, and N/2 more, bit for bit."""
 
+import json
 import os
 import signal
 import subprocess
@@ -69,9 +70,14 @@ def test_resume_never_and_init_ignored(tmp_path, mesh):
     make_classification(tmp_path / "d.h5", n=96)
     ckdir = str(tmp_path / "ck")
     first = run(config(tmp_path / "d.h5", train={"steps": 3}, checkpoint={"dir": ckdir}), mesh)
-    fresh = Trainer(config(tmp_path / "d.h5", train={"steps": 6}, checkpoint={"dir": ckdir, "resume": "never"}),
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints \(steps 3\); with checkpoint.resume = \"never\""):
+        Trainer(config(tmp_path / "d.h5", train={"steps": 6}, checkpoint={"dir": ckdir, "resume": "never"}),
+                mesh=mesh, log=lambda *a: None)
+    fresh = Trainer(config(tmp_path / "d.h5", train={"steps": 6}, checkpoint={"dir": ckdir + "-new", "resume": "never",
+                                                                              "init": ckdir + "/ckpt-00000003.h5"}),
                     mesh=mesh, log=lambda *a: None)
-    assert fresh.step == 0
+    assert fresh.step == 0  # a fresh start from the checkpoint's weights
+    np.testing.assert_array_equal(fresh.params.to_host_dict()["0.weight"], first.params.to_host_dict()["0.weight"])
     lines = []
     Trainer(config(tmp_path / "d.h5", train={"steps": 6}, checkpoint={"dir": ckdir, "init": ckdir + "/ckpt-00000003.h5"}),
             mesh=mesh, log=lines.append)
@@ -139,3 +145,14 @@ def test_resuming_an_older_checkpoint_warns_about_newer_ones(tmp_path, mesh):
                    checkpoint={"dir": ckdir, "resume": ckdir + "/ckpt-00000002.h5"}), mesh=mesh, log=lines.append)
     assert any("holds checkpoints newer than the one resumed (steps 4, 6)" in line for line in lines), lines
     assert any("warning: the data order changed" in line for line in lines), lines
+
+
+def test_metrics_resume_drops_lines_past_the_checkpoint(tmp_path, mesh):
+    make_classification(tmp_path / "d.h5", n=96)
+    ckdir, metrics = str(tmp_path / "ck"), tmp_path / "m.jsonl"
+    train = {"steps": 6, "metrics": str(metrics), "log_every": 1}
+    run(config(tmp_path / "d.h5", train=train, checkpoint={"dir": ckdir, "every": 3}), mesh)
+    run(config(tmp_path / "d.h5", train=train, checkpoint={"dir": ckdir, "resume": ckdir + "/ckpt-00000003.h5"}),
+        mesh)
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
+    assert steps == [1, 2, 3, 4, 5, 6]

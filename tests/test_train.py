@@ -116,9 +116,13 @@ def test_nonfinite_gradients_stop_or_skip(tmp_path, mesh):
     with pytest.raises(NonFiniteError, match=r"step \d+: the gradients contain NaN or Inf"):
         Trainer(cfg, mesh=mesh, log=lambda *a: None).run()
     lines = []
-    cfg = config(tmp_path / "d.h5", train={"steps": 3, "skip_nonfinite": True}, optim={"lr": 1e38})
+    metrics = tmp_path / "m.jsonl"
+    cfg = config(tmp_path / "d.h5", train={"steps": 3, "skip_nonfinite": True, "metrics": str(metrics)},
+                 optim={"lr": 1e38})
     Trainer(cfg, mesh=mesh, log=lines.append).run()
     assert any("non-finite gradients, step skipped" in line for line in lines)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]  # strict JSON: null, not NaN
+    assert any(r.get("skipped") and r["grad_norm"] is None for r in records)
 
 
 def test_training_learns_and_writes_metrics(tmp_path, mesh):

@@ -147,3 +147,14 @@ def test_uneven_validation_shares_match_single_process(comm, shared_dir):
     world, alone = results
     assert world["val_accuracy"] == pytest.approx(alone["val_accuracy"])
     assert world["val_loss"] == pytest.approx(alone["val_loss"], rel=1e-5)
+
+
+def test_bad_init_file_is_reported_without_a_hang(comm, data, shared_dir):
+    """Only rank 0 reads checkpoint.init: its failure must reach every rank before any broadcast."""
+    from hpctrain.errors import CheckpointError
+
+    cfg = config(data, train={"batch_size": 8 * comm.size}, checkpoint={"init": f"{shared_dir}/missing.h5"})
+    mesh = Mesh(comm=comm)
+    with pytest.raises(CheckpointError if comm.rank == 0 else QuietExit):
+        Trainer(cfg, mesh=mesh, **quiet)
+    mesh.free()

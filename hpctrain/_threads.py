@@ -1,7 +1,8 @@
 """Share the node's cores between the ranks on it, before numpy's BLAS starts its threads.
 
 Several ranks on one node each starting one BLAS thread per core oversubscribe
-the node many times over (a 40x slowdown was measured with 2 ranks on 2 cores).
+the node many times over: the digits job on 2 ranks on 2 cores ran at 1,835 samples/s with
+2 BLAS threads per rank against 112,113 with 1 (docs/performance.md has the command).
 Where torchrun sets OMP_NUM_THREADS=1, hpctrain gives each rank its share:
 OMP_NUM_THREADS / OPENBLAS_NUM_THREADS / MKL_NUM_THREADS = the cores this rank
 is bound to, or cores // ranks-on-this-node when it is not bound, when the

@@ -52,11 +52,12 @@ class GradSync:
 
     Every rank must issue the same collectives in the same order, so what is
     started when depends only on the layer events, never on a rank-local test
-    of completion: each ``layer_done`` starts at most one ready bucket (several
-    large nonblocking Allreduces in flight together ran at ~0.55x the bandwidth
-    of a bare Allreduce on MPICH's shared memory), and ``wait`` reduces the
-    buckets not yet started with blocking Allreduces, bucket by bucket (25 MB
-    pieces ran at about twice the bandwidth of one 100 MB Allreduce).
+    of completion. With host buffers and MPI_THREAD_MULTIPLE, ready buckets go
+    in order to a communication thread running one blocking Allreduce each.
+    Otherwise each ``layer_done`` starts at most one ready bucket's Iallreduce,
+    and ``wait`` reduces the buckets not yet started with blocking Allreduces,
+    bucket by bucket: on MPICH's shared memory 25 MB pieces ran at 2.3-2.5x the
+    bandwidth of one 100 MB Allreduce (bench/bench_allreduce_patterns.py).
     """
 
     def __init__(self, *, comm, backend, grads, layer_ranges, bucket_mb: float, overlap: bool, cuda_aware: bool):

@@ -8,26 +8,17 @@ error_model="numpy". Both are checked against each other before timing.
 """
 
 import argparse
-import math
 import time
 
 import numba
 import numpy as np
 
+from hpctrain.backend.cpu import _adam_update
+
 
 def make(**options):
-    @numba.njit(**options)
-    def adam(p, g, m, v, step_size, beta1, beta2, bc2_sqrt, eps, l2, keep):
-        one = np.float32(1.0)
-        for i in range(p.size):
-            w = p[i] * keep
-            d = g[i] + l2 * p[i]
-            mi = beta1 * m[i] + (one - beta1) * d
-            vi = beta2 * v[i] + (one - beta2) * d * d
-            m[i] = mi
-            v[i] = vi
-            p[i] = w - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
-    return adam
+    """The library's own Adam kernel source (cpu._adam_update), compiled with ``options``."""
+    return numba.njit(**options)(_adam_update.py_func)
 
 
 def main():

@@ -57,3 +57,27 @@ def train_params(cfg, comm):
         return t.params.to_host_dict()
     finally:
         mesh.free()
+
+
+def toml_job(hidden=8, **sections):
+    """Config-file text of a 6 -> hidden -> 3 MLP on d.h5 (x, y) beside it, CPU backend, batch 8.
+
+    ``sections`` add or replace keys: ``toml_job(train={"steps": 5}, checkpoint={"dir": "ck"})``.
+    """
+    layers = (f'[{{type = "linear", in = 6, out = {hidden}}}, {{type = "relu"}}, '
+              f'{{type = "linear", in = {hidden}, out = 3}}]')
+    tables = {"data": {"path": "d.h5", "inputs": "x", "targets": "y"},
+              "train": {"batch_size": 8, "steps": 3, "backend": "cpu"}}
+    for name, values in sections.items():
+        tables.setdefault(name, {}).update(values)
+    lines = ["[model]", f"layers = {layers}"]
+    for name, values in tables.items():
+        lines.append(f"[{name}]")
+        lines += [f"{key} = {_toml(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value):
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)

@@ -8,26 +8,11 @@ import sys
 
 import pytest
 
-from helpers import make_classification
+from helpers import make_classification, toml_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-GOOD = """
-[model]
-layers = [{type = "linear", in = 6, out = 8}, {type = "relu"}, {type = "linear", in = 8, out = 3}]
-[data]
-path = "d.h5"
-inputs = "x"
-targets = "y"
-[train]
-batch_size = 8
-steps = 3
-backend = "cpu"
-log_every = 1
-metrics = "out/m.jsonl"
-[checkpoint]
-dir = "out"
-"""
+GOOD = toml_job(train={"log_every": 1, "metrics": "out/m.jsonl"}, checkpoint={"dir": "out"})
 
 
 def hpctrain(*args, cwd=ROOT, launcher=()):

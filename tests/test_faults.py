@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import make_classification
+from helpers import make_classification, toml_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = shutil.which("mpiexec")
@@ -28,18 +28,7 @@ train.Trainer._train_step = failing
 sys.exit(main(["train", sys.argv[1]]))
 """
 
-CONFIG = """
-[model]
-layers = [{type = "linear", in = 6, out = 3}]
-[data]
-path = "d.h5"
-inputs = "x"
-targets = "y"
-[train]
-batch_size = 8
-steps = 50
-backend = "cpu"
-"""
+CONFIG = toml_job(train={"steps": 50})
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import config, make_classification
+from helpers import config, make_classification, toml_job
 from hpctrain.checkpoint import list_checkpoints, load_checkpoint
 from hpctrain.dist.mesh import Mesh
 from hpctrain.errors import CheckpointError
@@ -96,21 +96,8 @@ def test_optimizer_mismatch_is_refused(tmp_path, mesh):
 
 def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
     make_classification(tmp_path / "d.h5", n=96)
-    (tmp_path / "c.toml").write_text("""
-[model]
-layers = [{type = "linear", in = 6, out = 64}, {type = "relu"}, {type = "linear", in = 64, out = 3}]
-[data]
-path = "d.h5"
-inputs = "x"
-targets = "y"
-[train]
-batch_size = 8
-steps = 100000000
-backend = "cpu"
-log_every = 1000
-[checkpoint]
-dir = "ck"
-""")
+    (tmp_path / "c.toml").write_text(toml_job(hidden=64, train={"steps": 100_000_000, "log_every": 1000},
+                                              checkpoint={"dir": "ck"}))
     proc = subprocess.Popen([sys.executable, "-m", "hpctrain", "train", str(tmp_path / "c.toml")], cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

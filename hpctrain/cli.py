@@ -73,20 +73,9 @@ def _where() -> str:
     return ""
 
 
-def _abort(code: int) -> None:
-    try:
-        from mpi4py import MPI
-
-        if MPI.Is_initialized() and MPI.COMM_WORLD.Get_size() > 1:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(code)
-    except ImportError:
-        pass
-
-
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    from .dist.abort import abort_world
     from .dist.agree import QuietExit
 
     try:
@@ -96,14 +85,14 @@ def main(argv=None) -> int:
     except HpctrainError as e:
         print(f"hpctrain: error{_where()}: {e}", file=sys.stderr)
         if not getattr(e, "collective", False):
-            _abort(2)
+            abort_world(2)
         return 2
     except KeyboardInterrupt:
         print(f"hpctrain: interrupted{_where()}", file=sys.stderr)
-        _abort(130)
+        abort_world(130)
         return 130
     except Exception as e:  # a bug, or a failure on this rank only: never leave the other ranks waiting
         traceback.print_exc()
         print(f"hpctrain: error{_where()}: {type(e).__name__}: {e}", file=sys.stderr)
-        _abort(1)
+        abort_world(1)
         return 1

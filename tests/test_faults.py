@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -15,6 +16,7 @@ MPIEXEC = shutil.which("mpiexec")
 # rank 1 raises in its third step while rank 0 goes on into the gradient Allreduce
 SCRIPT = """
 import sys
+import time
 from mpi4py import MPI
 import hpctrain.train as train
 from hpctrain.cli import main
@@ -40,3 +42,32 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path):
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "hpctrain: error [rank 1/2]: RuntimeError: disk on fire" in proc.stderr, proc.stderr
+
+
+# the child writes to its stdout pipe, then drains it; the parent reads only after a pause
+DRAIN = """
+import sys, time
+from hpctrain.dist.abort import drain_stdio
+sys.stdout.write("x" * 4096)
+print("draining", file=sys.stderr, flush=True)
+t = time.monotonic()
+drain_stdio(timeout=float(sys.argv[1]))
+print(f"{time.monotonic() - t:.3f}", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("read_after, timeout", [(0.5, 10.0), (None, 0.5)])
+def test_drain_stdio_waits_until_the_launcher_has_read_the_output(read_after, timeout):
+    """Abort comes only once the pipe to the launcher is empty, or the deadline has passed."""
+    proc = subprocess.Popen([sys.executable, "-c", DRAIN, str(timeout)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr.readline() == "draining\n"
+    if read_after is not None:
+        time.sleep(read_after)
+        assert len(proc.stdout.read(4096)) == 4096
+    proc.wait(timeout=30)
+    waited = float(proc.stderr.read())
+    if read_after is not None:
+        assert read_after - 0.1 < waited < timeout  # waited for the reader, not for the deadline
+    else:
+        assert timeout <= waited < timeout + 2.0  # nobody read: gave up at the deadline

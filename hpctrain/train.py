@@ -49,7 +49,15 @@ class Trainer:
         check_same_everywhere(mesh.world, "config", cfg.to_toml(), lambda theirs: _first_line_diff(cfg.to_toml(), theirs))
         check_same_everywhere(mesh.world, "parameter layout", self.model.layout.describe(),
                               self.model.layout.first_difference)
-        run_everywhere(mesh.world, self._init_state)
+        # the gradient sync takes a different sequence of MPI calls on a device than on the host
+        check_same_everywhere(mesh.world, "backend", self.be.name,
+                              lambda theirs: f"{self.be.name} here, {theirs} on rank 0 (train.backend = "
+                                             f"{cfg.train.backend!r}; every rank must run the same backend)")
+        run_everywhere(mesh.world, self._make_state)
+        # rank 0 reads whatever file is involved; a bad file is reported before any broadcast
+        start = run_everywhere(mesh.world, self._read_start if self.rank0 else lambda: (None, None))
+        hosts = self._broadcast_start(*start)
+        run_everywhere(mesh.world, lambda: self._load_start(hosts))
         self.sync = GradSync(comm=mesh.dp_comm, backend=self.be, grads=self.grads, layer_ranges=self.model.grad_ranges,
                              bucket_mb=cfg.parallel.bucket_mb, overlap=cfg.parallel.overlap,
                              cuda_aware=self.cuda_aware)
@@ -95,19 +103,20 @@ class Trainer:
         if self.cfg.checkpoint.dir:
             _check_writable("checkpoint.dir", self.cfg.checkpoint.dir, folder=True)
 
-    def _init_state(self):
-        """Buffers and optimizer, then the starting point: a checkpoint, a weights file or a fresh init.
-
-        Rank 0 reads whatever file is involved; its parameters, optimizer slots and step are
-        broadcast so every rank starts identical.
-        """
-        cfg = self.cfg
+    def _make_state(self):
+        """Parameter and gradient buffers and the optimizer with its slots (run on every rank)."""
         self.params = FlatBuffer(self.be, self.model.layout)
         self.grads = FlatBuffer(self.be, self.model.layout)
         self.model.bind(self.params, self.grads)
-        self.optim = make_optimizer(cfg.optim, self.be, self.params, self.grads)
-        # rank 0 reads whatever file is involved; a bad file is reported before any broadcast
-        state, weights = run_everywhere(self.mesh.world, self._read_start if self.rank0 else lambda: (None, None))
+        self.optim = make_optimizer(self.cfg.optim, self.be, self.params, self.grads)
+
+    def _broadcast_start(self, state, weights):
+        """Rank 0's starting point (a checkpoint, a weights file or a fresh init) to every rank's host memory.
+
+        Only broadcasts here: nothing between them can fail on one rank alone. Returns packed host
+        arrays, ``{"params": ..., slot: ...}``, for ``_load_start``.
+        """
+        cfg = self.cfg
         header = np.zeros(2, dtype=np.int64)  # step, optimizer step
         if state is not None:
             header[:] = state.step, state.optim_step
@@ -120,9 +129,19 @@ class Trainer:
             weights = self.model.init_params(cfg.train.seed)
         self.mesh.world.Bcast(header, root=0)
         self.step, self.optim.step_count = int(header[0]), int(header[1])
-        self._broadcast_into(self.params, weights)
+        sources = {"params": weights}
+        sources.update({slot: state.slots[slot] if state is not None else None for slot in self.optim.slots})
+        hosts = {}
+        for name, arrays in sources.items():  # None: zeros
+            hosts[name] = self.model.layout.pack(arrays if self.rank0 else None)
+            self.mesh.world.Bcast(hosts[name], root=0)
+        return hosts
+
+    def _load_start(self, hosts):
+        """The broadcast starting point into the backend's buffers (run on every rank: a device may run out)."""
+        self.be.copy_(self.params.data, self.be.asarray(hosts["params"]))
         for slot, buf in self.optim.slots.items():
-            self._broadcast_into(buf, state.slots[slot] if state is not None else None)
+            self.be.copy_(buf.data, self.be.asarray(hosts[slot]))
 
     def _read_start(self):
         """On rank 0: (checkpoint state or None, ``checkpoint.init`` weights or None), checked against this run."""
@@ -160,12 +179,6 @@ class Trainer:
         now = {"data_seed": d.seed, "shuffle": d.shuffle}
         if any(saved[k] is not None and saved[k] != now[k] for k in now):
             self.log(f"warning: the data order changed since the checkpoint was written ({saved} then, {now} now)")
-
-    def _broadcast_into(self, buf: FlatBuffer, arrays):
-        """Rank 0's named host arrays (None: zeros) into ``buf`` on every rank."""
-        host = self.model.layout.pack(arrays if self.rank0 else None)
-        self.mesh.world.Bcast(host, root=0)
-        self.be.copy_(buf.data, self.be.asarray(host))
 
     def save_checkpoint(self) -> str:
         """Write a checkpoint of the current step on rank 0 (not collective); returns its path there."""

@@ -44,6 +44,62 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path):
     assert "hpctrain: error [rank 1/2]: RuntimeError: disk on fire" in proc.stderr, proc.stderr
 
 
+# rank 1 alone fails at one point of the set-up; the job must end at once, with rank 1's message
+SETUP_FAILURE = """
+import sys
+from mpi4py import MPI
+import hpctrain.train as train
+from hpctrain.cli import main
+from hpctrain.errors import BackendError
+
+where = sys.argv[2]
+if MPI.COMM_WORLD.rank == 1:
+    if where == "make_optimizer":  # a device out of memory while the optimizer slots are made
+        def make_optimizer(*args, **kwargs):
+            raise BackendError("zeros: out of GPU memory (simulated)")
+        train.make_optimizer = make_optimizer
+    elif where == "load_start":  # a device out of memory while the broadcast start is copied in
+        def load_start(self, hosts):
+            raise BackendError("asarray: out of GPU memory (simulated)")
+        train.Trainer._load_start = load_start
+    elif where == "backend":  # backend = "auto" picked another backend on this rank
+        original = train.Trainer._build
+        def build(self):
+            original(self)
+            self.be = type("OtherBackend", (type(self.be),), {"name": "cuda"})()
+        train.Trainer._build = build
+sys.exit(main(["train", sys.argv[1]]))
+"""
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+@pytest.mark.parametrize("where, message", [
+    ("make_optimizer", "hpctrain: error [rank 1/2]: zeros: out of GPU memory (simulated)"),
+    ("load_start", "hpctrain: error [rank 1/2]: asarray: out of GPU memory (simulated)"),
+    ("backend", "hpctrain: error [rank 0/2]: rank 1 has a different backend from rank 0: cuda here, cpu on rank 0"),
+])
+def test_a_set_up_failure_on_one_rank_ends_the_job_without_a_hang(tmp_path, where, message):
+    make_classification(tmp_path / "d.h5", n=64)
+    (tmp_path / "c.toml").write_text(CONFIG)
+    (tmp_path / "fail.py").write_text(SETUP_FAILURE)
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(tmp_path / "fail.py"), str(tmp_path / "c.toml"),
+                           where], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert proc.stderr.count("hpctrain: error") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_mpi_functions_are_found_in_the_library_mpi4py_loaded():
+    """mpi_cuda_aware's lookup sees the MPI library (it is loaded with local symbols)."""
+    from hpctrain.dist.mesh import mpi_cuda_aware, mpi_function
+
+    assert mpi_function("MPI_Init") is not None
+    assert mpi_function("MPI_No_such_function") is None
+    assert mpi_cuda_aware() in (True, False)
+
+
 # the child writes to its stdout pipe, then drains it; the parent reads only after a pause
 DRAIN = """
 import sys, time

@@ -38,10 +38,17 @@ def run_everywhere(comm, fn):
 
     The lowest failing rank re-raises its own error (the CLI prints it); the
     others raise QuietExit, so the job prints one message and exits cleanly.
+
+    An error that is already collective (a QuietExit, or the error of an agreement
+    nested inside ``fn``) passes straight through: every rank has already taken
+    part in the collective that decided it, and a second one would have no partner
+    on a rank that failed before reaching the nested agreement.
     """
     try:
         result, error = fn(), None
     except HpctrainError as e:
+        if isinstance(e, QuietExit) or getattr(e, "collective", False):
+            raise
         result, error = None, e
     bad = first_failing_rank(comm, error is not None)
     if bad < 0:

@@ -60,25 +60,35 @@ class Mesh:
             comm.Free()
 
 
+def mpi_function(name: str):
+    """The MPI library's C function ``name`` (a ctypes function), or None where the library lacks it.
+
+    Looked up through mpi4py's extension module, which links the MPI library: libmpi is loaded
+    with local symbols, so the process-wide namespace (``ctypes.CDLL(None)``) does not see it.
+    """
+    from mpi4py import MPI
+
+    for path in (MPI.__file__, None):
+        try:
+            return getattr(ctypes.CDLL(path), name)
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
 def mpi_cuda_aware() -> bool:
     """Ask the MPI library whether it takes CUDA device buffers; False when it has no way to say.
 
     Open MPI: ``MPIX_Query_cuda_support()``. MPICH >= 4: ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &ok)``.
     """
-    from mpi4py import MPI  # noqa: F401  (loads libmpi into the process)
-
-    lib = ctypes.CDLL(None)
-    try:
-        fn = lib.MPIX_Query_cuda_support
+    fn = mpi_function("MPIX_Query_cuda_support")
+    if fn is not None:
         fn.restype = ctypes.c_int
-        return bool(fn())
-    except AttributeError:
-        pass
-    try:
-        fn = lib.MPIX_GPU_query_support
+        if fn():
+            return True
+    fn = mpi_function("MPIX_GPU_query_support")
+    if fn is not None:
         ok = ctypes.c_int(0)
         if fn(ctypes.c_int(0), ctypes.byref(ok)) == 0:  # MPIX_GPU_SUPPORT_CUDA == 0
             return bool(ok.value)
-    except AttributeError:
-        pass
     return False

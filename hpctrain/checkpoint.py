@@ -30,7 +30,7 @@ import h5py
 import numpy as np
 
 from . import checkpoint_format as fmt
-from .errors import CheckpointError
+from .errors import CheckpointError, NewerFormatError
 from .params import ParamLayout
 
 __all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "find_resume", "list_checkpoints", "inspect",
@@ -172,26 +172,25 @@ def _write_root_attrs(f: h5py.File, state: CheckpointState) -> None:
     import hpctrain
 
     a = f.attrs
-    a["format"] = fmt.FORMAT
-    a["version"] = np.int64(fmt.VERSION)
-    a["checksum"] = fmt.DIGEST
-    for key in ("step", "epoch", "data_position"):
-        a[key] = np.int64(getattr(state, key))
-    a["config"] = state.config_text
-    for key in fmt.LAYOUT_KEYS:
-        a[key] = np.int64(state.layout[key])
-    a["optimizer"] = state.optim_name
-    a["optimizer_step"] = np.int64(state.optim_step)
-    for key, value in state.rng.items():
-        a[fmt.RNG_PREFIX + key] = fmt.encode_attr(value)
-    a["hpctrain_version"] = str(getattr(hpctrain, "__version__", ""))
-    a["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    a[fmt.ATTRS_DIGEST] = fmt.attrs_digest(a)
+    values = {"format": fmt.FORMAT, "version": fmt.VERSION, "checksum": fmt.DIGEST}
+    values.update({key: int(getattr(state, key)) for key in ("step", "epoch", "data_position")})
+    values["config"] = state.config_text
+    values.update({key: int(state.layout[key]) for key in fmt.LAYOUT_KEYS})
+    values.update(optimizer=state.optim_name, optimizer_step=int(state.optim_step))
+    values.update({fmt.RNG_PREFIX + key: value for key, value in state.rng.items()})
+    values.update(hpctrain_version=str(getattr(hpctrain, "__version__", "")),
+                  created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    for key, value in values.items():
+        fmt.set_attr(a, key, value)
+    fmt.set_attr(a, fmt.ATTRS_DIGEST, fmt.attrs_digest(a))
 
 
 def _retain(directory: str, keep: int, newest: str) -> None:
-    others = [p for _, p in fmt.list_checkpoints(directory) if os.path.abspath(p) != os.path.abspath(newest)]
-    doomed = others[: max(0, len(others) - (keep - 1))]
+    """Delete the oldest checkpoints below ``newest``'s step until ``keep`` remain; never a newer one."""
+    found = fmt.list_checkpoints(directory)
+    step = next((s for s, p in found if os.path.abspath(p) == os.path.abspath(newest)), None)
+    older = [p for s, p in found if step is not None and s < step]
+    doomed = older[: max(0, len(older) - (keep - 1))]
     for path in doomed:
         try:
             os.unlink(path)
@@ -234,28 +233,51 @@ def load_checkpoint(path: str, layout: ParamLayout, *, optim_name: str | None = 
 def find_resume(directory: str, layout: ParamLayout, log, *, optim_name: str | None = None) -> CheckpointState | None:
     """The newest checkpoint in ``directory`` that verifies, for ``checkpoint.resume = "auto"``.
 
-    Each newer one that fails is reported through ``log`` and skipped, and the
-    log names the one used instead. Returns None when the directory holds no
+    Each newer one that fails is reported through ``log`` and, once an older one
+    verifies, set aside as ``<name>.skipped``: kept for inspection, but out of
+    the way of the resumed run, which would otherwise overwrite it on reaching
+    its step (or prune it). Returns None when the directory holds no
     ``ckpt-*.h5``; raises CheckpointError when it holds some but none verifies
-    (starting afresh would silently throw the run away). Reads only.
+    (starting afresh would silently throw the run away), and at once for a
+    file written by a newer hpctrain (it is probably fine: upgrade rather than
+    resume from an older one).
     """
     found = fmt.list_checkpoints(directory) if directory else []
     skipped = []
     for _, path in reversed(found):
         try:
             state = load_checkpoint(path, layout, optim_name=optim_name)
+        except NewerFormatError as e:
+            raise NewerFormatError(f"{e}; resume = \"auto\" does not fall back past it to an older checkpoint")
         except CheckpointError as e:
             log(f"resume: skipping {os.path.basename(path)}: {e}")
-            skipped.append(os.path.basename(path))
+            skipped.append(path)
             continue
         if skipped:
+            names = ", ".join(os.path.basename(p) for p in skipped)
             log(f"resume: using {os.path.basename(path)} (step {state.step}) in {directory} instead of the newer "
-                f"{', '.join(skipped)}, which failed verification")
+                f"{names}, which failed verification; they are kept as <name>.skipped")
+            _set_aside(skipped)
         return state
     if skipped:
-        raise CheckpointError(f"no checkpoint in {directory} verifies ({', '.join(skipped)}; see the log); move them "
-                              'away or set checkpoint.resume = "never" to start afresh')
+        raise CheckpointError(f"no checkpoint in {directory} verifies ({', '.join(map(os.path.basename, skipped))}; "
+                              'see the log); move them away or set checkpoint.resume = "never" to start afresh')
     return None
+
+
+def _set_aside(paths) -> None:
+    """Rename each path to ``<path>.skipped`` (never over an existing file), so no later save or pruning touches it."""
+    for path in paths:
+        target, n = path + ".skipped", 1
+        while os.path.exists(target):
+            target, n = f"{path}.skipped-{n}", n + 1
+        try:
+            os.rename(path, target)
+        except OSError as e:
+            raise CheckpointError(f"cannot set aside {path}, which failed verification, as {target} ({e}); "
+                                  "move it away by hand and resume again") from None
+    if paths:
+        fmt.fsync_dir(os.path.dirname(os.path.abspath(paths[0])))
 
 
 def _read_meta(f: h5py.File, path: str) -> CheckpointState:
@@ -295,16 +317,30 @@ def _check_format(attrs, path: str, what: str) -> None:
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise CheckpointError(f"{what} {path} has an invalid version attribute {attrs.get('version')!r}")
     if version > fmt.VERSION:
-        raise CheckpointError(f"{what} {path} was written by a newer hpctrain (format version {version}; this "
+        raise NewerFormatError(f"{what} {path} was written by a newer hpctrain (format version {version}; this "
                               f"hpctrain reads up to version {fmt.VERSION}): upgrade hpctrain to read it")
+
+
+def _member(f: h5py.File, name: str, path: str):
+    """``f[name]``, or None when there is no such link; a link whose object cannot be read is an error.
+
+    ``f.get`` would answer None for a damaged object header too, and a damaged
+    ``/optim`` would pass as "no optimizer state".
+    """
+    if name not in f:
+        return None
+    try:
+        return f[name]
+    except (KeyError, OSError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: /{name} cannot be read, the file is damaged ({e})") from None
 
 
 def _groups(f: h5py.File, path: str, optim_name: str) -> list[tuple[str, h5py.Group]]:
     """``[("params", group), (slot, group), ...]`` after checking the slots fit the optimizer."""
-    params = f.get("params")
+    params = _member(f, "params", path)
     if not isinstance(params, h5py.Group):
         raise CheckpointError(f"checkpoint {path} has no /params group")
-    optim = f.get("optim")
+    optim = _member(f, "optim", path)
     if optim is not None and not isinstance(optim, h5py.Group):
         raise CheckpointError(f"checkpoint {path}: /optim is not a group")
     slots = list(optim.keys()) if optim is not None else []
@@ -333,6 +369,8 @@ def _read_groups(groups, layout: ParamLayout):
     failures = []
     for (label, name), arr, problem in fmt.verify_datasets(items, keep=True):
         where = f"/params/{name}" if label == "params" else f"/optim/{label}/{name}"
+        if not problem and label == "params" and not np.isfinite(arr).all():
+            problem = f"{np.size(arr) - int(np.isfinite(arr).sum())} non-finite value(s) (NaN or Inf)"
         if problem:
             failures.append(f"{where}: {problem}")
         else:
@@ -373,7 +411,7 @@ def load_weights(path: str, layout: ParamLayout) -> dict[str, np.ndarray]:
         try:
             if "format" in f.attrs:
                 _check_format(f.attrs, path, "weights file")
-            group = f.get("params")
+            group = _member(f, "params", path)
             if not isinstance(group, h5py.Group):
                 raise CheckpointError(f"weights file {path} has no /params group")
             _check_fit(f"weights file {path}", [("params", group)], layout, strict_dtype=False)
@@ -433,7 +471,11 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
                   "  rng: " + (", ".join(f"{k}={v!r}" for k, v in state.rng.items()) or "none"),
                   f"  root attributes verify ({fmt.ATTRS_DIGEST}); config: {len(state.config_text.splitlines())} "
                   "lines, shown at the end"]
-    params = f.get("params")
+    try:
+        params, optim = _member(f, "params", path), _member(f, "optim", path)
+    except CheckpointError as e:
+        problems.append(str(e))
+        return
     if not isinstance(params, h5py.Group):
         problems.append("no /params group")
         return
@@ -445,7 +487,14 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
         lines.append(f"  {name:<{width}}  {'x'.join(map(str, ds.shape)) or 'scalar':<14} {ds.dtype}")
     layout = ParamLayout([(n, ds.shape) for n, ds in specs])
     groups = [("params", params)]
-    optim = f.get("optim")
+    if optim is not None and not isinstance(optim, h5py.Group):
+        problems.append("/optim is not a group")
+    if state is not None:
+        slots = set(optim.keys()) if isinstance(optim, h5py.Group) else set()
+        try:
+            _check_slot_names(state.optim_name, slots, CheckpointError)
+        except CheckpointError as e:
+            problems.append(str(e))
     if isinstance(optim, h5py.Group):
         for slot, group in optim.items():
             if not isinstance(group, h5py.Group):

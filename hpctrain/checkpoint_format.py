@@ -32,7 +32,7 @@ OPTIMIZERS = {  # optimizer name -> (slots it must have, slots it may have), tor
     "adamw": (("exp_avg", "exp_avg_sq"), ()),
 }
 LAYOUT_KEYS = ("world_size", "dp", "pp", "tp")
-ATTRS_DIGEST = "attrs_sha256"  # root attribute: sha256 of the other root attributes (strings live in an unchecksummed heap)
+ATTRS_DIGEST = "attrs_sha256"  # root attribute: sha256 of the other root attributes
 RNG_PREFIX = "rng_"
 
 _NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
@@ -167,7 +167,7 @@ def write_datasets(f: h5py.File, arrays: list[tuple[str, np.ndarray]]) -> None:
             write_dataset(f, path, arr)
             _start_writeback(f, f[path])
         for path, digest in digests:
-            f[path].attrs[DIGEST] = digest.result()
+            set_attr(f[path].attrs, DIGEST, digest.result())
 
 
 def _start_writeback(f: h5py.File, ds: h5py.Dataset) -> None:
@@ -281,6 +281,22 @@ def encode_attr(value):
     if isinstance(value, (float, np.floating)):
         return np.float64(value)
     return str(value)
+
+
+def set_attr(attrs, key: str, value) -> None:
+    """Store one attribute, encoded as ``encode_attr`` says; a string as fixed-length UTF-8.
+
+    h5py would store a str as a variable-length string in the file's global heap,
+    which HDF5 does not checksum: one damaged byte there made reading the
+    attribute spin for ever. A fixed-length string lives in the object header,
+    which the v2 headers (``LIBVER``) checksum.
+    """
+    value = encode_attr(value)
+    if isinstance(value, str):
+        data = value.encode("utf-8", "surrogateescape")
+        attrs.create(key, np.bytes_(data), dtype=h5py.string_dtype("utf-8", max(1, len(data))))
+    else:
+        attrs[key] = value
 
 
 def decode_attr(value):

@@ -13,6 +13,7 @@ __all__ = [
     "BackendError",
     "LayoutError",
     "CheckpointError",
+    "NewerFormatError",
     "NonFiniteError",
 ]
 
@@ -43,3 +44,7 @@ class CheckpointError(HpctrainError):
 
 class NonFiniteError(HpctrainError):
     """A loss or gradient became NaN or Inf."""
+
+
+class NewerFormatError(CheckpointError):
+    """A checkpoint written by a newer hpctrain: valid, but this version cannot read it."""

@@ -98,8 +98,15 @@ class Trainer:
 
     def _check_outputs(self):
         """On rank 0: the metrics file and the checkpoint folder can be written (creates nothing)."""
-        if self.cfg.train.metrics:
-            _check_writable("train.metrics", self.cfg.train.metrics, folder=False)
+        cfg = self.cfg
+        if cfg.train.metrics:
+            _check_writable("train.metrics", cfg.train.metrics, folder=False)
+            inputs = {"data.path": cfg.data.path, "checkpoint.init": cfg.checkpoint.init, "the config file": cfg.source,
+                      "checkpoint.resume": cfg.checkpoint.resume if cfg.checkpoint.resume not in ("auto", "never") else ""}
+            for key, path in inputs.items():
+                if path and os.path.exists(path) and os.path.exists(cfg.train.metrics) \
+                        and os.path.samefile(path, cfg.train.metrics):
+                    raise ConfigError(f"train.metrics: {cfg.train.metrics} is {key}; the metrics would overwrite it")
         if self.cfg.checkpoint.dir:
             _check_writable("checkpoint.dir", self.cfg.checkpoint.dir, folder=True)
 
@@ -383,7 +390,7 @@ def _check_writable(key, path, *, folder):
 
 def _truncate_after(path, step):
     """Drop the metrics lines of steps after ``step`` (left by a run that went on past the checkpoint)."""
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:  # lines that are not ours stay as they are
         lines = f.readlines()
     kept = []
     for line in lines:
@@ -395,7 +402,7 @@ def _truncate_after(path, step):
             kept.append(line if line.endswith("\n") else line + "\n")
     if len(kept) != len(lines):
         tmp = path + ".tmp"
-        with open(tmp, "w") as f:
+        with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
             f.writelines(kept)
         os.replace(tmp, path)
 

@@ -17,7 +17,7 @@ import pytest
 from hpctrain import checkpoint as ckpt
 from hpctrain import checkpoint_format as fmt
 from hpctrain.checkpoint import CheckpointState, find_resume, inspect, load_checkpoint, load_weights, save_checkpoint
-from hpctrain.errors import CheckpointError
+from hpctrain.errors import CheckpointError, NewerFormatError
 from hpctrain.params import ParamLayout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -90,7 +90,9 @@ def flip_in_dataset(path, dataset, *, where=0.5):
 def test_round_trip_is_bit_exact(tmp_path, layout):
     state = make_state(7)
     w = state.params["0.weight"]
-    w[0, :4] = np.array([0x7FC12345, 0x80000000, 0x00000001, 0x7F800000], dtype=np.uint32).view(np.float32)  # NaN payload, -0, denormal, inf
+    w[0, :3] = np.array([0x80000000, 0x00000001, 0x7F7FFFFF], dtype=np.uint32).view(np.float32)  # -0, denormal, max
+    m = state.slots["exp_avg"]["0.weight"]
+    m[0, :2] = np.array([0x7FC12345, 0x7F800000], dtype=np.uint32).view(np.float32)  # NaN payload, inf
     path = save_checkpoint(str(tmp_path), state, keep=3)
     assert os.path.basename(path) == "ckpt-00000007.h5"
     assert os.listdir(tmp_path) == ["ckpt-00000007.h5"]
@@ -115,22 +117,24 @@ def test_plain_h5py_reads_the_documented_layout(tmp_path):
     state = make_state(12)
     path = save_checkpoint(str(tmp_path), state, keep=1)
     with h5py.File(path, "r") as f:
-        a = f.attrs
+        # strings are fixed-length UTF-8: h5py gives bytes
+        a = {k: v.decode("utf-8") if isinstance(v, bytes) else v.item() for k, v in f.attrs.items()}
         assert a["format"] == "hpctrain-checkpoint" and a["version"] == 1 and a["checksum"] == "sha256"
         assert (a["step"], a["epoch"], a["data_position"]) == (12, 1, 2)
         assert (a["world_size"], a["dp"], a["pp"], a["tp"]) == (2, 2, 1, 1)
         assert a["optimizer"] == "adam" and a["optimizer_step"] == 11
-        assert a["config"] == state.config_text and a["rng_data_seed"] == 7 and a["rng_shuffle"]
-        meta = {k: (v.item() if hasattr(v, "item") else v) for k, v in a.items() if k != "attrs_sha256"}
+        assert a["config"] == state.config_text and a["rng_data_seed"] == 7 and a["rng_shuffle"] is True
+        meta = {k: v for k, v in a.items() if k != "attrs_sha256"}
         text = json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         assert hashlib.sha256(text.encode("utf-8")).hexdigest() == a["attrs_sha256"]
+        assert b"GCOL" not in open(path, "rb").read()  # no global heap: HDF5 does not checksum one
         assert list(f["params"]) == [n for n, _ in SHAPES]  # forward order, like state_dict()
         assert sorted(f["optim"]) == ["exp_avg", "exp_avg_sq"]
         for group, tensors in [("params", state.params), ("optim/exp_avg", state.slots["exp_avg"])]:
             for name, ds in f[group].items():
                 assert ds.dtype == np.dtype("<f4") and ds.chunks is None and ds.compression is None
                 data = ds[()]
-                assert hashlib.sha256(data.tobytes()).hexdigest() == ds.attrs["sha256"]
+                assert hashlib.sha256(data.tobytes()).hexdigest() == ds.attrs["sha256"].decode()
                 assert np.array_equal(data, tensors[name])
 
 
@@ -253,16 +257,48 @@ def test_newer_version_is_refused(tmp_path, layout):
 
 
 def test_damaged_root_attribute_text_is_detected(tmp_path, layout):
-    """Strings live in HDF5's global heap, which HDF5 does not checksum: attrs_sha256 covers them."""
+    """Strings live in the object header, which HDF5 checksums; attrs_sha256 covers them besides."""
     path = save_checkpoint(str(tmp_path), make_state(12), keep=1)
     data = bytearray(open(path, "rb").read())
     at = data.index(b"# step 12")
     data[at + 7] = ord("3")  # the config now reads "# step 13"
     open(path, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match="is damaged: .*checksum"):
+        load_checkpoint(path, layout)
+    text, ok = inspect(path)
+    assert not ok and "checksum" in text
+
+
+def test_rewritten_root_attribute_fails_attrs_sha256(tmp_path, layout):
+    """An attribute changed through HDF5 itself (valid metadata, stale digest) is caught by attrs_sha256."""
+    path = save_checkpoint(str(tmp_path), make_state(12), keep=1)
+    with h5py.File(path, "r+") as f:
+        f.attrs["epoch"] = np.int64(5)
     with pytest.raises(CheckpointError, match="root attributes fail their checksum"):
         load_checkpoint(path, layout)
     text, ok = inspect(path)
     assert not ok and "attrs_sha256" in text
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda f: f.__delitem__("optim/exp_avg_sq"), "missing exp_avg_sq"),
+    (lambda f: f.__delitem__("optim"), "missing exp_avg, exp_avg_sq"),
+    (lambda f: f.copy("optim/exp_avg", "optim/bogus"), "unexpected bogus"),
+])
+def test_inspect_checks_the_slots_against_the_optimizer(tmp_path, edit, problem):
+    path = save_checkpoint(str(tmp_path), make_state(4), keep=1)
+    with h5py.File(path, "r+") as f:
+        edit(f)
+    text, ok = inspect(path)
+    assert not ok and problem in text, text
+
+
+def test_non_finite_weights_are_refused(tmp_path, layout):
+    state = make_state(4)
+    state.params["2.weight"][0, 0] = np.nan
+    ckpt.save_weights(str(tmp_path / "w.h5"), state.params)
+    with pytest.raises(CheckpointError, match=r"/params/2.weight: 1 non-finite value"):
+        load_weights(str(tmp_path / "w.h5"), layout)
 
 
 def test_missing_root_attribute(tmp_path, layout):
@@ -313,7 +349,10 @@ def test_failing_loads_change_nothing_on_disk(tmp_path, layout):
         with pytest.raises(CheckpointError):
             load_weights(path, lay)
         inspect(path)
+    assert snapshot(tmp_path) == before
+    # resume = "auto" sets the damaged newer file aside, under another name, byte for byte
     assert find_resume(str(tmp_path), layout, lambda msg: None).step == 1
+    before["ckpt-00000002.h5.skipped"] = before.pop("ckpt-00000002.h5")
     assert snapshot(tmp_path) == before
 
 
@@ -326,12 +365,13 @@ def test_keep_retains_the_newest(tmp_path, layout):
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000040.h5", "ckpt-00000050.h5"]
     save_checkpoint(str(tmp_path), make_state(60), keep=1)
     assert os.listdir(tmp_path) == ["ckpt-00000060.h5"]
-    # a run resumed from an older step never loses the checkpoint it just wrote
+    # a run resumed from an older step prunes only below its own step: newer files are never deleted
     save_checkpoint(str(tmp_path), make_state(5), keep=1)
-    assert os.listdir(tmp_path) == ["ckpt-00000005.h5"]
-    path = save_checkpoint(str(tmp_path), make_state(5), keep=3)  # same step again: replaced in place
-    assert_same_state(load_checkpoint(path, layout), make_state(5))
-    assert ckpt.list_checkpoints(str(tmp_path)) == [(5, path)]
+    save_checkpoint(str(tmp_path), make_state(6), keep=1)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000006.h5", "ckpt-00000060.h5"]
+    path = save_checkpoint(str(tmp_path), make_state(6), keep=3)  # same step again: replaced in place
+    assert_same_state(load_checkpoint(path, layout), make_state(6))
+    assert ckpt.list_checkpoints(str(tmp_path))[0] == (6, path)
 
 
 def test_find_resume_takes_the_newest(tmp_path, layout):
@@ -361,6 +401,21 @@ def test_find_resume_falls_back_past_a_corrupt_newest_file(tmp_path, layout):
     assert "skipping ckpt-00000400.h5" in logs[0] and "not an HDF5 file" in logs[0]
     assert "skipping ckpt-00000300.h5" in logs[1] and "/optim/exp_avg/2.weight: sha256 mismatch" in logs[1]
     assert "using ckpt-00000200.h5 (step 200)" in logs[2] and "ckpt-00000400.h5, ckpt-00000300.h5" in logs[2]
+    for name in ("ckpt-00000300.h5", "ckpt-00000400.h5"):  # kept byte for byte, out of the resumed run's way
+        before[name + ".skipped"] = before.pop(name)
+    assert snapshot(tmp_path) == before
+    assert [step for step, _ in ckpt.list_checkpoints(str(tmp_path))] == [100, 200]
+
+
+def test_find_resume_stops_at_a_checkpoint_from_a_newer_hpctrain(tmp_path, layout):
+    """A newer format is probably a good file: falling back past it would later overwrite it."""
+    save_checkpoint(str(tmp_path), make_state(1), keep=5)
+    newer = save_checkpoint(str(tmp_path), make_state(2), keep=5)
+    with h5py.File(newer, "r+") as f:
+        f.attrs["version"] = np.int64(9)
+    before = snapshot(tmp_path)
+    with pytest.raises(NewerFormatError, match=r"newer hpctrain .* does not fall back past it"):
+        find_resume(str(tmp_path), layout, lambda msg: None)
     assert snapshot(tmp_path) == before
 
 

@@ -162,6 +162,13 @@ def test_sum_squares_and_scale():
     np.testing.assert_allclose(y, x * 0.5, **F32)
 
 
+def test_relu_passes_nan_through_like_torch():
+    x = np.array([[np.nan, -1.0, 2.0]], dtype=np.float32)
+    out = be.empty((1, 3))
+    be.relu_forward(x, out)
+    np.testing.assert_array_equal(out, ref.relu(x))  # [nan, 0, 2]: a NaN must not turn into a clean 0
+
+
 # ----------------------------------------------------------------- bad input
 
 def test_kernels_reject_wrong_dtype_layout_and_shape():

@@ -9,8 +9,8 @@ import pytest
 import reference as ref
 from helpers import config, make_classification, make_regression
 from hpctrain.dist.mesh import Mesh
-from hpctrain.errors import NonFiniteError
-from hpctrain.train import Trainer
+from hpctrain.errors import ConfigError, NonFiniteError
+from hpctrain.train import Trainer, _truncate_after
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +139,18 @@ def test_training_learns_and_writes_metrics(tmp_path, mesh):
     assert [r["step"] for r in train] == [20, 40, 60] and [r["step"] for r in evals] == [30, 60]
     assert all({"step", "loss", "lr", "samples_per_s"} <= r.keys() for r in train)
     assert train[-1]["loss"] < train[0]["loss"]
+
+
+def test_metrics_file_may_not_be_an_input(tmp_path, mesh):
+    make_classification(tmp_path / "d.h5", n=48)
+    before = (tmp_path / "d.h5").read_bytes()
+    with pytest.raises(ConfigError, match=r"train.metrics: .*d.h5 is data.path; the metrics would overwrite it"):
+        Trainer(config(tmp_path / "d.h5", train={"metrics": str(tmp_path / "d.h5")}), mesh=mesh, log=lambda *a: None)
+    assert (tmp_path / "d.h5").read_bytes() == before
+
+
+def test_metrics_trim_on_resume_keeps_lines_that_are_not_utf8(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'{"step": 1}\n\xff\xfe not ours\n{"step": 2}\n{"step": 3}\n')
+    _truncate_after(str(path), 2)
+    assert path.read_bytes() == b'{"step": 1}\n\xff\xfe not ours\n{"step": 2}\n'

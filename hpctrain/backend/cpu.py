@@ -66,7 +66,7 @@ def _add_inplace(out, x):
 def _relu_forward(x, out):
     xs, o = x.ravel(), out.ravel()
     for i in range(xs.size):
-        o[i] = xs[i] if xs[i] > 0 else np.float32(0.0)
+        o[i] = np.float32(0.0) if xs[i] <= 0 else xs[i]  # NaN passes through, as in torch
 
 
 @_jit

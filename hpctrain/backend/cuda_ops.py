@@ -151,7 +151,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
     def relu_forward(x, out):
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
             v = x[i]
-            out[i] = v if v > _ZERO else _ZERO
+            out[i] = _ZERO if v <= _ZERO else v  # NaN passes through, as in torch
 
     @cuda.jit
     def relu_backward(x, dout, dinp):

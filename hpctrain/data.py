@@ -35,11 +35,22 @@ class Dataset:
         if not os.path.exists(path):
             raise DataError(f"data file {path} does not exist")
         try:
-            self.file = h5py.File(path, "r")
+            # read-only and unlocked, like checkpoint reads: the same file may hold checkpoint.init's /params,
+            # and another reader's lock on a shared file system must not block a training job
+            self.file = h5py.File(path, "r", locking=False)
         except OSError as e:
             raise DataError(f"data file {path} is not a readable HDF5 file ({e})") from None
-        self.x = self._dataset(inputs, "data.inputs")
-        self.y = self._dataset(targets, "data.targets")
+        try:
+            self._check(inputs, targets, val_fraction, loss, in_features, out_features)
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _check(self, inputs, targets, val_fraction, loss, in_features, out_features):
+        path = self.path
+        self.x = self._dataset(inputs, "data.inputs", f"(N, ...) with {in_features} features per row")
+        self.y = self._dataset(targets, "data.targets", "(N,)" if loss.classification else f"(N, {out_features})")
+        self._labels = (f"dataset {inputs!r} (data.inputs)", f"dataset {targets!r} (data.targets)")
         n = self.x.shape[0]
         if self.y.shape[0] != n:
             raise DataError(f"{path}: inputs {inputs!r} have {n} rows but targets {targets!r} have {self.y.shape[0]}")
@@ -54,14 +65,24 @@ class Dataset:
         self.n_val = int(n * val_fraction)
         self.n_train = n - self.n_val
 
-    def _dataset(self, name, key):
-        obj = self.file.get(name)
+    def _dataset(self, name, key, expected):
+        try:
+            obj = self.file.get(name)
+            shape = obj.shape if isinstance(obj, h5py.Dataset) else None
+        except (OSError, KeyError) as e:  # damaged metadata
+            raise DataError(f"{self.path}: dataset {name!r} ({key}) cannot be opened: {e}") from None
         if obj is None:
             raise DataError(f"{self.path}: no dataset {name!r} ({key}); it has: {', '.join(self.file.keys()) or 'nothing'}")
         if not isinstance(obj, h5py.Dataset):
             raise DataError(f"{self.path}: {name!r} ({key}) is a group, not a dataset")
-        if obj.ndim < 1 or obj.shape[0] == 0:
-            raise DataError(f"{self.path}: dataset {name!r} ({key}) is empty")
+        if shape is None:
+            raise DataError(f"{self.path}: dataset {name!r} ({key}) holds no data (an empty dataspace); "
+                            f"expected shape {expected}")
+        if len(shape) == 0:
+            raise DataError(f"{self.path}: dataset {name!r} ({key}) is a scalar; expected one row per sample, "
+                            f"shape {expected}")
+        if shape[0] == 0:
+            raise DataError(f"{self.path}: dataset {name!r} ({key}) is empty (shape {shape}); expected shape {expected}")
         return obj
 
     def close(self):
@@ -74,39 +95,81 @@ class Dataset:
             return self._convert(self.x[0:0], self.y[0:0])
         lo, hi = int(rows[0]), int(rows[-1]) + 1
         if hi - lo == len(rows) and np.all(np.diff(rows) == 1):
-            return self._convert(self.x[lo:hi], self.y[lo:hi])
+            return self._convert(*self._fetch(slice(lo, hi)))
         order = np.argsort(rows, kind="stable")
         sorted_rows = rows[order]
-        x, y = self.x[sorted_rows], self.y[sorted_rows]  # h5py reads increasing indices
+        x, y = self._fetch(sorted_rows)  # h5py reads increasing indices
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
         return self._convert(x[inverse], y[inverse])
 
+    def _fetch(self, rows):
+        """Raw (inputs, targets) for ``rows`` (a slice or increasing indices); a failed HDF5 read is a DataError."""
+        out = []
+        for dset, label in zip((self.x, self.y), self._labels):
+            try:
+                out.append(dset[rows])
+            except OSError as e:  # a corrupt gzip/fletcher32 chunk, a missing external file, a missing filter
+                raise DataError(f"{self.path}: cannot read {_rows_text(dset, rows)} of {label}: {e}") from None
+        return out
+
     def _convert(self, x, y):
-        x = np.ascontiguousarray(x.reshape(len(x), self.features), dtype=np.float32)
-        if self.loss.classification:
-            y = np.ascontiguousarray(y, dtype=np.int64)
-        else:
-            y = np.ascontiguousarray(y.reshape(len(y), self.out_features), dtype=np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):  # out-of-range values become Inf; scan() reports them
+            x = np.ascontiguousarray(x.reshape(len(x), self.features), dtype=np.float32)
+            if self.loss.classification:
+                y = np.ascontiguousarray(y, dtype=np.int64)
+            else:
+                y = np.ascontiguousarray(y.reshape(len(y), self.out_features), dtype=np.float32)
         return x, y
 
     def scan(self, start: int, stop: int) -> str:
-        """Check rows [start, stop) for NaN/Inf inputs and bad targets; '' if clean, else the first problem."""
+        """Check rows [start, stop) for NaN/Inf inputs and bad targets; '' if clean, else the first problem.
+
+        An unreadable row raises DataError instead.
+        """
         for lo in range(start, stop, SCAN_ROWS):
             hi = min(stop, lo + SCAN_ROWS)
-            x, y = self._convert(self.x[lo:hi], self.y[lo:hi])
+            x_raw, y_raw = self._fetch(slice(lo, hi))
+            x, y = self._convert(x_raw, y_raw)
             bad = ~np.isfinite(x).all(axis=1)
             if bad.any():
-                return f"{self.path}: inputs contain NaN or Inf (first in row {lo + int(np.argmax(bad))})"
+                return self._nonfinite("inputs", lo, int(np.argmax(bad)), x_raw)
             if self.loss.classification:
-                bad = (y < 0) | (y >= self.out_features)
+                bad = (y_raw < 0) | (y_raw >= self.out_features)  # on the file's integers: a cast could wrap
                 if bad.any():
-                    row = lo + int(np.argmax(bad))
-                    return (f"{self.path}: target {int(y[row - lo])} in row {row} is not a class index in "
+                    i = int(np.argmax(bad))
+                    return (f"{self.path}: target {int(y_raw[i])} in row {lo + i} is not a class index in "
                             f"[0, {self.out_features})")
-            elif not np.isfinite(y).all():
-                return f"{self.path}: targets contain NaN or Inf (first in row {lo + int(np.argmax(~np.isfinite(y).all(axis=1)))})"
+            else:
+                bad = ~np.isfinite(y).all(axis=1)
+                if bad.any():
+                    return self._nonfinite("targets", lo, int(np.argmax(bad)), y_raw)
         return ""
+
+    def _nonfinite(self, what, lo, i, raw):
+        """The message for row lo + i, whose float32 copy is not finite: NaN/Inf in the file, or out of range."""
+        row = np.asarray(raw[i], dtype=np.float64).ravel() if np.issubdtype(raw.dtype, np.floating) else None
+        if row is not None and np.isfinite(row).all():
+            value = row[np.argmax(np.abs(row))]
+            return (f"{self.path}: {what} contain a value beyond the float32 range ({value:.6g} in row {lo + i}); "
+                    "rescale the data")
+        return f"{self.path}: {what} contain NaN or Inf (first in row {lo + i})"
+
+
+def _rows_text(dset, rows) -> str:
+    """The rows a failed read covers: for a slice, the first chunk in it that fails again; else the indices."""
+    if isinstance(rows, slice):
+        lo, hi = rows.start, rows.stop
+        step = dset.chunks[0] if dset.chunks else hi - lo
+        for a in range(lo - lo % step, hi, step):
+            a, b = max(a, lo), min(hi, a + step)
+            try:
+                dset[a:b]
+            except OSError:
+                return f"rows {a} to {b - 1}"
+        return f"rows {lo} to {hi - 1}"
+    shown = ", ".join(str(int(r)) for r in rows[:4])
+    return f"rows {shown}" if len(rows) <= 4 else f"rows {shown}, … ({len(rows)} rows from {rows[0]} to {rows[-1]})"
 
 
 class Sampler:

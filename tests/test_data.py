@@ -1,13 +1,18 @@
 """Data order, sharding, reading and bad data."""
 
+import re
+import warnings
+
 import h5py
 import numpy as np
 import pytest
-
 from helpers import make_classification
+
+from hpctrain.checkpoint import load_weights
 from hpctrain.data import Dataset, Sampler
 from hpctrain.errors import DataError
 from hpctrain.nn import CrossEntropyLoss, MSELoss
+from hpctrain.params import ParamLayout
 
 
 def test_unshuffled_order_is_file_order_and_wraps():
@@ -59,7 +64,7 @@ def test_read_returns_rows_in_the_asked_order(tmp_path):
 
 def test_bad_data(tmp_path):
     make_classification(tmp_path / "d.h5", n=20, features=4, nan_row=13)
-    kw = dict(val_fraction=0.1, loss=CrossEntropyLoss(), in_features=4, out_features=3)
+    kw = {"val_fraction": 0.1, "loss": CrossEntropyLoss(), "in_features": 4, "out_features": 3}
     d = Dataset(str(tmp_path / "d.h5"), "x", "y", **kw)
     assert "inputs contain NaN or Inf (first in row 13)" in d.scan(0, 20)
     with pytest.raises(DataError, match="does not exist"):
@@ -77,3 +82,110 @@ def test_bad_data(tmp_path):
         f["x"] = np.zeros((4, 4), np.float32)
         f["y"] = np.array([0, 1, 5, 2])
     assert "target 5 in row 2 is not a class index in [0, 3)" in Dataset(str(tmp_path / "t.h5"), "x", "y", **kw).scan(0, 4)
+
+
+KW = {"val_fraction": 0.1, "loss": CrossEntropyLoss(), "in_features": 4, "out_features": 3}
+
+
+def _chunked(path, **create):
+    """x (40, 4) in chunks of 10 rows, y (40,) int64; returns the byte offset of x's chunk 1 (rows 10-19)."""
+    with h5py.File(path, "w") as f:
+        x = f.create_dataset("x", data=np.ones((40, 4), np.float32), chunks=(10, 4), **create)
+        f["y"] = np.zeros(40, np.int64)
+        return x.id.get_chunk_info(1).byte_offset
+
+
+@pytest.mark.parametrize("create", [{"compression": "gzip"}, {"fletcher32": True}], ids=["gzip", "fletcher32"])
+def test_corrupt_chunk_is_a_data_error_naming_file_dataset_and_rows(tmp_path, create):
+    path = tmp_path / "d.h5"
+    offset = _chunked(path, **create)
+    with open(path, "r+b") as fh:  # flip the chunk's first 8 bytes (not all: fletcher32 of the complement matches)
+        fh.seek(offset)
+        data = fh.read(8)
+        fh.seek(offset)
+        fh.write(bytes(255 - b for b in data))
+    d = Dataset(str(path), "x", "y", **KW)
+    where = re.escape(f"{path}: cannot read rows ")
+    with pytest.raises(DataError, match=where + r"10 to 19 of dataset 'x' \(data.inputs\)"):
+        d.scan(0, 40)
+    assert d.scan(20, 40) == ""
+    with pytest.raises(DataError, match=where + r"12 to 14 of dataset 'x'"):
+        d.read(np.arange(12, 15))
+    with pytest.raises(DataError, match=where + r"3, 15, 30 of dataset 'x'"):
+        d.read(np.array([30, 3, 15]))
+    d.close()
+
+
+def test_missing_external_storage_is_a_data_error(tmp_path):
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.zeros((8, 4), np.float32)
+        f.create_dataset("y", shape=(8,), dtype=np.int64, external=[(str(tmp_path / "y.bin"), 0, 8 * 8)])
+    d = Dataset(str(path), "x", "y", **KW)
+    with pytest.raises(DataError, match=r"cannot read rows 0 to 7 of dataset 'y' \(data.targets\).*external"):
+        d.scan(0, 8)
+    d.close()
+
+
+def test_float64_beyond_float32_is_reported_without_warnings(tmp_path):
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        x = np.zeros((6, 4))
+        x[4, 2] = -1e300
+        f["x"] = x
+        f["y"] = np.zeros(6, np.int64)
+    d = Dataset(str(path), "x", "y", **KW)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "inputs contain a value beyond the float32 range (-1e+300 in row 4)" in d.scan(0, 6)
+        xs, _ = d.read(np.arange(6))  # training reads convert quietly too; the start-up scan reports the row
+    assert np.isinf(xs[4, 2])
+    d.close()
+
+
+def test_scalar_and_empty_datasets(tmp_path):
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        f["scalar"] = 3.0
+        f["empty"] = np.zeros((0, 4), np.float32)
+        f["null"] = h5py.Empty("f4")
+        f["x"] = np.zeros((4, 4), np.float32)
+        f["y"] = np.zeros(4, np.int64)
+    with pytest.raises(DataError, match=r"'scalar' \(data.inputs\) is a scalar; expected one row per sample, "
+                                        r"shape \(N, \.\.\.\) with 4 features per row"):
+        Dataset(str(path), "scalar", "y", **KW)
+    with pytest.raises(DataError, match=r"'scalar' \(data.targets\) is a scalar; .* shape \(N,\)"):
+        Dataset(str(path), "x", "scalar", **KW)
+    with pytest.raises(DataError, match=r"'empty' \(data.inputs\) is empty \(shape \(0, 4\)\)"):
+        Dataset(str(path), "empty", "y", **KW)
+    with pytest.raises(DataError, match=r"'null' \(data.inputs\) holds no data"):
+        Dataset(str(path), "null", "y", **KW)
+
+
+def test_uint64_target_reports_the_real_value(tmp_path):
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.zeros((4, 4), np.float32)
+        f["y"] = np.array([0, 1, 2**64 - 1, 2], np.uint64)
+    d = Dataset(str(path), "x", "y", **KW)
+    assert f"target {2**64 - 1} in row 2 is not a class index in [0, 3)" in d.scan(0, 4)
+    d.close()
+
+
+def test_data_file_can_also_be_checkpoint_init(tmp_path, monkeypatch):
+    """One file with x, y and /params: the data reader must not lock it, or load_weights cannot open it too."""
+    monkeypatch.delenv("HDF5_USE_FILE_LOCKING", raising=False)
+    path = tmp_path / "d.h5"
+    make_classification(path, n=20, features=4)
+    layout = ParamLayout([("0.weight", (3, 4)), ("0.bias", (3,))])
+    weights = {s.name: np.full(s.shape, i + 1, np.float32) for i, s in enumerate(layout)}
+    with h5py.File(path, "a") as f:
+        for name, value in weights.items():
+            f[f"params/{name}"] = value
+    d = Dataset(str(path), "x", "y", **KW)
+    assert d.file.mode == "r"
+    loaded = load_weights(str(path), layout)
+    for name, value in weights.items():
+        np.testing.assert_array_equal(loaded[name], value)
+    assert d.scan(0, 20) == ""
+    d.close()

@@ -5,9 +5,11 @@
     python -m hpctrain train jobs/configs/digits.toml
 
 Errors a user can cause print one line, ``hpctrain: error: ...`` (with the
-rank under MPI), and exit with status 2. Any other exception on any rank
-prints that rank's traceback and aborts the whole job (``COMM_WORLD.Abort``),
-so ``mpirun`` never hangs on a rank that died.
+rank under MPI), and exit with status 2; so does running out of host memory
+(a model too large for the machine), which aborts the whole job because it may
+happen on one rank only. Any other exception on any rank prints that rank's
+traceback and aborts the whole job (``COMM_WORLD.Abort``), so ``mpirun`` never
+hangs on a rank that died.
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ def main(argv=None) -> int:
         print(f"hpctrain: interrupted{_where()}", file=sys.stderr)
         abort_world(130)
         return 130
+    except MemoryError as e:  # e.g. parameter buffers too large: the user's config, not a bug
+        print(f"hpctrain: error{_where()}: out of memory: {e or 'MemoryError'} (lower the model width or "
+              "train.batch_size, or use more ranks)", file=sys.stderr)
+        abort_world(2)  # this rank alone may have failed, and the others wait for it in a collective
+        return 2
     except Exception as e:  # a bug, or a failure on this rank only: never leave the other ranks waiting
         traceback.print_exc()
         print(f"hpctrain: error{_where()}: {type(e).__name__}: {e}", file=sys.stderr)

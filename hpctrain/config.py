@@ -30,6 +30,8 @@ LAYER_KEYS = {
     "layernorm": {"dim": int, "eps": float},
 }
 LAYER_REQUIRED = {"linear": ("in", "out"), "layernorm": ("dim",)}
+INT64_MAX = 2**63 - 1  # TOML integers are 64-bit; checkpoints store steps and seeds as int64
+SEED_KEYS = (("train", "seed"), ("data", "seed"))
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ def _coerce(key: str, value, annotation: str):
     if annotation == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad
-        return value
+        return _int64(key, value)
     if annotation == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
@@ -173,7 +175,7 @@ def _coerce(key: str, value, annotation: str):
             return value
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f'{key}: expected a positive integer or "auto", got {value!r}')
-        return value
+        return _int64(key, value)
     if annotation == "bool | str":  # parallel.cuda_aware
         if isinstance(value, bool) or value == "auto":
             return value
@@ -185,15 +187,34 @@ def _coerce(key: str, value, annotation: str):
     raise AssertionError(annotation)
 
 
+def _int64(key: str, value: int) -> int:
+    # tomllib accepts any size of integer; numpy and HDF5 attributes take int64 only
+    if not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise ConfigError(f"{key}: must fit in a 64-bit signed integer (at most 2**63 - 1), got {value}")
+    return value
+
+
+def _param_count(kind: str, args: dict) -> int:
+    """Parameters of one layer, as the model lays them out (weight and bias)."""
+    if kind == "linear":
+        return args["in"] * args["out"] + (args["out"] if args["bias"] else 0)
+    if kind == "layernorm":
+        return 2 * args["dim"]
+    return 0
+
+
 def _parse_layers(value) -> tuple[LayerSpec, ...]:
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise ConfigError("model.layers: expected an array of tables like {type = \"linear\", in = 64, out = 10}")
-    layers = []
+    layers, total = [], 0
     for i, table in enumerate(value):
         where = f"model.layers[{i}]"
-        kind = table.get("type")
-        if kind not in LAYER_KEYS:
-            raise ConfigError(f"{where}.type: expected one of {', '.join(LAYER_KEYS)}, got {kind!r}")
+        if "type" not in table:
+            raise ConfigError(f"{where}.type: required (one of {', '.join(LAYER_KEYS)})")
+        kind = table["type"]
+        if not isinstance(kind, str) or kind not in LAYER_KEYS:
+            got = f"{_type_name(kind)} {kind!r}" if not isinstance(kind, str) else repr(kind)
+            raise ConfigError(f"{where}.type: expected one of {', '.join(LAYER_KEYS)}, got {got}")
         allowed = LAYER_KEYS[kind]
         args = {}
         for key, v in table.items():
@@ -214,6 +235,10 @@ def _parse_layers(value) -> tuple[LayerSpec, ...]:
             args.setdefault("eps", 1e-5)
             if args["eps"] <= 0:
                 raise ConfigError(f"{where}.eps: must be > 0, got {args['eps']}")
+        total += _param_count(kind, args)
+        if total * 4 > INT64_MAX:  # no float32 buffer (params, grads) of this size can exist: numpy refuses it
+            raise ConfigError(f"{where}: the model has {total:,} parameters up to here; a float32 buffer of "
+                              f"that size exceeds 2**63 bytes")
         layers.append(LayerSpec(kind, tuple(sorted(args.items()))))
     return tuple(layers)
 
@@ -229,6 +254,9 @@ def _check_ranges(cfg: Config) -> None:
     need(d.inputs, "data.inputs", "required (the name of the input dataset)")
     need(d.targets, "data.targets", "required (the name of the target dataset)")
     need(0.0 <= d.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
+    for section, key in SEED_KEYS:
+        seed = getattr(getattr(cfg, section), key)
+        need(seed >= 0, f"{section}.{key}", f"must be in [0, 2**63 - 1] (a numpy seed), got {seed}")
     need(t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
     need(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
     need(t.log_every >= 1, "train.log_every", f"must be >= 1, got {t.log_every}")
@@ -294,6 +322,8 @@ def _parse_override(item: str):
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # not a TOML value: take it as a string
+    except RecursionError:
+        raise ConfigError(f"--set {item!r}: arrays or tables nested too deeply") from None
     return parts[0], parts[1], value
 
 
@@ -306,8 +336,12 @@ def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
         raise ConfigError(f"config file {path!r} does not exist") from None
     except IsADirectoryError:
         raise ConfigError(f"config file {path!r} is a directory") from None
+    except OSError as e:  # NotADirectoryError (a file used as a folder), PermissionError, I/O errors
+        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: malformed TOML: {e}") from None
+    except RecursionError:  # tomllib parses nested arrays and tables recursively
+        raise ConfigError(f"{path}: malformed TOML: arrays or tables nested too deeply") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file") from None
     for item in overrides:

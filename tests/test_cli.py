@@ -46,6 +46,15 @@ BAD = [
     ("ckptdir", lambda t: t.replace('dir = "out"', 'dir = "d.h5"'), "d.h5 is not a folder"),
     ("ckptdir-under-file", lambda t: t.replace('dir = "out"', 'dir = "d.h5/ck"'), "is not a writable folder"),
     ("init", lambda t: t + 'init = "missing.h5"\n', "weights file"),
+    ("layer-type", lambda t: t.replace('{type = "relu"}', '{type = ["relu"]}'),
+     "model.layers[1].type: expected one of linear, relu, gelu, tanh, layernorm, got array ['relu']"),
+    ("train-seed", lambda t: t.replace("steps = 3", "steps = 3\nseed = -1"), "train.seed: must be in [0, 2**63 - 1]"),
+    ("data-seed", lambda t: t.replace('targets = "y"', 'targets = "y"\nseed = -1'), "data.seed: must be in [0, 2**63 - 1]"),
+    ("seed-int64", lambda t: t.replace("steps = 3", "steps = 3\nseed = 9223372036854775808"),
+     "train.seed: must fit in a 64-bit signed integer"),
+    # 7 * 2**57 float32 parameters pass the config check but exceed any address space: MemoryError
+    ("memory", lambda t: t.replace("in = 6, out = 8", f"in = 6, out = {2**57}").replace("in = 8, out = 3", f"in = {2**57}, out = 3"),
+     "out of memory: "),
 ]
 
 
@@ -59,6 +68,14 @@ def test_bad_input_is_one_line_and_exit_2(job, name, edit, message):
     assert message in lines[0], lines[0]
     assert "Traceback" not in proc.stderr
     assert not (job / "out").exists()  # nothing written before the input was found good
+
+
+def test_config_path_under_a_file_is_one_line(job):
+    proc = hpctrain("train", str(job / "d.h5" / "c.toml"))
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("hpctrain: error: "), proc.stderr
+    assert "d.h5/c.toml' cannot be read: Not a directory" in lines[0], lines[0]
 
 
 def test_train_with_overrides_and_module_entry(job):

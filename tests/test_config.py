@@ -58,11 +58,30 @@ def test_round_trip_through_toml(tmp_path):
     ("[parallel]\ndp = 'many'", "parallel.dp: expected a positive integer or \"auto\""),
     ("[optim]\nweight_decay = -1.0", "optim.weight_decay: must be >= 0, got -1.0"),
     ("[data]\nval_fraction = 1.0", r"data.val_fraction: must be in \[0, 1\)"),
+    ("[train]\nseed = -1", r"train.seed: must be in \[0, 2\*\*63 - 1\]"),
+    ("[data]\nseed = -1", r"data.seed: must be in \[0, 2\*\*63 - 1\]"),
+    ("[train]\nseed = 9223372036854775808", "train.seed: must fit in a 64-bit signed integer"),
+    ("[data]\nseed = 18446744073709551616", "data.seed: must fit in a 64-bit signed integer"),
+    ("[train]\nsteps = 9223372036854775808", "train.steps: must fit in a 64-bit signed integer"),
+    ("[train]\nbatch_size = 9223372036854775808", "train.batch_size: must fit in a 64-bit signed integer"),
+    ("[train]\nlog_every = 9223372036854775808", "train.log_every: must fit in a 64-bit signed integer"),
+    ("[train]\neval_every = 9223372036854775808", "train.eval_every: must fit in a 64-bit signed integer"),
+    ("[train]\nmicro_batches = 9223372036854775808", "train.micro_batches: must fit in a 64-bit signed integer"),
+    ("[optim]\nwarmup_steps = 9223372036854775808", "optim.warmup_steps: must fit in a 64-bit signed integer"),
+    ("[checkpoint]\nevery = 9223372036854775808", "checkpoint.every: must fit in a 64-bit signed integer"),
+    ("[checkpoint]\nkeep = 9223372036854775808", "checkpoint.keep: must fit in a 64-bit signed integer"),
+    ("[parallel]\ndp = 9223372036854775808", "parallel.dp: must fit in a 64-bit signed integer"),
+    ("[parallel]\ntp = -9223372036854775809", "parallel.tp: must fit in a 64-bit signed integer"),
 ])
 def test_errors_name_the_key(tmp_path, extra, message):
     text = BASE + "\n" + extra if not extra.startswith("[data]") else BASE.replace('targets = "y"', 'targets = "y"\n' + extra.split("\n", 1)[1])
     with pytest.raises(ConfigError, match=message):
         load_config(write(tmp_path, text))
+
+
+def test_largest_seeds_are_accepted(tmp_path):
+    cfg = load_config(write(tmp_path, BASE), ["train.seed=9223372036854775807", "data.seed=0"])
+    assert cfg.train.seed == 2**63 - 1 and cfg.data.seed == 0
 
 
 def test_layer_errors(tmp_path):
@@ -76,6 +95,16 @@ def test_layer_errors(tmp_path):
         parse_config(layers([{"type": "linear", "in": 3, "out": 2}, {"type": "relu", "in": 2}]))
     with pytest.raises(ConfigError, match=r"model.layers\[0\].in: expected int"):
         parse_config(layers([{"type": "linear", "in": "3", "out": 2}]))
+    with pytest.raises(ConfigError, match=r"model.layers\[1\].type: expected one of .*, got array \['relu'\]"):
+        parse_config(layers([{"type": "linear", "in": 3, "out": 2}, {"type": ["relu"]}]))
+    with pytest.raises(ConfigError, match=r"model.layers\[0\].type: expected one of .*, got table \{'a': 1\}"):
+        parse_config(layers([{"type": {"a": 1}}]))
+    with pytest.raises(ConfigError, match=r"model.layers\[0\].type: required"):
+        parse_config(layers([{"in": 3}]))
+    with pytest.raises(ConfigError, match=r"model.layers\[0\].out: must fit in a 64-bit signed integer"):
+        parse_config(layers([{"type": "linear", "in": 3, "out": 2**63}]))
+    with pytest.raises(ConfigError, match=r"model.layers\[1\]: the model has .* parameters up to here; a float32 buffer"):
+        parse_config(layers([{"type": "linear", "in": 3, "out": 2**31}, {"type": "linear", "in": 2**31, "out": 2**31}]))
 
 
 def test_missing_required_and_malformed(tmp_path):
@@ -87,3 +116,11 @@ def test_missing_required_and_malformed(tmp_path):
         load_config(str(tmp_path / "nope.toml"))
     with pytest.raises(ConfigError, match="--set 'train.steps': expected section.key=value"):
         load_config(write(tmp_path, BASE), ["train.steps"])
+    with pytest.raises(ConfigError, match="malformed TOML: arrays or tables nested too deeply"):
+        load_config(write(tmp_path, "a = " + "[" * 5000 + "]" * 5000))
+
+
+def test_unreadable_config_path_names_the_path_and_reason(tmp_path):
+    write(tmp_path, BASE, "d.h5")  # a file, used as a folder below
+    with pytest.raises(ConfigError, match=r"config file '.*d.h5/c.toml' cannot be read: Not a directory"):
+        load_config(str(tmp_path / "d.h5" / "c.toml"))

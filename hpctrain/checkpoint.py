@@ -138,6 +138,10 @@ def _checked_arrays(state: CheckpointState) -> list[tuple[str, np.ndarray]]:
         if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
             raise ValueError(f"parameter name {name!r} cannot be an HDF5 dataset name")
         arrays.append((f"params/{name}", _float32(arr, f"params[{name!r}]")))
+        problem = _nonfinite(arrays[-1][1])
+        if problem:  # the loaders refuse such a file: never write one over good checkpoints
+            raise CheckpointError(f"step {state.step}: parameter {name} has {problem}; no checkpoint written "
+                                  "(the run diverged: lower optim.lr or set train.grad_clip)")
     for slot, tensors in state.slots.items():
         if set(tensors) != set(state.params):
             diff = sorted(set(tensors) ^ set(state.params))
@@ -363,14 +367,20 @@ def _check_fit(what: str, groups, layout: ParamLayout, *, strict_dtype: bool) ->
         raise CheckpointError(f"{what} does not fit the model: " + " | ".join(parts))
 
 
+def _nonfinite(arr) -> str:
+    """'' when every value of ``arr`` is finite, else how many are not (weights must be finite to load)."""
+    finite = np.isfinite(arr)
+    return "" if finite.all() else f"{finite.size - int(finite.sum())} non-finite value(s) (NaN or Inf)"
+
+
 def _read_groups(groups, layout: ParamLayout):
     items = [((label, spec.name), group[spec.name]) for label, group in groups for spec in layout]
     tensors = {label: {} for label, _ in groups}
     failures = []
     for (label, name), arr, problem in fmt.verify_datasets(items, keep=True):
         where = f"/params/{name}" if label == "params" else f"/optim/{label}/{name}"
-        if not problem and label == "params" and not np.isfinite(arr).all():
-            problem = f"{np.size(arr) - int(np.isfinite(arr).sum())} non-finite value(s) (NaN or Inf)"
+        if not problem and label == "params":
+            problem = _nonfinite(arr)
         if problem:
             failures.append(f"{where}: {problem}")
         else:
@@ -521,6 +531,10 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
         if problem:
             bad += 1
             problems.append(f"{label}: {problem}")
+    for name, ds in specs:  # what the loaders refuse besides damage
+        problem = _nonfinite(ds[()]) if ds.dtype.kind == "f" else ""
+        if problem:
+            problems.append(f"/params/{name}: {problem}")
     summary = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
     lines.append(f"checksums: {len(items) - bad} of {len(items)} datasets verify ({summary})"
                  + (" -- datasets without a checksum are only read, not verified" if "none" in kinds else ""))

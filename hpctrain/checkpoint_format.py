@@ -23,7 +23,7 @@ import numpy as np
 from .errors import CheckpointError
 
 FORMAT = "hpctrain-checkpoint"
-VERSION = 1  # bump only when an older reader would misread a newer file
+VERSION = 2  # bump only when an older reader would misread a newer file; 2: fixed-length strings
 DIGEST = "sha256"  # root attribute ``checksum`` and the per-dataset attribute name
 LIBVER = ("v108", "v108")  # superblock v2 and v2 object headers: HDF5 checksums the metadata too
 OPTIMIZERS = {  # optimizer name -> (slots it must have, slots it may have), torch.optim's names

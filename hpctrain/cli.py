@@ -5,9 +5,10 @@
     python -m hpctrain train jobs/configs/digits.toml
 
 Errors a user can cause print one line, ``hpctrain: error: ...`` (with the
-rank under MPI), and exit with status 2; so does running out of host memory
+rank under MPI), and exit with status 2; so does a host allocation that fails
 (a model too large for the machine), which aborts the whole job because it may
-happen on one rank only. Any other exception on any rank prints that rank's
+happen on one rank only (Linux may instead grant the memory and kill the
+process later, which no Python code can report). Any other exception on any rank prints that rank's
 traceback and aborts the whole job (``COMM_WORLD.Abort``), so ``mpirun`` never
 hangs on a rank that died.
 """

@@ -56,11 +56,10 @@ class Trainer:
         run_everywhere(mesh.world, self._make_state)
         # rank 0 reads whatever file is involved; a bad file is reported before any broadcast
         start = run_everywhere(mesh.world, self._read_start if self.rank0 else lambda: (None, None))
-        hosts = self._broadcast_start(*start)
-        run_everywhere(mesh.world, lambda: self._load_start(hosts))
-        self.sync = GradSync(comm=mesh.dp_comm, backend=self.be, grads=self.grads, layer_ranges=self.model.grad_ranges,
-                             bucket_mb=cfg.parallel.bucket_mb, overlap=cfg.parallel.overlap,
-                             cuda_aware=self.cuda_aware)
+        self._broadcast_start(*start)
+        self.sync = run_everywhere(mesh.world, lambda: GradSync(  # staging buffers: a device may run out
+            comm=mesh.dp_comm, backend=self.be, grads=self.grads, layer_ranges=self.model.grad_ranges,
+            bucket_mb=cfg.parallel.bucket_mb, overlap=cfg.parallel.overlap, cuda_aware=self.cuda_aware))
         self.log(f"hpctrain: {mesh.describe()}, backend {self.be.name}, {self.model.layout.size:,} parameters, "
                  f"{len(self.sync.buckets)} gradient bucket(s), overlap "
                  f"{('on, communication thread' if self.sync.threaded else 'on') if cfg.parallel.overlap else 'off'}"
@@ -118,10 +117,10 @@ class Trainer:
         self.optim = make_optimizer(self.cfg.optim, self.be, self.params, self.grads)
 
     def _broadcast_start(self, state, weights):
-        """Rank 0's starting point (a checkpoint, a weights file or a fresh init) to every rank's host memory.
+        """Rank 0's starting point (a checkpoint, a weights file or a fresh init) into every rank's buffers.
 
-        Only broadcasts here: nothing between them can fail on one rank alone. Returns packed host
-        arrays, ``{"params": ..., slot: ...}``, for ``_load_start``.
+        Each buffer goes through host memory (one at a time): a broadcast, then the copy into the
+        backend's buffer inside an agreement, as a device may run out of memory on one rank alone.
         """
         cfg = self.cfg
         header = np.zeros(2, dtype=np.int64)  # step, optimizer step
@@ -136,19 +135,12 @@ class Trainer:
             weights = self.model.init_params(cfg.train.seed)
         self.mesh.world.Bcast(header, root=0)
         self.step, self.optim.step_count = int(header[0]), int(header[1])
-        sources = {"params": weights}
-        sources.update({slot: state.slots[slot] if state is not None else None for slot in self.optim.slots})
-        hosts = {}
-        for name, arrays in sources.items():  # None: zeros
-            hosts[name] = self.model.layout.pack(arrays if self.rank0 else None)
-            self.mesh.world.Bcast(hosts[name], root=0)
-        return hosts
-
-    def _load_start(self, hosts):
-        """The broadcast starting point into the backend's buffers (run on every rank: a device may run out)."""
-        self.be.copy_(self.params.data, self.be.asarray(hosts["params"]))
-        for slot, buf in self.optim.slots.items():
-            self.be.copy_(buf.data, self.be.asarray(hosts[slot]))
+        targets = [(self.params, weights)]
+        targets += [(buf, state.slots[slot] if state is not None else None) for slot, buf in self.optim.slots.items()]
+        for buf, arrays in targets:  # arrays None: zeros
+            host = self.model.layout.pack(arrays if self.rank0 else None)
+            self.mesh.world.Bcast(host, root=0)
+            run_everywhere(self.mesh.world, lambda: self.be.copy_(buf.data, self.be.asarray(host)))  # noqa: B023
 
     def _read_start(self):
         """On rank 0: (checkpoint state or None, ``checkpoint.init`` weights or None), checked against this run."""

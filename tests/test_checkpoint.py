@@ -119,7 +119,7 @@ def test_plain_h5py_reads_the_documented_layout(tmp_path):
     with h5py.File(path, "r") as f:
         # strings are fixed-length UTF-8: h5py gives bytes
         a = {k: v.decode("utf-8") if isinstance(v, bytes) else v.item() for k, v in f.attrs.items()}
-        assert a["format"] == "hpctrain-checkpoint" and a["version"] == 1 and a["checksum"] == "sha256"
+        assert a["format"] == "hpctrain-checkpoint" and a["version"] == 2 and a["checksum"] == "sha256"
         assert (a["step"], a["epoch"], a["data_position"]) == (12, 1, 2)
         assert (a["world_size"], a["dp"], a["pp"], a["tp"]) == (2, 2, 1, 1)
         assert a["optimizer"] == "adam" and a["optimizer_step"] == 11
@@ -247,8 +247,8 @@ def test_wrong_format_attribute(tmp_path, layout):
 
 def test_newer_version_is_refused(tmp_path, layout):
     path = save_checkpoint(str(tmp_path), make_state(2), keep=1)
-    _edit_attr(path, "version", np.int64(2))
-    with pytest.raises(CheckpointError, match=r"written by a newer hpctrain \(format version 2"):
+    _edit_attr(path, "version", np.int64(3))
+    with pytest.raises(CheckpointError, match=r"written by a newer hpctrain \(format version 3"):
         load_checkpoint(path, layout)
     with pytest.raises(CheckpointError, match="written by a newer hpctrain"):
         load_weights(path, layout)
@@ -267,6 +267,39 @@ def test_damaged_root_attribute_text_is_detected(tmp_path, layout):
         load_checkpoint(path, layout)
     text, ok = inspect(path)
     assert not ok and "checksum" in text
+
+
+def make_version_1(path):
+    """Rewrite a checkpoint as format 1 wrote it: every string attribute variable-length (h5py's default)."""
+    with h5py.File(path, "r+") as f:
+        for obj in [f] + [ds for g in ("params", "optim/exp_avg", "optim/exp_avg_sq") for ds in f[g].values()]:
+            for key, value in list(obj.attrs.items()):
+                if isinstance(value, bytes):
+                    obj.attrs[key] = value.decode()
+        f.attrs["version"] = np.int64(1)
+        f.attrs["attrs_sha256"] = fmt.attrs_digest(f.attrs)
+        assert isinstance(f.attrs["config"], str)
+
+
+def test_version_1_files_with_variable_length_strings_still_load(tmp_path, layout):
+    path = save_checkpoint(str(tmp_path), make_state(9), keep=1)
+    make_version_1(path)
+    assert_same_state(load_checkpoint(path, layout), make_state(9))
+    text, ok = inspect(path)
+    assert ok and "format version 1" in text, text
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_documented_h5py_snippet_runs(tmp_path, version):
+    """docs/checkpoint-format.md's plain-h5py reader, run as written, on both format versions."""
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "checkpoint-format.md")).read()
+    code = doc.split("## Reading a checkpoint with plain h5py")[1].split("```python")[1].split("```")[0]
+    path = save_checkpoint(str(tmp_path), make_state(1200), keep=1)
+    if version == 1:
+        make_version_1(path)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("1200 adam 1199"), proc.stdout
 
 
 def test_rewritten_root_attribute_fails_attrs_sha256(tmp_path, layout):
@@ -294,11 +327,17 @@ def test_inspect_checks_the_slots_against_the_optimizer(tmp_path, edit, problem)
 
 
 def test_non_finite_weights_are_refused(tmp_path, layout):
+    """Loaders, inspect and the writer agree: weights with NaN or Inf are no starting point."""
     state = make_state(4)
     state.params["2.weight"][0, 0] = np.nan
     ckpt.save_weights(str(tmp_path / "w.h5"), state.params)
     with pytest.raises(CheckpointError, match=r"/params/2.weight: 1 non-finite value"):
         load_weights(str(tmp_path / "w.h5"), layout)
+    text, ok = inspect(str(tmp_path / "w.h5"))
+    assert not ok and "/params/2.weight: 1 non-finite value" in text
+    with pytest.raises(CheckpointError, match=r"step 4: parameter 2.weight has 1 non-finite value.*no checkpoint written"):
+        save_checkpoint(str(tmp_path / "ck"), state, keep=1)
+    assert not os.path.exists(tmp_path / "ck") or os.listdir(tmp_path / "ck") == []
 
 
 def test_missing_root_attribute(tmp_path, layout):
@@ -525,7 +564,7 @@ def test_inspect_reports_everything(tmp_path):
     path = save_checkpoint(str(tmp_path), state, keep=1)
     text, ok = inspect(path)
     assert ok
-    for expected in ["hpctrain checkpoint, format version 1", "step 42, epoch 4, data position 2",
+    for expected in ["hpctrain checkpoint, format version 2", "step 42, epoch 4, data position 2",
                      "world_size 2 = dp 2 x pp 1 x tp 1", "optimizer: adam, 41 optimizer steps",
                      "data_seed=7", "shuffle=True", "parameters: 4 tensors, 67 values",
                      "optimizer slot exp_avg: same names and shapes", "optimizer slot exp_avg_sq",

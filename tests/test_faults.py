@@ -59,9 +59,17 @@ if MPI.COMM_WORLD.rank == 1:
             raise BackendError("zeros: out of GPU memory (simulated)")
         train.make_optimizer = make_optimizer
     elif where == "load_start":  # a device out of memory while the broadcast start is copied in
-        def load_start(self, hosts):
+        def asarray(self, host):
             raise BackendError("asarray: out of GPU memory (simulated)")
-        train.Trainer._load_start = load_start
+        original_build = train.Trainer._build
+        def build(self):
+            original_build(self)
+            self.be = type("ShortOfMemory", (type(self.be),), {"asarray": asarray})()
+        train.Trainer._build = build
+    elif where == "grad_sync":  # a device out of memory for the staging buffers
+        def grad_sync(*args, **kwargs):
+            raise BackendError("pinned_host: out of memory (simulated)")
+        train.GradSync = grad_sync
     elif where == "backend":  # backend = "auto" picked another backend on this rank
         original = train.Trainer._build
         def build(self):
@@ -76,6 +84,7 @@ sys.exit(main(["train", sys.argv[1]]))
 @pytest.mark.parametrize("where, message", [
     ("make_optimizer", "hpctrain: error [rank 1/2]: zeros: out of GPU memory (simulated)"),
     ("load_start", "hpctrain: error [rank 1/2]: asarray: out of GPU memory (simulated)"),
+    ("grad_sync", "hpctrain: error [rank 1/2]: pinned_host: out of memory (simulated)"),
     ("backend", "hpctrain: error [rank 0/2]: rank 1 has a different backend from rank 0: cuda here, cpu on rank 0"),
 ])
 def test_a_set_up_failure_on_one_rank_ends_the_job_without_a_hang(tmp_path, where, message):

@@ -34,6 +34,7 @@ OPTIMIZERS = {  # optimizer name -> (slots it must have, slots it may have), tor
 LAYOUT_KEYS = ("world_size", "dp", "pp", "tp")
 ATTRS_DIGEST = "attrs_sha256"  # root attribute: sha256 of the other root attributes
 RNG_PREFIX = "rng_"
+INT64_MAX = 2**63 - 1  # steps and counters are int64 in memory too
 
 _NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
 _TEMP_RE = re.compile(r"^\.ckpt-\d{8,}\.h5\.(?P<host>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
@@ -327,8 +328,9 @@ def int_attr(attrs, key: str, path: str, *, minimum: int = 0) -> int:
     if key not in attrs:
         raise CheckpointError(f"checkpoint {path} has no root attribute {key!r}")
     value = decode_attr(attrs[key])
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise CheckpointError(f"checkpoint {path}: root attribute {key!r} = {attrs[key]!r}, expected an integer >= {minimum}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= INT64_MAX:
+        raise CheckpointError(f"checkpoint {path}: root attribute {key!r} = {attrs[key]!r}, expected an integer in "
+                              f"[{minimum}, 2**63 - 1]")
     return value
 
 

@@ -235,6 +235,16 @@ def _edit_attr(path, key, value):
         f.attrs[key] = value
 
 
+@pytest.mark.parametrize("key", ["step", "optimizer_step"])
+def test_counters_beyond_int64_are_refused(tmp_path, layout, key):
+    path = save_checkpoint(str(tmp_path), make_state(2), keep=1)
+    with h5py.File(path, "r+") as f:
+        f.attrs[key] = np.uint64(2**63 + 5)
+        f.attrs["attrs_sha256"] = fmt.attrs_digest(f.attrs)  # a consistent file, just out of range
+    with pytest.raises(CheckpointError, match=rf"root attribute '{key}' = .*expected an integer in \[0, 2\*\*63 - 1\]"):
+        load_checkpoint(path, layout)
+
+
 def test_wrong_format_attribute(tmp_path, layout):
     path = save_checkpoint(str(tmp_path), make_state(2), keep=1)
     _edit_attr(path, "format", "someone-elses-format")

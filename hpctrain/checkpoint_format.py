@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import h5py
 import numpy as np
 
+from .config import INT64_MAX
 from .errors import CheckpointError
 
 FORMAT = "hpctrain-checkpoint"
@@ -34,7 +35,6 @@ OPTIMIZERS = {  # optimizer name -> (slots it must have, slots it may have), tor
 LAYOUT_KEYS = ("world_size", "dp", "pp", "tp")
 ATTRS_DIGEST = "attrs_sha256"  # root attribute: sha256 of the other root attributes
 RNG_PREFIX = "rng_"
-INT64_MAX = 2**63 - 1  # steps and counters are int64 in memory too
 
 _NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
 _TEMP_RE = re.compile(r"^\.ckpt-\d{8,}\.h5\.(?P<host>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")

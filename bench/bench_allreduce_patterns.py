@@ -3,7 +3,7 @@
     mpiexec -n 2 python bench/bench_allreduce_patterns.py              # 100 MB in 4 buckets
     mpiexec -n 2 python bench/bench_allreduce_patterns.py --mb 40 --buckets 10
 
-The figures behind GradSync's design (hpctrain/dist/data_parallel.py): several large
+The figures behind GradSync's design (hpctrain/parallel/data_parallel.py): several large
 Iallreduces in flight at once against one at a time and against blocking pieces. Each
 pattern is timed as the median of --repeat rounds after a Barrier, in the same run.
 """

@@ -6,7 +6,7 @@
 1. Linear forward+backward (X·Wᵀ+b, dY·W, dYᵀ·X, bias grad) through the backend against
    the three bare ``numpy.matmul`` calls on the same shapes: GFLOP/s and the ratio.
 2. One MLP training step (in → hidden → hidden → hidden → 10, ReLU, the real
-   ``Trainer._train_step``: HDF5 read, forward, cross-entropy, backward, grad norm,
+   ``Trainer.train_step``: HDF5 read, forward, cross-entropy, backward, grad norm,
    optimizer) against the sum of the step's GEMMs timed with ``numpy.matmul``.
    Target: step ≤ 1.25 × GEMM time at batch 256, hidden 1024.
 """
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import best_of, mlp_config, synthetic_classification  # noqa: E402
 
 from hpctrain.backend.cpu import CpuBackend  # noqa: E402
-from hpctrain.dist.mesh import Mesh  # noqa: E402
+from hpctrain.parallel.mesh import Mesh  # noqa: E402
 from hpctrain.nn import Linear  # noqa: E402
 from hpctrain.train import Trainer  # noqa: E402
 
@@ -68,11 +68,10 @@ def bench_step(B, hidden, features, optim, repeat):
         path = os.path.join(tmp, "d.h5")
         synthetic_classification(path, 4 * B, features, 10)
         trainer = Trainer(mlp_config(path, sizes, B, optim), mesh=Mesh(), log=lambda *a: None)
-        grad_scale = trainer.loss.grad_scale(B, 10)
         step = [0]
 
         def one_step():
-            trainer._train_step(step[0], 1e-3, grad_scale)
+            trainer.train_step(step[0], 1e-3)
             step[0] += 1
 
         t_step = best_of(one_step, repeat, warmup=2)

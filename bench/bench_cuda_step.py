@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_common import gpu_mode  # noqa: E402
 
 from hpctrain.config import LayerSpec, OptimConfig  # noqa: E402
-from hpctrain.nn import Sequential, make_loss  # noqa: E402
+from hpctrain.nn import ModelSpec, make_loss  # noqa: E402
 from hpctrain.optim import make_optimizer  # noqa: E402
 from hpctrain.params import FlatBuffer  # noqa: E402
 
@@ -55,7 +55,7 @@ class HpctrainStep:
 
     def __init__(self, be, specs, init, optim):
         self.be = be
-        self.model = Sequential(specs)
+        self.model = ModelSpec(specs).part()
         self.params, self.grads = FlatBuffer(be, self.model.layout), FlatBuffer(be, self.model.layout)
         self.model.bind(self.params, self.grads)
         self.params.load_host_dict(init)
@@ -69,7 +69,7 @@ class HpctrainStep:
         x, y = be.asarray(x_host), be.asarray(y_host)
         out, saved = self.model.forward(be, x)
         loss_sum, _, dout = self.loss(be, out, y, 1.0 / B)
-        self.model.backward(be, dout, saved)
+        self.model.backward(be, dout, saved, need_dinp=False)
         norm = math.sqrt(be.sum_squares(self.grads.data))
         self.optim.step(self.lr)
         be.synchronize()
@@ -140,7 +140,7 @@ def main():
     from hpctrain.backend.cuda import CudaBackend
 
     specs = layer_specs(F, H)
-    init = Sequential(specs).init_params(seed=0)
+    init = ModelSpec(specs).init_params(seed=0)
     rng = np.random.default_rng(0)
     batches = [(rng.standard_normal((B, F)).astype(np.float32), rng.integers(0, CLASSES, B).astype(np.int64))
                for _ in range(args.steps)]

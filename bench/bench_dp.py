@@ -27,8 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import mlp_config, synthetic_classification  # noqa: E402
 
 from hpctrain.backend.cpu import CpuBackend  # noqa: E402
-from hpctrain.dist.data_parallel import GradSync  # noqa: E402
-from hpctrain.dist.mesh import Mesh  # noqa: E402
+from hpctrain.parallel.data_parallel import GradSync  # noqa: E402
+from hpctrain.parallel.mesh import Mesh  # noqa: E402
+from hpctrain.parallel.transport import Transport  # noqa: E402
 from hpctrain.params import FlatBuffer, ParamLayout  # noqa: E402
 from hpctrain.train import Trainer  # noqa: E402
 
@@ -43,15 +44,15 @@ def bench_sync(comm, megabytes, bucket_mb, repeat):
     layout = ParamLayout([("flat", (n,))])
     grads = FlatBuffer(CpuBackend(), layout)
     grads.data[:] = 1.0
-    sync = GradSync(comm=comm, backend=CpuBackend(), grads=grads, layer_ranges=[(0, n)], bucket_mb=bucket_mb,
-                    overlap=True, cuda_aware=False)
+    sync = GradSync(comm=comm, transport=Transport(CpuBackend(), cuda_aware=False), grads=grads,
+                    bucket_mb=bucket_mb, overlap=True)
     bare = np.ones(n, dtype=np.float32)
     t_sync, t_bare, t_chunks = [], [], []
     for _ in range(repeat):  # interleaved, so drift in the machine's load hits both alike
         comm.Barrier()
         t0 = time.perf_counter()
         sync.start_step()
-        sync.layer_done(0)
+        sync.grads_final(0)
         sync.wait()
         t_sync.append(time.perf_counter() - t0)
         comm.Barrier()
@@ -91,14 +92,13 @@ def bench_overlap(mesh, sizes, batch, bucket_mb, steps):
     trainers = {overlap: Trainer(dataclasses.replace(base, parallel=dataclasses.replace(
         base.parallel, bucket_mb=bucket_mb, overlap=overlap)), mesh=mesh, log=lambda *a: None)
         for overlap in (False, True)}
-    scale = trainers[False].loss.grad_scale(batch, sizes[-1])
     total = {False: [], True: []}
     comm = {False: [], True: []}
     for s in range(steps + 3):
         for overlap, trainer in trainers.items():
             mesh.world.Barrier()
             t0 = time.perf_counter()
-            timing = trainer._train_step(s, 1e-3, scale)
+            timing = trainer.train_step(s, 1e-3)
             if s >= 3:  # warm-up steps are not counted
                 total[overlap].append(time.perf_counter() - t0)
                 comm[overlap].append(timing["comm"])

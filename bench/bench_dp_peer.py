@@ -27,18 +27,17 @@ def hpctrain_worker(path, batch, steps, warmup):
     import numpy as np
     from common import mlp_config
 
-    from hpctrain.dist.mesh import Mesh
+    from hpctrain.parallel.mesh import Mesh
     from hpctrain.train import Trainer
 
     mesh = Mesh()
     t = Trainer(mlp_config(path, SIZES, batch, "sgd"), mesh=mesh, log=lambda *a: None)
-    scale = t.loss.grad_scale(batch, SIZES[-1])
     for s in range(warmup):
-        t._train_step(s, 0.01, scale)
+        t.train_step(s, 0.01)
     mesh.world.Barrier()
     t0 = time.perf_counter()
     for s in range(steps):
-        t._train_step(warmup + s, 0.01, scale)
+        t.train_step(warmup + s, 0.01)
     mesh.world.Barrier()
     if mesh.rank == 0:
         print(f"RESULT {steps * batch / (time.perf_counter() - t0):.1f}")

@@ -40,8 +40,8 @@ def _train(args) -> int:
     from mpi4py import MPI
 
     from .config import load_config
-    from .dist.agree import run_everywhere
-    from .dist.mesh import Mesh, resolve_layout
+    from .parallel.agree import run_everywhere
+    from .parallel.mesh import Mesh, resolve_layout
     from .train import Trainer
 
     cfg = run_everywhere(MPI.COMM_WORLD, lambda: load_config(args.config, args.overrides))
@@ -78,8 +78,8 @@ def _where() -> str:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    from .dist.abort import abort_world
-    from .dist.agree import QuietExit
+    from .parallel.abort import abort_world
+    from .parallel.agree import QuietExit
 
     try:
         return _train(args) if args.command == "train" else _inspect(args)

@@ -74,6 +74,7 @@ class TrainConfig:
     grad_clip: float = 0.0
     micro_batches: int = 1
     skip_nonfinite: bool = False
+    trace: str = ""
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,8 @@ class ParallelConfig:
     dp: int | str = "auto"
     pp: int = 1
     tp: int = 1
+    schedule: str = "1f1b"
+    stages: tuple[tuple[int, int], ...] = ()
     bucket_mb: float = 25.0
     overlap: bool = True
     cuda_aware: bool | str = "auto"
@@ -134,12 +137,13 @@ SECTIONS = {
     "checkpoint": CheckpointConfig,
     "parallel": ParallelConfig,
 }
-PATH_KEYS = {("data", "path"), ("train", "metrics"), ("checkpoint", "init"), ("checkpoint", "dir")}
+PATH_KEYS = {("data", "path"), ("train", "metrics"), ("train", "trace"), ("checkpoint", "init"), ("checkpoint", "dir")}
 CHOICES = {
     ("train", "loss"): ("cross_entropy", "mse"),
     ("train", "backend"): ("auto", "cpu", "cuda"),
     ("optim", "name"): ("sgd", "adam", "adamw"),
     ("optim", "schedule"): ("constant", "cosine", "linear"),
+    ("parallel", "schedule"): ("1f1b", "gpipe"),
 }
 
 
@@ -180,6 +184,13 @@ def _coerce(key: str, value, annotation: str):
         if isinstance(value, bool) or value == "auto":
             return value
         raise ConfigError(f'{key}: expected true, false or "auto", got {value!r}')
+    if annotation == "tuple[tuple[int, int], ...]":  # parallel.stages
+        form = f"{key}: expected an array of [first, last] layer index pairs like [[0, 3], [4, 6]], got {value!r}"
+        if not isinstance(value, list) or not all(isinstance(v, list) and len(v) == 2 for v in value):
+            raise ConfigError(form)
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for v in value for i in v):
+            raise ConfigError(form + " (indices are integers >= 0)")
+        return tuple((int(a), int(b)) for a, b in value)
     if annotation == "tuple[float, float]":
         if not isinstance(value, list) or len(value) != 2:
             raise ConfigError(f"{key}: expected an array of two floats, got {value!r}")
@@ -274,7 +285,34 @@ def _check_ranges(cfg: Config) -> None:
     need(p.dp == "auto" or p.dp >= 1, "parallel.dp", f'must be >= 1 or "auto", got {p.dp}')
     need(p.pp >= 1, "parallel.pp", f"must be >= 1, got {p.pp}")
     need(p.tp >= 1, "parallel.tp", f"must be >= 1, got {p.tp}")
+    if p.stages:
+        _check_stages(p, cfg.model.layers)
     need(p.bucket_mb > 0, "parallel.bucket_mb", f"must be > 0, got {p.bucket_mb}")
+
+
+def _check_stages(p: "ParallelConfig", layers) -> None:
+    """parallel.stages: pp inclusive [first, last] ranges covering model.layers in order, each with parameters."""
+    n = len(layers)
+    if len(p.stages) != p.pp:
+        raise ConfigError(f"parallel.stages lists {len(p.stages)} stage(s) but parallel.pp = {p.pp}")
+    expect = 0
+    for s, (lo, hi) in enumerate(p.stages):
+        where = f"parallel.stages[{s}] = [{lo}, {hi}]"
+        if hi < lo:
+            raise ConfigError(f"{where}: the last layer comes before the first")
+        if lo < expect:
+            raise ConfigError(f"{where} overlaps the stage before it (which ends at layer {expect - 1})")
+        if lo > expect:
+            raise ConfigError(f"{where} leaves out layer(s) {expect}..{lo - 1}: stages must cover model.layers "
+                              f"0..{n - 1} in order")
+        if hi >= n:
+            raise ConfigError(f"{where}: the model has layers 0..{n - 1}")
+        if not any(_param_count(layer.type, dict(layer.args)) for layer in layers[lo : hi + 1]):
+            raise ConfigError(f"{where} holds no parameters (only activations): give every stage a linear or "
+                              "layernorm layer")
+        expect = hi + 1
+    if expect != n:
+        raise ConfigError(f"parallel.stages end at layer {expect - 1} but the model has layers 0..{n - 1}")
 
 
 def parse_config(data: dict, base_dir: str = ".", source: str = "<config>") -> Config:

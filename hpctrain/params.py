@@ -77,6 +77,10 @@ class ParamLayout:
                 host[s.offset : s.end] = np.asarray(arrays[s.name], dtype=np.float32).reshape(-1)
         return host
 
+    def unpack(self, host: np.ndarray) -> dict[str, np.ndarray]:
+        """One flat host array in this layout -> named views of it (no copies)."""
+        return {s.name: host[s.offset : s.end].reshape(s.shape) for s in self.specs}
+
     def first_difference(self, other_description: str) -> str:
         """Say where another rank's ``describe()`` first differs from this one."""
         mine = self.describe().splitlines()

@@ -45,16 +45,22 @@ def config(path, *, features=6, hidden=8, classes=3, loss="cross_entropy", **sec
 
 
 def train_params(cfg, comm):
-    """Train ``cfg`` on a mesh over ``comm`` (collective) and return the final parameters by name."""
-    from hpctrain.dist.mesh import Mesh
+    """Train ``cfg`` on a mesh over ``comm`` (collective) and return every rank the full final parameters by name."""
+    import numpy as np
+
+    from hpctrain.parallel.mesh import Mesh
     from hpctrain.train import Trainer
 
-    mesh = Mesh(comm=comm)
+    p = cfg.parallel
+    mesh = Mesh(comm=comm, dp=p.dp, pp=p.pp, tp=p.tp)
     try:
         t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
         t.run()
         t.close()
-        return t.params.to_host_dict()
+        gathered = t.state_dict()
+        flat = t.model.layout.pack(gathered[0] if gathered else None)
+        mesh.world.Bcast(flat, root=0)
+        return {name: np.array(arr) for name, arr in t.model.layout.unpack(flat).items()}
     finally:
         mesh.free()
 

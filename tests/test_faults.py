@@ -21,12 +21,12 @@ from mpi4py import MPI
 import hpctrain.train as train
 from hpctrain.cli import main
 
-original = train.Trainer._train_step
+original = train.Trainer.train_step
 def failing(self, step, *args):
     if MPI.COMM_WORLD.rank == 1 and step == 2:
         raise RuntimeError("disk on fire")
     return original(self, step, *args)
-train.Trainer._train_step = failing
+train.Trainer.train_step = failing
 sys.exit(main(["train", sys.argv[1]]))
 """
 
@@ -48,7 +48,8 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path):
 SETUP_FAILURE = """
 import sys
 from mpi4py import MPI
-import hpctrain.train as train
+import hpctrain.train.loop as loop
+import hpctrain.train.startup as startup
 from hpctrain.cli import main
 from hpctrain.errors import BackendError
 
@@ -57,25 +58,25 @@ if MPI.COMM_WORLD.rank == 1:
     if where == "make_optimizer":  # a device out of memory while the optimizer slots are made
         def make_optimizer(*args, **kwargs):
             raise BackendError("zeros: out of GPU memory (simulated)")
-        train.make_optimizer = make_optimizer
+        startup.make_optimizer = make_optimizer
     elif where == "load_start":  # a device out of memory while the broadcast start is copied in
         def asarray(self, host):
             raise BackendError("asarray: out of GPU memory (simulated)")
-        original_build = train.Trainer._build
-        def build(self):
-            original_build(self)
-            self.be = type("ShortOfMemory", (type(self.be),), {"asarray": asarray})()
-        train.Trainer._build = build
+        original_build = startup.build
+        def build(t):
+            original_build(t)
+            t.be = type("ShortOfMemory", (type(t.be),), {"asarray": asarray})()
+        startup.build = build
     elif where == "grad_sync":  # a device out of memory for the staging buffers
         def grad_sync(*args, **kwargs):
             raise BackendError("pinned_host: out of memory (simulated)")
-        train.GradSync = grad_sync
+        loop.GradSync = grad_sync
     elif where == "backend":  # backend = "auto" picked another backend on this rank
-        original = train.Trainer._build
-        def build(self):
-            original(self)
-            self.be = type("OtherBackend", (type(self.be),), {"name": "cuda"})()
-        train.Trainer._build = build
+        original = startup.build
+        def build(t):
+            original(t)
+            t.be = type("OtherBackend", (type(t.be),), {"name": "cuda"})()
+        startup.build = build
 sys.exit(main(["train", sys.argv[1]]))
 """
 
@@ -102,7 +103,7 @@ def test_a_set_up_failure_on_one_rank_ends_the_job_without_a_hang(tmp_path, wher
 
 def test_mpi_functions_are_found_in_the_library_mpi4py_loaded():
     """mpi_cuda_aware's lookup sees the MPI library (it is loaded with local symbols)."""
-    from hpctrain.dist.mesh import mpi_cuda_aware, mpi_function
+    from hpctrain.parallel.mesh import mpi_cuda_aware, mpi_function
 
     assert mpi_function("MPI_Init") is not None
     assert mpi_function("MPI_No_such_function") is None
@@ -112,7 +113,7 @@ def test_mpi_functions_are_found_in_the_library_mpi4py_loaded():
 # the child writes to its stdout pipe, then drains it; the parent reads only after a pause
 DRAIN = """
 import sys, time
-from hpctrain.dist.abort import drain_stdio
+from hpctrain.parallel.abort import drain_stdio
 sys.stdout.write("x" * 4096)
 print("draining", file=sys.stderr, flush=True)
 t = time.monotonic()

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import config, make_classification, toml_job
 from hpctrain.checkpoint import list_checkpoints, load_checkpoint
-from hpctrain.dist.mesh import Mesh
+from hpctrain.parallel.mesh import Mesh
 from hpctrain.errors import CheckpointError
 from hpctrain.train import Trainer
 

@@ -21,13 +21,18 @@ def _run(cmd, env_extra, timeout):
     assert " passed" in output, f"{' '.join(cmd)} ran no test:\n{output[-3000:]}"
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_mpi_suite(ranks):
+LAYOUT_TESTS = ["tests/mpi/test_pipeline.py", "tests/mpi/test_checkpoint_resharding.py"]
+
+
+@pytest.mark.parametrize("ranks, tests", [(1, ["tests/mpi"]), (2, ["tests/mpi"]), (4, LAYOUT_TESTS)],
+                         ids=["1-rank", "2-ranks", "4-ranks-layouts"])
+def test_mpi_suite(ranks, tests):
+    """Four ranks (oversubscribed on small machines) run the tests about layouts: pp 2 x dp 2, pp 4."""
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         pytest.fail("mpiexec not found: install hpctrain[mpich] or load your site's MPI module")
-    _run([mpiexec, "-n", str(ranks), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/mpi"],
-         {"HPCTRAIN_SUBSUITE": "mpi"}, timeout=600)
+    _run([mpiexec, "-n", str(ranks), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+         {"HPCTRAIN_SUBSUITE": "mpi"}, timeout=900)
 
 
 def test_cuda_simulator_suite():

@@ -8,9 +8,10 @@ import pytest
 
 import reference as ref
 from helpers import config, make_classification, make_regression
-from hpctrain.dist.mesh import Mesh
+from hpctrain.parallel.mesh import Mesh
 from hpctrain.errors import ConfigError, NonFiniteError
-from hpctrain.train import Trainer, _truncate_after
+from hpctrain.train import Trainer
+from hpctrain.train.metrics import truncate_after as _truncate_after
 
 
 @pytest.fixture(scope="module")

@@ -1,23 +1,42 @@
-"""Sequential: a stack of layers over one flat parameter buffer.
+"""A model as a spec of partition units, and the part of it one pipeline stage runs.
 
-Parameters are named like ``torch.nn.Sequential.state_dict()``: the layer's
-index, a dot, the parameter (``"0.weight"``, ``"0.bias"``, ``"2.weight"``).
+``ModelSpec`` is the whole model: its layers, the width after each, and one
+global, unsharded parameter layout named like ``torch.nn.Sequential.state_dict()``
+(the layer's index, a dot, the parameter: ``"0.weight"``, ``"0.bias"``,
+``"2.weight"``). Checkpoints hold these names and ranks hash this layout.
+
+A partition unit is a layer with parameters (Linear, LayerNorm) together with the
+parameter-free activations after it; pipeline stages are cut between units by
+default (balanced by parameter count), or anywhere the user says with
+``parallel.stages`` (ranges of ``model.layers`` indices, inclusive).
+
+``ModelPart`` owns a contiguous range of layers: its own local layout and flat
+buffers, and a map from its local parameter names to the global ones. Under
+pipeline parallelism alone every tensor is whole, so the local names are the
+global ones and a part's parameters are one contiguous range of the global flat
+buffer (``global_range``), which is what checkpoints gather and scatter.
+
+    spec = ModelSpec(cfg.model.layers)
+    part = spec.part(*spec.partition(pp=2)[stage])
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, LayoutError
 from ..params import FlatBuffer, ParamLayout
 from .layers import LayerNorm, make_layer
 
-__all__ = ["Sequential"]
+__all__ = ["ModelSpec", "ModelPart"]
 
 
-class Sequential:
+class ModelSpec:
+    """The whole model: layers, widths, units and the global parameter layout (no buffers)."""
+
     def __init__(self, layer_specs):
         self.layers = [make_layer(spec) for spec in layer_specs]
+        self.widths = []  # the width after each layer
         width = None
         for i, layer in enumerate(self.layers):
             if layer.in_features is not None and width is not None and layer.in_features != width:
@@ -26,20 +45,42 @@ class Sequential:
                                   f"output width {width}")
             if layer.out_features is not None:
                 width = layer.out_features
+            self.widths.append(width)
         first_width = next((l.in_features for l in self.layers if l.in_features is not None), None)
         if first_width is None:
             raise ConfigError("model.layers: the model needs at least one linear or layernorm layer to fix its width")
+        self.widths = [w if w is not None else first_width for w in self.widths]  # leading activations
         self.in_features, self.out_features = first_width, width
         self.layout = ParamLayout((f"{i}.{name}", shape) for i, layer in enumerate(self.layers)
                                   for name, shape in layer.params)
-        # the flat-buffer range each layer's gradients occupy, for bucketed gradient sync
-        self.grad_ranges = []
-        for i, layer in enumerate(self.layers):
-            specs = [self.layout[f"{i}.{name}"] for name, _ in layer.params]
-            self.grad_ranges.append((specs[0].offset, specs[-1].end) if specs else None)
+        self.units = self._units()
+
+    def _units(self) -> list[tuple[int, int]]:
+        """Inclusive layer ranges: each layer with parameters and the parameter-free layers after it."""
+        starts = [i for i, layer in enumerate(self.layers) if layer.params]
+        starts[0] = 0  # leading activations join the first unit
+        return [(lo, hi - 1) for lo, hi in zip(starts, starts[1:] + [len(self.layers)])]
+
+    def width_before(self, layer: int) -> int:
+        return self.in_features if layer == 0 else self.widths[layer - 1]
+
+    def param_count(self, lo: int, hi: int) -> int:
+        """Parameters of layers lo..hi (inclusive)."""
+        return sum(int(np.prod(shape)) for layer in self.layers[lo : hi + 1] for _, shape in layer.params)
+
+    def partition(self, pp: int, stages=()) -> list[tuple[int, int]]:
+        """Inclusive layer ranges of the ``pp`` stages: ``stages`` when given, else units balanced by parameters."""
+        if stages:  # checked against the layers when the config was parsed
+            if len(stages) != pp:
+                raise ConfigError(f"parallel.stages lists {len(stages)} stage(s) but parallel.pp = {pp}")
+            return [tuple(r) for r in stages]
+        if pp > len(self.units):
+            raise LayoutError(f"parallel.pp = {pp} is more stages than the model has partition units "
+                              f"({len(self.units)}: a linear or layernorm layer with the activations after it)")
+        return _balanced([self.param_count(lo, hi) for lo, hi in self.units], self.units, pp)
 
     def init_params(self, seed: int) -> dict[str, np.ndarray]:
-        """Initial parameters as torch.nn would draw them, from a numpy generator seeded with ``seed``."""
+        """Every initial parameter, as torch.nn would draw them, from a numpy generator seeded with ``seed``."""
         rng = np.random.default_rng(seed)
         out = {}
         for i, layer in enumerate(self.layers):
@@ -47,8 +88,60 @@ class Sequential:
                 out[f"{i}.{name}"] = arr
         return out
 
+    def part(self, lo: int = 0, hi: int | None = None) -> "ModelPart":
+        """The part running layers lo..hi (inclusive; the whole model by default)."""
+        return ModelPart(self, lo, len(self.layers) - 1 if hi is None else hi)
+
+
+def _balanced(costs: list[int], units: list[tuple[int, int]], parts: int) -> list[tuple[int, int]]:
+    """Cut ``units`` into ``parts`` contiguous groups minimising the largest group's cost (linear partition)."""
+    n = len(costs)
+    prefix = np.concatenate([[0], np.cumsum(costs)])
+    INF = float("inf")
+    # best[k][i]: the smallest largest-cost of cutting units[:i] into k groups; cut[k][i]: where the last one starts
+    best = [[INF] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    bounds, i = [], n
+    for k in range(parts, 0, -1):
+        bounds.append((cut[k][i], i))
+        i = cut[k][i]
+    return [(units[a][0], units[b - 1][1]) for a, b in reversed(bounds)]
+
+
+class ModelPart:
+    """Layers lo..hi of a spec with their own local layout; ``bind`` gives them views into flat buffers."""
+
+    def __init__(self, spec: ModelSpec, lo: int, hi: int):
+        self.spec, self.lo, self.hi = spec, lo, hi
+        self.layers = spec.layers[lo : hi + 1]
+        self.is_first, self.is_last = lo == 0, hi == len(spec.layers) - 1
+        self.in_features, self.out_features = spec.width_before(lo), spec.widths[hi]
+        self.layout = ParamLayout((f"{i}.{name}", shape) for i, layer in enumerate(self.layers, start=lo)
+                                  for name, shape in layer.params)
+        self.global_names = {name: name for name in self.layout.names}  # local -> global (whole tensors)
+        names = self.layout.names
+        self.global_range = ((spec.layout[names[0]].offset, spec.layout[names[-1]].end) if names
+                             else (0, 0))  # this part's slice of the global flat buffer
+        self._first_offset = [self.layout[f"{i}.{layer.params[0][0]}"].offset if layer.params else None
+                              for i, layer in enumerate(self.layers, start=lo)]
+
+    def describe(self) -> str:
+        return f"layers {self.lo}..{self.hi}: {self.layout.size:,} parameters"
+
+    def init_params(self, seed: int) -> dict[str, np.ndarray]:
+        """This part's initial tensors: the whole model is drawn from the seed, so every layout starts alike."""
+        full = self.spec.init_params(seed)
+        return {local: full[name] for local, name in self.global_names.items()}
+
     def bind(self, params: FlatBuffer, grads: FlatBuffer) -> None:
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers, start=self.lo):
             layer.bind({n: params[f"{i}.{n}"] for n, _ in layer.params}, {n: grads[f"{i}.{n}"] for n, _ in layer.params})
 
     def forward(self, be, x):
@@ -59,10 +152,15 @@ class Sequential:
             saved.append(s)
         return x, saved
 
-    def backward(self, be, dout, saved, *, accumulate=False, on_layer_done=None):
-        """Backward in reverse layer order; ``on_layer_done(i)`` runs once layer i's gradients are written."""
-        for i in range(len(self.layers) - 1, -1, -1):
-            dout = self.layers[i].backward(be, dout, saved[i], accumulate=accumulate, need_dinp=i > 0)
-            if on_layer_done is not None:
-                on_layer_done(i)
+    def backward(self, be, dout, saved, *, accumulate=False, need_dinp=True, on_final=None):
+        """Backward in reverse layer order; returns the input gradient (None when not ``need_dinp``).
+
+        ``on_final(lo)``, when given, runs as soon as every gradient from local flat offset ``lo``
+        to the end of the buffer has its final value for this step (the data-parallel sync's cue).
+        """
+        for k in range(len(self.layers) - 1, -1, -1):
+            last = k == 0 and not need_dinp
+            dout = self.layers[k].backward(be, dout, saved[k], accumulate=accumulate, need_dinp=not last)
+            if on_final is not None and self._first_offset[k] is not None:
+                on_final(self._first_offset[k])
         return dout

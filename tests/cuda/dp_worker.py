@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from helpers import config, make_classification  # noqa: E402
-from hpctrain.dist.mesh import Mesh  # noqa: E402
+from hpctrain.parallel.mesh import Mesh  # noqa: E402
 from hpctrain.train import Trainer  # noqa: E402
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import config, make_classification, make_regression
-from hpctrain.dist.mesh import Mesh
+from hpctrain.parallel.mesh import Mesh
 from hpctrain.train import Trainer
 
 

@@ -11,8 +11,8 @@ import pytest
 from mpi4py import MPI
 
 from helpers import config, make_classification, train_params as train
-from hpctrain.dist.agree import QuietExit
-from hpctrain.dist.mesh import Mesh
+from hpctrain.parallel.agree import QuietExit
+from hpctrain.parallel.mesh import Mesh
 from hpctrain.errors import LayoutError
 from hpctrain.train import Trainer
 
@@ -74,7 +74,7 @@ def test_config_mismatch_is_caught(comm, data):
 def test_parameter_layout_mismatch_names_the_first_difference(comm):
     if comm.size < 2:
         pytest.skip("needs two ranks: a layout can only differ between ranks")
-    from hpctrain.dist.agree import check_same_everywhere
+    from hpctrain.parallel.agree import check_same_everywhere
     from hpctrain.params import ParamLayout
 
     shape = (4, 3) if comm.rank == 0 else (4, 5)
@@ -118,7 +118,19 @@ def test_nonblocking_path_equals_single_process(comm, data):
         np.testing.assert_allclose(value, alone[name], rtol=2e-5, atol=2e-6, err_msg=name)
 
 
-def test_pipeline_and_tensor_layouts_are_refused_clearly(comm, data):
+def test_tensor_parallel_layout_is_refused_clearly(comm, data):
+    if comm.size < 2:
+        pytest.skip("needs two ranks for tp = 2")
+    mesh = Mesh(comm=comm, dp=comm.size // 2, tp=2)
+    cfg = config(data, train={"batch_size": 8 * comm.size}, parallel={"tp": 2})
+    with pytest.raises((LayoutError, QuietExit)) as info:
+        Trainer(cfg, mesh=mesh, **quiet)
+    if comm.rank == 0:
+        assert "parallel.tp = 2: tensor parallelism is not supported yet" in str(info.value)
+    mesh.free()
+
+
+def test_a_mesh_that_differs_from_the_config_is_refused(comm, data):
     if comm.size < 2:
         pytest.skip("needs two ranks for pp = 2")
     mesh = Mesh(comm=comm, dp=comm.size // 2, pp=2)
@@ -126,7 +138,7 @@ def test_pipeline_and_tensor_layouts_are_refused_clearly(comm, data):
     with pytest.raises((LayoutError, QuietExit)) as info:
         Trainer(cfg, mesh=mesh, **quiet)
     if comm.rank == 0:
-        assert "only data parallelism (pp = tp = 1) is supported so far" in str(info.value)
+        assert "the mesh has pp = 2 but parallel.pp = 1" in str(info.value)
     mesh.free()
 
 

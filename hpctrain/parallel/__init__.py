@@ -1,4 +1,4 @@
-"""Communication: the mesh, start-up agreement and data-parallel gradient sync."""
+"""Communication: the mesh, start-up agreement, transport, gradient sync, schedules and their executor."""
 
 from .data_parallel import GradSync, make_buckets
 from .mesh import Mesh, mpi_cuda_aware, resolve_layout

@@ -6,13 +6,14 @@ Gradients live in one flat buffer; a bucket is a contiguous slice of it of
 about ``bucket_mb`` megabytes. Buckets are cut from the end of the buffer,
 because the backward pass writes the last layer's gradients first. With
 ``overlap = true`` a bucket's ``Iallreduce`` starts as soon as the backward
-pass has written its lowest gradient (at most one new bucket per layer
-event; ``Testall`` at each layer boundary drives their progress); ``wait()``
+pass has made its lowest gradient final (the model part's "gradients final
+from offset lo" event, raised during the step's last backward; at most one
+new bucket per event; ``Testall`` at each event drives their progress); ``wait()``
 (before the optimizer step) reduces the buckets not yet started with
 blocking ``Allreduce`` calls and waits for the rest. With ``overlap = false`` one ``Allreduce`` over
 the whole buffer runs after backward.
 
-Collective calls: ``start_step``/``layer_done``/``wait`` must be called by every
+Collective calls: ``start_step``/``grads_final``/``wait`` must be called by every
 rank of the data-parallel group in the same order for every step, with the
 same layout (checked at start-up). A rank that stops calling them leaves the
 others waiting; the CLI turns any rank's exception into ``COMM_WORLD.Abort``.
@@ -22,9 +23,7 @@ scale (1 / global batch), so the Allreduce is a plain sum and costs no extra
 pass over the buffer.
 
 Device buffers go to MPI directly when MPI is CUDA-aware; otherwise each
-bucket is staged through a host buffer (``backend.to_host_into`` /
-``backend.from_host_into``). The producing stream is synchronised before MPI
-touches a device buffer.
+bucket is staged through a host buffer. parallel/transport.py decides which.
 """
 
 from __future__ import annotations
@@ -51,25 +50,24 @@ class GradSync:
     """Sum the gradient buffer over ``comm`` in buckets, overlapped with backward when asked.
 
     Every rank must issue the same collectives in the same order, so what is
-    started when depends only on the layer events, never on a rank-local test
+    started when depends only on the "gradients final" events, never on a rank-local test
     of completion. With host buffers and MPI_THREAD_MULTIPLE, ready buckets go
     in order to a communication thread running one blocking Allreduce each.
-    Otherwise each ``layer_done`` starts at most one ready bucket's Iallreduce,
+    Otherwise each ``grads_final`` event starts at most one ready bucket's Iallreduce,
     and ``wait`` reduces the buckets not yet started with blocking Allreduces,
     bucket by bucket: on MPICH's shared memory 25 MB pieces ran at 2.3-2.5x the
     bandwidth of one 100 MB Allreduce (bench/bench_allreduce_patterns.py).
     """
 
-    def __init__(self, *, comm, backend, grads, layer_ranges, bucket_mb: float, overlap: bool, cuda_aware: bool):
+    def __init__(self, *, comm, transport, grads, bucket_mb: float, overlap: bool):
         from mpi4py import MPI
 
         self.MPI = MPI
-        self.comm, self.backend, self.grads = comm, backend, grads
-        self.layer_ranges = layer_ranges
+        self.comm, self.transport, self.backend, self.grads = comm, transport, transport.backend, grads
         self.overlap = overlap
         self.buckets = make_buckets(grads.data.shape[0], bucket_mb * 1e6 / 4)
-        self.direct = (not backend.is_device) or cuda_aware
-        self.host = None if self.direct else backend.pinned_host((grads.data.shape[0],))
+        self.direct = transport.direct
+        self.host = transport.host_buffer((grads.data.shape[0],))
         self.active = comm.Get_size() > 1
         self.wait_seconds = 0.0
         self._ready = 0  # buckets [0, _ready) have all their gradients written
@@ -78,7 +76,7 @@ class GradSync:
         # Host buffers with MPI_THREAD_MULTIPLE: a communication thread runs blocking Allreduces while
         # backward goes on (MPI progresses nonblocking collectives only inside MPI calls, so Iallreduce
         # alone barely overlaps). Device buffers keep the nonblocking path on the caller's thread.
-        threaded = self.active and overlap and not backend.is_device and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        threaded = self.active and overlap and not self.backend.is_device and MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self._worker = _Reducer(comm) if threaded else None
 
     @property
@@ -88,23 +86,17 @@ class GradSync:
 
     def _buffer(self, lo, hi):
         """What MPI reduces for [lo, hi): the gradient slice itself, or its host staging copy."""
-        if self.direct:
-            return self.grads.data[lo:hi]
-        self.backend.to_host_into(self.grads.data[lo:hi], self.host[lo:hi])
-        return self.host[lo:hi]
+        return self.transport.outgoing(self.grads.data[lo:hi], None if self.direct else self.host[lo:hi])
 
     def start_step(self) -> None:
         self._ready = self._launched = 0
         self._requests = []
 
-    def layer_done(self, layer_index: int) -> None:
-        """Called by backward after layer ``layer_index`` wrote its gradients (collective order)."""
+    def grads_final(self, lo: int) -> None:
+        """Called by the last backward of a step once every gradient from offset ``lo`` on is final."""
         if not (self.active and self.overlap):
             return
-        rng = self.layer_ranges[layer_index]
-        if rng is None:
-            return
-        while self._ready < len(self.buckets) and self.buckets[self._ready][0] >= rng[0]:
+        while self._ready < len(self.buckets) and self.buckets[self._ready][0] >= lo:
             self._ready += 1
         if self._worker is not None:
             while self._launched < self._ready:
@@ -112,7 +104,6 @@ class GradSync:
                 self._launched += 1
             return
         if self._launched < self._ready:
-            self.backend.synchronize()  # the gradients must be in memory before MPI reads them
             lo, hi = self.buckets[self._launched]
             self._requests.append(self.comm.Iallreduce(self.MPI.IN_PLACE, self._buffer(lo, hi), op=self.MPI.SUM))
             self._launched += 1
@@ -137,8 +128,7 @@ class GradSync:
         self.MPI.Request.Waitall(self._requests)
         self._requests = []
         self._launched = len(self.buckets)
-        if not self.direct:
-            self.backend.from_host_into(self.host, self.grads.data)
+        self.transport.incoming(self.host, self.grads.data)
         self.wait_seconds = time.perf_counter() - t0
 
     def close(self) -> None:

@@ -46,7 +46,12 @@ class Mesh:
         self.dp_rank, self.tp_rank = divmod(rest, self.tp)
         self.dp_comm = self.world.Split(self.pp_rank * self.tp + self.tp_rank, self.rank)
         self.tp_comm = self.world.Split(self.pp_rank * self.dp + self.dp_rank, self.rank)
+        # all stages of one (dp, tp) position: pipeline messages, the norm over stages, checkpoint gathers
         self.pp_comm = self.world.Split(self.dp_rank * self.tp + self.tp_rank, self.rank)
+        # first and last stage of one (dp, tp) position, for weights tied across them (an embedding and its
+        # head); COMM_NULL on the stages between
+        ends = self.pp_rank in (0, self.pp - 1)
+        self.ends_comm = self.world.Split(self.dp_rank * self.tp + self.tp_rank if ends else MPI.UNDEFINED, self.rank)
 
     @property
     def layout(self) -> dict:
@@ -56,8 +61,11 @@ class Mesh:
         return f"world {self.size} = dp {self.dp} x pp {self.pp} x tp {self.tp}"
 
     def free(self) -> None:
-        for comm in (self.dp_comm, self.tp_comm, self.pp_comm, self.world):
-            comm.Free()
+        from mpi4py import MPI
+
+        for comm in (self.dp_comm, self.tp_comm, self.pp_comm, self.ends_comm, self.world):
+            if comm != MPI.COMM_NULL:
+                comm.Free()
 
 
 def mpi_function(name: str):

@@ -1,0 +1,263 @@
+"""Run one pipeline stage's instruction list: the same executor for data, pipeline and evaluation steps.
+
+    executor = StageExecutor(backend=be, part=part, loss=loss, stage=s, stages=P, p2p=p2p, sync=sync,
+                             stats=check_schedule(schedule), max_rows=rows)
+    result = executor.run(schedule.stages[s], batch, on_optimizer_step=finish)
+
+Instructions are dispatched through one table (instruction type -> method). What the
+forward pass of micro-batch i saves for its backward pass lives in ``_saved[i]`` until
+that backward runs, so a stage holds exactly the micro-batches its schedule keeps
+live (1F1B: at most P - s, GPipe: m); the executor reports the peak count and bytes.
+
+Receives are posted early, as soon as a slot of a preallocated ring is free, so a
+sender never waits on a receive the schedule has not reached yet; the rings are
+sized from the checker's peak of live received activations (an input activation
+is kept for its micro-batch's backward, which reads it). Sends are ``Isend``s kept
+referenced until they complete (parallel/transport.py).
+
+Collective behaviour: every stage of a pipeline group must run its own list of the
+same schedule for the same step; the stages' messages then match one for one (the
+checker proved it before the first step). ``ReduceGrads`` is collective over the
+data-parallel group of this stage; ``on_optimizer_step`` over whatever it reduces.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .schedule import (Backward, Exchange, Forward, LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad,
+                       ReduceGrads, SendActivation, SendGrad)
+
+__all__ = ["StageExecutor", "StepResult"]
+
+ACTIVATION, GRAD = 0, 1  # message kinds; the tag of micro-batch i's message is 2·i + kind
+
+
+@dataclass
+class StepResult:
+    """What one run of a stage's list measured (seconds) and, on the last stage, the loss sums."""
+
+    busy: float = 0.0  # forward and backward kernels (and the loss)
+    wait: float = 0.0  # blocked on point-to-point messages
+    data: float = 0.0  # reading micro-batches
+    comm: float = 0.0  # the data-parallel gradient reduction (ReduceGrads)
+    optim: float = 0.0  # OptimizerStep
+    span: float = 0.0  # the whole list
+    loss_sum: float = 0.0
+    correct: float = 0.0
+    rows: int = 0
+    peak_live: int = 0  # micro-batches forwarded but not yet backwarded
+    peak_bytes: int = 0  # bytes their saved activations held
+    extra: dict = field(default_factory=dict)  # what on_optimizer_step returns
+
+    @property
+    def bubble(self) -> float:
+        """Share of the forward/backward part of the step spent waiting on other stages."""
+        pipeline = self.span - self.comm - self.optim
+        return max(0.0, 1.0 - (self.busy + self.data) / pipeline) if pipeline > 0 else 0.0
+
+
+class _Ring:
+    """Preallocated receive buffers of (max_rows, width) with their host staging twins."""
+
+    def __init__(self, backend, transport, size: int, max_rows: int, width: int):
+        self.arrays = [backend.empty((max_rows, width)) for _ in range(size)]
+        self.hosts = [transport.host_buffer((max_rows, width)) for _ in range(size)]
+        self.free = list(range(size))
+
+
+class StageExecutor:
+    """Executes stage ``stage`` of ``stages``: its instructions, its part, its messages and its gradient sync."""
+
+    def __init__(self, *, backend, part, loss, stage: int, stages: int, p2p, sync, stats, max_rows: int, tracer=None):
+        self.be, self.part, self.loss, self.p2p, self.sync, self.tracer = backend, part, loss, p2p, sync, tracer
+        self.stage, self.stages = stage, stages
+        self.max_rows = max_rows
+        self.stats = stats
+        self.table = {
+            LoadMicroBatch: self._load, Forward: self._forward, Backward: self._backward,
+            SendActivation: self._send, SendGrad: self._send, RecvActivation: self._recv, RecvGrad: self._recv,
+            Exchange: self._exchange, ReduceGrads: self._reduce, OptimizerStep: self._optimizer_step,
+        }
+        self._rings = {}  # kind -> _Ring, made on first use
+
+    # ------------------------------------------------------------------ running a list
+
+    def run(self, instructions, batch, *, grad_scale: float = 0.0, on_optimizer_step=None) -> StepResult:
+        """Run ``instructions`` on ``batch`` (``rows(i)``, ``load(i) -> (x, y)`` host arrays of micro-batch i)."""
+        self.batch, self.grad_scale, self.on_optimizer_step = batch, grad_scale, on_optimizer_step
+        self.result = StepResult()
+        self._x, self._y, self._saved, self._live_bytes = {}, {}, {}, {}
+        self._out, self._dout, self._dinp = {}, {}, {}  # activation to send, gradient in, gradient to send
+        self._slots = {}  # (kind, mb) -> (ring slot, pending receive or None once waited)
+        self._pending = {ACTIVATION: [], GRAD: []}  # receives in program order, not yet posted
+        for ins in instructions:
+            for op in (ins.send, ins.recv) if isinstance(ins, Exchange) else (ins,):
+                if isinstance(op, (RecvActivation, RecvGrad)):
+                    self._pending[self._kind(op)].append(op.mb)
+        self._pending = {k: list(reversed(v)) for k, v in self._pending.items()}  # pop() takes the next
+        self._first_backward = True
+        self._last_backward = max((i for i, ins in enumerate(instructions) if isinstance(ins, Backward)), default=-1)
+        t0 = time.perf_counter()
+        self._post_ahead()
+        for self._index, ins in enumerate(instructions):
+            self.table[type(ins)](ins)
+            self._post_ahead()
+            if self.p2p is not None:
+                self.p2p.progress()
+        if self.p2p is not None:
+            w0 = time.perf_counter()
+            self.p2p.wait_sends()
+            self.result.wait += time.perf_counter() - w0
+        self.result.span = time.perf_counter() - t0
+        return self.result
+
+    def _trace(self, name, mb, t0, t1):
+        if self.tracer is not None:
+            self.tracer.span(name, mb, t0, t1)
+
+    @staticmethod
+    def _kind(op) -> int:
+        return ACTIVATION if isinstance(op, (SendActivation, RecvActivation)) else GRAD
+
+    # ------------------------------------------------------------------ receives, posted early into rings
+
+    def _ring(self, kind) -> _Ring:
+        if kind not in self._rings:
+            width = self.part.in_features if kind == ACTIVATION else self.part.out_features
+            # a received activation lives until its backward; one more slot lets the next receive go up early
+            size = (self.stats.peak_recv_activation[self.stage] if kind == ACTIVATION else 1) + 1
+            self._rings[kind] = _Ring(self.be, self.p2p.transport, size, self.max_rows, width)
+        return self._rings[kind]
+
+    def _post_ahead(self) -> None:
+        for kind, queue in self._pending.items():
+            if not queue:
+                continue
+            ring = self._ring(kind)
+            if ring.free and self.be.is_device and self.p2p.transport.direct:
+                self.be.synchronize()  # a recycled buffer may still be read by a kernel; MPI writes it directly
+            while queue and ring.free:
+                mb = queue.pop()
+                slot = ring.free.pop()
+                n = self.batch.rows(mb)
+                source = self.stage - 1 if kind == ACTIVATION else self.stage + 1
+                host = ring.hosts[slot][:n] if ring.hosts[slot] is not None else None
+                handle = self.p2p.irecv(ring.arrays[slot][:n], source=source, tag=2 * mb + kind, host=host)
+                self._slots[(kind, mb)] = (slot, handle)
+
+    def _release(self, kind, mb) -> None:
+        slot, _ = self._slots.pop((kind, mb), (None, None))
+        if slot is not None:
+            self._rings[kind].free.append(slot)
+
+    def _recv(self, ins) -> None:
+        kind = self._kind(ins)
+        if (kind, ins.mb) not in self._slots:
+            raise RuntimeError(f"stage {self.stage}: {ins} has no free receive buffer (ring sized too small)")
+        slot, handle = self._slots[(kind, ins.mb)]
+        t0 = time.perf_counter()
+        arr = handle.wait()
+        t1 = time.perf_counter()
+        self._slots[(kind, ins.mb)] = (slot, None)
+        (self._x if kind == ACTIVATION else self._dout)[ins.mb] = arr
+        self.result.wait += t1 - t0
+        self._trace("recv " + ("activation" if kind == ACTIVATION else "grad"), ins.mb, t0, t1)
+
+    def _send(self, ins) -> None:
+        kind = self._kind(ins)
+        arr = (self._out if kind == ACTIVATION else self._dinp).pop(ins.mb)
+        t0 = time.perf_counter()
+        self.p2p.isend(arr, dest=self.stage + 1 if kind == ACTIVATION else self.stage - 1, tag=2 * ins.mb + kind)
+        t1 = time.perf_counter()
+        self.result.wait += t1 - t0
+        self._trace("send " + ("activation" if kind == ACTIVATION else "grad"), ins.mb, t0, t1)
+
+    def _exchange(self, ins) -> None:
+        self._send(ins.send)  # posted together with the receive, which is already up
+        self._recv(ins.recv)
+
+    # ------------------------------------------------------------------ compute
+
+    def _load(self, ins) -> None:
+        t0 = time.perf_counter()
+        x, y = self.batch.load(ins.mb)
+        if self.part.is_first:
+            self._x[ins.mb] = self.be.asarray(x)
+        if self.part.is_last:
+            self._y[ins.mb] = self.be.asarray(y)
+        t1 = time.perf_counter()
+        self.result.data += t1 - t0
+        self._trace("load", ins.mb, t0, t1)
+
+    def _forward(self, ins) -> None:
+        mb = ins.mb
+        t0 = time.perf_counter()
+        out, saved = self.part.forward(self.be, self._x[mb])
+        if self.part.is_last:
+            loss_sum, correct, dout = self.loss(self.be, out, self._y.pop(mb), self.grad_scale)
+            self.result.loss_sum += float(loss_sum)
+            self.result.correct += float(correct)
+            self.result.rows += self.batch.rows(mb)
+            self._dout[mb] = dout
+        else:
+            self._out[mb] = out
+        if self.on_optimizer_step is None:  # evaluation: nothing is kept for a backward pass
+            self._x.pop(mb)
+            self._dout.pop(mb, None)
+            self._release(ACTIVATION, mb)
+        else:
+            self._saved[mb] = saved
+            self._live_bytes[mb] = _nbytes(saved)
+            self.result.peak_live = max(self.result.peak_live, len(self._saved))
+            self.result.peak_bytes = max(self.result.peak_bytes, sum(self._live_bytes.values()))
+        t1 = time.perf_counter()
+        self.result.busy += t1 - t0
+        self._trace("forward", mb, t0, t1)
+
+    def _backward(self, ins) -> None:
+        mb = ins.mb
+        t0 = time.perf_counter()
+        last = self._index == self._last_backward
+        dinp = self.part.backward(self.be, self._dout.pop(mb), self._saved.pop(mb),
+                                  accumulate=not self._first_backward, need_dinp=not self.part.is_first,
+                                  on_final=self.sync.grads_final if last and self.sync is not None else None)
+        self._first_backward = False
+        del self._live_bytes[mb]
+        self._x.pop(mb)
+        self._release(ACTIVATION, mb)
+        self._release(GRAD, mb)
+        if dinp is not None:
+            self._dinp[mb] = dinp  # SendGrad(mb) sends it
+        t1 = time.perf_counter()
+        self.result.busy += t1 - t0
+        self._trace("backward", mb, t0, t1)
+
+    def _reduce(self, ins) -> None:
+        t0 = time.perf_counter()
+        if self.sync is not None:
+            self.sync.wait()
+        t1 = time.perf_counter()
+        self.result.comm += t1 - t0
+        self._trace("allreduce", -1, t0, t1)
+
+    def _optimizer_step(self, ins) -> None:
+        t0 = time.perf_counter()
+        self.result.extra = self.on_optimizer_step() or {}
+        t1 = time.perf_counter()
+        self.result.optim += t1 - t0
+        self._trace("optimizer", -1, t0, t1)
+
+
+def _nbytes(saved) -> int:
+    """Bytes of the distinct arrays in a (nested) saved structure."""
+    seen, total, todo = set(), 0, [saved]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, (list, tuple)):
+            todo.extend(item)
+        elif hasattr(item, "nbytes") and id(item) not in seen:
+            seen.add(id(item))
+            total += int(item.nbytes)
+    return total

@@ -1,0 +1,552 @@
+"""Pipeline schedules as data, and a checker that runs every stage on paper before any message is sent.
+
+    schedule = make_schedule("1f1b", num_stages=P, micro_batches=m)
+    stats = check_schedule(schedule)   # ScheduleError if it cannot run; same answer on every rank
+    executor.run(schedule.stages[s], batch, ...)   # parallel/executor.py, on stage s
+
+A schedule is, for each pipeline stage, a tuple of small instruction objects that the
+executor dispatches through one table (DeepSpeed's runtime/pipe/schedule.py). Data
+parallel is simply the one-stage schedule. Nothing here communicates: building and
+checking a schedule is pure and deterministic, so every rank reaches the same verdict.
+
+Instructions (``mb`` is a micro-batch index 0..m-1; stage s of P):
+
+* ``LoadMicroBatch(mb)`` reads micro-batch mb: inputs on the first stage, targets on the
+  last, both when P = 1.
+* ``Forward(mb)``, ``Backward(mb)`` compute; on the last stage Forward includes the loss and
+  its gradient.
+* ``SendActivation(mb)`` s -> s+1, ``RecvActivation(mb)`` s-1 -> s, ``SendGrad(mb)`` s -> s-1,
+  ``RecvGrad(mb)`` s+1 -> s are the point-to-point ops. Each names its message by a key
+  ``(kind, mb, from_stage, to_stage)``; a send and the receive that matches it share the key.
+* ``Exchange(send, recv)`` posts a send and a receive together and completes when both have
+  (Megatron's send_forward_recv_backward / send_backward_recv_forward).
+* ``ReduceGrads()`` is the stage's data-parallel gradient reduction (collective over the
+  stage's data-parallel group); ``OptimizerStep()`` follows it.
+
+Rendezvous model. The checker assumes the strictest behaviour MPI allows: a send completes
+only once the matching receive is posted (``MPI_Ssend``; every MPI behaves so for large
+enough messages). A stage posts all ops of its current instruction at once, keeps them
+posted until all have completed, then moves on. A schedule that finishes under this model
+finishes under any buffering; one that does not hangs at some message size.
+
+Why paired exchanges. Naive 1F1B writes the steady state with separate blocking calls;
+for P = 2, m = 2:
+
+    stage 0: Forward(1), SendActivation(1), RecvGrad(0), Backward(0), ...
+    stage 1: Backward(0), SendGrad(0), RecvActivation(1), Forward(1), ...
+
+Stage 0 waits for stage 1 to receive activation 1 while stage 1 waits for stage 0 to
+receive gradient 0; neither receive is ever posted. Posting each steady-state send
+together with the receive that follows it (``Exchange``) lets both messages complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Integral
+from typing import ClassVar, NamedTuple
+
+from ..errors import LayoutError
+
+__all__ = [
+    "SCHEDULES", "Instruction", "LoadMicroBatch", "Forward", "Backward", "SendActivation", "RecvActivation",
+    "SendGrad", "RecvGrad", "Exchange", "ReduceGrads", "OptimizerStep", "MessageKey", "Op", "Schedule",
+    "ScheduleStats", "ScheduleError", "data_parallel", "gpipe", "one_f_one_b", "forward_only", "make_schedule",
+    "check_schedule",
+]
+
+SCHEDULES = ("1f1b", "gpipe")  # training schedules make_schedule knows
+ACTIVATION, GRAD = "activation", "grad"  # message kinds in a MessageKey
+
+
+class ScheduleError(LayoutError):
+    """A pipeline schedule would leave a message unmatched, deadlock, or run an instruction too early."""
+
+
+class MessageKey(NamedTuple):
+    """Names one message; a send and the receive that matches it have equal keys."""
+
+    kind: str  # ACTIVATION or GRAD
+    mb: int
+    from_stage: int
+    to_stage: int
+
+
+class Op(NamedTuple):
+    """One point-to-point operation a stage posts: a send or a receive of message ``key``."""
+
+    is_send: bool
+    key: MessageKey
+
+
+# ---------------------------------------------------------------------------------------------- instructions
+
+
+@dataclass(frozen=True, repr=False)
+class Instruction:
+    """Base of all instructions. ``str`` and ``repr`` read like the constructor call: ``Forward(3)``."""
+
+    def point_to_point(self) -> tuple:
+        """The point-to-point instructions this one posts: itself, both halves of an Exchange, or none."""
+        return ()
+
+    def ops(self, stage: int) -> tuple[Op, ...]:
+        """What this instruction posts when run on ``stage`` (empty for compute)."""
+        return ()
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+@dataclass(frozen=True, repr=False)
+class _MicroBatchInstruction(Instruction):
+    mb: int
+
+    def __post_init__(self):
+        if not isinstance(self.mb, Integral) or isinstance(self.mb, bool) or self.mb < 0:
+            raise ValueError(f"{type(self).__name__}: mb must be an integer >= 0, got {self.mb!r}")
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}({self.mb})"
+
+
+@dataclass(frozen=True, repr=False)
+class LoadMicroBatch(_MicroBatchInstruction):
+    """Read micro-batch ``mb``: inputs on the first stage, targets on the last."""
+
+
+@dataclass(frozen=True, repr=False)
+class Forward(_MicroBatchInstruction):
+    """Forward pass of micro-batch ``mb`` (with the loss and its gradient on the last stage)."""
+
+
+@dataclass(frozen=True, repr=False)
+class Backward(_MicroBatchInstruction):
+    """Backward pass of micro-batch ``mb``; accumulates into the parameter gradients."""
+
+
+@dataclass(frozen=True, repr=False)
+class _PointToPoint(_MicroBatchInstruction):
+    kind: ClassVar[str]
+    is_send: ClassVar[bool]
+    step: ClassVar[int]  # peer stage = stage + step
+
+    def peer(self, stage: int) -> int:
+        """The stage this op talks to when run on ``stage`` (may not exist: the checker says so)."""
+        return stage + self.step
+
+    def key(self, stage: int) -> MessageKey:
+        """The message this op sends or receives when run on ``stage``."""
+        peer = stage + self.step
+        if self.is_send:
+            return MessageKey(self.kind, self.mb, stage, peer)
+        return MessageKey(self.kind, self.mb, peer, stage)
+
+    def op(self, stage: int) -> Op:
+        return Op(self.is_send, self.key(stage))
+
+    def ops(self, stage: int) -> tuple[Op, ...]:
+        return (self.op(stage),)
+
+    def partner(self) -> _PointToPoint:
+        """The instruction the peer stage must run to match this one: SendGrad(2) -> RecvGrad(2)."""
+        return _PARTNERS[type(self)](self.mb)
+
+    def point_to_point(self) -> tuple:
+        return (self,)
+
+
+@dataclass(frozen=True, repr=False)
+class SendActivation(_PointToPoint):
+    """Send the output of Forward(mb) from stage s to s+1."""
+
+    kind, is_send, step = ACTIVATION, True, +1
+
+
+@dataclass(frozen=True, repr=False)
+class RecvActivation(_PointToPoint):
+    """Receive the input of Forward(mb) from stage s-1."""
+
+    kind, is_send, step = ACTIVATION, False, -1
+
+
+@dataclass(frozen=True, repr=False)
+class SendGrad(_PointToPoint):
+    """Send the input gradient from Backward(mb) of stage s to s-1."""
+
+    kind, is_send, step = GRAD, True, -1
+
+
+@dataclass(frozen=True, repr=False)
+class RecvGrad(_PointToPoint):
+    """Receive the output gradient for Backward(mb) from stage s+1."""
+
+    kind, is_send, step = GRAD, False, +1
+
+
+_PARTNERS = {SendActivation: RecvActivation, RecvActivation: SendActivation, SendGrad: RecvGrad, RecvGrad: SendGrad}
+
+
+@dataclass(frozen=True, repr=False)
+class Exchange(Instruction):
+    """A send and a receive posted together and completed together, so neither waits on the other."""
+
+    send: SendActivation | SendGrad
+    recv: RecvActivation | RecvGrad
+
+    def __post_init__(self):
+        if not isinstance(self.send, (SendActivation, SendGrad)):
+            raise TypeError(f"Exchange: send must be a SendActivation or SendGrad, got {self.send!r}")
+        if not isinstance(self.recv, (RecvActivation, RecvGrad)):
+            raise TypeError(f"Exchange: recv must be a RecvActivation or RecvGrad, got {self.recv!r}")
+
+    def point_to_point(self) -> tuple:
+        return (self.send, self.recv)
+
+    def ops(self, stage: int) -> tuple[Op, ...]:
+        return (self.send.op(stage), self.recv.op(stage))
+
+    def __str__(self) -> str:
+        return f"Exchange({self.send}, {self.recv})"
+
+
+@dataclass(frozen=True, repr=False)
+class ReduceGrads(Instruction):
+    """This stage's data-parallel gradient reduction; collective over its data-parallel group."""
+
+
+@dataclass(frozen=True, repr=False)
+class OptimizerStep(Instruction):
+    """Update this stage's parameters from the reduced gradients."""
+
+
+# ---------------------------------------------------------------------------------------------- schedules
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Instruction lists, one per pipeline stage, for one step of ``micro_batches`` micro-batches."""
+
+    name: str
+    stages: tuple[tuple[Instruction, ...], ...]
+    micro_batches: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "stages", tuple(tuple(stage) for stage in self.stages))
+        if not self.stages:
+            raise ValueError(f"schedule {self.name!r}: stages must hold at least one stage")
+        _check_count("micro_batches", self.micro_batches)
+        for s, stage in enumerate(self.stages):
+            for i, ins in enumerate(stage):
+                if not isinstance(ins, Instruction):
+                    raise TypeError(f"schedule {self.name!r}: stage {s}, item #{i} is not an Instruction: {ins!r}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def has_backward(self) -> bool:
+        """True for a training schedule, False for evaluation (forward only)."""
+        return any(isinstance(ins, Backward) for stage in self.stages for ins in stage)
+
+
+def _check_count(name: str, value) -> None:
+    if not isinstance(value, Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _load(s: int, p: int, mb: int) -> list:
+    return [LoadMicroBatch(mb)] if s in (0, p - 1) else []
+
+
+def _forward_block(s: int, p: int, mb: int) -> list:
+    """Receive (after the first stage), read data (first and last stage), forward, send (before the last)."""
+    recv = [RecvActivation(mb)] if s > 0 else []
+    send = [SendActivation(mb)] if s < p - 1 else []
+    return [*recv, *_load(s, p, mb), Forward(mb), *send]
+
+
+def _backward_block(s: int, p: int, mb: int) -> list:
+    recv = [RecvGrad(mb)] if s < p - 1 else []
+    send = [SendGrad(mb)] if s > 0 else []
+    return [*recv, Backward(mb), *send]
+
+
+def _step_end() -> list:
+    return [ReduceGrads(), OptimizerStep()]
+
+
+def data_parallel(micro_batches: int) -> Schedule:
+    """One stage: load, forward and backward each micro-batch, then reduce and step (gradient accumulation)."""
+    _check_count("micro_batches", micro_batches)
+    stage = [ins for i in range(micro_batches) for ins in (LoadMicroBatch(i), Forward(i), Backward(i))]
+    return Schedule("data-parallel", (tuple(stage + _step_end()),), micro_batches)
+
+
+def gpipe(num_stages: int, micro_batches: int) -> Schedule:
+    """All forwards, then all backwards in the same order (so gradients accumulate in 1F1B's order).
+
+    Every stage keeps all ``micro_batches`` activations alive at the turn. With one stage
+    nothing overlaps, so that buys nothing: GPipe is then data parallel, one micro-batch alive.
+    """
+    _check_count("num_stages", num_stages)
+    _check_count("micro_batches", micro_batches)
+    p, m = num_stages, micro_batches
+    if p == 1:
+        return Schedule("gpipe", data_parallel(m).stages, m)
+    stages = []
+    for s in range(p):
+        forwards = [ins for i in range(m) for ins in _forward_block(s, p, i)]
+        backwards = [ins for i in range(m) for ins in _backward_block(s, p, i)]
+        stages.append(tuple(forwards + backwards + _step_end()))
+    return Schedule("gpipe", tuple(stages), m)
+
+
+def _one_f_one_b_stage(s: int, p: int, m: int) -> tuple:
+    """Megatron-core's non-interleaved 1F1B for stage ``s``: warmup forwards, steady 1F1B, cooldown backwards."""
+    warmup = min(p - s - 1, m)
+    remaining = m - warmup
+    out = [ins for i in range(warmup) for ins in _forward_block(s, p, i)]
+    if remaining > 0 and s > 0:
+        out.append(RecvActivation(warmup))
+    for j in range(remaining):
+        f = warmup + j
+        out += [*_load(s, p, f), Forward(f)]
+        if s < p - 1:
+            out.append(Exchange(SendActivation(f), RecvGrad(j)))
+        out.append(Backward(j))
+        if s > 0:  # the last gradient goes alone: there is no next activation to receive
+            out.append(SendGrad(j) if j == remaining - 1 else Exchange(SendGrad(j), RecvActivation(f + 1)))
+    out += [ins for i in range(remaining, m) for ins in _backward_block(s, p, i)]
+    return tuple(out + _step_end())
+
+
+def one_f_one_b(num_stages: int, micro_batches: int) -> Schedule:
+    """One forward, one backward: stage s keeps at most min(P - s, m) micro-batches alive."""
+    _check_count("num_stages", num_stages)
+    _check_count("micro_batches", micro_batches)
+    stages = tuple(_one_f_one_b_stage(s, num_stages, micro_batches) for s in range(num_stages))
+    return Schedule("1f1b", stages, micro_batches)
+
+
+def forward_only(num_stages: int, micro_batches: int) -> Schedule:
+    """Evaluation: each micro-batch flows through once; no backward, no reduction, no step."""
+    _check_count("num_stages", num_stages)
+    _check_count("micro_batches", micro_batches)
+    p, m = num_stages, micro_batches
+    stages = tuple(tuple(ins for i in range(m) for ins in _forward_block(s, p, i)) for s in range(p))
+    return Schedule("forward-only", stages, m)
+
+
+def make_schedule(name: str, num_stages: int, micro_batches: int) -> Schedule:
+    """The training schedule called ``name`` (one of SCHEDULES) for ``num_stages`` stages."""
+    builders = {"1f1b": one_f_one_b, "gpipe": gpipe}
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    return builders[name](num_stages, micro_batches)
+
+
+# ---------------------------------------------------------------------------------------------- the checker
+
+
+@dataclass(frozen=True)
+class ScheduleStats:
+    """What each stage of a checked schedule needs; tuples indexed by stage."""
+
+    peak_live: tuple[int, ...]  # micro-batches forwarded and not yet backwarded (activation memory)
+    last_backward: tuple[int, ...]  # index of the stage's last Backward, -1 if none
+    peak_recv_activation: tuple[int, ...]  # received activations still needed (receive ring size)
+
+
+def check_schedule(schedule: Schedule) -> ScheduleStats:
+    """Prove that ``schedule`` runs to the end under rendezvous sends; raise ScheduleError naming the fault.
+
+    Checks, in order: every message has exactly one sender and one receiver; no set of stages
+    waits on each other forever; on each stage every instruction comes after what it needs.
+    """
+    ops = [[ins.ops(s) for ins in stage] for s, stage in enumerate(schedule.stages)]
+    _check_messages(schedule, ops)
+    _check_no_deadlock(schedule, ops)
+    trains = schedule.has_backward
+    walks = [_StageWalk(schedule, s, trains).run() for s in range(schedule.num_stages)]
+    return ScheduleStats(peak_live=tuple(w.peak_live for w in walks),
+                         last_backward=tuple(w.last_backward for w in walks),
+                         peak_recv_activation=tuple(w.peak_recv for w in walks))
+
+
+def _where(schedule: Schedule, stage: int, index: int, ins: Instruction) -> str:
+    return f"schedule {schedule.name!r}: stage {stage}, instruction #{index} {ins}"
+
+
+def _stage_messages(schedule: Schedule, s: int, ops: list) -> dict:
+    """Message key -> (index, op number) on stage ``s``, in program order; a repeated message is an error."""
+    found = {}
+    for i, posted in enumerate(ops):
+        for k, op in enumerate(posted):
+            if op.key in found:
+                j, _ = found[op.key]
+                where = _where(schedule, s, i, schedule.stages[s][i])
+                raise ScheduleError(f"{where} repeats the message of #{j} {schedule.stages[s][j]}")
+            found[op.key] = (i, k)
+    return found
+
+
+def _check_messages(schedule: Schedule, ops: list) -> None:
+    """Every op has a peer stage that posts the matching op; report the first that does not."""
+    p = schedule.num_stages
+    messages = [_stage_messages(schedule, s, ops[s]) for s in range(p)]
+    for s in range(p):
+        for key, (i, k) in messages[s].items():
+            peer = key.to_stage if key.from_stage == s else key.from_stage
+            if 0 <= peer < p and key in messages[peer]:
+                continue
+            ins = schedule.stages[s][i]
+            part = ins.point_to_point()[k]
+            what = _where(schedule, s, i, ins) + ("" if ins is part else f": {part}")
+            if not 0 <= peer < p:
+                raise ScheduleError(f"{what} has no peer: stage {peer} does not exist ({p} stages)")
+            raise ScheduleError(f"{what} has no matching {part.partner()} on stage {peer}")
+
+
+def _check_no_deadlock(schedule: Schedule, ops: list) -> None:
+    """Run all stages under rendezvous semantics; each op is posted and matched once, so this is linear.
+
+    ``ops[s][i]`` is what instruction i of stage s posts. Assumes _check_messages passed:
+    each key is posted once by each of its two stages.
+    """
+    p = schedule.num_stages
+    pc = [0] * p  # current instruction of each stage
+    waiting = [0] * p  # ops of the current instruction not yet matched
+    posted = {}  # key -> stage that posted it and waits for its partner
+    todo = list(range(p))  # stages that may be able to move
+    while todo:
+        s = todo.pop()
+        stage = ops[s]
+        while waiting[s] == 0 and pc[s] < len(stage):
+            for op in stage[pc[s]]:
+                peer = posted.pop(op.key, None)
+                if peer is None:
+                    posted[op.key] = s
+                    waiting[s] += 1
+                    continue
+                waiting[peer] -= 1
+                if waiting[peer] == 0:  # the peer's instruction completed: it may move on
+                    pc[peer] += 1
+                    todo.append(peer)
+            if waiting[s] == 0:
+                pc[s] += 1
+    blocked = [s for s in range(p) if pc[s] < len(schedule.stages[s])]
+    if blocked:
+        waits = ", ".join(f"stage {s} waits at #{pc[s]} {schedule.stages[s][pc[s]]}" for s in blocked)
+        raise ScheduleError(f"schedule {schedule.name!r} deadlocks under rendezvous sends: {waits}")
+
+
+class _StageWalk:
+    """One pass over a stage's list: each instruction must come after what it needs; measures the stage."""
+
+    def __init__(self, schedule: Schedule, stage: int, trains: bool):
+        self.schedule, self.stage, self.trains = schedule, stage, trains
+        self.reads_data = stage in (0, schedule.num_stages - 1)
+        self.seen = {}  # (instruction type, mb or None) -> index where it ran
+        self.live, self.recv_live = set(), set()
+        self.peak_live = self.peak_recv = 0
+        self.last_backward = -1
+        self.table = {
+            LoadMicroBatch: self._load, Forward: self._forward, Backward: self._backward,
+            SendActivation: self._p2p, RecvActivation: self._p2p, SendGrad: self._p2p, RecvGrad: self._p2p,
+            Exchange: self._p2p, ReduceGrads: self._reduce, OptimizerStep: self._optimizer_step,
+        }
+
+    def run(self) -> _StageWalk:
+        for self.index, self.ins in enumerate(self.schedule.stages[self.stage]):
+            handler = self.table.get(type(self.ins))
+            if handler is None:
+                self._fail("is not an instruction the executor knows")
+            handler(self.ins)
+        self._finish()
+        return self
+
+    def _fail(self, problem: str):
+        raise ScheduleError(f"{_where(self.schedule, self.stage, self.index, self.ins)} {problem}")
+
+    def _need(self, cls: type, mb: int | None = None) -> None:
+        if (cls, mb) not in self.seen:
+            self._fail(f"has no {cls() if mb is None else cls(mb)} before it")
+
+    def _record(self, ins: Instruction) -> None:
+        """Note that ``ins`` ran here; a micro-batch out of range or run twice is an error."""
+        mb = getattr(ins, "mb", None)
+        if mb is not None and mb >= self.schedule.micro_batches:
+            self._fail(f"names micro-batch {mb}, but the schedule has {self.schedule.micro_batches}")
+        key = (type(ins), mb)
+        if key in self.seen:
+            self._fail(f"repeats #{self.seen[key]}")
+        self.seen[key] = self.index
+
+    def _load(self, ins: LoadMicroBatch) -> None:
+        if not self.reads_data:
+            self._fail("reads data on a middle stage (only the first and last stages read data)")
+        self._record(ins)
+
+    def _forward(self, ins: Forward) -> None:
+        self._record(ins)
+        if self.reads_data:
+            self._need(LoadMicroBatch, ins.mb)
+        if self.stage > 0:
+            self._need(RecvActivation, ins.mb)
+        if self.trains:
+            self.live.add(ins.mb)
+            self.peak_live = max(self.peak_live, len(self.live))
+        else:  # evaluation keeps nothing: one micro-batch at a time, its input freed once used
+            self.peak_live = 1
+            self.recv_live.discard(ins.mb)
+
+    def _backward(self, ins: Backward) -> None:
+        self._record(ins)
+        self._need(Forward, ins.mb)
+        if self.stage < self.schedule.num_stages - 1:
+            self._need(RecvGrad, ins.mb)
+        if (ReduceGrads, None) in self.seen:
+            self._fail(f"comes after #{self.seen[ReduceGrads, None]} ReduceGrads()")
+        self.live.discard(ins.mb)
+        self.recv_live.discard(ins.mb)  # the backward reads the input activation; its buffer is free after
+        self.last_backward = self.index
+
+    def _p2p(self, ins: Instruction) -> None:
+        for part in ins.point_to_point():
+            self._record(part)
+            if isinstance(part, SendActivation):
+                self._need(Forward, part.mb)
+            elif isinstance(part, SendGrad):
+                self._need(Backward, part.mb)
+            elif isinstance(part, RecvActivation):
+                self.recv_live.add(part.mb)
+                self.peak_recv = max(self.peak_recv, len(self.recv_live))
+
+    def _reduce(self, ins: ReduceGrads) -> None:
+        if not self.trains:
+            self._fail("in a schedule without Backward")
+        self._record(ins)
+
+    def _optimizer_step(self, ins: OptimizerStep) -> None:
+        if not self.trains:
+            self._fail("in a schedule without Backward")
+        self._record(ins)
+        self._need(ReduceGrads)
+
+    def _finish(self) -> None:
+        """Everything the stage must run at least once did run."""
+        m = self.schedule.micro_batches
+        needed = [(Forward, i) for i in range(m)]
+        if self.reads_data:
+            needed += [(LoadMicroBatch, i) for i in range(m)]
+        if self.trains:
+            needed += [(Backward, i) for i in range(m)] + [(ReduceGrads, None), (OptimizerStep, None)]
+        for cls, mb in needed:
+            if (cls, mb) not in self.seen:
+                missing = cls() if mb is None else cls(mb)
+                raise ScheduleError(f"schedule {self.schedule.name!r}: stage {self.stage} has no {missing}")

@@ -1,0 +1,14 @@
+"""Training: start-up, the step runner (a checked schedule per stage), the loop, metrics and the trace.
+
+    from hpctrain.train import Trainer
+    trainer = Trainer(cfg, mesh=mesh)      # collective over mesh.world
+    trainer.run()
+
+Modules: ``startup`` (agreements, buffers, the start scattered to the stages),
+``step`` (one step and one evaluation pass through the executor), ``loop`` (the
+Trainer), ``metrics`` (JSONL lines), ``trace`` (Chrome/Perfetto trace).
+"""
+
+from .loop import Trainer
+
+__all__ = ["Trainer"]

@@ -1,0 +1,250 @@
+"""The training loop: steps, metrics, progress, evaluation, checkpoints, the trace.
+
+    hpctrain train jobs/configs/digits.toml                     # one process
+    mpiexec -n 2 hpctrain train jobs/configs/digits.toml        # data parallel on 2 ranks
+    mpiexec -n 2 hpctrain train jobs/configs/digits-pp2.toml    # a 2-stage pipeline
+    srun hpctrain train jobs/configs/digits.toml                # under Slurm
+
+``Trainer(cfg, mesh=mesh)`` is collective over the mesh's world communicator: every
+rank builds it and calls ``run()``. Bad input found while building (config, data,
+layout, schedule) is reported once by the lowest failing rank and every rank leaves
+together (parallel/agree.py). Each rank holds its pipeline stage's part of the model;
+``train_step`` runs one step of the checked schedule (train/step.py).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+
+from .. import checkpoint as ckpt
+from ..parallel.agree import check_same_everywhere, run_everywhere
+from ..parallel.data_parallel import GradSync
+from ..parallel.sharding import gather_flat
+from ..parallel.transport import PointToPoint, Transport
+from ..optim import lr_at
+from . import startup
+from .metrics import MetricsFile, Window
+from .step import StepRunner
+from .trace import Tracer
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """One training job over a mesh. Building it, ``run()``, ``train_step``, ``evaluate``,
+    ``save_checkpoint`` and ``state_dict`` are collective over ``mesh.world``.
+
+    ``log`` receives rank 0's progress lines (other ranks log nothing).
+    """
+
+    def __init__(self, cfg, *, mesh, log=print):
+        self.cfg, self.mesh = cfg, mesh
+        self.rank0 = mesh.rank == 0
+        self.log = log if self.rank0 else (lambda *a, **k: None)
+        run_everywhere(mesh.world, lambda: startup.build(self))
+        check_same_everywhere(mesh.world, "config", cfg.to_toml(), lambda theirs: _first_line_diff(cfg.to_toml(), theirs))
+        check_same_everywhere(mesh.world, "parameter layout", self.model.layout.describe(),
+                              self.model.layout.first_difference)
+        check_same_everywhere(mesh.dp_comm, "stage layout", self.part.layout.describe(),
+                              self.part.layout.first_difference)
+        # the gradient sync takes a different sequence of MPI calls on a device than on the host
+        check_same_everywhere(mesh.world, "backend", self.be.name,
+                              lambda theirs: f"{self.be.name} here, {theirs} on rank 0 (train.backend = "
+                                             f"{cfg.train.backend!r}; every rank must run the same backend)")
+        run_everywhere(mesh.world, lambda: startup.make_state(self))
+        # rank 0 reads whatever file is involved; a bad file is reported before any broadcast
+        start = run_everywhere(mesh.world, (lambda: startup.read_start(self)) if self.rank0 else lambda: (None, None))
+        startup.scatter_start(self, *start)
+        self.transport = Transport(self.be, cuda_aware=self.cuda_aware)
+        self.sync = run_everywhere(mesh.world, lambda: GradSync(  # staging buffers: a device may run out
+            comm=mesh.dp_comm, transport=self.transport, grads=self.grads, bucket_mb=cfg.parallel.bucket_mb,
+            overlap=cfg.parallel.overlap))
+        self.tracer = Tracer(mesh) if cfg.train.trace else None
+        p2p = PointToPoint(comm=mesh.pp_comm, transport=self.transport) if mesh.pp > 1 else None
+        self.runner = run_everywhere(mesh.world, lambda: StepRunner(
+            cfg=cfg, mesh=mesh, backend=self.be, part=self.part, loss=self.loss, data=self.data,
+            sampler=self.sampler, sync=self.sync, optim=self.optim, grads=self.grads, p2p=p2p, tracer=self.tracer,
+            log=self.log))
+        self.log(f"hpctrain: {mesh.describe()}, backend {self.be.name}, {self.model.layout.size:,} parameters, "
+                 f"{len(self.sync.buckets)} gradient bucket(s), overlap "
+                 f"{('on, communication thread' if self.sync.threaded else 'on') if cfg.parallel.overlap else 'off'}"
+                 + (f", gradients {'straight to CUDA-aware MPI' if self.cuda_aware else 'staged through host memory'}"
+                    if self.be.is_device else ""))
+        if mesh.pp > 1:
+            s = self.runner.schedule
+            self.log(f"pipeline: schedule {s.name}, {cfg.train.micro_batches} micro-batch(es), stages "
+                     + ", ".join(f"{i}: layers {lo}..{hi}" for i, (lo, hi) in enumerate(self.stages))
+                     + "; peak live micro-batches per stage " + ", ".join(map(str, self.runner.stats.peak_live)))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> tuple[dict, dict] | None:
+        """Full, unsharded parameters and optimizer slots on world rank 0, None elsewhere (collective).
+
+        Each buffer is gathered from the stages one at a time (parallel/sharding.py).
+        """
+        ranges = [self.model.part(lo, hi).global_range for lo, hi in self.stages]
+        out = []
+        for buf in [self.params] + list(self.optim.slots.values()):
+            full = gather_flat(self.mesh, self.be.to_host(buf.data), ranges, self.model.layout.size)
+            out.append(None if full is None else self.model.layout.unpack(full))
+        if not self.rank0:
+            return None
+        return out[0], dict(zip(self.optim.slots, out[1:]))
+
+    def save_checkpoint(self) -> str:
+        """Gather the stages' buffers and write a checkpoint on rank 0 (collective); returns its path there."""
+        if not self.cfg.checkpoint.dir:
+            return ""
+        gathered = self.state_dict()
+        if not self.rank0:
+            return ""
+        cfg, mesh = self.cfg, self.mesh
+        params, slots = gathered
+        state = ckpt.CheckpointState(
+            step=self.step, epoch=self.sampler.epoch_of(self.step),
+            data_position=self.step % self.sampler.steps_per_epoch, config_text=cfg.to_toml(),
+            layout=dict(mesh.layout), params=params, optim_name=self.optim.name,
+            optim_step=self.optim.step_count, slots=slots,
+            rng={"data_seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "init_seed": cfg.train.seed})
+        t0 = time.perf_counter()
+        path = ckpt.save_checkpoint(cfg.checkpoint.dir, state, keep=cfg.checkpoint.keep)
+        self.log(f"checkpoint {path} written in {time.perf_counter() - t0:.2f} s")
+        return path
+
+    # ------------------------------------------------------------------ the loop
+
+    def train_step(self, step: int, lr: float) -> dict:
+        """One optimizer step on global batch ``step`` at learning rate ``lr`` (collective); this rank's timings."""
+        return self.runner.train_step(step, lr)
+
+    def evaluate(self) -> dict:
+        """Loss (and accuracy) over the validation split (collective)."""
+        return self.runner.evaluate()
+
+    def run(self):
+        """Train until ``train.steps`` (collective: every rank calls it). Returns the last metrics on rank 0.
+
+        SIGTERM and SIGUSR1 (what Slurm sends before a time limit) stop the run at the next step
+        boundary, after a checkpoint when ``checkpoint.dir`` is set.
+        """
+        cfg, t = self.cfg, self.cfg.train
+        if self.step >= t.steps > 0:
+            self.log(f"training already finished: resumed at step {self.step} of {t.steps} (to train again, set "
+                     "checkpoint.resume = \"never\", a new checkpoint.dir, or more train.steps)")
+            return self._log_eval(MetricsFile("")) if self.data.n_val else {}
+        metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step)
+        window = Window()
+        last = {}
+        stop = _StopFlag()
+        saved_at = -1
+        try:
+            while self.step < t.steps:
+                lr = lr_at(cfg.optim, self.step, t.steps)
+                timing = self.train_step(self.step, lr)
+                self.step += 1
+                window.add(timing)
+                if self.step % t.log_every == 0 or self.step == t.steps:
+                    last = self._log_train(window, timing, lr, metrics)
+                if self.data.n_val and ((t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps):
+                    last.update(self._log_eval(metrics))
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.save_checkpoint()
+                    saved_at = self.step
+                if stop.any_rank(self.mesh.world):
+                    self.log(f"signal {stop.name} received: stopping at step {self.step}")
+                    break
+        finally:
+            stop.restore()
+            metrics.close()
+        if saved_at != self.step:
+            self.save_checkpoint()
+        if self.tracer is not None:
+            spans = self.tracer.write(t.trace)
+            self.log(f"trace {t.trace} written ({spans:,} events)")
+        return last
+
+    def _log_train(self, window, timing, lr, metrics):
+        B = self.cfg.train.batch_size
+        per_row = self.model.out_features if self.loss.name == "mse" else 1
+        loss = self.runner.global_mean(timing["loss_sum"], B * per_row)
+        stages = self._stage_figures(window)
+        means, rate = window.flush(B)
+        record = dict(step=self.step, loss=loss, lr=lr, samples_per_s=rate, grad_norm=timing["grad_norm"],
+                      **{f"{k}_s": means[k] for k in ("compute", "comm", "optim", "data")})
+        if stages:
+            record["stages"] = stages
+        if timing["skipped"]:
+            record["skipped"] = True
+        metrics.write(record)
+        self.log(f"step {self.step:>6}/{self.cfg.train.steps}  loss {loss:.4f}  lr {lr:.3g}  {rate:,.0f} samples/s  "
+                 f"(compute {means['compute'] * 1e3:.1f} ms, comm wait {means['comm'] * 1e3:.1f} ms, "
+                 f"optim {means['optim'] * 1e3:.1f} ms"
+                 + (", bubble " + " ".join(f"{s['bubble']:.0%}" for s in stages) if stages else "") + ")")
+        return record
+
+    def _stage_figures(self, window) -> list[dict]:
+        """Per-stage busy/wait seconds, bubble and peaks, from data-parallel rank 0 of each stage (pp > 1; collective)."""
+        if self.mesh.pp == 1:
+            return []
+        mine = np.array(window.stage_figures(), dtype=np.float64)
+        everyone = np.zeros((self.mesh.size, mine.size), dtype=np.float64) if self.rank0 else None
+        self.mesh.world.Gather(mine, everyone, root=0)
+        if not self.rank0:
+            return []
+        # world rank of (stage s, dp 0, tp 0) is s · dp · tp
+        return [dict(stage=s, busy_s=row[0], wait_s=row[1], step_s=row[2], bubble=row[3],
+                     peak_micro_batches=int(row[4]), peak_activation_bytes=int(row[5]))
+                for s, row in enumerate(everyone[:: self.mesh.dp * self.mesh.tp])]
+
+    def _log_eval(self, metrics):
+        ev = self.evaluate()
+        metrics.write(dict(step=self.step, **ev))
+        self.log(f"eval step {self.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+        return ev
+
+    def close(self):
+        self.sync.close()
+        self.data.close()
+
+
+class _StopFlag:
+    """SIGTERM/SIGUSR1 set a flag; ranks agree on it at each step boundary (a one-int Allreduce)."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self):
+        self.name, self._old = "", {}
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.name = signal.Signals(signum).name
+
+    def any_rank(self, comm) -> bool:
+        from mpi4py import MPI
+
+        flag = np.array([1 if self.name else 0], dtype=np.int32)
+        if comm.Get_size() > 1:
+            comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+        if flag[0] and not self.name:
+            self.name = "from another rank"
+        return bool(flag[0])
+
+    def restore(self):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _first_line_diff(mine: str, theirs: str) -> str:
+    for a, b in zip(mine.splitlines(), theirs.splitlines()):
+        if a != b:
+            return f"{a!r} here, {b!r} on rank 0"
+    return "different length"

@@ -1,0 +1,100 @@
+"""Metrics lines (JSONL on rank 0) and the per-step time split behind the progress lines."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+__all__ = ["MetricsFile", "Window", "truncate_after"]
+
+
+class MetricsFile:
+    """JSONL metrics on rank 0: one object a line, flushed as written.
+
+    A resumed run keeps the lines up to the step it resumes from and appends after them.
+    NaN and Inf (a skipped non-finite step) are written as null, so every line is valid JSON.
+    """
+
+    def __init__(self, path, resume_step=0):
+        self.f = None
+        if not path:
+            return
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if resume_step > 0 and os.path.exists(path):
+            truncate_after(path, resume_step)
+            self.f = open(path, "a")
+        else:
+            self.f = open(path, "w")
+
+    def write(self, record):
+        if self.f:
+            self.f.write(json.dumps(_finite(record), allow_nan=False) + "\n")
+            self.f.flush()
+
+    def close(self):
+        if self.f:
+            self.f.close()
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def truncate_after(path, step):
+    """Drop the metrics lines of steps after ``step`` (left by a run that went on past the checkpoint)."""
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:  # lines that are not ours stay as they are
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            record_step = json.loads(line).get("step", 0)
+        except (ValueError, AttributeError):
+            record_step = 0  # not a metrics record: keep it as it is
+        if not isinstance(record_step, int) or record_step <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+
+
+class Window:
+    """Per-step time split and throughput since the last training log line (this rank's stage)."""
+
+    KEYS = ("compute", "comm", "optim", "data", "busy", "wait", "span")
+
+    def __init__(self):
+        self.totals, self.steps, self.start = dict.fromkeys(self.KEYS, 0.0), 0, time.perf_counter()
+        self.peak_live = self.peak_bytes = 0
+
+    def add(self, timing):
+        for k in self.KEYS:
+            self.totals[k] += timing[k]
+        self.peak_live = max(self.peak_live, timing["peak_live"])
+        self.peak_bytes = max(self.peak_bytes, timing["peak_bytes"])
+        self.steps += 1
+
+    def stage_figures(self) -> list[float]:
+        """Means per step of busy, wait and span seconds, the bubble share, and the peaks (for a Gather)."""
+        n = max(self.steps, 1)
+        busy, wait, span = (self.totals[k] / n for k in ("busy", "wait", "span"))
+        pipeline = span - (self.totals["comm"] + self.totals["optim"]) / n
+        bubble = max(0.0, 1.0 - (busy + self.totals["data"] / n) / pipeline) if pipeline > 0 else 0.0
+        return [busy, wait, span, bubble, float(self.peak_live), float(self.peak_bytes)]
+
+    def flush(self, batch_size):
+        now = time.perf_counter()
+        n = max(self.steps, 1)
+        means = {k: v / n for k, v in self.totals.items()}
+        rate = self.steps * batch_size / max(now - self.start, 1e-9)
+        self.totals, self.steps, self.start = dict.fromkeys(self.KEYS, 0.0), 0, now
+        return means, rate

@@ -1,0 +1,182 @@
+"""Start-up: everything that can fail on bad input, the state buffers, and where the run starts from.
+
+Every function here runs on every rank inside an agreement (``run_everywhere``), so a
+failure on one rank ends the job on all of them before any training message:
+
+* ``build``: backend, model spec and this stage's part, loss, data, sampler, outputs;
+* ``make_state``: the part's parameter, gradient and optimizer buffers;
+* ``read_start`` (world rank 0 only): the checkpoint or weights file to start from,
+  checked against this run, as full unsharded tensors;
+* ``scatter_start``: those tensors into every stage's buffers, one buffer at a time
+  (parallel/sharding.py), collective over the mesh.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .. import checkpoint as ckpt
+from ..backend import get_backend
+from ..data import Sampler, open_dataset
+from ..errors import CheckpointError, ConfigError, DataError, LayoutError
+from ..nn import ModelSpec, make_loss
+from ..optim import make_optimizer
+from ..parallel.agree import run_everywhere
+from ..parallel.mesh import mpi_cuda_aware
+from ..parallel.sharding import scatter_flat
+from ..params import FlatBuffer
+
+__all__ = ["build", "make_state", "read_start", "scatter_start"]
+
+
+def build(t) -> None:
+    """Set ``t.be``, ``t.model``, ``t.stages``, ``t.part``, ``t.loss``, ``t.data``, ``t.sampler``, ``t.cuda_aware``."""
+    cfg, mesh = t.cfg, t.mesh
+    for key in ("dp", "pp", "tp"):
+        want = getattr(cfg.parallel, key)
+        if want != "auto" and getattr(mesh, key) != want:
+            raise LayoutError(f"the mesh has {key} = {getattr(mesh, key)} but parallel.{key} = {want}: build it with "
+                              "Mesh(dp=cfg.parallel.dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp)")
+    if mesh.tp > 1:
+        raise LayoutError(f"parallel.tp = {mesh.tp}: tensor parallelism is not supported yet (use dp and pp)")
+    t.be = get_backend(cfg.train.backend, log=t.log, device_id=local_rank())
+    t.model = ModelSpec(cfg.model.layers)
+    t.stages = t.model.partition(mesh.pp, cfg.parallel.stages)
+    t.part = t.model.part(*t.stages[mesh.pp_rank])
+    t.loss = make_loss(cfg.train.loss)
+    t.data = open_dataset(cfg, t.loss, t.model.in_features, t.model.out_features)
+    t.sampler = Sampler(t.data.n_train, cfg.train.batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+                        dp_rank=mesh.dp_rank, dp_size=mesh.dp)
+    if t.sampler.local % cfg.train.micro_batches:
+        raise DataError(f"train.micro_batches = {cfg.train.micro_batches} does not divide this rank's share "
+                        f"of the batch ({t.sampler.local} = batch_size {cfg.train.batch_size} / dp {mesh.dp})")
+    n = t.data.n_train + t.data.n_val
+    problem = t.data.scan(n * mesh.rank // mesh.size, n * (mesh.rank + 1) // mesh.size)
+    if problem:
+        raise DataError(problem)
+    if mesh.rank == 0:
+        check_outputs(cfg)
+    ca = cfg.parallel.cuda_aware
+    t.cuda_aware = bool(t.be.is_device and (mpi_cuda_aware() if ca == "auto" else ca))
+    if t.cuda_aware and getattr(t.be, "simulator", False):
+        t.log("parallel.cuda_aware: simulated device arrays have no device pointer; staging through host memory")
+        t.cuda_aware = False
+
+
+def check_outputs(cfg) -> None:
+    """On rank 0: the metrics file, the trace and the checkpoint folder can be written (creates nothing)."""
+    outputs = {"train.metrics": (cfg.train.metrics, "metrics"), "train.trace": (cfg.train.trace, "trace")}
+    inputs = {"data.path": cfg.data.path, "checkpoint.init": cfg.checkpoint.init, "the config file": cfg.source,
+              "checkpoint.resume": cfg.checkpoint.resume if cfg.checkpoint.resume not in ("auto", "never") else ""}
+    for out_key, (out, what) in outputs.items():
+        if not out:
+            continue
+        _check_writable(out_key, out, folder=False)
+        for key, path in inputs.items():
+            if path and os.path.exists(path) and os.path.exists(out) and os.path.samefile(path, out):
+                raise ConfigError(f"{out_key}: {out} is {key}; the {what} would overwrite it")
+    if cfg.train.metrics and cfg.train.trace and os.path.abspath(cfg.train.metrics) == os.path.abspath(cfg.train.trace):
+        raise ConfigError(f"train.trace: {cfg.train.trace} is also train.metrics")
+    if cfg.checkpoint.dir:
+        _check_writable("checkpoint.dir", cfg.checkpoint.dir, folder=True)
+
+
+def make_state(t) -> None:
+    """This stage's parameter and gradient buffers and the optimizer with its slots (run on every rank)."""
+    t.params = FlatBuffer(t.be, t.part.layout)
+    t.grads = FlatBuffer(t.be, t.part.layout)
+    t.part.bind(t.params, t.grads)
+    t.optim = make_optimizer(t.cfg.optim, t.be, t.params, t.grads)
+
+
+def read_start(t):
+    """On world rank 0: (checkpoint state or None, ``checkpoint.init`` weights or None), checked against this run."""
+    c, layout = t.cfg.checkpoint, t.model.layout
+    state = None
+    if c.resume == "auto":
+        state = ckpt.find_resume(c.dir, layout, t.log) if c.dir else None
+    elif c.resume != "never":
+        state = ckpt.load_checkpoint(c.resume, layout)
+    elif c.dir and ckpt.list_checkpoints(c.dir):
+        steps = ", ".join(str(step) for step, _ in ckpt.list_checkpoints(c.dir))
+        raise CheckpointError(f"checkpoint.dir {c.dir} already holds checkpoints (steps {steps}); with "
+                              "checkpoint.resume = \"never\" this run's checkpoints would mix with them (and "
+                              "retention could delete this run's): use a new checkpoint.dir or move them away")
+    if state is None:
+        return None, (ckpt.load_weights(c.init, layout) if c.init else None)
+    _warn_about_resume(t, state)
+    wanted = set(t.optim.slots)
+    if state.optim_name != t.optim.name or not wanted <= set(state.slots):
+        raise CheckpointError(f"{state.path}: written with optimizer {state.optim_name!r} (slots "
+                              f"{', '.join(sorted(state.slots)) or 'none'}), but optim.name is {t.optim.name!r} "
+                              f"(slots {', '.join(sorted(wanted)) or 'none'})")
+    return state, None
+
+
+def _warn_about_resume(t, state) -> None:
+    """Log what would make a resumed run differ from the run that wrote the checkpoint."""
+    c, d = t.cfg.checkpoint, t.cfg.data
+    if c.dir:
+        newer = [step for step, _ in ckpt.list_checkpoints(c.dir) if step > state.step]
+        if newer:
+            t.log(f"warning: {c.dir} holds checkpoints newer than the one resumed (steps "
+                  f"{', '.join(map(str, newer))}); retention keeps the highest steps and resume = \"auto\" "
+                  "would pick them later: move them away if they belong to an abandoned run")
+    saved = {k: state.rng.get(k) for k in ("data_seed", "shuffle")}
+    now = {"data_seed": d.seed, "shuffle": d.shuffle}
+    if any(saved[k] is not None and saved[k] != now[k] for k in now):
+        t.log(f"warning: the data order changed since the checkpoint was written ({saved} then, {now} now)")
+
+
+def scatter_start(t, state, weights) -> None:
+    """Rank 0's starting point (a checkpoint, a weights file or a fresh init) into every stage's buffers.
+
+    Collective over the mesh. Each buffer goes through host memory, one at a time: rank 0 packs the
+    full tensors, ``scatter_flat`` hands each stage its slice, then the copy into the backend's buffer
+    runs inside an agreement, as a device may run out of memory on one rank alone.
+    """
+    cfg, mesh, rank0 = t.cfg, t.mesh, t.mesh.rank == 0
+    header = np.zeros(2, dtype=np.int64)  # step, optimizer step
+    if state is not None:
+        header[:] = state.step, state.optim_step
+        weights = state.params
+        t.log(f"resuming from {state.path} at step {state.step}"
+              + (f" (checkpoint.init {cfg.checkpoint.init} ignored)" if cfg.checkpoint.init else ""))
+    elif weights is not None:
+        t.log(f"initial weights from {cfg.checkpoint.init}")
+    elif rank0:
+        weights = t.model.init_params(cfg.train.seed)
+    mesh.world.Bcast(header, root=0)
+    t.step, t.optim.step_count = int(header[0]), int(header[1])
+    ranges = [t.model.part(lo, hi).global_range for lo, hi in t.stages]
+    targets = [(t.params, weights)]
+    targets += [(buf, state.slots[slot] if state is not None else None) for slot, buf in t.optim.slots.items()]
+    for buf, arrays in targets:  # arrays None: zeros
+        full = t.model.layout.pack(arrays) if rank0 else None
+        host = scatter_flat(mesh, full, ranges)
+        del full
+        run_everywhere(mesh.world, lambda: t.be.copy_(buf.data, t.be.asarray(host)))  # noqa: B023
+
+
+def _check_writable(key, path, *, folder):
+    """ConfigError unless ``path`` (a folder or a file) exists writable, or can be created."""
+    if os.path.exists(path):
+        if os.path.isdir(path) != folder:
+            raise ConfigError(f"{key}: {path} is {'not a folder' if folder else 'a folder'}")
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"{key}: {path} is not writable")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: cannot create {path}: {parent} is not a writable folder")
+
+
+def local_rank() -> int:
+    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0

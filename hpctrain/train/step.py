@@ -1,0 +1,143 @@
+"""One training step and one evaluation pass of this rank's stage, run as a checked schedule.
+
+The step is a schedule (parallel/schedule.py): every stage's instruction list, checked
+at start-up for deadlocks and unmatched messages, run by the stage executor
+(parallel/executor.py). Pure data parallelism is the one-stage schedule. Finishing
+the step (``OptimizerStep``) reduces over the right groups:
+
+* the gradient norm² is summed over the pipeline stages (each parameter lives on one
+  stage, and data-parallel replicas hold the same reduced gradients, so each is
+  counted once), so every rank sees the same norm;
+* the non-finite decision follows from that same norm on every rank;
+* then clipping and the optimizer run on each stage's own part.
+
+Collective: ``train_step`` over the whole mesh (point-to-point within the pipeline
+group, Allreduce within the data-parallel group, the norm over the pipeline group);
+``evaluate`` and ``global_mean`` over the world communicator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import NonFiniteError
+from ..optim import clip_coefficient
+from ..parallel.agree import QuietExit
+from ..parallel.executor import StageExecutor
+from ..parallel.schedule import check_schedule, forward_only, make_schedule
+
+__all__ = ["StepRunner"]
+
+
+class _Batch:
+    """Micro-batches as row lists of the data file; ``load(i)`` reads micro-batch i (inputs, targets)."""
+
+    def __init__(self, data, row_lists):
+        self.data, self.row_lists = data, row_lists
+
+    def rows(self, mb: int) -> int:
+        return len(self.row_lists[mb])
+
+    def load(self, mb: int):
+        return self.data.read(self.row_lists[mb])
+
+
+class StepRunner:
+    """Runs this rank's stage of the training schedule and of the evaluation schedule."""
+
+    def __init__(self, *, cfg, mesh, backend, part, loss, data, sampler, sync, optim, grads, p2p, tracer, log):
+        self.cfg, self.mesh, self.be, self.part, self.loss = cfg, mesh, backend, part, loss
+        self.data, self.sampler, self.sync, self.optim, self.grads, self.log = data, sampler, sync, optim, grads, log
+        m = cfg.train.micro_batches
+        self.schedule = make_schedule(cfg.parallel.schedule if mesh.pp > 1 else "1f1b", mesh.pp, m)
+        self.stats = check_schedule(self.schedule)
+        self.executor = StageExecutor(backend=backend, part=part, loss=loss, stage=mesh.pp_rank, stages=mesh.pp,
+                                      p2p=p2p, sync=sync, stats=self.stats, max_rows=max(1, sampler.local),
+                                      tracer=tracer)
+        self.tracer = tracer
+        self._eval_schedules = {}
+        # whose loss sums count: the last stage's (one tensor-parallel rank of it)
+        self.holds_loss = part.is_last and mesh.tp_rank == 0
+
+    @property
+    def grad_scale(self) -> float:
+        return self.loss.grad_scale(self.cfg.train.batch_size, self.part.spec.out_features)
+
+    def train_step(self, step: int, lr: float) -> dict:
+        """Run one training step (collective over the mesh); returns this stage's timings and loss sum."""
+        m = self.cfg.train.micro_batches
+        rows = self.sampler.local_rows(step)
+        per = len(rows) // m
+        batch = _Batch(self.data, [rows[i * per : (i + 1) * per] for i in range(m)])
+        if self.tracer is not None:
+            self.tracer.step = step + 1
+        self.sync.start_step()
+        r = self.executor.run(self.schedule.stages[self.mesh.pp_rank], batch, grad_scale=self.grad_scale,
+                              on_optimizer_step=lambda: self._finish(step, lr))
+        return dict(compute=r.busy, comm=r.comm, optim=r.optim, data=r.data, busy=r.busy, wait=r.wait, span=r.span,
+                    loss_sum=r.loss_sum, peak_live=r.peak_live, peak_bytes=r.peak_bytes, **r.extra)
+
+    def _finish(self, step: int, lr: float) -> dict:
+        """The OptimizerStep instruction: norm over the stages, the skip decision, clipping, the update."""
+        from mpi4py import MPI
+
+        cfg, be = self.cfg, self.be
+        norm2 = np.array([be.sum_squares(self.grads.data)], dtype=np.float64)
+        if self.mesh.pp > 1:
+            self.mesh.pp_comm.Allreduce(MPI.IN_PLACE, norm2, op=MPI.SUM)
+        norm = math.sqrt(norm2[0]) if norm2[0] >= 0 else float("nan")
+        skipped = not math.isfinite(norm)
+        if skipped:
+            if not cfg.train.skip_nonfinite:  # every rank sees the same norm: all leave together
+                if self.mesh.rank != 0:
+                    raise QuietExit(0)
+                error = NonFiniteError(f"step {step + 1}: the gradients contain NaN or Inf; lower optim.lr, set "
+                                       "train.grad_clip, or set train.skip_nonfinite = true to skip such steps")
+                error.collective = True
+                raise error
+            self.log(f"step {step + 1}: non-finite gradients, step skipped")
+        else:
+            coef = clip_coefficient(norm, cfg.train.grad_clip)
+            if coef < 1.0:
+                be.scale_(self.grads.data, coef)
+            self.optim.step(lr)
+            be.synchronize()
+        return dict(grad_norm=norm, skipped=skipped)
+
+    def global_mean(self, local_sum: float, count: int) -> float:
+        """The loss sum of the last stages' ranks over the world, divided by ``count`` (collective)."""
+        from mpi4py import MPI
+
+        buf = np.array([local_sum if self.holds_loss else 0.0], dtype=np.float64)
+        self.mesh.world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        return float(buf[0] / count)
+
+    def evaluate(self) -> dict:
+        """Loss (and accuracy) over the validation split, forward-only through the pipeline (collective).
+
+        Each data-parallel rank takes a contiguous share of the split, in chunks of its batch share.
+        """
+        from mpi4py import MPI
+
+        mesh, data = self.mesh, self.data
+        lo = data.n_train + data.n_val * mesh.dp_rank // mesh.dp
+        hi = data.n_train + data.n_val * (mesh.dp_rank + 1) // mesh.dp
+        chunk = max(1, self.sampler.local)
+        row_lists = [np.arange(s, min(hi, s + chunk)) for s in range(lo, hi, chunk)]
+        sums = np.zeros(3, dtype=np.float64)  # loss sum, correct, rows
+        if row_lists:
+            m = len(row_lists)
+            if m not in self._eval_schedules:
+                self._eval_schedules = {m: forward_only(mesh.pp, m)}  # the last one: evaluations repeat sizes
+                check_schedule(self._eval_schedules[m])
+            r = self.executor.run(self._eval_schedules[m].stages[mesh.pp_rank], _Batch(data, row_lists))
+            if self.holds_loss:
+                sums[:] = r.loss_sum, r.correct, r.rows
+        mesh.world.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        per = self.part.spec.out_features if self.loss.name == "mse" else 1
+        result = {"val_loss": float(sums[0] / (sums[2] * per))}
+        if self.loss.classification:
+            result["val_accuracy"] = float(sums[1] / sums[2])
+        return result

@@ -1,0 +1,167 @@
+"""Pipeline parallelism equals single-process training; stages report their peaks; checkpoints move between layouts.
+
+Run under ``mpiexec -n 1``, ``-n 2`` and ``-n 4`` by tests/test_suites.py. A pipeline of P stages
+needs P ranks, so the tests skip below that; dp is whatever the world leaves (world / P), and
+the global batch grows with it so every rank gets the same share. The single-process reference is
+each rank training the same config alone on COMM_SELF with pp = 1.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from helpers import config, train_params as train
+
+quiet = dict(log=lambda *a: None)
+
+
+def pipeline_sizes(comm):
+    """The pipeline depths this world can run (7-layer helper model: 4 partition units)."""
+    return sorted({p for p in (2, 4) if comm.size % p == 0})
+
+
+def cfg_for(path, comm, pp, *, schedule="1f1b", micro=2, optim=None, **sections):
+    dp = comm.size // pp if comm.size >= pp else 1
+    sections.setdefault("train", {}).update(steps=5, batch_size=8 * dp, micro_batches=micro)
+    sections.setdefault("parallel", {}).update(pp=pp, schedule=schedule)
+    return config(path, optim=optim or {"name": "sgd", "lr": 0.1, "momentum": 0.9}, data={"shuffle": True},
+                  **sections)
+
+
+def alone(cfg):
+    """The same job on one process: pp = 1, no explicit stages."""
+    single = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=1, stages=(), dp="auto"))
+    return train(single, MPI.COMM_SELF)
+
+
+def assert_close(got, want):
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("micro", [1, 2, 4])
+@pytest.mark.parametrize("optim", [{"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"name": "adamw", "lr": 0.01}],
+                         ids=["sgd", "adamw"])
+def test_pipeline_equals_single_process(comm, data, schedule, micro, optim):
+    if comm.size < 2:
+        pytest.skip("needs two ranks for a two-stage pipeline")
+    for pp in pipeline_sizes(comm):
+        cfg = cfg_for(data, comm, pp, schedule=schedule, micro=micro, optim=optim, train={"grad_clip": 0.5})
+        assert_close(train(cfg, comm), alone(cfg))
+
+
+def test_explicit_stages_equal_single_process(comm, data):
+    if comm.size < 2 or comm.size % 2:
+        pytest.skip("needs an even number of ranks")
+    # layers: 0 linear, 1 tanh, 2 layernorm, 3 gelu, 4 linear, 5 relu, 6 linear: cut inside a unit on purpose
+    cfg = cfg_for(data, comm, 2, parallel={"stages": [[0, 4], [5, 6]]})
+    assert_close(train(cfg, comm), alone(cfg))
+
+
+def test_evaluation_and_loss_match_single_process(comm, data, shared_dir):
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+
+    if comm.size < 2 or comm.size % 2:
+        pytest.skip("needs an even number of ranks")
+    metrics = f"{shared_dir}/m-{{}}.jsonl"
+    cfg = cfg_for(data, comm, 2, micro=4, train={"eval_every": 2, "log_every": 1})
+    results = {}
+    for name, c, p in (("pipe", comm, cfg.parallel), ("alone", MPI.COMM_SELF, None)):
+        run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, metrics=metrics.format(
+            name if name == "pipe" else f"alone-{comm.rank}")))
+        if p is None:
+            run_cfg = dataclasses.replace(run_cfg, parallel=dataclasses.replace(cfg.parallel, pp=1))
+        mesh = Mesh(comm=c, pp=run_cfg.parallel.pp)
+        t = Trainer(run_cfg, mesh=mesh, **quiet)
+        results[name] = t.run()
+        t.close()
+        mesh.free()
+    if comm.rank == 0:
+        assert results["pipe"]["val_accuracy"] == pytest.approx(results["alone"]["val_accuracy"])
+        assert results["pipe"]["val_loss"] == pytest.approx(results["alone"]["val_loss"], rel=1e-5)
+        pipe = [json.loads(line) for line in open(metrics.format("pipe"))]
+        single = [json.loads(line) for line in open(metrics.format("alone-0"))]
+        assert [r["step"] for r in pipe] == [r["step"] for r in single]
+        for a, b in zip(pipe, single):
+            for key in ("loss", "val_loss", "grad_norm"):
+                if key in b:
+                    assert a[key] == pytest.approx(b[key], rel=1e-5), (key, a["step"])
+        stages = [r["stages"] for r in pipe if "stages" in r]
+        assert stages and all(len(s) == 2 for s in stages)
+        assert "stages" not in single[0]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_stages_report_their_peak_of_live_micro_batches(comm, data, shared_dir, schedule):
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    micro = 4
+    for pp in pipeline_sizes(comm):
+        path = f"{shared_dir}/peaks-{schedule}-{pp}.jsonl"
+        cfg = cfg_for(data, comm, pp, schedule=schedule, micro=micro, train={"metrics": path, "log_every": 5})
+        mesh = Mesh(comm=comm, pp=pp)
+        t = Trainer(cfg, mesh=mesh, **quiet)
+        t.run()
+        t.close()
+        mesh.free()
+        if comm.rank == 0:
+            last = [r for r in map(json.loads, open(path)) if "stages" in r][-1]
+            peaks = [s["peak_micro_batches"] for s in last["stages"]]
+            want = [micro] * pp if schedule == "gpipe" else [min(pp - s, micro) for s in range(pp)]
+            assert peaks == want
+            assert all(s["peak_activation_bytes"] > 0 for s in last["stages"])
+            assert all(0.0 <= s["bubble"] < 1.0 for s in last["stages"])
+
+
+def test_trace_has_one_track_per_rank(comm, data, shared_dir):
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    path = f"{shared_dir}/trace.json"
+    cfg = cfg_for(data, comm, 2, micro=2, train={"trace": path, "steps": 2})
+    train(cfg, comm)
+    if comm.rank == 0:
+        events = json.load(open(path))["traceEvents"]
+        spans = [e for e in events if e["ph"] == "X"]
+        assert {e["tid"] for e in spans} == set(range(comm.size))
+        kinds = {e["cat"] for e in spans}
+        assert {"forward", "backward", "send activation", "recv activation", "send grad", "recv grad",
+                "optimizer"} <= kinds
+        if comm.size > 2:
+            assert "allreduce" in kinds
+        names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+        assert "rank 0 (stage 0, dp 0, tp 0)" in names
+
+
+def test_pipeline_checkpoint_resumes_on_one_process_and_back(comm, data, shared_dir):
+    if comm.size < 2 or comm.size % 2:
+        pytest.skip("needs an even number of ranks")
+    base = cfg_for(data, comm, 2, optim={"name": "adamw", "lr": 0.01}, train={"steps": 10})
+
+    def with_checkpoint(cfg, **checkpoint):
+        return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, **checkpoint))
+
+    pipe_dir = f"{shared_dir}/pipe"
+    straight = train(with_checkpoint(base, dir=pipe_dir, every=5), comm)
+    # the pp = 2 checkpoint resumes on one process (pp = 1)
+    mine = f"{shared_dir}/alone-{comm.rank}"
+    os.makedirs(mine)
+    shutil.copy(f"{pipe_dir}/ckpt-00000005.h5", mine)
+    single = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, pp=1))
+    assert_close(train(with_checkpoint(single, dir=mine), MPI.COMM_SELF), straight)
+    # a pp = 1 checkpoint resumes on the pipeline
+    solo = f"{shared_dir}/solo-{comm.rank}"
+    train(with_checkpoint(single, dir=solo, every=5), MPI.COMM_SELF)
+    resumed = train(with_checkpoint(base, dir=f"{shared_dir}/pipe2", resume=f"{shared_dir}/solo-0/ckpt-00000005.h5"),
+                    comm)
+    assert_close(resumed, straight)

@@ -1,0 +1,335 @@
+"""Pipeline schedules and their checker, with no MPI: the builders' lists, and what the checker refuses."""
+
+import re
+from functools import partial
+
+import pytest
+
+from hpctrain.errors import LayoutError
+from hpctrain.parallel.schedule import (SCHEDULES, Backward, Exchange, Forward, Instruction, LoadMicroBatch, MessageKey,
+                                        Op, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, Schedule,
+                                        ScheduleError, SendActivation, SendGrad, check_schedule, data_parallel,
+                                        forward_only, gpipe, make_schedule, one_f_one_b)
+
+SIZES = [(p, m) for p in range(1, 6) for m in range(1, 10)]
+
+
+def replace_stage(schedule, s, instructions, name=None):
+    """``schedule`` with stage ``s`` replaced (and optionally renamed)."""
+    stages = list(schedule.stages)
+    stages[s] = tuple(instructions)
+    return Schedule(name or schedule.name, tuple(stages), schedule.micro_batches)
+
+
+def split_exchanges(schedule):
+    """Naive 1F1B: every Exchange written as its send, then its receive."""
+    stages = [[part for ins in stage for part in (ins.point_to_point() if isinstance(ins, Exchange) else (ins,))]
+              for stage in schedule.stages]
+    return Schedule(schedule.name + "-naive", tuple(map(tuple, stages)), schedule.micro_batches)
+
+
+# ---------------------------------------------------------------------------------------------- instructions
+
+
+def test_instruction_str_and_repr():
+    assert str(Forward(3)) == repr(Forward(3)) == "Forward(3)"
+    assert str(ReduceGrads()) == "ReduceGrads()"
+    assert str(Exchange(SendActivation(1), RecvGrad(0))) == "Exchange(SendActivation(1), RecvGrad(0))"
+    assert Forward(1) != Backward(1)
+    assert Forward(1) == Forward(1) and hash(Forward(1)) == hash(Forward(1))
+
+
+def test_message_keys_match_between_neighbours():
+    assert SendActivation(3).ops(1) == (Op(True, MessageKey("activation", 3, 1, 2)),)
+    assert RecvActivation(3).ops(2) == (Op(False, MessageKey("activation", 3, 1, 2)),)
+    assert SendGrad(3).ops(2) == (Op(True, MessageKey("grad", 3, 2, 1)),)
+    assert RecvGrad(3).ops(1) == (Op(False, MessageKey("grad", 3, 2, 1)),)
+    assert SendGrad(2).peer(1) == 0 and RecvGrad(2).peer(1) == 2
+    assert SendGrad(2).partner() == RecvGrad(2)
+    assert Exchange(SendActivation(1), RecvGrad(0)).ops(0) == (SendActivation(1).op(0), RecvGrad(0).op(0))
+    for compute in (LoadMicroBatch(0), Forward(0), Backward(0), ReduceGrads(), OptimizerStep()):
+        assert compute.ops(0) == ()
+
+
+def test_bad_instructions():
+    with pytest.raises(ValueError, match="mb"):
+        Forward(-1)
+    with pytest.raises(TypeError, match="send"):
+        Exchange(RecvGrad(0), RecvActivation(1))
+    with pytest.raises(TypeError, match="recv"):
+        Exchange(SendGrad(0), SendActivation(1))
+
+
+# ---------------------------------------------------------------------------------------------- builders
+
+
+def test_one_f_one_b_two_stages_two_micro_batches():
+    s = one_f_one_b(2, 2)
+    assert s.name == "1f1b" and s.num_stages == 2 and s.micro_batches == 2
+    assert s.stages[0] == (
+        LoadMicroBatch(0), Forward(0), SendActivation(0),
+        LoadMicroBatch(1), Forward(1), Exchange(SendActivation(1), RecvGrad(0)), Backward(0),
+        RecvGrad(1), Backward(1),
+        ReduceGrads(), OptimizerStep(),
+    )
+    assert s.stages[1] == (
+        RecvActivation(0),
+        LoadMicroBatch(0), Forward(0), Backward(0), Exchange(SendGrad(0), RecvActivation(1)),
+        LoadMicroBatch(1), Forward(1), Backward(1), SendGrad(1),
+        ReduceGrads(), OptimizerStep(),
+    )
+
+
+def test_gpipe_two_stages_two_micro_batches():
+    s = gpipe(2, 2)
+    assert s.stages[0] == (
+        LoadMicroBatch(0), Forward(0), SendActivation(0), LoadMicroBatch(1), Forward(1), SendActivation(1),
+        RecvGrad(0), Backward(0), RecvGrad(1), Backward(1),
+        ReduceGrads(), OptimizerStep(),
+    )
+    assert s.stages[1] == (
+        RecvActivation(0), LoadMicroBatch(0), Forward(0), RecvActivation(1), LoadMicroBatch(1), Forward(1),
+        Backward(0), SendGrad(0), Backward(1), SendGrad(1),
+        ReduceGrads(), OptimizerStep(),
+    )
+
+
+def test_forward_only_three_stages():
+    s = forward_only(3, 2)
+    assert s.stages[0] == (LoadMicroBatch(0), Forward(0), SendActivation(0),
+                           LoadMicroBatch(1), Forward(1), SendActivation(1))
+    assert s.stages[1] == (RecvActivation(0), Forward(0), SendActivation(0),
+                           RecvActivation(1), Forward(1), SendActivation(1))
+    assert s.stages[2] == (RecvActivation(0), LoadMicroBatch(0), Forward(0),
+                           RecvActivation(1), LoadMicroBatch(1), Forward(1))
+    assert not s.has_backward and one_f_one_b(3, 2).has_backward
+
+
+@pytest.mark.parametrize("m", range(1, 10))
+def test_data_parallel_is_the_one_stage_pipeline(m):
+    dp = data_parallel(m)
+    assert dp.stages[0][:3] == (LoadMicroBatch(0), Forward(0), Backward(0))
+    assert dp.stages == one_f_one_b(1, m).stages == gpipe(1, m).stages == make_schedule("1f1b", 1, m).stages
+    assert len(dp.stages[0]) == 3 * m + 2
+
+
+def test_make_schedule():
+    for name in SCHEDULES:
+        assert make_schedule(name, 3, 4).name == name
+    assert make_schedule("gpipe", 3, 4) == gpipe(3, 4)
+    with pytest.raises(ValueError, match=r"'zero-bubble'.*1f1b, gpipe"):
+        make_schedule("zero-bubble", 2, 2)
+
+
+@pytest.mark.parametrize("build", [gpipe, one_f_one_b, forward_only, partial(make_schedule, "1f1b")])
+def test_bad_sizes(build):
+    with pytest.raises(ValueError, match="num_stages"):
+        build(0, 4)
+    with pytest.raises(ValueError, match="micro_batches"):
+        build(2, 0)
+    with pytest.raises(ValueError, match="micro_batches"):
+        build(2, True)
+
+
+def test_bad_micro_batches_for_data_parallel():
+    with pytest.raises(ValueError, match="micro_batches"):
+        data_parallel(0)
+
+
+# ---------------------------------------------------------------------------------------------- the checker accepts
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_one_f_one_b_passes_and_keeps_p_minus_s_alive(p, m):
+    stats = check_schedule(one_f_one_b(p, m))
+    assert stats.peak_live == tuple(min(p - s, m) for s in range(p))
+    assert stats.peak_recv_activation == tuple(0 if s == 0 else min(p - s, m) for s in range(p))
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_gpipe_passes_and_keeps_all_alive(p, m):
+    stats = check_schedule(gpipe(p, m))
+    assert stats.peak_live == ((m,) * p if p > 1 else (1,))  # one stage: GPipe is data parallel
+    assert stats.peak_recv_activation == (0,) + (m,) * (p - 1)
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_forward_only_passes(p, m):
+    stats = check_schedule(forward_only(p, m))
+    assert stats.peak_live == (1,) * p
+    assert stats.last_backward == (-1,) * p
+    assert stats.peak_recv_activation == (0,) + (1,) * (p - 1)
+
+
+@pytest.mark.parametrize("m", range(1, 10))
+def test_data_parallel_passes(m):
+    stats = check_schedule(data_parallel(m))
+    assert stats.peak_live == (1,)
+    assert stats.peak_recv_activation == (0,)
+    assert stats.last_backward == (3 * m - 1,)
+
+
+@pytest.mark.parametrize("build", [gpipe, one_f_one_b])
+def test_last_backward_is_the_index_of_the_last_backward(build):
+    schedule = build(4, 6)
+    stats = check_schedule(schedule)
+    for s, stage in enumerate(schedule.stages):
+        assert stage[stats.last_backward[s]] == Backward(5)
+        assert Backward(5) not in stage[stats.last_backward[s] + 1:]
+
+
+def test_large_one_f_one_b_checks():
+    stats = check_schedule(one_f_one_b(32, 256))
+    assert stats.peak_live == tuple(32 - s for s in range(32))
+
+
+# ---------------------------------------------------------------------------------------------- deadlocks
+
+
+def test_naive_one_f_one_b_deadlocks():
+    naive = split_exchanges(one_f_one_b(2, 2))
+    with pytest.raises(ScheduleError) as info:
+        check_schedule(naive)
+    message = str(info.value)
+    assert message == ("schedule '1f1b-naive' deadlocks under rendezvous sends: "
+                       "stage 0 waits at #5 SendActivation(1), stage 1 waits at #4 SendGrad(0)")
+    assert isinstance(info.value, LayoutError)
+
+
+@pytest.mark.parametrize("p,m", [(3, 4), (4, 8), (5, 3)])
+def test_naive_one_f_one_b_deadlocks_on_more_stages(p, m):
+    with pytest.raises(ScheduleError, match="deadlocks under rendezvous sends: stage"):
+        check_schedule(split_exchanges(one_f_one_b(p, m)))
+
+
+def test_receives_on_both_sides_deadlock():
+    base = gpipe(2, 1)
+    stage0 = list(base.stages[0])
+    stage0.remove(RecvGrad(0))
+    stage0.insert(stage0.index(SendActivation(0)), RecvGrad(0))  # waits for a gradient before sending the input
+    with pytest.raises(ScheduleError, match=re.escape(
+            "stage 0 waits at #2 RecvGrad(0), stage 1 waits at #0 RecvActivation(0)")):
+        check_schedule(replace_stage(base, 0, stage0))
+
+
+# ---------------------------------------------------------------------------------------------- unmatched messages
+
+
+def test_orphan_send_is_named():
+    base = one_f_one_b(2, 2)
+    stage0 = list(base.stages[0])
+    stage0.remove(RecvGrad(1))
+    index = base.stages[1].index(SendGrad(1))
+    with pytest.raises(ScheduleError, match=re.escape(
+            f"schedule '1f1b': stage 1, instruction #{index} SendGrad(1) has no matching RecvGrad(1) on stage 0")):
+        check_schedule(replace_stage(base, 0, stage0))
+
+
+def test_orphan_half_of_an_exchange_is_named():
+    base = one_f_one_b(2, 2)
+    stage0 = [SendActivation(1) if isinstance(ins, Exchange) else ins for ins in base.stages[0]]
+    exchange = Exchange(SendGrad(0), RecvActivation(1))
+    index = base.stages[1].index(exchange)
+    with pytest.raises(ScheduleError, match=re.escape(
+            f"stage 1, instruction #{index} {exchange}: SendGrad(0) has no matching RecvGrad(0) on stage 0")):
+        check_schedule(replace_stage(base, 0, stage0))
+
+
+def test_send_activation_on_the_last_stage():
+    base = one_f_one_b(2, 2)
+    with pytest.raises(ScheduleError, match=r"stage 1, instruction #11 SendActivation\(0\) has no peer: stage 2"):
+        check_schedule(replace_stage(base, 1, base.stages[1] + (SendActivation(0),)))
+    dp = data_parallel(2)
+    with pytest.raises(ScheduleError, match=r"stage 0, instruction #0 RecvActivation\(0\) has no peer: stage -1"):
+        check_schedule(replace_stage(dp, 0, (RecvActivation(0),) + dp.stages[0]))
+
+
+def test_repeated_message():
+    base = gpipe(2, 2)
+    with pytest.raises(ScheduleError, match=r"stage 0, instruction #12 SendActivation\(1\) repeats the message "
+                                            r"of #5 SendActivation\(1\)"):
+        check_schedule(replace_stage(base, 0, base.stages[0] + (SendActivation(1),)))
+
+
+# ---------------------------------------------------------------------------------------------- ordering
+
+
+def test_backward_before_forward():
+    stage = [LoadMicroBatch(0), Backward(0), Forward(0), ReduceGrads(), OptimizerStep()]
+    with pytest.raises(ScheduleError, match=re.escape(
+            "schedule 'data-parallel': stage 0, instruction #1 Backward(0) has no Forward(0) before it")):
+        check_schedule(replace_stage(data_parallel(1), 0, stage))
+
+
+def test_missing_forward():
+    dp = data_parallel(3)
+    stage = [ins for ins in dp.stages[0] if ins != Forward(2)]
+    with pytest.raises(ScheduleError, match=r"stage 0, instruction #7 Backward\(2\) has no Forward\(2\) before it"):
+        check_schedule(replace_stage(dp, 0, stage))
+    fo = forward_only(1, 3)
+    stage = [ins for ins in fo.stages[0] if ins != Forward(2)]
+    with pytest.raises(ScheduleError, match=r"schedule 'forward-only': stage 0 has no Forward\(2\)"):
+        check_schedule(replace_stage(fo, 0, stage))
+
+
+def test_optimizer_step_before_reduce_grads():
+    dp = data_parallel(2)
+    stage = dp.stages[0][:-2] + (OptimizerStep(), ReduceGrads())
+    with pytest.raises(ScheduleError, match=r"stage 0, instruction #6 OptimizerStep\(\) has no ReduceGrads\(\) before"):
+        check_schedule(replace_stage(dp, 0, stage))
+
+
+def test_backward_after_reduce_grads():
+    dp = data_parallel(2)
+    stage = dp.stages[0][:3] + (LoadMicroBatch(1), Forward(1), ReduceGrads(), Backward(1), OptimizerStep())
+    with pytest.raises(ScheduleError, match=r"#6 Backward\(1\) comes after #5 ReduceGrads\(\)"):
+        check_schedule(replace_stage(dp, 0, stage))
+
+
+def test_forward_before_its_activation_arrives():
+    base = gpipe(2, 1)
+    stage1 = [LoadMicroBatch(0), Forward(0), RecvActivation(0)] + list(base.stages[1][3:])
+    with pytest.raises(ScheduleError, match=r"stage 1, instruction #1 Forward\(0\) has no RecvActivation\(0\) before"):
+        check_schedule(replace_stage(base, 1, stage1))
+
+
+def test_forward_without_load():
+    dp = data_parallel(2)
+    stage = [ins for ins in dp.stages[0] if ins != LoadMicroBatch(1)]
+    with pytest.raises(ScheduleError, match=r"#3 Forward\(1\) has no LoadMicroBatch\(1\) before it"):
+        check_schedule(replace_stage(dp, 0, stage))
+
+
+def test_load_on_a_middle_stage():
+    base = gpipe(3, 1)
+    with pytest.raises(ScheduleError, match=r"stage 1, instruction #0 LoadMicroBatch\(0\) reads data on a middle"):
+        check_schedule(replace_stage(base, 1, (LoadMicroBatch(0),) + base.stages[1]))
+
+
+def test_micro_batch_out_of_range_and_twice():
+    dp = data_parallel(1)
+    extra = (LoadMicroBatch(1), Forward(1), Backward(1))
+    with pytest.raises(ScheduleError, match=r"#3 LoadMicroBatch\(1\) names micro-batch 1, but the schedule has 1"):
+        check_schedule(replace_stage(dp, 0, dp.stages[0][:3] + extra + dp.stages[0][3:]))
+    with pytest.raises(ScheduleError, match=r"#3 Forward\(0\) repeats #1"):
+        check_schedule(replace_stage(dp, 0, dp.stages[0][:3] + (Forward(0),) + dp.stages[0][3:]))
+
+
+def test_reduce_grads_in_an_evaluation_schedule():
+    fo = forward_only(1, 1)
+    with pytest.raises(ScheduleError, match=r"#2 ReduceGrads\(\) in a schedule without Backward"):
+        check_schedule(replace_stage(fo, 0, fo.stages[0] + (ReduceGrads(),)))
+
+
+def test_training_stage_without_optimizer_step():
+    dp = data_parallel(1)
+    with pytest.raises(ScheduleError, match=r"stage 0 has no OptimizerStep\(\)"):
+        check_schedule(replace_stage(dp, 0, dp.stages[0][:-1]))
+
+
+def test_unknown_instruction():
+    dp = data_parallel(1)
+    with pytest.raises(ScheduleError, match=r"#3 Instruction\(\) is not an instruction the executor knows"):
+        check_schedule(replace_stage(dp, 0, dp.stages[0][:3] + (Instruction(),) + dp.stages[0][3:]))
+    with pytest.raises(TypeError, match="not an Instruction"):
+        Schedule("x", ((Forward(0), "Backward(0)"),), 1)

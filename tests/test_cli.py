@@ -104,6 +104,42 @@ def test_bad_input_under_mpiexec_is_reported_once(job):
     assert len(errors) == 1 and "[rank 1/2]" in errors[0]  # row 40 is in rank 1's share of the scan and "NaN" in errors[0], proc.stderr
 
 
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+@pytest.mark.parametrize("override, message", [
+    ("parallel.pp=3", "world size 2 is not divisible by parallel.pp · parallel.tp = 3 · 1"),
+    ("parallel.schedule=zigzag", "parallel.schedule: expected one of '1f1b', 'gpipe', got 'zigzag'"),
+    ("parallel.stages=[[0, 1], [1, 2]]", "parallel.stages[1] = [1, 2] overlaps the stage before it"),
+    ("train.micro_batches=3", "train.micro_batches = 3 does not divide this rank's share of the batch (8"),
+    ("parallel.dp=2", "parallel.dp · pp · tp = 2 · 2 · 1 = 4 does not match the world size 2"),
+])
+def test_bad_pipeline_input_under_mpiexec_is_one_line(job, override, message):
+    (job / "c.toml").write_text(GOOD)
+    proc = hpctrain("train", str(job / "c.toml"), "--set", "parallel.pp=2", "--set", override,
+                    launcher=(shutil.which("mpiexec"), "-n", "2"))
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("hpctrain: error [rank 0/2]: "), proc.stderr
+    assert message in errors[0], errors[0]
+    assert not (job / "out").exists()
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_digits_pipeline_job_learns_and_writes_a_trace(tmp_path, schedule):
+    proc = hpctrain("train", "jobs/configs/digits-pp2.toml", "--set", f"train.metrics={tmp_path}/m.jsonl",
+                    "--set", f"checkpoint.dir={tmp_path}/ckpt", "--set", f"train.trace={tmp_path}/trace.json",
+                    "--set", "train.steps=300", "--set", f"parallel.schedule={schedule}",
+                    launcher=(shutil.which("mpiexec"), "-n", "2"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"pipeline: schedule {schedule}, 4 micro-batch(es), stages 0: layers 0..1, 1: layers 2..4" in proc.stdout
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r for r in records if "val_accuracy" in r][-1]["val_accuracy"] >= 0.95
+    assert all(len(r["stages"]) == 2 for r in records if "loss" in r)
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["tid"] for e in trace if e["ph"] == "X"} == {0, 1}
+    assert (tmp_path / "ckpt" / "ckpt-00000300.h5").exists()
+
+
 def test_digits_job_reaches_97_percent(tmp_path):
     proc = hpctrain("train", "jobs/configs/digits.toml", "--set", f"train.metrics={tmp_path}/m.jsonl",
                     "--set", f"checkpoint.dir={tmp_path}/ckpt")

@@ -39,7 +39,9 @@ def test_overrides_are_toml_values_or_strings(tmp_path):
 
 
 def test_round_trip_through_toml(tmp_path):
-    cfg = load_config(write(tmp_path, BASE), ["optim.name=adam", "train.steps=3"])
+    cfg = load_config(write(tmp_path, BASE), ["optim.name=adam", "train.steps=3", "parallel.pp=2",
+                                             "parallel.stages=[[0, 1], [2, 2]]", "parallel.schedule=gpipe"])
+    assert cfg.parallel.stages == ((0, 1), (2, 2)) and cfg.parallel.schedule == "gpipe"
     again = load_config(write(tmp_path, cfg.to_toml(), "again.toml"))
     assert again.to_toml() == cfg.to_toml()
 
@@ -72,6 +74,19 @@ def test_round_trip_through_toml(tmp_path):
     ("[checkpoint]\nkeep = 9223372036854775808", "checkpoint.keep: must fit in a 64-bit signed integer"),
     ("[parallel]\ndp = 9223372036854775808", "parallel.dp: must fit in a 64-bit signed integer"),
     ("[parallel]\ntp = -9223372036854775809", "parallel.tp: must fit in a 64-bit signed integer"),
+    ("[parallel]\nschedule = 'interleaved'", "parallel.schedule: expected one of '1f1b', 'gpipe', got 'interleaved'"),
+    ("[parallel]\npp = 2\nstages = [[0, 1]]", "parallel.stages lists 1 stage\\(s\\) but parallel.pp = 2"),
+    ("[parallel]\npp = 2\nstages = [[0, 1], [1, 2]]", r"parallel.stages\[1\] = \[1, 2\] overlaps the stage before it"),
+    ("[parallel]\npp = 2\nstages = [[0, 0], [2, 2]]", r"parallel.stages\[1\] = \[2, 2\] leaves out layer\(s\) 1..1"),
+    ("[parallel]\npp = 2\nstages = [[2, 2], [0, 1]]", r"parallel.stages\[0\] = \[2, 2\] leaves out layer\(s\) 0..1"),
+    ("[parallel]\npp = 2\nstages = [[0, 1], [3, 2]]", r"parallel.stages\[1\] = \[3, 2\]: the last layer comes before"),
+    ("[parallel]\nstages = [[0, 1]]", r"parallel.stages end at layer 1 but the model has layers 0..2"),
+    ("[parallel]\npp = 2\nstages = [[0, 0], [1, 5]]", r"parallel.stages\[1\] = \[1, 5\]: the model has layers 0..2"),
+    ("[parallel]\npp = 3\nstages = [[0, 0], [1, 1], [2, 2]]", r"parallel.stages\[1\] = \[1, 1\] holds no parameters"),
+    ("[parallel]\nstages = [[0]]", r"parallel.stages: expected an array of \[first, last\] layer index pairs"),
+    ("[parallel]\nstages = [[0, 'a']]", r"parallel.stages: expected .* \(indices are integers >= 0\)"),
+    ("[parallel]\nstages = [0, 2]", r"parallel.stages: expected an array of \[first, last\]"),
+    ("[train]\ntrace = 3", "train.trace: expected str, got integer 3"),
 ])
 def test_errors_name_the_key(tmp_path, extra, message):
     text = BASE + "\n" + extra if not extra.startswith("[data]") else BASE.replace('targets = "y"', 'targets = "y"\n' + extra.split("\n", 1)[1])

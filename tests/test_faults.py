@@ -44,6 +44,42 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path):
     assert "hpctrain: error [rank 1/2]: RuntimeError: disk on fire" in proc.stderr, proc.stderr
 
 
+# under pp = 2, stage 1 raises in a backward pass while stage 0 waits for its gradient (or in a forward
+# pass while stage 0 waits for it to receive): the job ends with stage 1's rank named, never a hang
+STAGE_FAILURE = """
+import sys
+from mpi4py import MPI
+import hpctrain.parallel.executor as executor
+from hpctrain.cli import main
+
+where = sys.argv[2]
+original = getattr(executor.StageExecutor, where)
+calls = [0]
+def failing(self, ins):
+    calls[0] += 1
+    if MPI.COMM_WORLD.rank == 1 and calls[0] == 7:
+        raise RuntimeError(f"stage {self.stage} fell over in {where}")
+    return original(self, ins)
+setattr(executor.StageExecutor, where, failing)
+sys.exit(main(["train", sys.argv[1], "--set", "parallel.pp=2", "--set", "train.micro_batches=4"]))
+"""
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+@pytest.mark.parametrize("where", ["_forward", "_backward"])
+def test_a_failing_pipeline_stage_ends_the_job_naming_its_rank(tmp_path, where):
+    make_classification(tmp_path / "d.h5", n=64)
+    (tmp_path / "c.toml").write_text(CONFIG)
+    (tmp_path / "fail.py").write_text(STAGE_FAILURE)
+    t0 = time.monotonic()
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(tmp_path / "fail.py"), str(tmp_path / "c.toml"),
+                           where], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert f"hpctrain: error [rank 1/2]: RuntimeError: stage 1 fell over in {where}" in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 60
+
+
 # rank 1 alone fails at one point of the set-up; the job must end at once, with rank 1's message
 SETUP_FAILURE = """
 import sys

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from .schedule import (Backward, Exchange, Forward, LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad,
                        ReduceGrads, SendActivation, SendGrad)
 
-__all__ = ["StageExecutor", "StepResult"]
+__all__ = ["StageExecutor", "StepResult", "bubble_share"]
 
 ACTIVATION, GRAD = 0, 1  # message kinds; the tag of micro-batch i's message is 2·i + kind
 
@@ -39,23 +39,31 @@ class StepResult:
     """What one run of a stage's list measured (seconds) and, on the last stage, the loss sums."""
 
     busy: float = 0.0  # forward and backward kernels (and the loss)
-    wait: float = 0.0  # blocked on point-to-point messages
+    wait: float = 0.0  # blocked on other stages: point-to-point messages, and the wait that on_optimizer_step reports
     data: float = 0.0  # reading micro-batches
     comm: float = 0.0  # the data-parallel gradient reduction (ReduceGrads)
-    optim: float = 0.0  # OptimizerStep
+    optim: float = 0.0  # OptimizerStep, less its wait
     span: float = 0.0  # the whole list
     loss_sum: float = 0.0
     correct: float = 0.0
     rows: int = 0
     peak_live: int = 0  # micro-batches forwarded but not yet backwarded
     peak_bytes: int = 0  # bytes their saved activations held
-    extra: dict = field(default_factory=dict)  # what on_optimizer_step returns
+    extra: dict = field(default_factory=dict)  # what on_optimizer_step returns (less its "wait" seconds)
 
     @property
     def bubble(self) -> float:
-        """Share of the forward/backward part of the step spent waiting on other stages."""
-        pipeline = self.span - self.comm - self.optim
-        return max(0.0, 1.0 - (self.busy + self.data) / pipeline) if pipeline > 0 else 0.0
+        return bubble_share(busy=self.busy, data=self.data, span=self.span, comm=self.comm, optim=self.optim)
+
+
+def bubble_share(*, busy, data, span, comm, optim) -> float:
+    """Share of a step, less its gradient reduction and optimizer work, not spent in the stage's own work.
+
+    What (P − 1)/(m + P − 1) predicts for P equal stages and m micro-batches: waits for other stages,
+    in messages or in the gradient norm's reduction, count; the data-parallel Allreduce does not.
+    """
+    pipeline = span - comm - optim
+    return max(0.0, 1.0 - (busy + data) / pipeline) if pipeline > 0 else 0.0
 
 
 class _Ring:
@@ -244,9 +252,11 @@ class StageExecutor:
 
     def _optimizer_step(self, ins) -> None:
         t0 = time.perf_counter()
-        self.result.extra = self.on_optimizer_step() or {}
+        self.result.extra = dict(self.on_optimizer_step() or {})
         t1 = time.perf_counter()
-        self.result.optim += t1 - t0
+        waited = self.result.extra.pop("wait", 0.0)  # for the other stages, e.g. in the gradient norm's reduction
+        self.result.wait += waited
+        self.result.optim += t1 - t0 - waited
         self._trace("optimizer", -1, t0, t1)
 
 

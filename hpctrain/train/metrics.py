@@ -7,6 +7,8 @@ import math
 import os
 import time
 
+from ..parallel.executor import bubble_share
+
 __all__ = ["MetricsFile", "Window", "truncate_after"]
 
 
@@ -86,10 +88,9 @@ class Window:
     def stage_figures(self) -> list[float]:
         """Means per step of busy, wait and span seconds, the bubble share, and the peaks (for a Gather)."""
         n = max(self.steps, 1)
-        busy, wait, span = (self.totals[k] / n for k in ("busy", "wait", "span"))
-        pipeline = span - (self.totals["comm"] + self.totals["optim"]) / n
-        bubble = max(0.0, 1.0 - (busy + self.totals["data"] / n) / pipeline) if pipeline > 0 else 0.0
-        return [busy, wait, span, bubble, float(self.peak_live), float(self.peak_bytes)]
+        mean = {k: v / n for k, v in self.totals.items()}
+        bubble = bubble_share(**{k: mean[k] for k in ("busy", "data", "span", "comm", "optim")})
+        return [mean["busy"], mean["wait"], mean["span"], bubble, float(self.peak_live), float(self.peak_bytes)]
 
     def flush(self, batch_size):
         now = time.perf_counter()

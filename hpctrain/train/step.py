@@ -19,6 +19,7 @@ group, Allreduce within the data-parallel group, the norm over the pipeline grou
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -77,7 +78,7 @@ class StepRunner:
         r = self.executor.run(self.schedule.stages[self.mesh.pp_rank], batch, grad_scale=self.grad_scale,
                               on_optimizer_step=lambda: self._finish(step, lr))
         return dict(compute=r.busy, comm=r.comm, optim=r.optim, data=r.data, busy=r.busy, wait=r.wait, span=r.span,
-                    loss_sum=r.loss_sum, peak_live=r.peak_live, peak_bytes=r.peak_bytes, **r.extra)
+                    bubble=r.bubble, loss_sum=r.loss_sum, peak_live=r.peak_live, peak_bytes=r.peak_bytes, **r.extra)
 
     def _finish(self, step: int, lr: float) -> dict:
         """The OptimizerStep instruction: norm over the stages, the skip decision, clipping, the update."""
@@ -85,8 +86,10 @@ class StepRunner:
 
         cfg, be = self.cfg, self.be
         norm2 = np.array([be.sum_squares(self.grads.data)], dtype=np.float64)
-        if self.mesh.pp > 1:
+        wait = time.perf_counter()
+        if self.mesh.pp > 1:  # where a stage waits for the others to finish their backward passes
             self.mesh.pp_comm.Allreduce(MPI.IN_PLACE, norm2, op=MPI.SUM)
+        wait = time.perf_counter() - wait
         norm = math.sqrt(norm2[0]) if norm2[0] >= 0 else float("nan")
         skipped = not math.isfinite(norm)
         if skipped:
@@ -104,7 +107,7 @@ class StepRunner:
                 be.scale_(self.grads.data, coef)
             self.optim.step(lr)
             be.synchronize()
-        return dict(grad_norm=norm, skipped=skipped)
+        return dict(grad_norm=norm, skipped=skipped, wait=wait)
 
     def global_mean(self, local_sum: float, count: int) -> float:
         """The loss sum of the last stages' ranks over the world, divided by ``count`` (collective)."""

@@ -1,0 +1,128 @@
+"""Pipeline bubble and activation memory: measured against the (P − 1)/(m + P − 1) formula.
+
+    mpiexec -n 2 python bench/bench_pipeline.py                    # P = 2, m = 1, 2, 4, 8, both schedules
+    mpiexec -n 4 python bench/bench_pipeline.py --stages 4         # P = 4 (on a node with >= 4 cores)
+    srun -n 4 python bench/bench_pipeline.py --stages 4            # P = 4 on a cluster
+
+The model has equal-cost stages: ``stages`` blocks of two width × width Linear layers with
+ReLU, cut one block per stage (``parallel.stages``); a 64 → width input layer on the first
+stage and a width → 10 head on the last are each about 1% of their stage's work at width
+1024. (Without the input layer the first stage would do a sixth less work: the model's
+first layer computes no input gradient.) Each micro-batch has ``--rows`` rows, so a
+step of m micro-batches has m · rows rows and the work per micro-batch stays the same.
+
+For each schedule and m the real ``Trainer.train_step`` runs ``--steps`` times after two
+warm-up steps. A stage's bubble is the share of its step, less its gradient reduction and
+optimizer work, not spent in its own kernels or data reads (hpctrain.parallel.executor's
+``bubble_share``: waits for the other stages, in messages or in the gradient norm's
+reduction, which a synchronous step cannot avoid, count as bubble); the figure printed is the mean over stages of the median over steps. The
+formula's bubble for equal stages is (P − 1)/(m + P − 1). Peak activation memory is the
+largest total of what forward passes kept for their backward passes on a stage.
+Run with one rank per core: oversubscribed ranks measure the scheduler, not the pipeline.
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+import hpctrain  # noqa: F401  (first: it shares the cores between the ranks before numpy starts BLAS)
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import synthetic_classification  # noqa: E402
+
+from hpctrain.config import parse_config  # noqa: E402
+from hpctrain.parallel.mesh import Mesh  # noqa: E402
+from hpctrain.train import Trainer  # noqa: E402
+
+
+FEATURES = 64
+
+
+def say(*a):
+    if MPI.COMM_WORLD.rank == 0:
+        print(*a, flush=True)
+
+
+def pipeline_config(path, stages, width, rows, micro, schedule):
+    # a cheap input layer on the first stage: its two wide layers then need their input gradients
+    # too, so every stage does 2 forward and 4 backward width x width GEMMs per micro-batch
+    layers, ranges = [{"type": "linear", "in": FEATURES, "out": width}, {"type": "relu"}], []
+    for s in range(stages):
+        lo = 0 if s == 0 else len(layers)
+        layers += [{"type": "linear", "in": width, "out": width}, {"type": "relu"},
+                   {"type": "linear", "in": width, "out": width}, {"type": "relu"}]
+        if s == stages - 1:
+            layers.append({"type": "linear", "in": width, "out": 10})
+        ranges.append([lo, len(layers) - 1])
+    return parse_config({
+        "model": {"layers": layers},
+        "data": {"path": path, "inputs": "x", "targets": "y", "val_fraction": 0.0, "shuffle": False},
+        "train": {"batch_size": rows * micro, "micro_batches": micro, "steps": 10**6, "backend": "cpu",
+                  "eval_every": 0},
+        "optim": {"name": "sgd", "lr": 1e-4},
+        "parallel": {"pp": stages, "schedule": schedule, "stages": ranges},
+    })
+
+
+def measure(mesh, cfg, steps):
+    t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    bubbles, peaks = [], []
+    for s in range(steps + 2):
+        timing = t.train_step(s, 1e-4)
+        if s >= 2:
+            bubbles.append(timing["bubble"])
+            peaks.append((timing["peak_live"], timing["peak_bytes"]))
+    t.close()
+    mine = np.array([np.median(bubbles), max(p[0] for p in peaks), max(p[1] for p in peaks)], dtype=np.float64)
+    every = np.zeros((mesh.size, 3), dtype=np.float64)
+    mesh.world.Allgather(mine, every)
+    return every  # one row per stage (dp = 1)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--rows", type=int, default=64, help="rows per micro-batch")
+    p.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--steps", type=int, default=20)
+    a = p.parse_args()
+    world = MPI.COMM_WORLD
+    if world.size != a.stages:
+        raise SystemExit(f"run with one rank per stage: mpiexec -n {a.stages} python {sys.argv[0]}")
+    mesh = Mesh(pp=a.stages)
+    name = np.zeros(256, dtype=np.uint8)
+    if world.rank == 0:
+        made = tempfile.mkdtemp(prefix="hpctrain-bench-").encode()
+        name[: len(made)] = np.frombuffer(made, dtype=np.uint8)
+    world.Bcast(name, root=0)
+    folder = name.tobytes().rstrip(b"\0").decode()
+    path = os.path.join(folder, "d.h5")
+    if world.rank == 0:
+        synthetic_classification(path, a.rows * max(a.micro), FEATURES, 10)
+    world.Barrier()
+    say(f"{MPI.Get_library_version().splitlines()[0].strip()}; P = {a.stages} stages of two {a.width}x{a.width} "
+        f"Linear layers, {a.rows} rows per micro-batch, {a.steps} steps each; "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    say(f"{'schedule':>8} {'m':>3} {'formula':>8} {'measured':>9} {'ratio':>6}   per stage: bubble, peak live "
+        "micro-batches, peak activation MiB")
+    for schedule in ("1f1b", "gpipe"):
+        for m in a.micro:
+            cfg = pipeline_config(path, a.stages, a.width, a.rows, m, schedule)
+            rows = measure(mesh, cfg, a.steps)
+            formula = (a.stages - 1) / (m + a.stages - 1)
+            measured = float(rows[:, 0].mean())
+            stages = "  ".join(f"s{s}: {b:.3f} {int(n)} {nb / 2**20:.2f}" for s, (b, n, nb) in enumerate(rows))
+            say(f"{schedule:>8} {m:>3} {formula:8.3f} {measured:9.3f} {measured / formula:6.3f}   {stages}")
+    mesh.free()
+    world.Barrier()
+    if world.rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

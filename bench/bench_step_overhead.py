@@ -7,8 +7,8 @@ Until the step became a schedule, ``Trainer._train_step`` ran data reads, forwar
 loss, backward with the bucketed-Allreduce hooks, the norm, clipping and the optimizer
 in one function. ``fused_step`` below is that function, written against today's
 objects (the same model part, gradient sync, optimizer and data) so both paths do the
-same arithmetic. Steps alternate between the two (same trainer, same batches), so
-drift in the machine's load hits both alike; the ratio is fused time / executor time
+same arithmetic. Steps alternate between the two (same trainer, same batches, each
+going first every other time), so drift in the machine's load hits both alike; the ratio is fused time / executor time
 (target >= 0.97: the executor may not make data-parallel training slower).
 """
 
@@ -79,7 +79,7 @@ def main():
     t = Trainer(cfg, mesh=mesh, log=lambda *x: None)
     times = {"executor": [], "fused": []}
     for s in range(a.steps + 3):
-        for kind in ("executor", "fused"):
+        for kind in ("executor", "fused") if s % 2 else ("fused", "executor"):  # neither always goes first
             mesh.world.Barrier()
             t0 = time.perf_counter()
             t.train_step(s, 1e-4) if kind == "executor" else fused_step(t, s, 1e-4)

@@ -89,6 +89,8 @@ class StageExecutor:
             Exchange: self._exchange, ReduceGrads: self._reduce, OptimizerStep: self._optimizer_step,
         }
         self._rings = {}  # kind -> _Ring, made on first use
+        self._plans = {}  # id(instruction list) -> (the list, its receives, its last Backward)
+        self._saved_bytes = {}  # rows -> bytes a forward pass keeps for backward (the same for every step)
 
     # ------------------------------------------------------------------ running a list
 
@@ -99,20 +101,15 @@ class StageExecutor:
         self._x, self._y, self._saved, self._live_bytes = {}, {}, {}, {}
         self._out, self._dout, self._dinp = {}, {}, {}  # activation to send, gradient in, gradient to send
         self._slots = {}  # (kind, mb) -> (ring slot, pending receive or None once waited)
-        self._pending = {ACTIVATION: [], GRAD: []}  # receives in program order, not yet posted
-        for ins in instructions:
-            for op in (ins.send, ins.recv) if isinstance(ins, Exchange) else (ins,):
-                if isinstance(op, (RecvActivation, RecvGrad)):
-                    self._pending[self._kind(op)].append(op.mb)
-        self._pending = {k: list(reversed(v)) for k, v in self._pending.items()}  # pop() takes the next
+        receives, self._last_backward = self._plan(instructions)
+        self._pending = {kind: list(mbs) for kind, mbs in receives.items()}  # pop() takes the next
         self._first_backward = True
-        self._last_backward = max((i for i, ins in enumerate(instructions) if isinstance(ins, Backward)), default=-1)
         t0 = time.perf_counter()
         self._post_ahead()
         for self._index, ins in enumerate(instructions):
             self.table[type(ins)](ins)
-            self._post_ahead()
             if self.p2p is not None:
+                self._post_ahead()
                 self.p2p.progress()
         if self.p2p is not None:
             w0 = time.perf_counter()
@@ -120,6 +117,19 @@ class StageExecutor:
             self.result.wait += time.perf_counter() - w0
         self.result.span = time.perf_counter() - t0
         return self.result
+
+    def _plan(self, instructions):
+        """Per list, once: the receives in program order (reversed, per kind) and the last Backward's index."""
+        plan = self._plans.get(id(instructions))
+        if plan is None or plan[0] is not instructions:
+            receives = {ACTIVATION: [], GRAD: []}
+            for ins in instructions:
+                for op in (ins.send, ins.recv) if isinstance(ins, Exchange) else (ins,):
+                    if isinstance(op, (RecvActivation, RecvGrad)):
+                        receives[self._kind(op)].append(op.mb)
+            last = max((i for i, ins in enumerate(instructions) if isinstance(ins, Backward)), default=-1)
+            plan = self._plans[id(instructions)] = (instructions, {k: v[::-1] for k, v in receives.items()}, last)
+        return plan[1], plan[2]
 
     def _trace(self, name, mb, t0, t1):
         if self.tracer is not None:
@@ -217,7 +227,10 @@ class StageExecutor:
             self._release(ACTIVATION, mb)
         else:
             self._saved[mb] = saved
-            self._live_bytes[mb] = _nbytes(saved)
+            rows = self.batch.rows(mb)
+            if rows not in self._saved_bytes:
+                self._saved_bytes[rows] = _nbytes(saved)
+            self._live_bytes[mb] = self._saved_bytes[rows]
             self.result.peak_live = max(self.result.peak_live, len(self._saved))
             self.result.peak_bytes = max(self.result.peak_bytes, sum(self._live_bytes.values()))
         t1 = time.perf_counter()

@@ -1,6 +1,9 @@
-"""Run by test_cuda_data_parallel.py under ``mpiexec -n 2``: data parallel on the CUDA backend vs the CPU backend.
+"""Run by test_cuda_data_parallel.py under ``mpiexec -n 2``: data parallel (or a 2-stage pipeline) on the CUDA
+backend vs the CPU backend.
 
-    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5
+    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp]
+
+Under ``pp`` activations and gradients between the stages take the same host-staged path.
 
 Gradients go through the non-CUDA-aware path (pinned host staging, several buckets,
 overlapped Iallreduce), which is the only one the simulator may take: simulated
@@ -22,20 +25,32 @@ from hpctrain.parallel.mesh import Mesh  # noqa: E402
 from hpctrain.train import Trainer  # noqa: E402
 
 
-def main(path):
+def full_params(trainer):
+    """Every rank gets the gathered full parameters (rank 0 gathers them from the stages)."""
+    gathered = trainer.state_dict()
+    flat = trainer.model.layout.pack(gathered[0] if gathered else None)
+    trainer.mesh.world.Bcast(flat, root=0)
+    return {k: np.array(v) for k, v in trainer.model.layout.unpack(flat).items()}
+
+
+def main(path, layout):
     comm = MPI.COMM_WORLD
+    pp = 2 if layout == "pp" else 1
     if comm.rank == 0:
         make_classification(path, n=32)
     comm.Barrier()
     results = {}
     for backend in ("cuda", "cpu"):
-        cfg = config(path, train={"steps": 2, "batch_size": 8, "log_every": 1, "backend": backend},
+        cfg = config(path, train={"steps": 2, "batch_size": 8, "log_every": 1, "backend": backend,
+                                  "micro_batches": pp},
                      optim={"name": "adamw", "lr": 0.01},
-                     parallel={"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False})
-        mesh = Mesh()
+                     parallel={"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False, "pp": pp})
+        mesh = Mesh(pp=pp)
         trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
         final = trainer.run()
-        results[backend] = (final["loss"], trainer.params.to_host_dict())
+        loss = np.array([final.get("loss", 0.0)])
+        comm.Bcast(loss, root=0)  # the logged loss lives on rank 0
+        results[backend] = (float(loss[0]), full_params(trainer) if pp > 1 else trainer.params.to_host_dict())
         if backend == "cuda" and len(trainer.sync.buckets) < 2:
             raise SystemExit("expected several gradient buckets")
         trainer.close()
@@ -43,12 +58,12 @@ def main(path):
     (loss_gpu, p_gpu), (loss_cpu, p_cpu) = results["cuda"], results["cpu"]
     ok = abs(loss_gpu - loss_cpu) <= 1e-5 * abs(loss_cpu) + 1e-6
     ok &= all(np.allclose(p_gpu[k], p_cpu[k], rtol=1e-4, atol=1e-5) for k in p_cpu)
-    # every rank must hold the same weights after the step
-    gathered = comm.allgather(np.concatenate([v.ravel() for v in p_gpu.values()]))
-    ok &= all(np.array_equal(gathered[0], g) for g in gathered)
+    if pp == 1:  # every data-parallel rank must hold the same weights after the step
+        gathered = comm.allgather(np.concatenate([v.ravel() for v in p_gpu.values()]))
+        ok &= all(np.array_equal(gathered[0], g) for g in gathered)
     print(f"rank {comm.rank}: loss cuda {loss_gpu:.8f} cpu {loss_cpu:.8f} {'OK' if ok else 'MISMATCH'}", flush=True)
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "dp"))

@@ -1,5 +1,6 @@
-"""Data parallel on two ranks with the CUDA backend: same result as the CPU backend, same weights on
-every rank. Runs tests/cuda/dp_worker.py under ``mpiexec -n 2`` (the test itself is one process)."""
+"""Data parallel, and a two-stage pipeline, on two ranks with the CUDA backend: same result as the CPU backend,
+same weights on every data-parallel rank. Runs tests/cuda/dp_worker.py under ``mpiexec -n 2`` (the test itself
+is one process)."""
 
 import os
 import shutil
@@ -12,7 +13,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def test_two_ranks_cuda_matches_cpu(tmp_path):
+@pytest.mark.parametrize("layout", ["dp", "pp"])
+def test_two_ranks_cuda_matches_cpu(tmp_path, layout):
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         pytest.skip("mpiexec not found: install hpctrain[mpich] or load your site's MPI module")
@@ -20,7 +22,7 @@ def test_two_ranks_cuda_matches_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_LOCALRANKID", "OMPI_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     proc = subprocess.run([mpiexec, "-n", "2", sys.executable, os.path.join(HERE, "dp_worker.py"),
-                           str(tmp_path / "d.h5")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                           str(tmp_path / "d.h5"), layout], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert output.count("OK") == 2, output[-4000:]

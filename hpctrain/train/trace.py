@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from ..errors import ConfigError
+
 __all__ = ["Tracer", "KINDS"]
 
 KINDS = ("load", "forward", "backward", "send activation", "recv activation", "send grad", "recv grad", "allreduce",
@@ -71,10 +73,13 @@ class Tracer:
                     name = f"{name} {int(mb)}"
                 events.append({"name": name, "cat": KINDS[int(kind)], "ph": "X", "pid": 0, "tid": r,
                                "ts": round(start * 1e6, 3), "dur": round(dur * 1e6, 3), "args": args})
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms",
-                       "otherData": {"spans_dropped_on_rank_0": self.dropped}}, f)
-        os.replace(tmp, path)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump({"traceEvents": events, "displayTimeUnit": "ms",
+                           "otherData": {"spans_dropped_on_rank_0": self.dropped}}, f)
+            os.replace(tmp, path)
+        except OSError as e:  # the checks at start-up cannot foresee everything (a full disk, /proc)
+            raise ConfigError(f"train.trace: cannot write {path}: {e.strerror or e}") from None
         return len(events)

@@ -67,8 +67,9 @@ class _Recv:
 class PointToPoint:
     """``Isend``/``Irecv`` of backend arrays over ``comm``; sends stay referenced until they complete."""
 
-    def __init__(self, *, comm, transport: Transport):
+    def __init__(self, *, comm, transport: Transport, max_in_flight: int = 4):
         self.comm, self.transport = comm, transport
+        self.max_in_flight = max_in_flight
         self._sends = []  # (request, buffer): MPI may read the buffer until the request completes
 
     def irecv(self, arr, *, source: int, tag: int, host=None) -> _Recv:
@@ -78,9 +79,16 @@ class PointToPoint:
                      arr, self.transport)
 
     def isend(self, arr, *, dest: int, tag: int) -> None:
-        """Start sending ``arr``; the buffer is kept alive until ``wait_sends``."""
+        """Start sending ``arr``; the buffer is kept alive until the send completes (at most
+        ``max_in_flight`` sends stay in flight: beyond that the oldest is waited for)."""
         buf = self.transport.outgoing(arr)
         self._sends.append((self.comm.Isend(buf, dest=dest, tag=tag % TAG_LIMIT), buf))
+        # backpressure: a stage that never waits (stage 0 of a forward-only pass) would otherwise keep
+        # every activation it sent alive until the end; waiting on an older send than the schedule checker
+        # already assumed complete cannot deadlock
+        while len(self._sends) > self.max_in_flight:
+            request, _ = self._sends.pop(0)
+            request.Wait()
 
     def progress(self) -> None:
         """Let MPI move the sends in flight along, and drop those that completed."""

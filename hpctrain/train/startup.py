@@ -14,6 +14,7 @@ failure on one rank ends the job on all of them before any training message:
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 
@@ -81,6 +82,13 @@ def check_outputs(cfg) -> None:
         raise ConfigError(f"train.trace: {cfg.train.trace} is also train.metrics")
     if cfg.checkpoint.dir:
         _check_writable("checkpoint.dir", cfg.checkpoint.dir, folder=True)
+        folder = os.path.abspath(cfg.checkpoint.dir)
+        for out_key, (out, what) in outputs.items():
+            full = os.path.abspath(out) if out else ""
+            if full == folder or (os.path.dirname(full) == folder
+                                  and re.fullmatch(r"\.?ckpt-\d{8,}\.h5.*", os.path.basename(full))):
+                raise ConfigError(f"{out_key}: {out} is checkpoint.dir or a checkpoint's name in it; the {what} "
+                                  "would overwrite a checkpoint")
 
 
 def make_state(t) -> None:

@@ -22,7 +22,7 @@ __all__ = ["Tracer", "KINDS"]
 
 KINDS = ("load", "forward", "backward", "send activation", "recv activation", "send grad", "recv grad", "allreduce",
          "optimizer")
-MAX_SPANS = 500_000  # per rank: about 20 MB of rows; later spans are counted, not kept
+MAX_SPANS = 2_000_000  # over all ranks (rank 0 writes them all: about 0.3 GB of JSON); later ones are counted
 
 
 class Tracer:
@@ -34,10 +34,11 @@ class Tracer:
         self.origin = time.perf_counter()
         self.step = 0
         self.rows = []
+        self.limit = max(10_000, MAX_SPANS // mesh.size)  # this rank's share
         self.dropped = 0
 
     def span(self, kind: str, mb: int, t0: float, t1: float) -> None:
-        if len(self.rows) >= MAX_SPANS:
+        if len(self.rows) >= self.limit:
             self.dropped += 1
             return
         self.rows.append((KINDS.index(kind), mb, self.step, t0 - self.origin, t1 - t0))

@@ -16,7 +16,6 @@ import dataclasses
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 import hpctrain  # noqa: F401  (first: it shares the cores between ranks before numpy starts BLAS threads)
@@ -24,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import mlp_config, synthetic_classification  # noqa: E402
+from common import mlp_config, shared_tempdir, synthetic_classification  # noqa: E402
 
 from hpctrain.backend.cpu import CpuBackend  # noqa: E402
 from hpctrain.parallel.data_parallel import GradSync  # noqa: E402
@@ -69,16 +68,6 @@ def bench_sync(comm, megabytes, bucket_mb, repeat):
     say(f"sync {megabytes:g} MB in {len(sync.buckets)} bucket(s) of {bucket_mb:g} MB: hpctrain {nbytes / ts / 1e9:.2f} GB/s, "
         f"bare Allreduce {nbytes / tb / 1e9:.2f} GB/s, efficiency {tb / ts:.3f} (target >= 0.90); "
         f"bare Allreduce per bucket {nbytes / tc / 1e9:.2f} GB/s, efficiency against that {tc / ts:.3f}")
-
-
-def shared_tempdir(comm):
-    """A temporary folder made by rank 0 and named to every rank (they share this node)."""
-    name = np.zeros(256, dtype=np.uint8)
-    if comm.rank == 0:
-        path = tempfile.mkdtemp(prefix="hpctrain-bench-").encode()
-        name[: len(path)] = np.frombuffer(path, dtype=np.uint8)
-    comm.Bcast(name, root=0)
-    return name.tobytes().rstrip(b"\0").decode()
 
 
 def bench_overlap(mesh, sizes, batch, bucket_mb, steps):

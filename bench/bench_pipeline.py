@@ -25,14 +25,13 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 
 import hpctrain  # noqa: F401  (first: it shares the cores between the ranks before numpy starts BLAS)
 import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import synthetic_classification  # noqa: E402
+from common import shared_tempdir, synthetic_classification  # noqa: E402
 
 from hpctrain.config import parse_config  # noqa: E402
 from hpctrain.parallel.mesh import Mesh  # noqa: E402
@@ -95,12 +94,7 @@ def main():
     if world.size != a.stages:
         raise SystemExit(f"run with one rank per stage: mpiexec -n {a.stages} python {sys.argv[0]}")
     mesh = Mesh(pp=a.stages)
-    name = np.zeros(256, dtype=np.uint8)
-    if world.rank == 0:
-        made = tempfile.mkdtemp(prefix="hpctrain-bench-").encode()
-        name[: len(made)] = np.frombuffer(made, dtype=np.uint8)
-    world.Bcast(name, root=0)
-    folder = name.tobytes().rstrip(b"\0").decode()
+    folder = shared_tempdir(world)
     path = os.path.join(folder, "d.h5")
     if world.rank == 0:
         synthetic_classification(path, a.rows * max(a.micro), FEATURES, 10)

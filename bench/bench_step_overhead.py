@@ -17,7 +17,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 import hpctrain  # noqa: F401  (first: it shares the cores between the ranks before numpy starts BLAS)
@@ -25,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import mlp_config, synthetic_classification  # noqa: E402
+from common import mlp_config, shared_tempdir, synthetic_classification  # noqa: E402
 
 from hpctrain.optim import clip_coefficient  # noqa: E402
 from hpctrain.parallel.mesh import Mesh  # noqa: E402
@@ -64,12 +63,7 @@ def main():
     p.add_argument("--bucket-mb", type=float, default=4)
     a = p.parse_args()
     mesh = Mesh()
-    name = np.zeros(256, dtype=np.uint8)
-    if mesh.rank == 0:
-        made = tempfile.mkdtemp(prefix="hpctrain-bench-").encode()
-        name[: len(made)] = np.frombuffer(made, dtype=np.uint8)
-    mesh.world.Bcast(name, root=0)
-    folder = name.tobytes().rstrip(b"\0").decode()
+    folder = shared_tempdir(mesh.world)
     path = os.path.join(folder, "d.h5")
     sizes = [1024, a.hidden, a.hidden, a.hidden, 10]
     if mesh.rank == 0:

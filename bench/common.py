@@ -40,3 +40,15 @@ def mlp_config(path, sizes, batch, optim="sgd", **train):
         "train": {"batch_size": batch, "steps": 10**6, "backend": "cpu", "eval_every": 0, **train},
         "optim": {"name": optim, "lr": 1e-3, "momentum": 0.9 if optim == "sgd" else 0.0},
     })
+
+
+def shared_tempdir(comm):
+    """A temporary folder made by rank 0 and named to every rank with a buffer Bcast (they share this node)."""
+    import tempfile
+
+    name = np.zeros(256, dtype=np.uint8)
+    if comm.rank == 0:
+        path = tempfile.mkdtemp(prefix="hpctrain-bench-").encode()
+        name[: len(path)] = np.frombuffer(path, dtype=np.uint8)
+    comm.Bcast(name, root=0)
+    return name.tobytes().rstrip(b"\0").decode()

@@ -162,7 +162,7 @@ class StageExecutor:
                 n = self.batch.rows(mb)
                 source = self.stage - 1 if kind == ACTIVATION else self.stage + 1
                 host = ring.hosts[slot][:n] if ring.hosts[slot] is not None else None
-                handle = self.p2p.irecv(ring.arrays[slot][:n], source=source, tag=2 * mb + kind, host=host)
+                handle = self.p2p.post_recv(ring.arrays[slot][:n], source=source, tag=2 * mb + kind, host=host)
                 self._slots[(kind, mb)] = (slot, handle)
 
     def _release(self, kind, mb) -> None:
@@ -187,7 +187,7 @@ class StageExecutor:
         kind = self._kind(ins)
         arr = (self._out if kind == ACTIVATION else self._dinp).pop(ins.mb)
         t0 = time.perf_counter()
-        self.p2p.isend(arr, dest=self.stage + 1 if kind == ACTIVATION else self.stage - 1, tag=2 * ins.mb + kind)
+        self.p2p.post_send(arr, dest=self.stage + 1 if kind == ACTIVATION else self.stage - 1, tag=2 * ins.mb + kind)
         t1 = time.perf_counter()
         self.result.wait += t1 - t0
         self._trace("send " + ("activation" if kind == ACTIVATION else "grad"), ins.mb, t0, t1)

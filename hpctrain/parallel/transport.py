@@ -72,13 +72,13 @@ class PointToPoint:
         self.max_in_flight = max_in_flight
         self._sends = []  # (request, buffer): MPI may read the buffer until the request completes
 
-    def irecv(self, arr, *, source: int, tag: int, host=None) -> _Recv:
+    def post_recv(self, arr, *, source: int, tag: int, host=None) -> _Recv:
         """Post a receive into ``arr`` (through ``host`` when staged); ``wait()`` on the result completes it."""
         buf = arr if self.transport.direct else host
         return _Recv(self.comm.Irecv(buf, source=source, tag=tag % TAG_LIMIT), None if self.transport.direct else host,
                      arr, self.transport)
 
-    def isend(self, arr, *, dest: int, tag: int) -> None:
+    def post_send(self, arr, *, dest: int, tag: int) -> None:
         """Start sending ``arr``; the buffer is kept alive until the send completes (at most
         ``max_in_flight`` sends stay in flight: beyond that the oldest is waited for)."""
         buf = self.transport.outgoing(arr)

@@ -103,3 +103,100 @@ def adam(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, decoupled):
     mhat = m / (1 - beta1**step)
     vhat = v / (1 - beta2**step)
     return p - lr * mhat / (np.sqrt(vhat) + eps), m, v
+
+
+def embedding(idx, wte, wpe):
+    B, T = idx.shape
+    return (wte[idx].astype(np.float64) + wpe[:T]).reshape(B * T, -1)
+
+
+def embedding_backward(dout, idx, V, Tmax):
+    B, T = idx.shape
+    d = dout.astype(np.float64).reshape(B, T, -1)
+    dwte = np.zeros((V, d.shape[2]))
+    np.add.at(dwte, idx.reshape(-1), d.reshape(B * T, -1))
+    dwpe = np.zeros((Tmax, d.shape[2]))
+    dwpe[:T] = d.sum(axis=0)
+    return dwte, dwpe
+
+
+def _split_heads(qkv, B, T, H):
+    C = qkv.shape[1] // 3
+    q, k, v = (qkv[:, i * C : (i + 1) * C].reshape(B, T, H, C // H).transpose(0, 2, 1, 3) for i in range(3))
+    return q, k, v
+
+
+def attention(qkv, T, H):
+    """Causal multi-head attention, as nanoGPT's CausalSelfAttention after c_attn: (out[B·T, C], att)."""
+    qkv = qkv.astype(np.float64)
+    B = qkv.shape[0] // T
+    q, k, v = _split_heads(qkv, B, T, H)
+    s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1])
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    att = np.exp(s - s.max(axis=-1, keepdims=True))
+    att /= att.sum(axis=-1, keepdims=True)
+    y = att @ v
+    return y.transpose(0, 2, 1, 3).reshape(B * T, -1), att
+
+
+def attention_backward(dout, qkv, T, H):
+    qkv = qkv.astype(np.float64)
+    B = qkv.shape[0] // T
+    q, k, v = _split_heads(qkv, B, T, H)
+    _, att = attention(qkv, T, H)
+    dy = dout.astype(np.float64).reshape(B, T, H, -1).transpose(0, 2, 1, 3)
+    datt = dy @ v.transpose(0, 1, 3, 2)
+    dv = att.transpose(0, 1, 3, 2) @ dy
+    ds = att * (datt - (att * datt).sum(axis=-1, keepdims=True)) / math.sqrt(q.shape[-1])
+    dq, dk = ds @ k, ds.transpose(0, 1, 3, 2) @ q
+    return np.concatenate([d.transpose(0, 2, 1, 3).reshape(B * T, -1) for d in (dq, dk, dv)], axis=1)
+
+
+def gpt_loss_and_grads(p, idx, targets, *, n_layer, n_head, eps=1e-5):
+    """nanoGPT's GPT (bias = True, tied head), written out in float64: the mean cross-entropy over every
+    position and the gradient of every parameter, by nanoGPT's names. ``p``: name -> array."""
+    P = "transformer."
+    B, T = idx.shape
+    lin = lambda x, name: linear_forward(x, p[name + ".weight"], p[name + ".bias"])  # noqa: E731
+    x = embedding(idx, p[P + "wte.weight"], p[P + "wpe.weight"])
+    saved = []
+    for i in range(n_layer):
+        h = f"{P}h.{i}."
+        ln1, _, _ = layernorm(x, p[h + "ln_1.weight"], p[h + "ln_1.bias"], eps)
+        qkv = lin(ln1, h + "attn.c_attn")
+        a, _ = attention(qkv, T, n_head)
+        x2 = x + lin(a, h + "attn.c_proj")
+        ln2, _, _ = layernorm(x2, p[h + "ln_2.weight"], p[h + "ln_2.bias"], eps)
+        f = lin(ln2, h + "mlp.c_fc")
+        g = gelu(f)
+        saved.append((x, ln1, qkv, a, x2, ln2, f, g))
+        x = x2 + lin(g, h + "mlp.c_proj")
+    hf, _, _ = layernorm(x, p[P + "ln_f.weight"], p[P + "ln_f.bias"], eps)
+    logits = hf @ p[P + "wte.weight"].astype(np.float64).T
+    n = B * T
+    loss, _, dlogits = cross_entropy(logits, targets.reshape(-1))
+    dlogits /= n
+    grads = {}
+    grads[P + "wte.weight"] = dlogits.T @ hf
+    dh = dlogits @ p[P + "wte.weight"]
+    dx, grads[P + "ln_f.weight"], grads[P + "ln_f.bias"] = layernorm_backward(dh, x, p[P + "ln_f.weight"], eps)
+
+    def lin_back(d, xin, name):
+        dinp, grads[name + ".weight"], grads[name + ".bias"] = linear_backward(d, xin, p[name + ".weight"])
+        return dinp
+
+    for i in reversed(range(n_layer)):
+        h = f"{P}h.{i}."
+        x_in, ln1, qkv, a, x2, ln2, f, g = saved[i]
+        dg = lin_back(dx, g, h + "mlp.c_proj")
+        dln2 = lin_back(gelu_backward(f, dg), ln2, h + "mlp.c_fc")
+        d, grads[h + "ln_2.weight"], grads[h + "ln_2.bias"] = layernorm_backward(dln2, x2, p[h + "ln_2.weight"], eps)
+        dx2 = dx + d
+        da = lin_back(dx2, a, h + "attn.c_proj")
+        dln1 = lin_back(attention_backward(da, qkv, T, n_head), ln1, h + "attn.c_attn")
+        d, grads[h + "ln_1.weight"], grads[h + "ln_1.bias"] = layernorm_backward(dln1, x_in, p[h + "ln_1.weight"], eps)
+        dx = dx2 + d
+    dwte, grads[P + "wpe.weight"] = embedding_backward(dx, idx, *p[P + "wte.weight"].shape[:1],
+                                                       p[P + "wpe.weight"].shape[0])
+    grads[P + "wte.weight"] = grads[P + "wte.weight"] + dwte
+    return loss / n, grads

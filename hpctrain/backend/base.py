@@ -55,7 +55,10 @@ class Backend:
     Memory: ``empty``, ``zeros``, ``asarray`` (host -> backend), ``to_host``,
     ``copy_``, ``synchronize``. Products: ``matmul_nt`` (X·Wᵀ + b),
     ``matmul_nn`` (dY·W), ``matmul_tn`` (dYᵀ·X), ``bias_grad``. Element-wise:
-    ``relu/gelu/tanh_forward/backward``. ``layernorm_forward/backward``.
+    ``relu/gelu/tanh_forward/backward``, ``add_`` (residuals). ``layernorm_forward/backward``.
+    Transformer: ``embedding_forward/backward`` (token + position tables, a deterministic
+    scatter-add), ``attention_forward/backward`` (causal multi-head attention on a fused
+    q/k/v projection).
     Losses return host scalars: ``cross_entropy`` -> (loss sum, correct),
     ``mse`` -> loss sum. Flat buffers: ``sum_squares``, ``scale_``, ``fill_``,
     ``sgd_update``, ``adam_update``. Device backends also stage gradients for an MPI that
@@ -77,6 +80,22 @@ class Backend:
         n = check_array(op, first_name, first, ndim=1).shape[0]
         for name, arr in arrays.items():
             check_array(op, name, arr, shape=(n,))
+
+    def _attention_shapes(self, op, qkv, T, n_head):
+        """(B, H, C, hs) of a fused qkv[B·T, 3C] with ``n_head`` heads; BackendError if they do not fit."""
+        rows, width = check_array(op, "qkv", qkv, ndim=2).shape
+        T, H = int(T), int(n_head)
+        if T < 1 or rows % T:
+            raise BackendError(f"{op}: qkv has {rows} rows, not a multiple of T = {T}")
+        if width % 3 or (width // 3) % H:
+            raise BackendError(f"{op}: qkv has {width} columns; expected 3·C with C divisible by n_head = {H}")
+        C = width // 3
+        return rows // T, H, C, C // H
+
+    def bad_token(self, idx, position, vocab):
+        value = int(self.to_host(idx).reshape(-1)[position])
+        raise BackendError(f"embedding_forward: token id {value} at position {position} of the batch is outside "
+                           f"[0, {vocab})")
 
     def bad_target(self, targets, row, classes):
         value = int(self.to_host(targets)[row])

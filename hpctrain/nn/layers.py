@@ -19,15 +19,19 @@ __all__ = ["Linear", "ReLU", "GELU", "Tanh", "LayerNorm", "make_layer"]
 
 class Layer:
     params: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # parameters the layer uses but another layer owns (a head tied to the token embedding): same
+    # local names as ``params``, resolved with the owner's prefix (see nn/model.py)
+    ties: tuple[tuple[str, tuple[int, ...]], ...] = ()
     in_features: int | None = None  # None: any width, output width = input width
     out_features: int | None = None
 
     def init(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         return {}
 
-    def bind(self, weights: dict, grads: dict) -> None:
-        """Give the layer its parameter and gradient views (local names)."""
-        self.w, self.g = weights, grads
+    def bind(self, weights: dict, grads: dict, accumulating=frozenset()) -> None:
+        """Give the layer its parameter and gradient views (local names). ``accumulating`` names the
+        gradients another layer of the same part writes first in the backward pass: this layer adds to them."""
+        self.w, self.g, self.accumulating = weights, grads, accumulating
 
 
 class Linear(Layer):

@@ -32,40 +32,59 @@ __all__ = ["ModelSpec", "ModelPart"]
 
 
 class ModelSpec:
-    """The whole model: layers, widths, units and the global parameter layout (no buffers)."""
+    """The whole model: layers, widths, units and the global parameter layout (no buffers).
+
+    ``ModelSpec(cfg.model.layers)`` is the MLP of ``model.layers``; ``GPTSpec`` (nn/gpt.py) is the
+    transformer. Both set, through ``_setup``: ``layers``, ``prefixes`` (a layer's local parameter
+    name + its prefix = the global name), ``widths`` (after each layer), ``units``, ``layout`` (the
+    tensors each layer owns, in layer order) and ``tied_by`` (a global name -> the layers that use it
+    without owning it). ``positions`` is the number of activation rows per sample (1 for the MLP, the
+    context length for the GPT); ``input_dtype`` what the first layer takes.
+    """
+
+    positions = 1
+    input_dtype = np.float32
 
     def __init__(self, layer_specs):
-        self.layers = [make_layer(spec) for spec in layer_specs]
-        self.widths = []  # the width after each layer
+        layers = [make_layer(spec) for spec in layer_specs]
+        widths = []  # the width after each layer
         width = None
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(layers):
             if layer.in_features is not None and width is not None and layer.in_features != width:
                 key = "dim" if isinstance(layer, LayerNorm) else "in"
                 raise ConfigError(f"model.layers[{i}].{key} = {layer.in_features} does not match the previous "
                                   f"output width {width}")
             if layer.out_features is not None:
                 width = layer.out_features
-            self.widths.append(width)
-        first_width = next((l.in_features for l in self.layers if l.in_features is not None), None)
+            widths.append(width)
+        first_width = next((l.in_features for l in layers if l.in_features is not None), None)
         if first_width is None:
             raise ConfigError("model.layers: the model needs at least one linear or layernorm layer to fix its width")
-        self.widths = [w if w is not None else first_width for w in self.widths]  # leading activations
-        self.in_features, self.out_features = first_width, width
-        self.layout = ParamLayout((f"{i}.{name}", shape) for i, layer in enumerate(self.layers)
-                                  for name, shape in layer.params)
-        self.units = self._units()
-
-    def _units(self) -> list[tuple[int, int]]:
-        """Inclusive layer ranges: each layer with parameters and the parameter-free layers after it."""
-        starts = [i for i, layer in enumerate(self.layers) if layer.params]
+        widths = [w if w is not None else first_width for w in widths]  # leading activations
+        starts = [i for i, layer in enumerate(layers) if layer.params]
         starts[0] = 0  # leading activations join the first unit
-        return [(lo, hi - 1) for lo, hi in zip(starts, starts[1:] + [len(self.layers)])]
+        units = [(lo, hi - 1) for lo, hi in zip(starts, starts[1:] + [len(layers)])]
+        self._setup(layers, [f"{i}." for i in range(len(layers))], widths, first_width, units)
+
+    def _setup(self, layers, prefixes, widths, in_features, units):
+        """Units: inclusive layer ranges, pipeline stages are cut between them (a layer with parameters
+        and the parameter-free layers after it; a transformer block)."""
+        self.layers, self.prefixes, self.widths, self.units = layers, prefixes, widths, units
+        self.in_features, self.out_features = in_features, widths[-1]
+        self.layout = ParamLayout((prefix + name, shape) for layer, prefix in zip(layers, prefixes)
+                                  for name, shape in layer.params)
+        self.tied_by = {}
+        for i, (layer, prefix) in enumerate(zip(layers, prefixes)):
+            for name, shape in layer.ties:
+                if prefix + name not in self.layout or self.layout[prefix + name].shape != tuple(shape):
+                    raise LayoutError(f"layer {i} ties {prefix + name} {shape}, which no layer owns with that shape")
+                self.tied_by.setdefault(prefix + name, []).append(i)
 
     def width_before(self, layer: int) -> int:
         return self.in_features if layer == 0 else self.widths[layer - 1]
 
     def param_count(self, lo: int, hi: int) -> int:
-        """Parameters of layers lo..hi (inclusive)."""
+        """Parameters layers lo..hi (inclusive) own."""
         return sum(int(np.prod(shape)) for layer in self.layers[lo : hi + 1] for _, shape in layer.params)
 
     def partition(self, pp: int, stages=()) -> list[tuple[int, int]]:
@@ -76,16 +95,18 @@ class ModelSpec:
             return [tuple(r) for r in stages]
         if pp > len(self.units):
             raise LayoutError(f"parallel.pp = {pp} is more stages than the model has partition units "
-                              f"({len(self.units)}: a linear or layernorm layer with the activations after it)")
+                              f"({len(self.units)}: {self.unit_text})")
         return _balanced([self.param_count(lo, hi) for lo, hi in self.units], self.units, pp)
 
+    unit_text = "a linear or layernorm layer with the activations after it"
+
     def init_params(self, seed: int) -> dict[str, np.ndarray]:
-        """Every initial parameter, as torch.nn would draw them, from a numpy generator seeded with ``seed``."""
+        """Every initial parameter from a numpy generator seeded with ``seed``, drawn layer by layer."""
         rng = np.random.default_rng(seed)
         out = {}
-        for i, layer in enumerate(self.layers):
+        for layer, prefix in zip(self.layers, self.prefixes):
             for name, arr in layer.init(rng).items():
-                out[f"{i}.{name}"] = arr
+                out[prefix + name] = arr
         return out
 
     def part(self, lo: int = 0, hi: int | None = None) -> "ModelPart":
@@ -116,21 +137,47 @@ def _balanced(costs: list[int], units: list[tuple[int, int]], parts: int) -> lis
 
 
 class ModelPart:
-    """Layers lo..hi of a spec with their own local layout; ``bind`` gives them views into flat buffers."""
+    """Layers lo..hi of a spec with their own local layout; ``bind`` gives them views into flat buffers.
+
+    The local layout is the tensors these layers own, in the global order (one contiguous range of the
+    global flat buffer, ``global_range``), then a replica of each tensor a layer here ties to but another
+    part owns (the GPT's head on the last stage holds a copy of the first stage's token embedding).
+    ``owned_size`` is where the replicas start: gradient norms and checkpoints see only what is owned.
+    ``shared`` names the tensors this part holds in common with another part, whose gradients the two
+    sum before the optimizer step (the owner's and the replica's alike).
+    """
 
     def __init__(self, spec: ModelSpec, lo: int, hi: int):
         self.spec, self.lo, self.hi = spec, lo, hi
         self.layers = spec.layers[lo : hi + 1]
+        self.prefixes = spec.prefixes[lo : hi + 1]
         self.is_first, self.is_last = lo == 0, hi == len(spec.layers) - 1
         self.in_features, self.out_features = spec.width_before(lo), spec.widths[hi]
-        self.layout = ParamLayout((f"{i}.{name}", shape) for i, layer in enumerate(self.layers, start=lo)
-                                  for name, shape in layer.params)
+        self.positions = spec.positions
+        owned = [(prefix + name, shape) for layer, prefix in zip(self.layers, self.prefixes)
+                 for name, shape in layer.params]
+        owned_names = {name for name, _ in owned}
+        replicas = []
+        for layer, prefix in zip(self.layers, self.prefixes):
+            replicas += [(prefix + n, shape) for n, shape in layer.ties
+                         if prefix + n not in owned_names and (prefix + n, shape) not in replicas]
+        self.layout = ParamLayout(owned + replicas)
+        self.owned_size = sum(int(np.prod(shape)) for _, shape in owned)
+        self.replicas = [name for name, _ in replicas]
+        here = range(lo, hi + 1)
+        self.shared = [name for name in owned_names if any(i not in here for i in spec.tied_by.get(name, ()))]
+        self.shared = sorted(self.shared) + self.replicas  # the same order on the owner and the replica
         self.global_names = {name: name for name in self.layout.names}  # local -> global (whole tensors)
-        names = self.layout.names
+        names = [name for name, _ in owned]
         self.global_range = ((spec.layout[names[0]].offset, spec.layout[names[-1]].end) if names
                              else (0, 0))  # this part's slice of the global flat buffer
-        self._first_offset = [self.layout[f"{i}.{layer.params[0][0]}"].offset if layer.params else None
-                              for i, layer in enumerate(self.layers, start=lo)]
+        # the local offset from which each layer's backward leaves every gradient final; None: it writes none
+        # of its own (a tie to a tensor another layer of this part owns and writes later)
+        self._first_offset = []
+        for layer, prefix in zip(self.layers, self.prefixes):
+            mine = [prefix + n for n, _ in layer.params] + [prefix + n for n, _ in layer.ties
+                                                             if prefix + n in self.replicas]
+            self._first_offset.append(min((self.layout[n].offset for n in mine), default=None))
 
     def describe(self) -> str:
         return f"layers {self.lo}..{self.hi}: {self.layout.size:,} parameters"
@@ -141,8 +188,12 @@ class ModelPart:
         return {local: full[name] for local, name in self.global_names.items()}
 
     def bind(self, params: FlatBuffer, grads: FlatBuffer) -> None:
-        for i, layer in enumerate(self.layers, start=self.lo):
-            layer.bind({n: params[f"{i}.{n}"] for n, _ in layer.params}, {n: grads[f"{i}.{n}"] for n, _ in layer.params})
+        written = set()  # gradients written by a layer later in this part: its backward runs first
+        for layer, prefix in reversed(list(zip(self.layers, self.prefixes))):
+            names = [n for n, _ in layer.params] + [n for n, _ in layer.ties]
+            layer.bind({n: params[prefix + n] for n in names}, {n: grads[prefix + n] for n in names},
+                       frozenset(n for n in names if prefix + n in written))
+            written.update(prefix + n for n in names)
 
     def forward(self, be, x):
         """Return (output, saved): ``saved`` holds what each layer's backward needs."""

@@ -1,0 +1,202 @@
+"""A GPT-style decoder as a model spec: nanoGPT's ``GPT`` (bias = True, no dropout), unit by unit.
+
+Units, each one layer of the spec and so a place where pipeline stages may be cut:
+
+    0          Embedding   transformer.wte.weight (vocab, C), transformer.wpe.weight (block_size, C)
+    1 .. L     Block       transformer.h.<i>.{ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj}
+    L + 1      Head        transformer.ln_f, then logits = ln_f(x) · wteᵀ (tied: no lm_head.weight)
+
+Activations between units are (B·T, C) rows: T = block_size positions per sample, every
+sample a full window. The embedding takes token ids (B, T) int64; the head returns logits
+(B·T, vocab) for the cross-entropy over every position. Parameter names, shapes, formulas
+and initial distributions are nanoGPT's, so a checkpoint's ``/params`` loads into its
+``GPT`` with ``load_state_dict(..., strict=False)`` (docs/gpt.md).
+
+The head ties ``transformer.wte.weight``: on one stage both layers share the tensor (the
+embedding's backward runs last and adds to the head's gradient); across stages the last one
+holds a replica and the two sum their gradients (nn/model.py, train/step.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import ConfigError
+from .layers import GELU, Layer, LayerNorm, Linear
+from .model import ModelSpec
+
+__all__ = ["GPTSpec", "Embedding", "Block", "Head", "CausalSelfAttention"]
+
+INIT_STD = 0.02  # nanoGPT: normal(0, 0.02) for Linear and Embedding weights
+
+
+def _normal(rng, shape, std):
+    return (rng.standard_normal(shape) * std).astype(np.float32)
+
+
+class Embedding(Layer):
+    """x[b·T + t] = wte[idx[b, t]] + wpe[t]."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_embd: int):
+        self.params = (("wte.weight", (vocab_size, n_embd)), ("wpe.weight", (block_size, n_embd)))
+        self.in_features, self.out_features = block_size, n_embd
+
+    def init(self, rng):
+        return {name: _normal(rng, shape, INIT_STD) for name, shape in self.params}
+
+    def forward(self, be, idx):
+        B, T = idx.shape
+        out = be.empty((B * T, self.out_features))
+        be.embedding_forward(idx, self.w["wte.weight"], self.w["wpe.weight"], out)
+        return out, idx
+
+    def backward(self, be, dout, idx, accumulate=False, need_dinp=True):
+        be.embedding_backward(dout, idx, self.g["wte.weight"], self.g["wpe.weight"],
+                              accumulate_wte=accumulate or "wte.weight" in self.accumulating,
+                              accumulate_wpe=accumulate)
+        return None  # token ids have no gradient
+
+
+class CausalSelfAttention(Layer):
+    """The attention between nanoGPT's c_attn and c_proj: (B·T, 3C) q, k, v -> (B·T, C), no parameters."""
+
+    def __init__(self, block_size: int, n_head: int):
+        self.T, self.n_head = block_size, n_head
+
+    def forward(self, be, qkv):
+        B, C = qkv.shape[0] // self.T, qkv.shape[1] // 3
+        out, att = be.empty((B * self.T, C)), be.empty((B, self.n_head, self.T, self.T))
+        be.attention_forward(qkv, self.T, self.n_head, out, att)
+        return out, (qkv, att)
+
+    def backward(self, be, dout, saved, accumulate=False, need_dinp=True):
+        qkv, att = saved
+        dqkv = be.empty(qkv.shape)
+        be.attention_backward(dout, qkv, att, self.T, self.n_head, dqkv)
+        return dqkv
+
+
+class Block(Layer):
+    """x + attn(ln_1(x)), then + mlp(ln_2(·)): nanoGPT's pre-LayerNorm ``Block``."""
+
+    def __init__(self, n_embd: int, n_head: int, block_size: int, n_layer: int):
+        C = n_embd
+        self.subs = (("ln_1.", LayerNorm(C)), ("attn.c_attn.", Linear(C, 3 * C)),
+                     ("attn.c_proj.", Linear(C, C)), ("ln_2.", LayerNorm(C)),
+                     ("mlp.c_fc.", Linear(C, 4 * C)), ("mlp.c_proj.", Linear(4 * C, C)))
+        self.ln_1, self.c_attn, self.attn_proj, self.ln_2, self.c_fc, self.mlp_proj = (sub for _, sub in self.subs)
+        self.attn, self.gelu = CausalSelfAttention(block_size, n_head), GELU()
+        self.params = tuple((prefix + name, shape) for prefix, sub in self.subs for name, shape in sub.params)
+        self.in_features = self.out_features = C
+        self.residual_std = INIT_STD / math.sqrt(2 * n_layer)  # nanoGPT's c_proj.weight special case
+
+    def init(self, rng):
+        out = {}
+        for prefix, sub in self.subs:
+            if isinstance(sub, LayerNorm):
+                out.update({prefix + k: v for k, v in sub.init(rng).items()})
+                continue
+            std = self.residual_std if prefix.endswith("c_proj.") else INIT_STD
+            out[prefix + "weight"] = _normal(rng, (sub.out_features, sub.in_features), std)
+            out[prefix + "bias"] = np.zeros(sub.out_features, np.float32)
+        return out
+
+    def bind(self, weights, grads, accumulating=frozenset()):
+        super().bind(weights, grads, accumulating)
+        for prefix, sub in self.subs:
+            names = [name for name, _ in sub.params]
+            sub.bind({n: weights[prefix + n] for n in names}, {n: grads[prefix + n] for n in names})
+
+    def forward(self, be, x):
+        h, s_ln1 = self.ln_1.forward(be, x)
+        qkv, s_attn_in = self.c_attn.forward(be, h)
+        a, s_attn = self.attn.forward(be, qkv)
+        x2, s_proj = self.attn_proj.forward(be, a)
+        be.add_(x2, x)  # the first residual
+        h2, s_ln2 = self.ln_2.forward(be, x2)
+        f, s_fc = self.c_fc.forward(be, h2)
+        g, s_gelu = self.gelu.forward(be, f)
+        out, s_mlp = self.mlp_proj.forward(be, g)
+        be.add_(out, x2)  # the second residual
+        return out, (s_ln1, s_attn_in, s_attn, s_proj, s_ln2, s_fc, s_gelu, s_mlp)
+
+    def backward(self, be, dout, saved, accumulate=False, need_dinp=True):
+        s_ln1, s_attn_in, s_attn, s_proj, s_ln2, s_fc, s_gelu, s_mlp = saved
+        acc = dict(accumulate=accumulate)
+        dg = self.mlp_proj.backward(be, dout, s_mlp, **acc)
+        df = self.gelu.backward(be, dg, s_gelu)
+        dh2 = self.c_fc.backward(be, df, s_fc, **acc)
+        dx2 = self.ln_2.backward(be, dh2, s_ln2, **acc)
+        be.add_(dx2, dout)  # the residual's gradient goes straight through
+        da = self.attn_proj.backward(be, dx2, s_proj, **acc)
+        dqkv = self.attn.backward(be, da, s_attn)
+        dh = self.c_attn.backward(be, dqkv, s_attn_in, **acc)
+        dx = self.ln_1.backward(be, dh, s_ln1, **acc)
+        be.add_(dx, dx2)
+        return dx
+
+
+class Head(Layer):
+    """logits = ln_f(x) · wteᵀ: the final LayerNorm and the LM head tied to the token embedding."""
+
+    def __init__(self, vocab_size: int, n_embd: int):
+        self.ln_f = LayerNorm(n_embd)
+        self.params = tuple(("ln_f." + name, shape) for name, shape in self.ln_f.params)
+        self.ties = (("wte.weight", (vocab_size, n_embd)),)
+        self.in_features, self.out_features = n_embd, vocab_size
+
+    def init(self, rng):
+        return {"ln_f." + k: v for k, v in self.ln_f.init(rng).items()}
+
+    def bind(self, weights, grads, accumulating=frozenset()):
+        super().bind(weights, grads, accumulating)
+        self.ln_f.bind({n: weights["ln_f." + n] for n in ("weight", "bias")},
+                       {n: grads["ln_f." + n] for n in ("weight", "bias")})
+
+    def forward(self, be, x):
+        h, s_ln = self.ln_f.forward(be, x)
+        logits = be.empty((x.shape[0], self.out_features))
+        be.matmul_nt(h, self.w["wte.weight"], logits)
+        return logits, (s_ln, h)
+
+    def backward(self, be, dlogits, saved, accumulate=False, need_dinp=True):
+        s_ln, h = saved
+        be.matmul_tn(dlogits, h, self.g["wte.weight"], accumulate=accumulate or "wte.weight" in self.accumulating)
+        dh = be.empty(h.shape)
+        be.matmul_nn(dlogits, self.w["wte.weight"], dh)
+        return self.ln_f.backward(be, dh, s_ln, accumulate=accumulate)
+
+
+class GPTSpec(ModelSpec):
+    """nanoGPT's GPT from a ``[model] kind = "gpt"`` config: embedding, ``n_layer`` blocks, head."""
+
+    input_dtype = np.int64
+    unit_text = "the embedding, each transformer block, the final LayerNorm with the head"
+
+    def __init__(self, *, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, bias=True):
+        if n_embd % n_head:
+            raise ConfigError(f"model.n_embd = {n_embd} is not divisible by model.n_head = {n_head}")
+        if not bias:
+            raise ConfigError("model.bias = false is not supported yet (nanoGPT's bias = true layout only)")
+        self.config = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                           n_embd=n_embd)
+        self.positions, self.vocab_size, self.block_size = block_size, vocab_size, block_size
+        layers = ([Embedding(vocab_size, block_size, n_embd)]
+                  + [Block(n_embd, n_head, block_size, n_layer) for _ in range(n_layer)]
+                  + [Head(vocab_size, n_embd)])
+        prefixes = ["transformer."] + [f"transformer.h.{i}." for i in range(n_layer)] + ["transformer."]
+        widths = [n_embd] * (n_layer + 1) + [vocab_size]
+        self._setup(layers, prefixes, widths, block_size, [(i, i) for i in range(len(layers))])
+
+    @classmethod
+    def from_config(cls, model_cfg) -> "GPTSpec":
+        m = model_cfg
+        return cls(vocab_size=m.vocab_size, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
+                   n_embd=m.n_embd, bias=m.bias)
+
+
+def make_model(model_cfg) -> ModelSpec:
+    """The model spec of a ``[model]`` config: the ``layers`` MLP, or the GPT."""
+    return GPTSpec.from_config(model_cfg) if model_cfg.kind == "gpt" else ModelSpec(model_cfg.layers)

@@ -46,9 +46,20 @@ class LayerSpec:
         return {"type": self.type, **dict(self.args)}
 
 
+GPT_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
+    kind: str = "mlp"
     layers: tuple[LayerSpec, ...] = ()
+    # kind = "gpt": nanoGPT's GPTConfig names and defaults (GPT-2 small, vocabulary padded to 50304)
+    vocab_size: int = 50304
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    bias: bool = True
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,8 @@ class DataConfig:
     path: str = ""
     inputs: str = ""
     targets: str = ""
+    tokens: str = ""  # kind = "gpt": a 1-D dataset of token ids, cut into windows of block_size + 1
+    corpus: str = ""  # "pydoc": write the bundled text corpus to data.path when the file does not exist
     val_fraction: float = 0.1
     shuffle: bool = True
     seed: int = 0
@@ -139,6 +152,8 @@ SECTIONS = {
 }
 PATH_KEYS = {("data", "path"), ("train", "metrics"), ("train", "trace"), ("checkpoint", "init"), ("checkpoint", "dir")}
 CHOICES = {
+    ("model", "kind"): ("mlp", "gpt"),
+    ("data", "corpus"): ("", "pydoc"),
     ("train", "loss"): ("cross_entropy", "mse"),
     ("train", "backend"): ("auto", "cpu", "cuda"),
     ("optim", "name"): ("sgd", "adam", "adamw"),
@@ -259,11 +274,23 @@ def _check_ranges(cfg: Config) -> None:
         if not ok:
             raise ConfigError(f"{key}: {what}")
 
-    t, o, d, c, p = cfg.train, cfg.optim, cfg.data, cfg.checkpoint, cfg.parallel
-    need(cfg.model.layers, "model.layers", "the model needs at least one layer")
+    t, o, d, c, p, m = cfg.train, cfg.optim, cfg.data, cfg.checkpoint, cfg.parallel, cfg.model
     need(d.path, "data.path", "required (an HDF5 file)")
-    need(d.inputs, "data.inputs", "required (the name of the input dataset)")
-    need(d.targets, "data.targets", "required (the name of the target dataset)")
+    if m.kind == "gpt":
+        need(not m.layers, "model.layers", 'not used by kind = "gpt" (it is set by n_layer, n_head, n_embd)')
+        for key in GPT_KEYS[:-1]:
+            need(getattr(m, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(m, key)}")
+        need(m.n_embd % m.n_head == 0, "model.n_embd", f"{m.n_embd} is not divisible by model.n_head = {m.n_head}")
+        need(d.tokens, "data.tokens", 'required by kind = "gpt" (the name of a 1-D dataset of token ids)')
+        need(not d.inputs and not d.targets, "data.inputs", 'kind = "gpt" reads data.tokens, not data.inputs '
+             "and data.targets")
+        need(t.loss == "cross_entropy", "train.loss", f'kind = "gpt" trains with cross_entropy, got {t.loss!r}')
+    else:
+        need(m.layers, "model.layers", "the model needs at least one layer")
+        need(d.inputs, "data.inputs", "required (the name of the input dataset)")
+        need(d.targets, "data.targets", "required (the name of the target dataset)")
+        need(not d.tokens, "data.tokens", 'token datasets are for kind = "gpt"; an MLP reads data.inputs and '
+             "data.targets")
     need(0.0 <= d.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
     for section, key in SEED_KEYS:
         seed = getattr(getattr(cfg, section), key)
@@ -285,14 +312,17 @@ def _check_ranges(cfg: Config) -> None:
     need(p.dp == "auto" or p.dp >= 1, "parallel.dp", f'must be >= 1 or "auto", got {p.dp}')
     need(p.pp >= 1, "parallel.pp", f"must be >= 1, got {p.pp}")
     need(p.tp >= 1, "parallel.tp", f"must be >= 1, got {p.tp}")
-    if p.stages:
-        _check_stages(p, cfg.model.layers)
+    if p.stages and m.kind == "gpt":  # units: the embedding, the blocks, the head; each holds parameters
+        _check_stages(p, m.n_layer + 2, lambda lo, hi: True, "the embedding 0, blocks 1..n_layer, the head")
+    elif p.stages:
+        layers = cfg.model.layers
+        _check_stages(p, len(layers), lambda lo, hi: any(_param_count(l.type, dict(l.args)) for l in layers[lo : hi + 1]),
+                      "model.layers")
     need(p.bucket_mb > 0, "parallel.bucket_mb", f"must be > 0, got {p.bucket_mb}")
 
 
-def _check_stages(p: "ParallelConfig", layers) -> None:
-    """parallel.stages: pp inclusive [first, last] ranges covering model.layers in order, each with parameters."""
-    n = len(layers)
+def _check_stages(p: "ParallelConfig", n: int, has_params, what: str) -> None:
+    """parallel.stages: pp inclusive [first, last] ranges covering the n layers in order, each with parameters."""
     if len(p.stages) != p.pp:
         raise ConfigError(f"parallel.stages lists {len(p.stages)} stage(s) but parallel.pp = {p.pp}")
     expect = 0
@@ -303,11 +333,11 @@ def _check_stages(p: "ParallelConfig", layers) -> None:
         if lo < expect:
             raise ConfigError(f"{where} overlaps the stage before it (which ends at layer {expect - 1})")
         if lo > expect:
-            raise ConfigError(f"{where} leaves out layer(s) {expect}..{lo - 1}: stages must cover model.layers "
-                              f"0..{n - 1} in order")
+            raise ConfigError(f"{where} leaves out layer(s) {expect}..{lo - 1}: stages must cover the layers "
+                              f"0..{n - 1} ({what}) in order")
         if hi >= n:
-            raise ConfigError(f"{where}: the model has layers 0..{n - 1}")
-        if not any(_param_count(layer.type, dict(layer.args)) for layer in layers[lo : hi + 1]):
+            raise ConfigError(f"{where}: the model has layers 0..{n - 1} ({what})")
+        if not has_params(lo, hi):
             raise ConfigError(f"{where} holds no parameters (only activations): give every stage a linear or "
                               "layernorm layer")
         expect = hi + 1
@@ -344,6 +374,12 @@ def parse_config(data: dict, base_dir: str = ".", source: str = "<config>") -> C
             if (name, key) == ("checkpoint", "resume") and values[key] not in ("auto", "never"):
                 values[key] = os.path.normpath(os.path.join(base_dir, os.path.expanduser(values[key])))
         sections[name] = cls(**values)
+    model = data.get("model", {})
+    if model.get("kind", "mlp") != "gpt":
+        extra = [key for key in GPT_KEYS if key in model]
+        if extra:
+            raise ConfigError(f"model.{extra[0]}: only used by kind = \"gpt\" (this model is kind = "
+                              f"{model.get('kind', 'mlp')!r})")
     cfg = Config(**sections, source=source)
     _check_ranges(cfg)
     return cfg
@@ -411,7 +447,10 @@ def config_to_toml(cfg: Config) -> str:
     for name in SECTIONS:
         section = getattr(cfg, name)
         lines.append(f"[{name}]")
-        if name == "model":
+        if name == "model" and section.kind == "gpt":
+            lines += [f"{key} = {_toml_value(getattr(section, key))}" for key in ("kind",) + GPT_KEYS]
+        elif name == "model":
+            lines.append(f"kind = {_toml_value(section.kind)}")
             lines.append("layers = [")
             for layer in section.layers:
                 inner = ", ".join(f"{k} = {_toml_value(v)}" for k, v in layer.as_dict().items())

@@ -1,7 +1,11 @@
 """HDF5 datasets and the sampler that fixes which samples every step uses.
 
-The file holds an input dataset (N, ...) and a target dataset (N,) or (N, C);
-the last ``val_fraction`` of the rows is the validation split. The data order
+The file holds an input dataset (N, ...) and a target dataset (N,) or (N, C),
+or, for a language model, one 1-D dataset of token ids cut into N windows of
+``block_size + 1`` tokens (``TokenDataset``: sample i is
+``tokens[i·T : i·T + T + 1]``, inputs its first T tokens, targets the T after
+the first). Either way the last ``val_fraction`` of the N samples is the
+validation split. The data order
 is a pure function of the step, so resuming needs only the step number:
 
 * ``shuffle = false``: step s uses training rows s·B … s·B+B−1 (B = global
@@ -22,7 +26,7 @@ import numpy as np
 
 from .errors import DataError
 
-__all__ = ["Dataset", "Sampler", "open_dataset"]
+__all__ = ["Dataset", "TokenDataset", "Sampler", "open_dataset"]
 
 SCAN_ROWS = 1 << 16
 
@@ -66,24 +70,7 @@ class Dataset:
         self.n_train = n - self.n_val
 
     def _dataset(self, name, key, expected):
-        try:
-            obj = self.file.get(name)
-            shape = obj.shape if isinstance(obj, h5py.Dataset) else None
-        except (OSError, KeyError) as e:  # damaged metadata
-            raise DataError(f"{self.path}: dataset {name!r} ({key}) cannot be opened: {e}") from None
-        if obj is None:
-            raise DataError(f"{self.path}: no dataset {name!r} ({key}); it has: {', '.join(self.file.keys()) or 'nothing'}")
-        if not isinstance(obj, h5py.Dataset):
-            raise DataError(f"{self.path}: {name!r} ({key}) is a group, not a dataset")
-        if shape is None:
-            raise DataError(f"{self.path}: dataset {name!r} ({key}) holds no data (an empty dataspace); "
-                            f"expected shape {expected}")
-        if len(shape) == 0:
-            raise DataError(f"{self.path}: dataset {name!r} ({key}) is a scalar; expected one row per sample, "
-                            f"shape {expected}")
-        if shape[0] == 0:
-            raise DataError(f"{self.path}: dataset {name!r} ({key}) is empty (shape {shape}); expected shape {expected}")
-        return obj
+        return _get_dataset(self.file, self.path, name, key, expected)
 
     def close(self):
         self.file.close()
@@ -156,6 +143,105 @@ class Dataset:
         return f"{self.path}: {what} contain NaN or Inf (first in row {lo + i})"
 
 
+def _get_dataset(file, path, name, key, expected):
+    """The dataset ``name`` of an open file; DataError naming ``key`` unless it holds rows."""
+    try:
+        obj = file.get(name)
+        shape = obj.shape if isinstance(obj, h5py.Dataset) else None
+    except (OSError, KeyError) as e:  # damaged metadata
+        raise DataError(f"{path}: dataset {name!r} ({key}) cannot be opened: {e}") from None
+    if obj is None:
+        raise DataError(f"{path}: no dataset {name!r} ({key}); it has: {', '.join(file.keys()) or 'nothing'}")
+    if not isinstance(obj, h5py.Dataset):
+        raise DataError(f"{path}: {name!r} ({key}) is a group, not a dataset")
+    if shape is None:
+        raise DataError(f"{path}: dataset {name!r} ({key}) holds no data (an empty dataspace); "
+                        f"expected shape {expected}")
+    if len(shape) == 0:
+        raise DataError(f"{path}: dataset {name!r} ({key}) is a scalar; expected one row per sample, "
+                        f"shape {expected}")
+    if shape[0] == 0:
+        raise DataError(f"{path}: dataset {name!r} ({key}) is empty (shape {shape}); expected shape {expected}")
+    return obj
+
+
+class TokenDataset:
+    """Windows of a 1-D token dataset, read on demand: ``read(rows)`` -> ids (n, T) and targets (n·T,)."""
+
+    def __init__(self, path, tokens, *, block_size, val_fraction, vocab_size):
+        self.path, self.T, self.vocab_size = path, block_size, vocab_size
+        if not os.path.exists(path):
+            raise DataError(f"data file {path} does not exist")
+        try:
+            self.file = h5py.File(path, "r", locking=False)
+        except OSError as e:
+            raise DataError(f"data file {path} is not a readable HDF5 file ({e})") from None
+        try:
+            self._check(tokens, val_fraction)
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _check(self, name, val_fraction):
+        path, T = self.path, self.T
+        self.tokens = _get_dataset(self.file, path, name, "data.tokens", "(N,) token ids")
+        if len(self.tokens.shape) != 1 or not np.issubdtype(self.tokens.dtype, np.integer):
+            raise DataError(f"{path}: dataset {name!r} (data.tokens) must be 1-D integer token ids, got shape "
+                            f"{self.tokens.shape} and dtype {self.tokens.dtype}")
+        count = self.tokens.shape[0]
+        if count < T + 1:
+            raise DataError(f"{path}: dataset {name!r} holds {count} tokens, shorter than one window of "
+                            f"model.block_size + 1 = {T + 1}")
+        points = self.tokens.attrs.get("vocabulary")
+        if points is not None and len(points) > self.vocab_size:
+            raise DataError(f"{path}: the vocabulary of {name!r} has {len(points)} characters but model.vocab_size "
+                            f"= {self.vocab_size}; set vocab_size >= {len(points)}")
+        self._label = f"dataset {name!r} (data.tokens)"
+        n = (count - 1) // T
+        self.n_val = int(n * val_fraction)
+        self.n_train = n - self.n_val
+
+    def close(self):
+        self.file.close()
+
+    def _fetch(self, lo: int, hi: int) -> np.ndarray:
+        try:
+            return self.tokens[lo:hi]
+        except OSError as e:
+            raise DataError(f"{self.path}: cannot read tokens {lo} to {hi - 1} of {self._label}: {e}") from None
+
+    def read(self, rows: np.ndarray):
+        """Token ids (n, T) int64 and targets (n·T,) int64 of the windows ``rows``, in that order."""
+        rows = np.asarray(rows, dtype=np.int64)
+        T = self.T
+        windows = np.empty((len(rows), T + 1), dtype=np.int64)
+        order = np.argsort(rows, kind="stable")
+        k = 0
+        while k < len(order):  # one read per run of consecutive windows
+            j = k
+            while j + 1 < len(order) and rows[order[j + 1]] == rows[order[j]] + 1:
+                j += 1
+            first = int(rows[order[k]])
+            chunk = self._fetch(first * T, (int(rows[order[j]]) + 1) * T + 1)
+            for m in range(k, j + 1):
+                at = (int(rows[order[m]]) - first) * T
+                windows[order[m]] = chunk[at : at + T + 1]
+            k = j + 1
+        return np.ascontiguousarray(windows[:, :T]), np.ascontiguousarray(windows[:, 1:]).reshape(-1)
+
+    def scan(self, start: int, stop: int) -> str:
+        """Check the tokens of windows [start, stop) are ids in [0, vocab_size); '' if clean, else the first problem."""
+        lo, hi = start * self.T, stop * self.T + 1 if stop > start else start * self.T
+        for a in range(lo, hi, SCAN_ROWS * 16):
+            ids = self._fetch(a, min(hi, a + SCAN_ROWS * 16))
+            bad = (ids < 0) | (ids >= self.vocab_size)
+            if bad.any():
+                i = int(np.argmax(bad))
+                return (f"{self.path}: token id {int(ids[i])} at position {a + i} of {self._label} is outside the "
+                        f"vocabulary [0, {self.vocab_size}) (model.vocab_size)")
+        return ""
+
+
 def _rows_text(dset, rows) -> str:
     """The rows a failed read covers: for a slice, the first chunk in it that fails again; else the indices."""
     if isinstance(rows, slice):
@@ -204,7 +290,11 @@ class Sampler:
         return self.global_rows(step)[lo : lo + self.local]
 
 
-def open_dataset(cfg, loss, in_features, out_features) -> Dataset:
+def open_dataset(cfg, loss, model) -> Dataset | TokenDataset:
+    """The data of ``cfg.data`` for ``model`` (a model spec): token windows for the GPT, rows for the MLP."""
     d = cfg.data
+    if cfg.model.kind == "gpt":
+        return TokenDataset(d.path, d.tokens, block_size=model.block_size, val_fraction=d.val_fraction,
+                            vocab_size=model.vocab_size)
     return Dataset(d.path, d.inputs, d.targets, val_fraction=d.val_fraction, loss=loss,
-                   in_features=in_features, out_features=out_features)
+                   in_features=model.in_features, out_features=model.out_features)

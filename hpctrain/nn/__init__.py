@@ -1,8 +1,9 @@
-"""Layers, losses, and the model spec with its pipeline parts."""
+"""Layers, losses, the model specs (MLP, GPT) with their pipeline parts."""
 
 from .layers import GELU, LayerNorm, Linear, ReLU, Tanh, make_layer
 from .loss import CrossEntropyLoss, MSELoss, make_loss
+from .gpt import GPTSpec, make_model
 from .model import ModelPart, ModelSpec
 
 __all__ = ["Linear", "ReLU", "GELU", "Tanh", "LayerNorm", "make_layer", "CrossEntropyLoss", "MSELoss", "make_loss",
-           "ModelSpec", "ModelPart"]
+           "ModelSpec", "ModelPart", "GPTSpec", "make_model"]

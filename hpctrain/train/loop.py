@@ -45,6 +45,7 @@ class Trainer:
         self.cfg, self.mesh = cfg, mesh
         self.rank0 = mesh.rank == 0
         self.log = log if self.rank0 else (lambda *a, **k: None)
+        run_everywhere(mesh.world, (lambda: startup.prepare_data(self)) if self.rank0 else lambda: None)
         run_everywhere(mesh.world, lambda: startup.build(self))
         check_same_everywhere(mesh.world, "config", cfg.to_toml(), lambda theirs: _first_line_diff(cfg.to_toml(), theirs))
         check_same_everywhere(mesh.world, "parameter layout", self.model.layout.describe(),
@@ -67,7 +68,8 @@ class Trainer:
         p2p = PointToPoint(comm=mesh.pp_comm, transport=self.transport) if mesh.pp > 1 else None
         self.runner = run_everywhere(mesh.world, lambda: StepRunner(
             cfg=cfg, mesh=mesh, backend=self.be, part=self.part, loss=self.loss, data=self.data,
-            sampler=self.sampler, sync=self.sync, optim=self.optim, grads=self.grads, p2p=p2p, tracer=self.tracer,
+            sampler=self.sampler, sync=self.sync, optim=self.optim, grads=self.grads, p2p=p2p,
+            transport=self.transport, tracer=self.tracer,
             log=self.log))
         self.log(f"hpctrain: {mesh.describe()}, backend {self.be.name}, {self.model.layout.size:,} parameters, "
                  f"{len(self.sync.buckets)} gradient bucket(s), overlap "
@@ -89,8 +91,9 @@ class Trainer:
         """
         ranges = [self.model.part(lo, hi).global_range for lo, hi in self.stages]
         out = []
-        for buf in [self.params] + list(self.optim.slots.values()):
-            full = gather_flat(self.mesh, self.be.to_host(buf.data), ranges, self.model.layout.size)
+        for buf in [self.params] + list(self.optim.slots.values()):  # a tied tensor's replica stays behind
+            full = gather_flat(self.mesh, self.be.to_host(buf.data)[: self.part.owned_size], ranges,
+                               self.model.layout.size)
             out.append(None if full is None else self.model.layout.unpack(full))
         if not self.rank0:
             return None
@@ -170,18 +173,21 @@ class Trainer:
 
     def _log_train(self, window, timing, lr, metrics):
         B = self.cfg.train.batch_size
-        per_row = self.model.out_features if self.loss.name == "mse" else 1
+        per_row = self.model.out_features if self.loss.name == "mse" else self.model.positions
         loss = self.runner.global_mean(timing["loss_sum"], B * per_row)
         stages = self._stage_figures(window)
         means, rate = window.flush(B)
         record = dict(step=self.step, loss=loss, lr=lr, samples_per_s=rate, grad_norm=timing["grad_norm"],
                       **{f"{k}_s": means[k] for k in ("compute", "comm", "optim", "data")})
+        if self.model.positions > 1:  # a language model: every position of a sample is a token trained on
+            record["tokens_per_s"] = rate * self.model.positions
         if stages:
             record["stages"] = stages
         if timing["skipped"]:
             record["skipped"] = True
         metrics.write(record)
-        self.log(f"step {self.step:>6}/{self.cfg.train.steps}  loss {loss:.4f}  lr {lr:.3g}  {rate:,.0f} samples/s  "
+        speed = (f"{record['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in record else f"{rate:,.0f} samples/s")
+        self.log(f"step {self.step:>6}/{self.cfg.train.steps}  loss {loss:.4f}  lr {lr:.3g}  {speed}  "
                  f"(compute {means['compute'] * 1e3:.1f} ms, comm wait {means['comm'] * 1e3:.1f} ms, "
                  f"optim {means['optim'] * 1e3:.1f} ms"
                  + (", bubble " + " ".join(f"{s['bubble']:.0%}" for s in stages) if stages else "") + ")")

@@ -22,14 +22,25 @@ from .. import checkpoint as ckpt
 from ..backend import get_backend
 from ..data import Sampler, open_dataset
 from ..errors import CheckpointError, ConfigError, DataError, LayoutError
-from ..nn import ModelSpec, make_loss
+from ..nn import make_loss, make_model
 from ..optim import make_optimizer
 from ..parallel.agree import run_everywhere
 from ..parallel.mesh import mpi_cuda_aware
 from ..parallel.sharding import scatter_flat
+from ..parallel.tied import broadcast_tied
 from ..params import FlatBuffer
 
-__all__ = ["build", "make_state", "read_start", "scatter_start"]
+__all__ = ["prepare_data", "build", "make_state", "read_start", "scatter_start"]
+
+
+def prepare_data(t) -> None:
+    """On world rank 0, before ``build``: write a bundled corpus (``data.corpus``) to ``data.path`` if missing."""
+    d = t.cfg.data
+    if d.corpus and not os.path.exists(d.path):
+        from ..text import write_corpus
+
+        tok = write_corpus(d.corpus, d.path)
+        t.log(f"data.corpus {d.corpus!r}: wrote {d.path} ({len(tok)} characters in the vocabulary)")
 
 
 def build(t) -> None:
@@ -43,11 +54,11 @@ def build(t) -> None:
     if mesh.tp > 1:
         raise LayoutError(f"parallel.tp = {mesh.tp}: tensor parallelism is not supported yet (use dp and pp)")
     t.be = get_backend(cfg.train.backend, log=t.log, device_id=local_rank())
-    t.model = ModelSpec(cfg.model.layers)
+    t.model = make_model(cfg.model)
     t.stages = t.model.partition(mesh.pp, cfg.parallel.stages)
     t.part = t.model.part(*t.stages[mesh.pp_rank])
     t.loss = make_loss(cfg.train.loss)
-    t.data = open_dataset(cfg, t.loss, t.model.in_features, t.model.out_features)
+    t.data = open_dataset(cfg, t.loss, t.model)
     t.sampler = Sampler(t.data.n_train, cfg.train.batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
                         dp_rank=mesh.dp_rank, dp_size=mesh.dp)
     if t.sampler.local % cfg.train.micro_batches:
@@ -163,8 +174,10 @@ def scatter_start(t, state, weights) -> None:
     targets += [(buf, state.slots[slot] if state is not None else None) for slot, buf in t.optim.slots.items()]
     for buf, arrays in targets:  # arrays None: zeros
         full = t.model.layout.pack(arrays) if rank0 else None
-        host = scatter_flat(mesh, full, ranges)
+        host = np.zeros(t.part.layout.size, dtype=np.float32)
+        host[: t.part.owned_size] = scatter_flat(mesh, full, ranges)
         del full
+        broadcast_tied(mesh, t.part, host)  # a tied tensor's replica on the last stage, from the first
         run_everywhere(mesh.world, lambda: t.be.copy_(buf.data, t.be.asarray(host)))  # noqa: B023
 
 

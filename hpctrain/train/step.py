@@ -28,18 +28,22 @@ from ..optim import clip_coefficient
 from ..parallel.agree import QuietExit
 from ..parallel.executor import StageExecutor
 from ..parallel.schedule import check_schedule, forward_only, make_schedule
+from ..parallel.tied import sum_tied_grads
 
 __all__ = ["StepRunner"]
 
 
 class _Batch:
-    """Micro-batches as row lists of the data file; ``load(i)`` reads micro-batch i (inputs, targets)."""
+    """Micro-batches as sample lists of the data file; ``load(i)`` reads micro-batch i (inputs, targets).
 
-    def __init__(self, data, row_lists):
-        self.data, self.row_lists = data, row_lists
+    ``rows(i)`` counts activation rows: samples × positions (a language model's every token).
+    """
+
+    def __init__(self, data, row_lists, positions=1):
+        self.data, self.row_lists, self.positions = data, row_lists, positions
 
     def rows(self, mb: int) -> int:
-        return len(self.row_lists[mb])
+        return len(self.row_lists[mb]) * self.positions
 
     def load(self, mb: int):
         return self.data.read(self.row_lists[mb])
@@ -48,14 +52,16 @@ class _Batch:
 class StepRunner:
     """Runs this rank's stage of the training schedule and of the evaluation schedule."""
 
-    def __init__(self, *, cfg, mesh, backend, part, loss, data, sampler, sync, optim, grads, p2p, tracer, log):
-        self.cfg, self.mesh, self.be, self.part, self.loss = cfg, mesh, backend, part, loss
+    def __init__(self, *, cfg, mesh, backend, part, loss, data, sampler, sync, optim, grads, p2p, transport, tracer,
+                 log):
+        self.cfg, self.mesh, self.be, self.part, self.loss, self.transport = cfg, mesh, backend, part, loss, transport
         self.data, self.sampler, self.sync, self.optim, self.grads, self.log = data, sampler, sync, optim, grads, log
         m = cfg.train.micro_batches
         self.schedule = make_schedule(cfg.parallel.schedule if mesh.pp > 1 else "1f1b", mesh.pp, m)
         self.stats = check_schedule(self.schedule)
         self.executor = StageExecutor(backend=backend, part=part, loss=loss, stage=mesh.pp_rank, stages=mesh.pp,
-                                      p2p=p2p, sync=sync, stats=self.stats, max_rows=max(1, sampler.local),
+                                      p2p=p2p, sync=sync, stats=self.stats,
+                                      max_rows=max(1, sampler.local) * part.positions,
                                       tracer=tracer)
         self.tracer = tracer
         self._eval_schedules = {}
@@ -64,14 +70,14 @@ class StepRunner:
 
     @property
     def grad_scale(self) -> float:
-        return self.loss.grad_scale(self.cfg.train.batch_size, self.part.spec.out_features)
+        return self.loss.grad_scale(self.cfg.train.batch_size * self.part.positions, self.part.spec.out_features)
 
     def train_step(self, step: int, lr: float) -> dict:
         """Run one training step (collective over the mesh); returns this stage's timings and loss sum."""
         m = self.cfg.train.micro_batches
         rows = self.sampler.local_rows(step)
         per = len(rows) // m
-        batch = _Batch(self.data, [rows[i * per : (i + 1) * per] for i in range(m)])
+        batch = _Batch(self.data, [rows[i * per : (i + 1) * per] for i in range(m)], self.part.positions)
         if self.tracer is not None:
             self.tracer.step = step + 1
         self.sync.start_step()
@@ -84,12 +90,17 @@ class StepRunner:
         """The OptimizerStep instruction: norm over the stages, the skip decision, clipping, the update."""
         from mpi4py import MPI
 
-        cfg, be = self.cfg, self.be
-        norm2 = np.array([be.sum_squares(self.grads.data)], dtype=np.float64)
-        wait = time.perf_counter()
+        cfg, be, part = self.cfg, self.be, self.part
+        t0 = time.perf_counter()
+        if part.shared:  # a tied tensor: the first and the last stage sum their gradients (both ends wait here)
+            sum_tied_grads(self.mesh, self.transport, part, self.grads)
+        wait = time.perf_counter() - t0
+        owned = self.grads.data if part.owned_size == part.layout.size else self.grads.data[: part.owned_size]
+        norm2 = np.array([be.sum_squares(owned)], dtype=np.float64)  # a replica is counted on its owner
+        t0 = time.perf_counter()
         if self.mesh.pp > 1:  # where a stage waits for the others to finish their backward passes
             self.mesh.pp_comm.Allreduce(MPI.IN_PLACE, norm2, op=MPI.SUM)
-        wait = time.perf_counter() - wait
+        wait += time.perf_counter() - t0
         norm = math.sqrt(norm2[0]) if norm2[0] >= 0 else float("nan")
         skipped = not math.isfinite(norm)
         if skipped:
@@ -135,7 +146,8 @@ class StepRunner:
             if m not in self._eval_schedules:
                 self._eval_schedules = {m: forward_only(mesh.pp, m)}  # the last one: evaluations repeat sizes
                 check_schedule(self._eval_schedules[m])
-            r = self.executor.run(self._eval_schedules[m].stages[mesh.pp_rank], _Batch(data, row_lists))
+            r = self.executor.run(self._eval_schedules[m].stages[mesh.pp_rank],
+                                  _Batch(data, row_lists, self.part.positions))
             if self.holds_loss:
                 sums[:] = r.loss_sum, r.correct, r.rows
         mesh.world.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)

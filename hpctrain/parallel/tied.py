@@ -1,0 +1,35 @@
+"""Tensors two pipeline stages hold in common: the GPT's token embedding and the head tied to it.
+
+The first stage owns ``transformer.wte.weight``; the last holds a replica for its head
+(nn/model.py: ``ModelPart.shared``). Both live on the mesh's ``ends_comm`` (the first and
+last stage of one data-parallel/tensor-parallel position, COMM_NULL on the stages between),
+where the first stage is rank 0. As in Megatron, the replica starts equal to the owner
+(``broadcast_tied``), the two sum their gradients after the data-parallel reduction
+(``sum_tied_grads``) and then apply the same update, so they stay equal.
+
+Collective over ``ends_comm``: both ends call these with the same ``part.shared`` names (the
+same order on both, by construction); a stage between them has none and calls nothing.
+"""
+
+from __future__ import annotations
+
+__all__ = ["broadcast_tied", "sum_tied_grads"]
+
+
+def broadcast_tied(mesh, part, local) -> None:
+    """The owner's values of each shared tensor into the replica, in the host array ``local`` (part layout)."""
+    for name in part.shared:
+        spec = part.layout[name]
+        mesh.ends_comm.Bcast(local[spec.offset : spec.end], root=0)
+
+
+def sum_tied_grads(mesh, transport, part, grads) -> None:
+    """Sum each shared tensor's gradient over the two ends, in place in ``grads`` (a FlatBuffer)."""
+    from mpi4py import MPI
+
+    for name in part.shared:
+        view = grads[name]
+        buf = transport.outgoing(view)  # the device array itself (CUDA-aware MPI) or a host copy
+        mesh.ends_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        if buf is not view:
+            grads.backend.copy_(view, grads.backend.asarray(buf).reshape(view.shape))

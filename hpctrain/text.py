@@ -1,0 +1,110 @@
+"""Text to token datasets: a character-level tokenizer and the bundled corpus.
+
+A token file is an HDF5 file with one 1-D integer dataset, ``tokens``, whose
+``vocabulary`` attribute lists the Unicode code points of the characters in id order
+(id i is ``chr(vocabulary[i])``), so ``hpctrain sample`` can decode what a model trained
+on it writes. Like nanoGPT's shakespeare_char, the vocabulary is the sorted set of the
+characters in the text.
+
+    hpctrain data text2h5 INPUT.txt OUT.h5
+    write_corpus("pydoc", "runs/pydoc.h5")   # the English text of Python's documentation
+
+The bundled corpus is ``pydoc_data.topics``: the help text every Python install carries
+(about 465,000 characters), so training a character-level GPT needs no download.
+"""
+
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+
+from .errors import ConfigError, DataError
+
+__all__ = ["CharTokenizer", "corpus_text", "write_tokens", "text_to_h5", "write_corpus", "read_vocabulary"]
+
+CORPORA = ("pydoc",)
+TOKENS = "tokens"
+
+
+class CharTokenizer:
+    """Characters <-> ids; ``encode`` refuses a character outside the vocabulary, naming it."""
+
+    def __init__(self, vocabulary: str):
+        if len(set(vocabulary)) != len(vocabulary):
+            raise DataError("the vocabulary repeats a character")
+        self.vocabulary = vocabulary
+        self._ids = {ch: i for i, ch in enumerate(vocabulary)}
+
+    @classmethod
+    def from_text(cls, text: str) -> "CharTokenizer":
+        return cls("".join(sorted(set(text))))
+
+    def __len__(self) -> int:
+        return len(self.vocabulary)
+
+    def encode(self, text: str) -> np.ndarray:
+        try:
+            return np.fromiter((self._ids[ch] for ch in text), dtype=np.int64, count=len(text))
+        except KeyError as e:
+            ch = e.args[0]
+            raise DataError(f"character {ch!r} (U+{ord(ch):04X}) at position {text.index(ch)} is not in the "
+                            f"vocabulary of {len(self)} characters") from None
+
+    def decode(self, ids) -> str:
+        return "".join(self.vocabulary[int(i)] for i in ids)
+
+
+def corpus_text(name: str) -> str:
+    """The text of a bundled corpus."""
+    if name != "pydoc":
+        raise ConfigError(f"data.corpus: unknown corpus {name!r} (known: {', '.join(CORPORA)})")
+    from pydoc_data import topics
+
+    return "\n".join(topics.topics[key] for key in sorted(topics.topics))
+
+
+def write_tokens(path: str, ids: np.ndarray, vocabulary: str) -> None:
+    """Write ``ids`` and the vocabulary as a token file; atomically (a temporary file renamed into place)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    dtype = np.uint16 if len(vocabulary) <= 1 << 16 else np.int32
+    try:
+        with h5py.File(tmp, "w") as f:
+            dset = f.create_dataset(TOKENS, data=np.asarray(ids).astype(dtype), chunks=True)
+            dset.attrs["vocabulary"] = np.array([ord(ch) for ch in vocabulary], dtype=np.int32)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def text_to_h5(text: str, path: str) -> CharTokenizer:
+    """Tokenise ``text`` character by character into the token file ``path``; returns the tokenizer."""
+    if not text:
+        raise DataError("the text is empty")
+    tok = CharTokenizer.from_text(text)
+    write_tokens(path, tok.encode(text), tok.vocabulary)
+    return tok
+
+
+def write_corpus(name: str, path: str) -> CharTokenizer:
+    return text_to_h5(corpus_text(name), path)
+
+
+def read_vocabulary(path: str, dataset: str = TOKENS) -> CharTokenizer | None:
+    """The tokenizer stored with a token dataset, None when it has no ``vocabulary`` attribute."""
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            obj = f.get(dataset)
+            if not isinstance(obj, h5py.Dataset) or "vocabulary" not in obj.attrs:
+                return None
+            points = np.asarray(obj.attrs["vocabulary"])
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the vocabulary: {e}") from None
+    if points.ndim != 1 or not np.issubdtype(points.dtype, np.integer) or \
+            (points.size and (points.min() < 0 or points.max() > 0x10FFFF)):
+        raise DataError(f"{path}: dataset {dataset!r} has a vocabulary attribute that is not a list of code points")
+    return CharTokenizer("".join(map(chr, points.tolist())))

@@ -30,10 +30,10 @@ import h5py
 import numpy as np
 
 from . import checkpoint_format as fmt
-from .errors import CheckpointError, NewerFormatError
+from .errors import CheckpointError, ModelMismatchError, NewerFormatError
 from .params import ParamLayout
 
-__all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "find_resume", "list_checkpoints", "inspect",
+__all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "read_meta", "find_resume", "list_checkpoints", "inspect",
            "save_weights", "load_weights"]
 
 list_checkpoints = fmt.list_checkpoints
@@ -234,6 +234,17 @@ def load_checkpoint(path: str, layout: ParamLayout, *, optim_name: str | None = 
     return state
 
 
+def read_meta(path: str) -> CheckpointState:
+    """A checkpoint's step, config text and other root attributes (verified), without its tensors."""
+    with fmt.open_read(path, "checkpoint") as f:
+        try:
+            state = _read_meta(f, path)
+        except _H5_ERRORS as e:
+            raise CheckpointError(f"checkpoint {path} is damaged: {e}") from None
+    state.path = path
+    return state
+
+
 def find_resume(directory: str, layout: ParamLayout, log, *, optim_name: str | None = None) -> CheckpointState | None:
     """The newest checkpoint in ``directory`` that verifies, for ``checkpoint.resume = "auto"``.
 
@@ -253,6 +264,9 @@ def find_resume(directory: str, layout: ParamLayout, log, *, optim_name: str | N
             state = load_checkpoint(path, layout, optim_name=optim_name)
         except NewerFormatError as e:
             raise NewerFormatError(f"{e}; resume = \"auto\" does not fall back past it to an older checkpoint")
+        except ModelMismatchError as e:  # another model's run, not damage: an older one would not fit either
+            raise ModelMismatchError(f"{e}; it was written for a different model (hpctrain inspect shows its config): "
+                                     "use a new checkpoint.dir for this model") from None
         except CheckpointError as e:
             log(f"resume: skipping {os.path.basename(path)}: {e}")
             skipped.append(path)
@@ -364,7 +378,7 @@ def _check_fit(what: str, groups, layout: ParamLayout, *, strict_dtype: bool) ->
             entries.setdefault(problems, []).append(group.name)
     if entries:
         parts = [f"{', '.join(names)}: {'; '.join(problems)}" for problems, names in entries.items()]
-        raise CheckpointError(f"{what} does not fit the model: " + " | ".join(parts))
+        raise ModelMismatchError(f"{what} does not fit the model: " + " | ".join(parts))
 
 
 def _nonfinite(arr) -> str:

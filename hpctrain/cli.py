@@ -1,8 +1,11 @@
-"""Command line: ``hpctrain train CONFIG.toml [--set section.key=value ...]``.
+"""Command line: ``hpctrain train | inspect | sample | data``.
 
     hpctrain train jobs/configs/digits.toml
     mpiexec -n 2 hpctrain train jobs/configs/digits.toml --set train.steps=100
     python -m hpctrain train jobs/configs/digits.toml
+    hpctrain inspect runs/digits/ckpt-00000300.h5
+    hpctrain sample runs/gpt-char/ckpt-00001500.h5 --prompt "The " --tokens 300
+    hpctrain data text2h5 INPUT.txt OUT.h5
 
 Errors a user can cause print one line, ``hpctrain: error: ...`` (with the
 rank under MPI), and exit with status 2; so does a host allocation that fails
@@ -33,6 +36,20 @@ def _parser():
                    help="override a config value (a TOML value; anything else is taken as a string)")
     i = sub.add_parser("inspect", help="describe a checkpoint and verify its checksums")
     i.add_argument("path")
+    s = sub.add_parser("sample", help="print text a GPT checkpoint writes after a prompt")
+    s.add_argument("checkpoint")
+    s.add_argument("--prompt", required=True, help="the text to continue (characters of the model's vocabulary)")
+    s.add_argument("--tokens", type=int, default=200, help="how many tokens to generate (default 200)")
+    s.add_argument("--temperature", type=float, default=1.0, help="divide the logits by this (0: greedy)")
+    s.add_argument("--top-k", type=int, default=0, help="draw from the k most likely tokens only (0: all)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--vocab", default="", help="token file whose vocabulary decodes (default: the config's data)")
+    s.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
+    d = sub.add_parser("data", help="make data files")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    t2h = dsub.add_parser("text2h5", help="a text file -> a character-level token file (HDF5)")
+    t2h.add_argument("input", help="a UTF-8 text file")
+    t2h.add_argument("output", help="the HDF5 file to write (dataset 'tokens' with its vocabulary)")
     return p
 
 
@@ -65,6 +82,33 @@ def _inspect(args) -> int:
     return 0 if ok else 1
 
 
+def _sample(args) -> int:
+    from .sample import sample
+
+    print(sample(args.checkpoint, args.prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
+                 seed=args.seed, vocab=args.vocab, backend=args.backend))
+    return 0
+
+
+def _data(args) -> int:
+    from .errors import DataError
+    from .text import text_to_h5
+
+    try:
+        with open(args.input, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read {args.input} as UTF-8 text: {e}") from None
+    tok = text_to_h5(text, args.output)
+    print(f"{args.output}: {len(text):,} tokens, {len(tok)} characters in the vocabulary "
+          f"(dataset 'tokens'; use data.tokens = \"tokens\" and model.vocab_size >= {len(tok)})")
+    return 0
+
+
+COMMANDS = {"train": lambda a: _train(a), "inspect": lambda a: _inspect(a), "sample": lambda a: _sample(a),
+            "data": lambda a: _data(a)}
+
+
 def _where() -> str:
     try:
         from mpi4py import MPI
@@ -82,7 +126,7 @@ def main(argv=None) -> int:
     from .parallel.agree import QuietExit
 
     try:
-        return _train(args) if args.command == "train" else _inspect(args)
+        return COMMANDS[args.command](args)
     except QuietExit:
         return 2  # another rank printed the error; every rank leaves together
     except HpctrainError as e:

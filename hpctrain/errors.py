@@ -48,3 +48,7 @@ class NonFiniteError(HpctrainError):
 
 class NewerFormatError(CheckpointError):
     """A checkpoint written by a newer hpctrain: valid, but this version cannot read it."""
+
+
+class ModelMismatchError(CheckpointError):
+    """A checkpoint that verifies but holds another model's tensors (names or shapes differ)."""

@@ -87,3 +87,30 @@ def _toml(value):
     if isinstance(value, bool):
         return "true" if value else "false"
     return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def make_tokens(path, n=2000, vocab="abcdefgh\n ", seed=0):
+    """A token file (hpctrain.text format) of ``n`` characters of a small, learnable text."""
+    from hpctrain.text import CharTokenizer, write_tokens
+
+    rng = np.random.default_rng(seed)
+    words = ["ab", "cab", "dead", "beef", "fade", "ace", "bad", "hg"]
+    text = ""
+    while len(text) < n:
+        text += words[rng.integers(len(words))] + ("\n" if rng.random() < 0.2 else " ")
+    tok = CharTokenizer("".join(sorted(set(vocab))))
+    write_tokens(path, tok.encode(text[:n]), tok.vocabulary)
+    return text[:n]
+
+
+def gpt_config(path, **sections):
+    """A tiny GPT (2 layers, 2 heads, width 8, context 8, vocabulary 12) on the token file ``path``."""
+    data = {
+        "model": {"kind": "gpt", "vocab_size": 12, "block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 8},
+        "data": {"path": str(path), "tokens": "tokens", "val_fraction": 0.1, "shuffle": True},
+        "train": {"batch_size": 4, "steps": 4, "backend": "cpu", "log_every": 1, "eval_every": 0},
+        "optim": {"name": "adamw", "lr": 0.01},
+    }
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return parse_config(data)

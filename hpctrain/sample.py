@@ -1,0 +1,100 @@
+"""Text from a trained GPT: ``hpctrain sample CHECKPOINT --prompt TEXT --tokens N``.
+
+    hpctrain sample runs/gpt-char/ckpt-00001500.h5 --prompt "The " --tokens 300 --temperature 0.8 --top-k 20
+
+The checkpoint's own config names the model and the token file whose vocabulary decodes
+it (``--vocab FILE`` names another). One process, the backend the config asks for (the
+CPU unless a GPU is there). Each new token runs the model over the last ``block_size``
+tokens of the text so far, left-aligned in a full window: attention is causal, so the
+positions after the text change nothing before it. As nanoGPT's ``generate``: logits of the
+last position divided by the temperature, cropped to the ``top_k`` largest, softmax, one
+draw (``--temperature 0``: the most likely token).
+"""
+
+from __future__ import annotations
+
+import tomllib
+
+import numpy as np
+
+from . import checkpoint as ckpt
+from .errors import CheckpointError, ConfigError, DataError
+
+__all__ = ["Generator", "sample"]
+
+
+class Generator:
+    """A GPT's parameters on a backend, and next-token draws from it."""
+
+    def __init__(self, spec, params: dict, backend):
+        from .params import FlatBuffer
+
+        self.spec, self.be = spec, backend
+        self.part = spec.part()
+        self.params, grads = FlatBuffer(backend, self.part.layout), FlatBuffer(backend, self.part.layout)
+        self.part.bind(self.params, grads)
+        self.params.load_host_dict(params)
+
+    def logits(self, ids) -> np.ndarray:
+        """Next-token logits (float64) after the token ids ``ids`` (at least one; the last block_size count)."""
+        T = self.spec.block_size
+        context = np.asarray(ids, dtype=np.int64)[-T:]
+        window = np.zeros((1, T), dtype=np.int64)
+        window[0, : len(context)] = context
+        out, _ = self.part.forward(self.be, self.be.asarray(window))
+        return self.be.to_host(out)[len(context) - 1].astype(np.float64)
+
+    def generate(self, ids, n: int, *, temperature: float, top_k: int, rng, vocab: int = 0) -> list[int]:
+        """``ids`` and ``n`` more; only ids below ``vocab`` are drawn when given (a padded table's
+        extra rows are no characters)."""
+        ids = list(ids)
+        for _ in range(n):
+            z = self.logits(ids)
+            if vocab:
+                z = z[:vocab]
+            if temperature == 0:
+                ids.append(int(np.argmax(z)))
+                continue
+            z = z / temperature
+            if top_k and top_k < len(z):
+                z[z < np.partition(z, -top_k)[-top_k]] = -np.inf
+            p = np.exp(z - z.max())
+            ids.append(int(rng.choice(len(p), p=p / p.sum())))
+        return ids
+
+
+def sample(path: str, prompt: str, n: int, *, temperature=1.0, top_k=0, seed=0, vocab="", backend="auto") -> str:
+    """The prompt and ``n`` generated characters from the GPT checkpoint ``path``."""
+    from .backend import get_backend
+    from .config import parse_config
+    from .nn.gpt import GPTSpec
+    from .text import read_vocabulary
+
+    if n < 0:
+        raise ConfigError(f"--tokens must be >= 0, got {n}")
+    if temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0 = all), got {top_k}")
+    meta = ckpt.read_meta(path)
+    try:
+        cfg = parse_config(tomllib.loads(meta.config_text), source=f"{path} (its config)")
+    except tomllib.TOMLDecodeError as e:
+        raise CheckpointError(f"checkpoint {path}: its config attribute is not TOML: {e}") from None
+    if cfg.model.kind != "gpt":
+        raise ConfigError(f"checkpoint {path} holds a {cfg.model.kind} model; sample needs a GPT (model.kind = \"gpt\")")
+    spec = GPTSpec.from_config(cfg.model)
+    tokenizer = read_vocabulary(vocab or cfg.data.path, cfg.data.tokens)
+    if tokenizer is None:
+        raise DataError(f"{vocab or cfg.data.path}: dataset {cfg.data.tokens!r} has no vocabulary attribute to "
+                        "decode with; name a token file written by `hpctrain data text2h5` with --vocab")
+    if not prompt:
+        raise ConfigError("--prompt must hold at least one character")
+    ids = tokenizer.encode(prompt)
+    weights = ckpt.load_weights(path, spec.layout)
+    gen = Generator(spec, weights, get_backend(backend if backend != "auto" else cfg.train.backend))
+    if len(tokenizer) > spec.vocab_size:
+        raise DataError(f"the vocabulary has {len(tokenizer)} characters but the model only {spec.vocab_size} ids")
+    out = gen.generate(ids, n, temperature=temperature, top_k=top_k, rng=np.random.default_rng(seed),
+                       vocab=len(tokenizer))
+    return tokenizer.decode(out)

@@ -77,22 +77,39 @@ def _relu_backward(x, dout, dinp):
         di[i] = d[i] if xs[i] > 0 else np.float32(0.0)
 
 
-@_jit
+# fast math inside the GELU only: its loops then vectorise, ~6x faster than calling libm's erf per element
+_jit_fast = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract", "afn", "nsz", "arcp"})
+_ERF_P, _ERF_A = 0.3275911, (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+@numba.njit(inline="always", cache=True)
+def _gelu_parts(v):
+    """(cdf, exp(-v²/2)) of float32 v: erf by Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7), the
+    formula of torch's vectorised CPU erf, so GELU matches torch.nn.GELU on the CPU."""
+    f32 = np.float32
+    z = abs(v) * f32(_SQRT_HALF)
+    t = f32(1.0) / (f32(1.0) + f32(_ERF_P) * z)
+    poly = t * (f32(_ERF_A[0]) + t * (f32(_ERF_A[1]) + t * (f32(_ERF_A[2]) + t * (f32(_ERF_A[3])
+                                                                                + t * f32(_ERF_A[4])))))
+    e = np.exp(-z * z)
+    erf = f32(1.0) - poly * e
+    return f32(0.5) * (f32(1.0) + (erf if v >= 0 else -erf)), e
+
+
+@_jit_fast
 def _gelu_forward(x, out):
     xs, o = x.ravel(), out.ravel()
     for i in range(xs.size):
-        v = np.float64(xs[i])
-        o[i] = 0.5 * v * (1.0 + math.erf(v * _SQRT_HALF))
+        cdf, _ = _gelu_parts(xs[i])
+        o[i] = xs[i] * cdf
 
 
-@_jit
+@_jit_fast
 def _gelu_backward(x, dout, dinp):
     xs, d, di = x.ravel(), dout.ravel(), dinp.ravel()
     for i in range(xs.size):
-        v = np.float64(xs[i])
-        cdf = 0.5 * (1.0 + math.erf(v * _SQRT_HALF))
-        pdf = _INV_SQRT_2PI * math.exp(-0.5 * v * v)
-        di[i] = d[i] * (cdf + v * pdf)
+        cdf, e = _gelu_parts(xs[i])
+        di[i] = d[i] * (cdf + xs[i] * np.float32(_INV_SQRT_2PI) * e)
 
 
 @_jit

@@ -1,0 +1,276 @@
+"""hpctrain's GPT training step (CPU backend) against the same model in plain PyTorch: tokens/s.
+
+    python bench/bench_gpt.py --torch-python /tmp/torchvenv/bin/python   # gpt-char.toml's model, batch 32, 1 thread
+    python bench/bench_gpt.py --threads 2 --n-layer 6 --n-embd 192 --block-size 128 --batch 16
+    HPCTRAIN_TORCH_PYTHON=/path/to/python python bench/bench_gpt.py       # the peer's interpreter (default: python)
+
+Model, AdamW settings and grad clip come from jobs/configs/gpt-char.toml (or --config). hpctrain runs the real
+``Trainer.train_step`` over a one-rank Mesh (HDF5 read, forward, loss, backward, norm and clipping, AdamW) on
+the bundled pydoc corpus in a temporary token file. PyTorch runs in a subprocess of the torch interpreter,
+driven over a pipe: nanoGPT's module (SDPA with is_causal, exact GELU, tied lm_head, no dropout) and
+torch.optim.AdamW decaying every parameter as hpctrain's flat AdamW does (nanoGPT decays only the matrices),
+reading the same windows of the same file each step. Both use --threads threads. The torch model first loads
+hpctrain's initial parameters by name and both take 3 identical steps (losses and the largest relative
+parameter difference are printed); then warm-up, then --repeats rounds of --steps steps, alternating which
+goes first. Prints the median tokens/s of each. Target: hpctrain / PyTorch >= 1.0.
+Where the interpreter has no torch, the peer is skipped with a message.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIG = os.path.join(HERE, "..", "jobs", "configs", "gpt-char.toml")
+CHECK_STEPS = 3
+MODEL_KEYS = ("n_layer", "n_embd", "n_head", "block_size")
+
+
+# ---------------------------------------------------------------- the PyTorch side (torch interpreter)
+
+def torch_gpt(torch, V, T, L, H, C):
+    """nanoGPT's GPT (bias = True, dropout 0) with its parameter names; lm_head tied to wte."""
+    nn, F = torch.nn, torch.nn.functional
+
+    class CausalSelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+
+        def forward(self, x):
+            B, T_, _ = x.shape
+            q, k, v = (t.view(B, T_, H, C // H).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.c_proj(y.transpose(1, 2).contiguous().view(B, T_, C))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(C), CausalSelfAttention(), nn.LayerNorm(C)
+            self.mlp = nn.ModuleDict({"c_fc": nn.Linear(C, 4 * C), "c_proj": nn.Linear(4 * C, C)})
+
+        def forward(self, x):
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x))))  # exact GELU, as nn.GELU()
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.transformer = nn.ModuleDict({"wte": nn.Embedding(V, C), "wpe": nn.Embedding(T, C),
+                                                "h": nn.ModuleList(Block() for _ in range(L)), "ln_f": nn.LayerNorm(C)})
+            self.lm_head = nn.Linear(C, V, bias=False)
+            self.transformer.wte.weight = self.lm_head.weight
+
+        def forward(self, idx):
+            t = self.transformer
+            x = t.wte(idx) + t.wpe(torch.arange(idx.shape[1]))
+            for block in t.h:
+                x = block(x)
+            return self.lm_head(t.ln_f(x))
+
+    return GPT()
+
+
+def torch_setup(torch, np, h5py, setup):
+    """The torch model with hpctrain's initial parameters, and ``step(s)``: one training step on batch s."""
+    with np.load(setup) as f:
+        m = json.loads(str(f["meta"]))
+        rows, init = f["rows"], {k[2:]: torch.from_numpy(f[k]) for k in f.files if k.startswith("p:")}
+    V, T = m["vocab_size"], m["block_size"]
+    model = torch_gpt(torch, V, T, m["n_layer"], m["n_head"], m["n_embd"])
+    missing, unexpected = model.load_state_dict(init, strict=False)
+    if missing != ["lm_head.weight"] or unexpected:  # lm_head.weight is wte.weight: loaded with it
+        raise SystemExit(f"torch worker: the names differ: missing {missing}, unexpected {unexpected}")
+    opt = torch.optim.AdamW(model.parameters(), lr=m["lr"], betas=m["betas"], eps=m["eps"],
+                            weight_decay=m["weight_decay"])
+    tokens = h5py.File(m["path"], "r", locking=False)[m["tokens"]]
+
+    def step(s):
+        windows = np.stack([tokens[r * T : r * T + T + 1] for r in rows[s]]).astype(np.int64)  # as hpctrain reads
+        x, y = torch.from_numpy(windows[:, :-1]), torch.from_numpy(windows[:, 1:])
+        loss = torch.nn.functional.cross_entropy(model(x).view(-1, V), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if m["grad_clip"] > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), m["grad_clip"])
+        opt.step()
+        return loss.item()
+
+    return model, step
+
+
+def torch_worker(threads):
+    """Line protocol on stdin/stdout: ``setup FILE``, ``run A B`` (steps A..B-1: seconds, first loss), ``save FILE``."""
+    try:
+        import h5py
+        import numpy as np
+        import torch
+    except ImportError as e:
+        print(f"missing {e.name}", flush=True)
+        return
+    torch.set_num_threads(threads)
+    print(f"ready {torch.__version__}", flush=True)
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "setup":
+            model, step = torch_setup(torch, np, h5py, args[0])
+            print("ok", flush=True)
+        elif cmd == "run":
+            t0 = time.perf_counter()
+            losses = [step(s) for s in range(int(args[0]), int(args[1]))]
+            print(f"{time.perf_counter() - t0} {losses[0]}", flush=True)
+        elif cmd == "save":
+            np.savez(args[0], **{k: v.detach().numpy() for k, v in model.state_dict().items() if k != "lm_head.weight"})
+            print("ok", flush=True)
+
+
+class TorchPeer:
+    """The worker subprocess; ``version`` is None (and ``why`` says why) when it could not start."""
+
+    def __init__(self, python, threads):
+        self.version, self.why = None, ""
+        try:
+            self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--torch-worker", "--threads",
+                                          str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        except OSError as e:
+            self.why = f"cannot run {python}: {e.strerror}"
+            return
+        first = self.proc.stdout.readline().split()
+        if first[:1] == ["ready"]:
+            self.version = first[1]
+        else:
+            status = self.proc.wait()
+            self.why = f"{python} has no {first[1]}" if first[:1] == ["missing"] else f"{python} exited ({status})"
+
+    def ask(self, line):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise SystemExit(f"the torch worker stopped (exit status {self.proc.wait()}) after {line!r}")
+        return answer.split()
+
+    def run(self, a, b):
+        seconds, loss = self.ask(f"run {a} {b}")
+        return float(seconds), float(loss)
+
+    def close(self):
+        if self.version:
+            self.proc.stdin.close()
+            self.proc.wait()
+
+
+# ---------------------------------------------------------------- hpctrain's side and the comparison
+
+def make_trainer(a, path):
+    """A Trainer over a one-rank Mesh for --config with the overrides; data.corpus writes ``path`` on first use."""
+    from hpctrain.config import load_config
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+
+    sets = [f"data.path={json.dumps(path)}", 'data.corpus="pydoc"', f"train.batch_size={a.batch}",
+            'train.backend="cpu"', 'train.metrics=""', "train.eval_every=0", 'checkpoint.dir=""',
+            'checkpoint.resume="never"']
+    sets += [f"model.{k}={getattr(a, k)}" for k in MODEL_KEYS if getattr(a, k) is not None]
+    mesh = Mesh()
+    return mesh, Trainer(load_config(a.config, sets), mesh=mesh, log=lambda *args: None)
+
+
+def check(trainer, init, runs, peer, tmp):
+    """CHECK_STEPS steps of each from the same parameters on the same batches: losses, then parameter differences."""
+    import numpy as np
+
+    def max_rel_diff(got, want):  # (worst max|got - want| / max|want| over the tensors, its name)
+        return max((float(np.abs(got[n] - want[n]).max() / max(float(np.abs(want[n]).max()), 1e-30)), n) for n in want)
+
+    losses = {who: [run(s, s + 1)[1] for s in range(CHECK_STEPS)] for who, run in runs.items()}
+    if peer.version is None:
+        return
+    peer.ask(f"save {tmp}/torch.npz")
+    with np.load(f"{tmp}/torch.npz") as f:
+        theirs = {k: f[k] for k in f.files}
+    ours = trainer.state_dict()[0]
+    dp, dp_name = max_rel_diff(ours, theirs)
+    du, du_name = max_rel_diff({k: ours[k] - init[k] for k in init}, {k: theirs[k] - init[k] for k in init})
+    print(f"check, same initial parameters and batches: loss of steps 1..{CHECK_STEPS}: "
+          + ", ".join(f"{who} " + " ".join(f"{x:.6f}" for x in v) for who, v in losses.items()))
+    print(f"  after {CHECK_STEPS} AdamW steps, max relative difference: parameters {dp:.2e} ({dp_name}), "
+          f"updates {du:.2e} ({du_name})")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=CONFIG, help="a kind = \"gpt\" config (default: jobs/configs/gpt-char.toml)")
+    for key in MODEL_KEYS:
+        p.add_argument("--" + key.replace("_", "-"), type=int, help=f"override model.{key}")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--steps", type=int, default=10, help="steps per timed round")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds of each")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--torch-python", default=os.environ.get("HPCTRAIN_TORCH_PYTHON", "python"))
+    p.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(a.threads)  # before numpy, hpctrain or torch loads its BLAS
+    if a.torch_worker:
+        return torch_worker(a.threads)
+    peer = TorchPeer(a.torch_python, a.threads)  # started before this process initialises MPI
+    import numba
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mesh, trainer = make_trainer(a, f"{tmp}/pydoc.h5")
+        cfg, B = trainer.cfg, a.batch
+        m, o, T = cfg.model, cfg.optim, cfg.model.block_size
+        warm_end = CHECK_STEPS + a.warmup
+        init = {k: np.array(v) for k, v in trainer.state_dict()[0].items()}
+        print(f"GPT n_layer {m.n_layer}, n_head {m.n_head}, n_embd {m.n_embd}, block_size {T}, vocab {m.vocab_size} "
+              f"({trainer.model.layout.size:,} parameters); batch {B} x {T} = {B * T:,} tokens a step; AdamW lr "
+              f"{o.lr:g} betas {tuple(o.betas)} weight decay {o.weight_decay:g}, grad clip {cfg.train.grad_clip:g}; "
+              f"{a.threads} thread(s)")
+
+        def hpctrain_run(first, last):
+            t0 = time.perf_counter()
+            losses = [trainer.train_step(s, o.lr)["loss_sum"] / (B * T) for s in range(first, last)]
+            return time.perf_counter() - t0, losses[0]
+
+        runs = {"hpctrain": hpctrain_run}
+        if peer.version:
+            meta = {"vocab_size": m.vocab_size, "block_size": T, "n_layer": m.n_layer, "n_head": m.n_head,
+                    "n_embd": m.n_embd, "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "path": cfg.data.path,
+                    "weight_decay": o.weight_decay, "grad_clip": cfg.train.grad_clip, "tokens": cfg.data.tokens}
+            rows = np.stack([trainer.sampler.local_rows(s) for s in range(warm_end + a.repeats * a.steps)])
+            np.savez(f"{tmp}/setup.npz", meta=json.dumps(meta), rows=rows, **{"p:" + k: v for k, v in init.items()})
+            peer.ask(f"setup {tmp}/setup.npz")
+            runs["PyTorch"] = peer.run
+        check(trainer, init, runs, peer, tmp)
+        rates = {who: [] for who in runs}
+        for who, run in runs.items():
+            run(CHECK_STEPS, warm_end)
+        for r in range(a.repeats):  # each goes first every other round
+            lo = warm_end + r * a.steps
+            for who in list(runs)[:: 1 if r % 2 == 0 else -1]:
+                rates[who].append(a.steps * B * T / runs[who](lo, lo + a.steps)[0])
+        trainer.close()
+        mesh.free()
+        peer.close()
+    names = {"hpctrain": f"hpctrain CPU backend (numpy {np.__version__}, numba {numba.__version__})",
+             "PyTorch": f"PyTorch {peer.version}"}
+    for who, values in rates.items():
+        print(f"{names[who]}: median {statistics.median(values):,.0f} tokens/s over {a.repeats} rounds of "
+              f"{a.steps} steps (rounds: {', '.join(f'{v:,.0f}' for v in values)})")
+    if peer.version is None:
+        print(f"PyTorch: skipped ({peer.why}; pass --torch-python or set HPCTRAIN_TORCH_PYTHON)")
+        return
+    ratio = statistics.median(rates["hpctrain"]) / statistics.median(rates["PyTorch"])
+    print(f"ratio hpctrain / PyTorch: {ratio:.2f} (target >= 1.0)")
+
+
+if __name__ == "__main__":
+    main()

@@ -90,11 +90,13 @@ class Backend:
         if width % 3 or (width // 3) % H:
             raise BackendError(f"{op}: qkv has {width} columns; expected 3·C with C divisible by n_head = {H}")
         C = width // 3
+        if C == 0:
+            raise BackendError(f"{op}: qkv has no columns")
         return rows // T, H, C, C // H
 
-    def bad_token(self, idx, position, vocab):
+    def bad_token(self, idx, position, vocab, op="embedding_forward"):
         value = int(self.to_host(idx).reshape(-1)[position])
-        raise BackendError(f"embedding_forward: token id {value} at position {position} of the batch is outside "
+        raise BackendError(f"{op}: token id {value} at position {position} of the batch is outside "
                            f"[0, {vocab})")
 
     def bad_target(self, targets, row, classes):

@@ -77,39 +77,55 @@ def _relu_backward(x, dout, dinp):
         di[i] = d[i] if xs[i] > 0 else np.float32(0.0)
 
 
-# fast math inside the GELU only: its loops then vectorise, ~6x faster than calling libm's erf per element
+# The GELU's erf by Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7), the formula of torch's vectorised
+# CPU erf, so GELU matches torch.nn.GELU on the CPU. Its exp(-x²/2) comes from numpy's SIMD exp,
+# written into the output array first; the loops below then vectorise (fast math inside them only).
 _jit_fast = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract", "afn", "nsz", "arcp"})
 _ERF_P, _ERF_A = 0.3275911, (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
 
 
 @numba.njit(inline="always", cache=True)
-def _gelu_parts(v):
-    """(cdf, exp(-v²/2)) of float32 v: erf by Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7), the
-    formula of torch's vectorised CPU erf, so GELU matches torch.nn.GELU on the CPU."""
+def _gelu_cdf(v, e):
+    """Φ(v) = (1 + erf(v/√2)) / 2 of float32 v, given e = exp(-v²/2)."""
     f32 = np.float32
-    z = abs(v) * f32(_SQRT_HALF)
-    t = f32(1.0) / (f32(1.0) + f32(_ERF_P) * z)
+    t = f32(1.0) / (f32(1.0) + f32(_ERF_P * _SQRT_HALF) * abs(v))
     poly = t * (f32(_ERF_A[0]) + t * (f32(_ERF_A[1]) + t * (f32(_ERF_A[2]) + t * (f32(_ERF_A[3])
                                                                                 + t * f32(_ERF_A[4])))))
-    e = np.exp(-z * z)
     erf = f32(1.0) - poly * e
-    return f32(0.5) * (f32(1.0) + (erf if v >= 0 else -erf)), e
+    return f32(0.5) * (f32(1.0) + (erf if v >= 0 else -erf))
 
 
 @_jit_fast
-def _gelu_forward(x, out):
+def _gelu_forward_from_exp(x, out):
+    """out = x · Φ(x), where out holds exp(-x²/2) on entry."""
     xs, o = x.ravel(), out.ravel()
     for i in range(xs.size):
-        cdf, _ = _gelu_parts(xs[i])
-        o[i] = xs[i] * cdf
+        o[i] = xs[i] * _gelu_cdf(xs[i], o[i])
 
 
 @_jit_fast
-def _gelu_backward(x, dout, dinp):
+def _gelu_backward_from_exp(x, dout, dinp):
+    """dinp = dout · (Φ(x) + x·φ(x)), where dinp holds exp(-x²/2) on entry."""
     xs, d, di = x.ravel(), dout.ravel(), dinp.ravel()
     for i in range(xs.size):
-        cdf, e = _gelu_parts(xs[i])
-        di[i] = d[i] * (cdf + xs[i] * np.float32(_INV_SQRT_2PI) * e)
+        e = di[i]
+        di[i] = d[i] * (_gelu_cdf(xs[i], e) + xs[i] * np.float32(_INV_SQRT_2PI) * e)
+
+
+def _exp_neg_half_square(x, out):
+    np.multiply(x, x, out=out)
+    out *= np.float32(-0.5)
+    np.exp(out, out=out)
+
+
+def _gelu_forward(x, out):
+    _exp_neg_half_square(x, out)
+    _gelu_forward_from_exp(x, out)
+
+
+def _gelu_backward(x, dout, dinp):
+    _exp_neg_half_square(x, dinp)
+    _gelu_backward_from_exp(x, dout, dinp)
 
 
 @_jit
@@ -129,7 +145,7 @@ def _tanh_backward(y, dout, dinp):
 # --------------------------------------------------------------------------- layernorm
 
 
-@_jit
+@_jit_reduce
 def _layernorm_forward(x, weight, bias, eps, out, mean, rstd):
     B, C = x.shape
     for i in range(B):
@@ -149,7 +165,7 @@ def _layernorm_forward(x, weight, bias, eps, out, mean, rstd):
         rstd[i] = s
 
 
-@_jit
+@_jit_reduce
 def _layernorm_backward(dout, x, weight, mean, rstd, dinp, dweight, dbias, accumulate):
     B, C = x.shape
     dw = np.zeros(C, dtype=np.float64)
@@ -202,6 +218,10 @@ def _embedding_backward(dout, idx, dwte, dwpe, accumulate_wte, accumulate_wpe):
     """Scatter-add of dout's rows into dwte by token id, summed over the batch into dwpe; one fixed order."""
     B, T = idx.shape
     C = dwte.shape[1]
+    for b in range(B):
+        for t in range(T):
+            if idx[b, t] < 0 or idx[b, t] >= dwte.shape[0]:
+                return b * T + t
     if not accumulate_wte:
         dwte[:] = 0.0
     if not accumulate_wpe:
@@ -213,32 +233,46 @@ def _embedding_backward(dout, idx, dwte, dwpe, accumulate_wte, accumulate_wpe):
             for c in range(C):
                 dwte[v, c] += dout[r, c]
                 dwpe[t, c] += dout[r, c]
+    return -1
 
 
 # --------------------------------------------------------------------------- causal attention
 
 
-@_jit
-def _causal_softmax(scores, scale, att):
-    """att[..., i, j] = softmax_j≤i(scale · scores[..., i, j]), 0 above the diagonal (rows of shape (T, T))."""
+@_jit_reduce
+def _causal_shift(scores, scale, att):
+    """att[..., i, j] = scale · (scores[..., i, j] − max_{j'≤i} scores[..., i, j']) for j ≤ i, −inf above."""
     N, T, _ = scores.shape
     for n in range(N):
         for i in range(T):
-            mx = -np.inf
+            mx = scores[n, i, 0]
+            for j in range(1, i + 1):
+                mx = max(mx, scores[n, i, j])
             for j in range(i + 1):
-                s = np.float64(scores[n, i, j]) * scale
-                if s > mx:
-                    mx = s
+                att[n, i, j] = (scores[n, i, j] - mx) * scale
+            for j in range(i + 1, T):
+                att[n, i, j] = -np.inf
+
+
+@_jit_reduce
+def _normalise_rows(att):
+    """Divide each row (of exponentials, zero above the diagonal) by its sum."""
+    N, T, _ = att.shape
+    for n in range(N):
+        for i in range(T):
             z = 0.0
             for j in range(i + 1):
-                e = math.exp(np.float64(scores[n, i, j]) * scale - mx)
-                att[n, i, j] = e
-                z += e
-            inv = 1.0 / z
+                z += att[n, i, j]
+            inv = np.float32(1.0 / z)
             for j in range(i + 1):
                 att[n, i, j] *= inv
-            for j in range(i + 1, T):
-                att[n, i, j] = 0.0
+
+
+def _causal_softmax(scores, scale, att):
+    """att[..., i, j] = softmax_j≤i(scale · scores[..., i, j]), 0 above the diagonal; the exp is numpy's SIMD one."""
+    _causal_shift(scores, np.float32(scale), att)
+    np.exp(att, out=att)
+    _normalise_rows(att)
 
 
 @_jit
@@ -480,7 +514,7 @@ class CpuBackend(Backend):
         check_array("embedding_forward", "out", out, shape=(B * T, C))
         bad = _embedding_forward(idx, wte, wpe, out)
         if bad >= 0:
-            self.bad_token(idx, bad, V)
+            self.bad_token(idx, bad, V, op="embedding_forward")
 
     def embedding_backward(self, dout, idx, dwte, dwpe, *, accumulate_wte=False, accumulate_wpe=False):
         """dwte[v] (+)= Σ dout rows with id v; dwpe[t] (+)= Σ_b dout[b·T + t] (rows ≥ T of dwpe: 0 or kept)."""
@@ -488,7 +522,11 @@ class CpuBackend(Backend):
         V, C = check_array("embedding_backward", "dwte", dwte, ndim=2).shape
         check_array("embedding_backward", "dwpe", dwpe, ndim=2, cols=C)
         check_array("embedding_backward", "dout", dout, shape=(B * T, C))
-        _embedding_backward(dout, idx, dwte, dwpe, bool(accumulate_wte), bool(accumulate_wpe))
+        if dwpe.shape[0] < T:
+            raise BackendError(f"embedding_backward: {T} positions but dwpe has {dwpe.shape[0]} rows")
+        bad = _embedding_backward(dout, idx, dwte, dwpe, bool(accumulate_wte), bool(accumulate_wpe))
+        if bad >= 0:
+            self.bad_token(idx, bad, V, op="embedding_backward")
 
     # -- causal multi-head self-attention on the fused q, k, v projection
     def attention_forward(self, qkv, T, n_head, out, att):

@@ -4,16 +4,20 @@
     backend = "cuda"          # or "auto": the GPU when there is one
 
 Shape letters: B batch rows, C features, K reduction size, M/N output rows/columns
-of a product, n elements of a flat buffer. The methods and their signatures are
+of a product, n elements of a flat buffer; the transformer ops add T sequence,
+V vocabulary, H heads of hs = C/H channels. The methods and their signatures are
 CpuBackend's (cpu.py); arrays are numba device arrays. Parameters, gradients,
 optimizer state and activations stay on the device for the whole step: what
 crosses the bus each step is the input batch (``asarray``) and a few scalars
 (the loss sum and correct count from ``cross_entropy``/``mse``, the gradient norm
-from ``sum_squares``), plus the gradients when MPI is not CUDA-aware
-(``to_host_into``/``from_host_into`` through a pinned buffer). See docs/gpu.md.
+from ``sum_squares``, the first bad token position from ``embedding_forward``),
+the token ids down and their sort order up for ``embedding_backward``'s deterministic
+scatter-add, plus the gradients when MPI is not CUDA-aware (``to_host_into``/
+``from_host_into`` through a pinned buffer). See docs/gpu.md.
 
 Every kernel and copy goes on the backend's one stream, in order; methods that
-return host values (``to_host``, the losses, ``sum_squares``) synchronise it,
+return host values (``to_host``, the losses, ``sum_squares``) or read the device
+(``embedding_forward/backward``) synchronise it,
 ``synchronize()`` does so explicitly (before MPI reads device memory).
 
 Launch shapes are fixed at construction: ``tile`` (the GEMM tiling, see
@@ -34,6 +38,7 @@ from .base import Backend, check_array
 from .cuda_gemm import EPI_ACCUMULATE, EPI_BIAS, EPI_STORE, GPU_TILE, SIM_TILE, GemmTile, gemm_kernels, launch_config
 from .cuda_mem import DevicePool, is_out_of_memory, out_of_memory_error
 from .cuda_ops import ops_kernels
+from .cuda_transformer import transformer_kernels
 
 __all__ = ["CudaBackend", "simulator"]
 
@@ -94,11 +99,14 @@ class CudaBackend(Backend):
             raise BackendError(f"max_blocks must be >= 1, got {max_blocks}")
         self._gemm_nt, self._gemm_nn, self._gemm_tn = gemm_kernels(self.tile)
         self._k = ops_kernels(self.block)
+        self._tk = transformer_kernels(self.block)
         self.stream = cuda.stream()
         self._pool = None if self.simulator else DevicePool(_raw_alloc, _wrap)
         self._no_bias = self.zeros((1,))  # the GEMM kernel always takes a bias array
         self._scalars = self.zeros((3,), np.float64)  # device-side results of the reductions
         self._host_scalars = self.pinned_host((3,), np.float64)
+        self._bad_token = self.zeros((1,), np.int64)  # embedding_forward: first flat position of a bad id
+        self._host_bad_token = self.pinned_host((1,), np.int64)
 
     # ------------------------------------------------------------------ memory
 
@@ -287,6 +295,99 @@ class CudaBackend(Backend):
             self._launch(k.layernorm_backward_rows, self._rows_grid(B), self.block, dout, x, weight, mean, rstd, dinp)
         self._launch(k.layernorm_backward_params, -(-C // k.RX), (k.RX, k.RY),
                      dout, x, mean, rstd, dweight, dbias, bool(accumulate))
+
+    # ------------------------------------------------------------------ transformer: residuals, embedding, attention
+
+    def add_(self, out, x):
+        """out += x (same shapes): a residual connection and its gradient."""
+        self._binary("add_", self._k.add, out=out, x=x)
+
+    def embedding_forward(self, idx, wte, wpe, out):
+        """out[B·T, C] = wte[idx[b, t]] + wpe[t] for token ids idx[B, T] (int64), wte[V, C], wpe[≥T, C].
+        An id outside [0, V) raises BackendError: the kernel leaves the first such position in one int64
+        that is read back (synchronises)."""
+        op = "embedding_forward"
+        B, T = self._check(op, "idx", idx, ndim=2, dtype=np.int64).shape
+        V, C = self._check(op, "wte", wte, ndim=2).shape
+        self._check(op, "wpe", wpe, ndim=2, cols=C)
+        if wpe.shape[0] < T:
+            raise BackendError(f"{op}: {T} positions but the position table wpe has {wpe.shape[0]} rows")
+        self._check(op, "out", out, shape=(B * T, C))
+        n = B * T
+        if n == 0:
+            return
+        self.fill_(self._bad_token, n)
+        self._launch(self._tk.embedding_forward, self._rows_grid(n), self.block, idx, wte, wpe, out, self._bad_token)
+        self._bad_token.copy_to_host(self._host_bad_token, stream=self.stream)
+        self.stream.synchronize()
+        bad = int(self._host_bad_token[0])
+        if bad < n:
+            self.bad_token(idx, bad, V)
+
+    def embedding_backward(self, dout, idx, dwte, dwpe, *, accumulate_wte=False, accumulate_wpe=False):
+        """dwte[v] (+)= Σ dout rows with id v; dwpe[t] (+)= Σ_b dout[b·T + t] (rows ≥ T of dwpe: 0 or kept).
+        Deterministic, and bit-identical to the CPU backend: idx is read back (synchronises) and sorted on
+        the host, then one block per distinct id adds its rows in batch order; no atomics."""
+        op = "embedding_backward"
+        B, T = self._check(op, "idx", idx, ndim=2, dtype=np.int64).shape
+        V, C = self._check(op, "dwte", dwte, ndim=2).shape
+        self._check(op, "dwpe", dwpe, ndim=2, cols=C)
+        self._check(op, "dout", dout, shape=(B * T, C))
+        if dwpe.shape[0] < T:
+            raise BackendError(f"{op}: {T} positions but the position gradient dwpe has {dwpe.shape[0]} rows")
+        ids = self.to_host(idx).reshape(-1) if B * T and C else None  # first: the wpe kernel overlaps the sort
+        if not accumulate_wte:
+            self.fill_(dwte, 0)
+        self._elementwise(self._tk.embedding_backward_wpe, dwpe.size, dout, B, T, dwpe, bool(accumulate_wpe))
+        if ids is None:
+            return
+        bad = np.flatnonzero((ids < 0) | (ids >= V))
+        if bad.size:
+            self.bad_token(idx, int(bad[0]), V, op=op)
+        n = ids.size
+        order = np.argsort(ids, kind="stable")  # stable: each id's rows stay in batch order
+        ids = ids[order]
+        starts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+        starts = np.concatenate(([0], starts, [n]))
+        tokens = ids[starts[:-1]]
+        U = tokens.size
+        plan = self.asarray(np.concatenate((order, starts, tokens)).astype(np.int64))  # one upload
+        self._launch(self._tk.embedding_backward_wte, self._rows_grid(U), self.block,
+                     dout, plan[:n], plan[n:n + U + 1], plan[n + U + 1:], dwte)
+
+    def attention_forward(self, qkv, T, n_head, out, att):
+        """out[B·T, C] = softmax(q·kᵀ/√hs, causal)·v per head, from qkv[B·T, 3C] (q, k, v, heads of hs = C/H);
+        att[B, H, T, T] keeps the probabilities for the backward pass."""
+        op = "attention_forward"
+        self._require_device(op, "qkv", qkv)
+        B, H, C, hs = self._attention_shapes(op, qkv, T, n_head)
+        T = int(T)
+        self._check(op, "out", out, shape=(B * T, C))
+        self._check(op, "att", att, shape=(B, H, T, T))
+        scale = np.float32(1.0 / math.sqrt(hs))
+        if B == 0:
+            return
+        tk = self._tk
+        self._launch(tk.attention_softmax, self._rows_grid(B * H * T), self.block, qkv, T, H, scale, att)
+        self._elementwise(tk.attention_values, out.size, att, qkv, T, H, out)
+
+    def attention_backward(self, dout, qkv, att, T, n_head, dqkv):
+        """dqkv[B·T, 3C] from dout[B·T, C], the forward's qkv and att (overwritten, never accumulated)."""
+        op = "attention_backward"
+        self._require_device(op, "qkv", qkv)
+        B, H, C, hs = self._attention_shapes(op, qkv, T, n_head)
+        T = int(T)
+        self._check(op, "dout", dout, shape=(B * T, C))
+        self._check(op, "att", att, shape=(B, H, T, T))
+        self._check(op, "dqkv", dqkv, shape=(B * T, 3 * C))
+        scale = np.float32(1.0 / math.sqrt(hs))
+        if B == 0:
+            return
+        tk = self._tk
+        dscores = self._alloc(op, (B, H, T, T), np.float32)
+        self._launch(tk.attention_softmax_backward, self._rows_grid(B * H * T), self.block,
+                     dout, qkv, att, T, H, scale, dscores)
+        self._elementwise(tk.attention_backward_qkv, dqkv.size, dout, qkv, att, dscores, T, H, dqkv)
 
     # ------------------------------------------------------------------ losses (host scalars out)
 

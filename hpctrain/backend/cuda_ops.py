@@ -1,4 +1,5 @@
-"""CUDA kernels for everything but the GEMM: element-wise, reductions, LayerNorm, losses, optimizers.
+"""CUDA kernels for everything but the GEMM and the transformer ops (cuda_transformer.py): element-wise,
+reductions, LayerNorm, losses, optimizers.
 
 Shape letters: B rows, C features, n elements of a flat buffer. Forward and
 backward kernels sit side by side. Three launch shapes, all with ``NT`` threads
@@ -50,7 +51,7 @@ def reduce_shape(nt: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def ops_kernels(nt: int) -> SimpleNamespace:
-    """Every non-GEMM kernel for blocks of ``nt`` threads; compiled lazily, once per process."""
+    """Every kernel but the GEMM and the transformer ops, for blocks of ``nt`` threads; compiled lazily, once."""
     if nt < 2 or nt & (nt - 1) or nt > 1024:
         raise BackendError(f"CUDA block size {nt}: must be a power of two between 2 and 1024")
     cuda_sim.install()  # under the simulator: shared arrays that every thread of a block agrees on
@@ -103,6 +104,12 @@ def ops_kernels(nt: int) -> SimpleNamespace:
         """x[n] *= s."""
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
             x[i] *= s
+
+    @cuda.jit
+    def add(out, x):
+        """out[n] += x[n] (a residual connection and its gradient)."""
+        for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+            out[i] += x[i]
 
     @cuda.jit
     def sum_squares_partial(x, partial):
@@ -390,7 +397,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
             p[i] = w * keep - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
 
     return SimpleNamespace(
-        NT=NT, RX=RX, RY=RY, fill=fill, scale=scale, sum_squares_partial=sum_squares_partial,
+        NT=NT, RX=RX, RY=RY, fill=fill, scale=scale, add=add, sum_squares_partial=sum_squares_partial,
         sum_partials=sum_partials, bias_grad=bias_grad, relu_forward=relu_forward, relu_backward=relu_backward,
         gelu_forward=gelu_forward, gelu_backward=gelu_backward, tanh_forward=tanh_forward,
         tanh_backward=tanh_backward, layernorm_forward=layernorm_forward,

@@ -1,6 +1,8 @@
-"""hpctrain's GPT training step (CPU backend) against the same model in plain PyTorch: tokens/s.
+"""hpctrain's GPT training step against the same model in plain PyTorch: tokens/s.
 
     python bench/bench_gpt.py --torch-python /tmp/torchvenv/bin/python   # gpt-char.toml's model, batch 32, 1 thread
+    python bench/bench_gpt.py --backend cuda --n-layer 6 --n-embd 384 --n-head 6 --block-size 256 --batch 64
+                                                          # on a GPU: hpctrain's CUDA backend against torch on cuda
     python bench/bench_gpt.py --threads 2 --n-layer 6 --n-embd 192 --block-size 128 --batch 16
     HPCTRAIN_TORCH_PYTHON=/path/to/python python bench/bench_gpt.py       # the peer's interpreter (default: python)
 
@@ -12,7 +14,8 @@ torch.optim.AdamW decaying every parameter as hpctrain's flat AdamW does (nanoGP
 reading the same windows of the same file each step. Both use --threads threads. The torch model first loads
 hpctrain's initial parameters by name and both take 3 identical steps (losses and the largest relative
 parameter difference are printed); then warm-up, then --repeats rounds of --steps steps, alternating which
-goes first. Prints the median tokens/s of each. Target: hpctrain / PyTorch >= 1.0.
+goes first. Prints the median tokens/s of each. Targets: hpctrain / PyTorch >= 1.0 on the CPU,
+>= 0.5 against PyTorch eager fp32 on a GPU (--backend cuda: both on the GPU; loss.item() synchronises each step).
 Where the interpreter has no torch, the peer is skipped with a message.
 """
 
@@ -82,17 +85,19 @@ def torch_setup(torch, np, h5py, setup):
         m = json.loads(str(f["meta"]))
         rows, init = f["rows"], {k[2:]: torch.from_numpy(f[k]) for k in f.files if k.startswith("p:")}
     V, T = m["vocab_size"], m["block_size"]
+    device = m.get("device", "cpu")
     model = torch_gpt(torch, V, T, m["n_layer"], m["n_head"], m["n_embd"])
     missing, unexpected = model.load_state_dict(init, strict=False)
     if missing != ["lm_head.weight"] or unexpected:  # lm_head.weight is wte.weight: loaded with it
         raise SystemExit(f"torch worker: the names differ: missing {missing}, unexpected {unexpected}")
+    model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=m["lr"], betas=m["betas"], eps=m["eps"],
                             weight_decay=m["weight_decay"])
     tokens = h5py.File(m["path"], "r", locking=False)[m["tokens"]]
 
     def step(s):
         windows = np.stack([tokens[r * T : r * T + T + 1] for r in rows[s]]).astype(np.int64)  # as hpctrain reads
-        x, y = torch.from_numpy(windows[:, :-1]), torch.from_numpy(windows[:, 1:])
+        x, y = torch.from_numpy(windows[:, :-1]).to(device), torch.from_numpy(windows[:, 1:]).to(device)
         loss = torch.nn.functional.cross_entropy(model(x).view(-1, V), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -125,7 +130,7 @@ def torch_worker(threads):
             losses = [step(s) for s in range(int(args[0]), int(args[1]))]
             print(f"{time.perf_counter() - t0} {losses[0]}", flush=True)
         elif cmd == "save":
-            np.savez(args[0], **{k: v.detach().numpy() for k, v in model.state_dict().items() if k != "lm_head.weight"})
+            np.savez(args[0], **{k: v.detach().cpu().numpy() for k, v in model.state_dict().items() if k != "lm_head.weight"})
             print("ok", flush=True)
 
 
@@ -174,7 +179,7 @@ def make_trainer(a, path):
     from hpctrain.train import Trainer
 
     sets = [f"data.path={json.dumps(path)}", 'data.corpus="pydoc"', f"train.batch_size={a.batch}",
-            'train.backend="cpu"', 'train.metrics=""', "train.eval_every=0", 'checkpoint.dir=""',
+            f'train.backend="{a.backend}"', 'train.metrics=""', "train.eval_every=0", 'checkpoint.dir=""',
             'checkpoint.resume="never"']
     sets += [f"model.{k}={getattr(a, k)}" for k in MODEL_KEYS if getattr(a, k) is not None]
     mesh = Mesh()
@@ -210,6 +215,7 @@ def main():
         p.add_argument("--" + key.replace("_", "-"), type=int, help=f"override model.{key}")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu", help="hpctrain's backend and torch's device")
     p.add_argument("--steps", type=int, default=10, help="steps per timed round")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds of each")
     p.add_argument("--warmup", type=int, default=3)
@@ -244,7 +250,8 @@ def main():
         if peer.version:
             meta = {"vocab_size": m.vocab_size, "block_size": T, "n_layer": m.n_layer, "n_head": m.n_head,
                     "n_embd": m.n_embd, "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "path": cfg.data.path,
-                    "weight_decay": o.weight_decay, "grad_clip": cfg.train.grad_clip, "tokens": cfg.data.tokens}
+                    "weight_decay": o.weight_decay, "grad_clip": cfg.train.grad_clip, "tokens": cfg.data.tokens,
+                    "device": a.backend}
             rows = np.stack([trainer.sampler.local_rows(s) for s in range(warm_end + a.repeats * a.steps)])
             np.savez(f"{tmp}/setup.npz", meta=json.dumps(meta), rows=rows, **{"p:" + k: v for k, v in init.items()})
             peer.ask(f"setup {tmp}/setup.npz")
@@ -260,7 +267,7 @@ def main():
         trainer.close()
         mesh.free()
         peer.close()
-    names = {"hpctrain": f"hpctrain CPU backend (numpy {np.__version__}, numba {numba.__version__})",
+    names = {"hpctrain": f"hpctrain {a.backend.upper()} backend (numpy {np.__version__}, numba {numba.__version__})",
              "PyTorch": f"PyTorch {peer.version}"}
     for who, values in rates.items():
         print(f"{names[who]}: median {statistics.median(values):,.0f} tokens/s over {a.repeats} rounds of "

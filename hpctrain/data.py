@@ -31,19 +31,23 @@ __all__ = ["Dataset", "TokenDataset", "Sampler", "open_dataset"]
 SCAN_ROWS = 1 << 16
 
 
+def _open_h5(path) -> h5py.File:
+    """The data file, read-only and unlocked (like checkpoint reads: the same file may hold checkpoint.init's
+    /params, and another reader's lock on a shared file system must not block a training job)."""
+    if not os.path.exists(path):
+        raise DataError(f"data file {path} does not exist")
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as e:
+        raise DataError(f"data file {path} is not a readable HDF5 file ({e})") from None
+
+
 class Dataset:
     """One HDF5 file opened read-only; rows are read on demand."""
 
     def __init__(self, path, inputs, targets, *, val_fraction, loss, in_features, out_features):
         self.path = path
-        if not os.path.exists(path):
-            raise DataError(f"data file {path} does not exist")
-        try:
-            # read-only and unlocked, like checkpoint reads: the same file may hold checkpoint.init's /params,
-            # and another reader's lock on a shared file system must not block a training job
-            self.file = h5py.File(path, "r", locking=False)
-        except OSError as e:
-            raise DataError(f"data file {path} is not a readable HDF5 file ({e})") from None
+        self.file = _open_h5(path)
         try:
             self._check(inputs, targets, val_fraction, loss, in_features, out_features)
         except BaseException:
@@ -170,12 +174,7 @@ class TokenDataset:
 
     def __init__(self, path, tokens, *, block_size, val_fraction, vocab_size):
         self.path, self.T, self.vocab_size = path, block_size, vocab_size
-        if not os.path.exists(path):
-            raise DataError(f"data file {path} does not exist")
-        try:
-            self.file = h5py.File(path, "r", locking=False)
-        except OSError as e:
-            raise DataError(f"data file {path} is not a readable HDF5 file ({e})") from None
+        self.file = _open_h5(path)
         try:
             self._check(tokens, val_fraction)
         except BaseException:

@@ -355,16 +355,20 @@ class CudaBackend(Backend):
         self._launch(self._tk.embedding_backward_wte, self._rows_grid(U), self.block,
                      dout, plan[:n], plan[n:n + U + 1], plan[n + U + 1:], dwte)
 
+    def _attention_args(self, op, qkv, T, n_head, att):
+        """(B, H, C, T, scale) of an attention call, after checking qkv and att."""
+        self._require_device(op, "qkv", qkv)
+        B, H, C, hs = self._attention_shapes(op, qkv, T, n_head)
+        T = int(T)
+        self._check(op, "att", att, shape=(B, H, T, T))
+        return B, H, C, T, np.float32(1.0 / math.sqrt(hs))
+
     def attention_forward(self, qkv, T, n_head, out, att):
         """out[B·T, C] = softmax(q·kᵀ/√hs, causal)·v per head, from qkv[B·T, 3C] (q, k, v, heads of hs = C/H);
         att[B, H, T, T] keeps the probabilities for the backward pass."""
         op = "attention_forward"
-        self._require_device(op, "qkv", qkv)
-        B, H, C, hs = self._attention_shapes(op, qkv, T, n_head)
-        T = int(T)
+        B, H, C, T, scale = self._attention_args(op, qkv, T, n_head, att)
         self._check(op, "out", out, shape=(B * T, C))
-        self._check(op, "att", att, shape=(B, H, T, T))
-        scale = np.float32(1.0 / math.sqrt(hs))
         if B == 0:
             return
         tk = self._tk
@@ -374,13 +378,9 @@ class CudaBackend(Backend):
     def attention_backward(self, dout, qkv, att, T, n_head, dqkv):
         """dqkv[B·T, 3C] from dout[B·T, C], the forward's qkv and att (overwritten, never accumulated)."""
         op = "attention_backward"
-        self._require_device(op, "qkv", qkv)
-        B, H, C, hs = self._attention_shapes(op, qkv, T, n_head)
-        T = int(T)
+        B, H, C, T, scale = self._attention_args(op, qkv, T, n_head, att)
         self._check(op, "dout", dout, shape=(B * T, C))
-        self._check(op, "att", att, shape=(B, H, T, T))
         self._check(op, "dqkv", dqkv, shape=(B * T, 3 * C))
-        scale = np.float32(1.0 / math.sqrt(hs))
         if B == 0:
             return
         tk = self._tk

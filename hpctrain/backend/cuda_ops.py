@@ -32,6 +32,7 @@ from numba import cuda, float32, float64, int64
 
 from ..errors import BackendError
 from . import cuda_sim
+from .cuda_blocks import block_reducers
 
 __all__ = ["ops_kernels", "reduce_shape"]
 
@@ -60,21 +61,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
 
     # ------------------------------------------------------------------ block reductions
 
-    @cuda.jit(device=True)
-    def block_sum(sh, v):
-        """Sum of ``v`` over the block's NT threads (1-D block); every thread gets the total."""
-        t = cuda.threadIdx.x
-        sh[t] = v
-        cuda.syncthreads()
-        s = NT // 2
-        while s > 0:
-            if t < s:
-                sh[t] += sh[t + s]
-            cuda.syncthreads()
-            s //= 2
-        total = sh[0]
-        cuda.syncthreads()  # so the caller may reuse ``sh`` at once
-        return total
+    block_sum = block_reducers(nt).block_sum
 
     @cuda.jit(device=True)
     def column_sum(sh, v):

@@ -31,6 +31,7 @@ from numba import cuda, float32
 
 from ..errors import BackendError
 from . import cuda_sim
+from .cuda_blocks import block_reducers
 
 __all__ = ["transformer_kernels"]
 
@@ -47,39 +48,8 @@ def transformer_kernels(nt: int) -> SimpleNamespace:
     cuda_sim.install()  # under the simulator: shared arrays that every thread of a block agrees on
     NT = nt
 
-    # ------------------------------------------------------------------ block reductions
-
-    @cuda.jit(device=True)
-    def block_sum(sh, v):
-        """Sum of ``v`` over the block's NT threads; every thread gets the total."""
-        t = cuda.threadIdx.x
-        sh[t] = v
-        cuda.syncthreads()
-        s = NT // 2
-        while s > 0:
-            if t < s:
-                sh[t] += sh[t + s]
-            cuda.syncthreads()
-            s //= 2
-        total = sh[0]
-        cuda.syncthreads()  # so the caller may reuse ``sh`` at once
-        return total
-
-    @cuda.jit(device=True)
-    def block_max(sh, v):
-        """Maximum of ``v`` over the block's NT threads; every thread gets it."""
-        t = cuda.threadIdx.x
-        sh[t] = v
-        cuda.syncthreads()
-        s = NT // 2
-        while s > 0:
-            if t < s and sh[t + s] > sh[t]:
-                sh[t] = sh[t + s]
-            cuda.syncthreads()
-            s //= 2
-        best = sh[0]
-        cuda.syncthreads()
-        return best
+    red = block_reducers(nt)
+    block_sum, block_max = red.block_sum, red.block_max
 
     # ------------------------------------------------------------------ embedding
 

@@ -153,25 +153,27 @@ def attention_backward(dout, qkv, T, H):
 
 
 def gpt_loss_and_grads(p, idx, targets, *, n_layer, n_head, eps=1e-5):
-    """nanoGPT's GPT (bias = True, tied head), written out in float64: the mean cross-entropy over every
-    position and the gradient of every parameter, by nanoGPT's names. ``p``: name -> array."""
+    """nanoGPT's GPT (tied head), written out in float64: the mean cross-entropy over every position and
+    the gradient of every parameter, by nanoGPT's names. ``p``: name -> array; without ``.bias`` entries,
+    the model of bias = False."""
     P = "transformer."
     B, T = idx.shape
-    lin = lambda x, name: linear_forward(x, p[name + ".weight"], p[name + ".bias"])  # noqa: E731
+    lin = lambda x, name: linear_forward(x, p[name + ".weight"], p.get(name + ".bias"))  # noqa: E731
+    bias = lambda name: p.get(name, 0.0)  # noqa: E731
     x = embedding(idx, p[P + "wte.weight"], p[P + "wpe.weight"])
     saved = []
     for i in range(n_layer):
         h = f"{P}h.{i}."
-        ln1, _, _ = layernorm(x, p[h + "ln_1.weight"], p[h + "ln_1.bias"], eps)
+        ln1, _, _ = layernorm(x, p[h + "ln_1.weight"], bias(h + "ln_1.bias"), eps)
         qkv = lin(ln1, h + "attn.c_attn")
         a, _ = attention(qkv, T, n_head)
         x2 = x + lin(a, h + "attn.c_proj")
-        ln2, _, _ = layernorm(x2, p[h + "ln_2.weight"], p[h + "ln_2.bias"], eps)
+        ln2, _, _ = layernorm(x2, p[h + "ln_2.weight"], bias(h + "ln_2.bias"), eps)
         f = lin(ln2, h + "mlp.c_fc")
         g = gelu(f)
         saved.append((x, ln1, qkv, a, x2, ln2, f, g))
         x = x2 + lin(g, h + "mlp.c_proj")
-    hf, _, _ = layernorm(x, p[P + "ln_f.weight"], p[P + "ln_f.bias"], eps)
+    hf, _, _ = layernorm(x, p[P + "ln_f.weight"], bias(P + "ln_f.bias"), eps)
     logits = hf @ p[P + "wte.weight"].astype(np.float64).T
     n = B * T
     loss, _, dlogits = cross_entropy(logits, targets.reshape(-1))
@@ -199,4 +201,4 @@ def gpt_loss_and_grads(p, idx, targets, *, n_layer, n_head, eps=1e-5):
     dwte, grads[P + "wpe.weight"] = embedding_backward(dx, idx, *p[P + "wte.weight"].shape[:1],
                                                        p[P + "wpe.weight"].shape[0])
     grads[P + "wte.weight"] = grads[P + "wte.weight"] + dwte
-    return loss / n, grads
+    return loss / n, {name: g for name, g in grads.items() if name in p}

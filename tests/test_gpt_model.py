@@ -81,9 +81,10 @@ def _run(be, spec, parts, params_full, idx, targets):
     return value / n, grads
 
 
-def test_golden_forward_and_backward_against_the_numpy_reference():
+@pytest.mark.parametrize("bias", [True, False])
+def test_golden_forward_and_backward_against_the_numpy_reference(bias):
     be = CpuBackend()
-    spec = GPTSpec(**SMALL)
+    spec = GPTSpec(**SMALL, bias=bias)
     params = spec.init_params(1)
     # larger weights than the init, so every path carries signal
     rng = np.random.default_rng(5)
@@ -145,6 +146,13 @@ def test_one_part_shares_the_tied_tensor_and_signals_it_last():
     part.backward(be, np.ones_like(out), saved, need_dinp=False, on_final=events.append)
     assert events == sorted(events, reverse=True) and events[-1] == 0
     assert events[0] == part.layout["transformer.ln_f.weight"].offset
+
+
+def test_without_biases_the_names_are_nanogpts_bias_false_ones():
+    spec = GPTSpec(**SMALL, bias=False)
+    want = {k: v for k, v in nanogpt_shapes(11, 6, 2, 8).items() if not k.endswith(".bias")}
+    assert {s.name: s.shape for s in spec.layout} == want
+    assert set(spec.init_params(0)) == set(want)
 
 
 def test_bad_shapes():

@@ -1,10 +1,13 @@
-"""A GPT-style decoder as a model spec: nanoGPT's ``GPT`` (bias = True, no dropout), unit by unit.
+"""A GPT-style decoder as a model spec: nanoGPT's ``GPT`` (no dropout), unit by unit.
 
 Units, each one layer of the spec and so a place where pipeline stages may be cut:
 
     0          Embedding   transformer.wte.weight (vocab, C), transformer.wpe.weight (block_size, C)
     1 .. L     Block       transformer.h.<i>.{ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj}
     L + 1      Head        transformer.ln_f, then logits = ln_f(x) · wteᵀ (tied: no lm_head.weight)
+
+With ``bias = false`` (nanoGPT's option) no Linear or LayerNorm has a bias, and the
+names ending in ``.bias`` are absent.
 
 Activations between units are (B·T, C) rows: T = block_size positions per sample, every
 sample a full window. The embedding takes token ids (B, T) int64; the head returns logits
@@ -81,11 +84,11 @@ class CausalSelfAttention(Layer):
 class Block(Layer):
     """x + attn(ln_1(x)), then + mlp(ln_2(·)): nanoGPT's pre-LayerNorm ``Block``."""
 
-    def __init__(self, n_embd: int, n_head: int, block_size: int, n_layer: int):
+    def __init__(self, n_embd: int, n_head: int, block_size: int, n_layer: int, bias: bool = True):
         C = n_embd
-        self.subs = (("ln_1.", LayerNorm(C)), ("attn.c_attn.", Linear(C, 3 * C)),
-                     ("attn.c_proj.", Linear(C, C)), ("ln_2.", LayerNorm(C)),
-                     ("mlp.c_fc.", Linear(C, 4 * C)), ("mlp.c_proj.", Linear(4 * C, C)))
+        self.subs = (("ln_1.", LayerNorm(C, bias=bias)), ("attn.c_attn.", Linear(C, 3 * C, bias)),
+                     ("attn.c_proj.", Linear(C, C, bias)), ("ln_2.", LayerNorm(C, bias=bias)),
+                     ("mlp.c_fc.", Linear(C, 4 * C, bias)), ("mlp.c_proj.", Linear(4 * C, C, bias)))
         self.ln_1, self.c_attn, self.attn_proj, self.ln_2, self.c_fc, self.mlp_proj = (sub for _, sub in self.subs)
         self.attn, self.gelu = CausalSelfAttention(block_size, n_head), GELU()
         self.params = tuple((prefix + name, shape) for prefix, sub in self.subs for name, shape in sub.params)
@@ -100,7 +103,8 @@ class Block(Layer):
                 continue
             std = self.residual_std if prefix.endswith("c_proj.") else INIT_STD
             out[prefix + "weight"] = _normal(rng, (sub.out_features, sub.in_features), std)
-            out[prefix + "bias"] = np.zeros(sub.out_features, np.float32)
+            if sub.has_bias:
+                out[prefix + "bias"] = np.zeros(sub.out_features, np.float32)
         return out
 
     def bind(self, weights, grads, accumulating=frozenset()):
@@ -141,8 +145,8 @@ class Block(Layer):
 class Head(Layer):
     """logits = ln_f(x) · wteᵀ: the final LayerNorm and the LM head tied to the token embedding."""
 
-    def __init__(self, vocab_size: int, n_embd: int):
-        self.ln_f = LayerNorm(n_embd)
+    def __init__(self, vocab_size: int, n_embd: int, bias: bool = True):
+        self.ln_f = LayerNorm(n_embd, bias=bias)
         self.params = tuple(("ln_f." + name, shape) for name, shape in self.ln_f.params)
         self.ties = (("wte.weight", (vocab_size, n_embd)),)
         self.in_features, self.out_features = n_embd, vocab_size
@@ -152,8 +156,8 @@ class Head(Layer):
 
     def bind(self, weights, grads, accumulating=frozenset()):
         super().bind(weights, grads, accumulating)
-        self.ln_f.bind({n: weights["ln_f." + n] for n in ("weight", "bias")},
-                       {n: grads["ln_f." + n] for n in ("weight", "bias")})
+        names = [name for name, _ in self.ln_f.params]
+        self.ln_f.bind({n: weights["ln_f." + n] for n in names}, {n: grads["ln_f." + n] for n in names})
 
     def forward(self, be, x):
         h, s_ln = self.ln_f.forward(be, x)
@@ -178,14 +182,12 @@ class GPTSpec(ModelSpec):
     def __init__(self, *, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, bias=True):
         if n_embd % n_head:
             raise ConfigError(f"model.n_embd = {n_embd} is not divisible by model.n_head = {n_head}")
-        if not bias:
-            raise ConfigError("model.bias = false is not supported yet (nanoGPT's bias = true layout only)")
         self.config = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                           n_embd=n_embd)
+                           n_embd=n_embd, bias=bias)
         self.positions, self.vocab_size, self.block_size = block_size, vocab_size, block_size
         layers = ([Embedding(vocab_size, block_size, n_embd)]
-                  + [Block(n_embd, n_head, block_size, n_layer) for _ in range(n_layer)]
-                  + [Head(vocab_size, n_embd)])
+                  + [Block(n_embd, n_head, block_size, n_layer, bias) for _ in range(n_layer)]
+                  + [Head(vocab_size, n_embd, bias)])
         prefixes = ["transformer."] + [f"transformer.h.{i}." for i in range(n_layer)] + ["transformer."]
         widths = [n_embd] * (n_layer + 1) + [vocab_size]
         self._setup(layers, prefixes, widths, block_size, [(i, i) for i in range(len(layers))])

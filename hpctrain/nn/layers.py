@@ -97,27 +97,38 @@ class Tanh(_Activation):
 
 
 class LayerNorm(Layer):
-    """Normalise over the last dimension, then scale and shift, as torch.nn.LayerNorm(dim, eps)."""
+    """Normalise over the last dimension, then scale and shift, as torch.nn.LayerNorm(dim, eps, bias=bias)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
         self.in_features = self.out_features = dim
-        self.eps = eps
-        self.params = (("weight", (dim,)), ("bias", (dim,)))
+        self.eps, self.has_bias = eps, bias
+        self.params = (("weight", (dim,)),) + ((("bias", (dim,)),) if bias else ())
 
     def init(self, rng):
         C = self.out_features
-        return {"weight": np.ones(C, np.float32), "bias": np.zeros(C, np.float32)}
+        return {"weight": np.ones(C, np.float32), **({"bias": np.zeros(C, np.float32)} if self.has_bias else {})}
+
+    def bind(self, weights, grads, accumulating=frozenset()):
+        super().bind(weights, grads, accumulating)
+        self._zero_bias = self._bias_grad_scratch = None  # without a bias: a zero shift, a gradient to discard
+
+    def _bias(self, be):
+        if self.has_bias:
+            return self.w["bias"], self.g["bias"]
+        if self._zero_bias is None:
+            self._zero_bias, self._bias_grad_scratch = be.zeros((self.out_features,)), be.empty((self.out_features,))
+        return self._zero_bias, self._bias_grad_scratch
 
     def forward(self, be, x):
         B = x.shape[0]
         out, mean, rstd = be.empty(x.shape), be.empty((B,)), be.empty((B,))
-        be.layernorm_forward(x, self.w["weight"], self.w["bias"], self.eps, out, mean, rstd)
+        be.layernorm_forward(x, self.w["weight"], self._bias(be)[0], self.eps, out, mean, rstd)
         return out, (x, mean, rstd)
 
     def backward(self, be, dout, saved, accumulate=False, need_dinp=True):
         x, mean, rstd = saved
         dinp = be.empty(x.shape)
-        be.layernorm_backward(dout, x, self.w["weight"], mean, rstd, dinp, self.g["weight"], self.g["bias"],
+        be.layernorm_backward(dout, x, self.w["weight"], mean, rstd, dinp, self.g["weight"], self._bias(be)[1],
                               accumulate=accumulate)
         return dinp
 

@@ -21,7 +21,8 @@ def _run(cmd, env_extra, timeout):
     assert " passed" in output, f"{' '.join(cmd)} ran no test:\n{output[-3000:]}"
 
 
-LAYOUT_TESTS = ["tests/mpi/test_pipeline.py", "tests/mpi/test_checkpoint_resharding.py", "tests/mpi/test_gpt_parallel.py"]
+LAYOUT_TESTS = ["tests/mpi/test_pipeline.py", "tests/mpi/test_checkpoint_resharding.py", "tests/mpi/test_gpt_parallel.py",
+                "tests/mpi/test_tensor_parallel.py"]
 
 
 @pytest.mark.parametrize("ranks, tests", [(1, ["tests/mpi"]), (2, ["tests/mpi"]), (4, LAYOUT_TESTS)],

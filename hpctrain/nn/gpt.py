@@ -22,6 +22,7 @@ holds a replica and the two sum their gradients (nn/model.py, train/step.py).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -86,14 +87,33 @@ class Block(Layer):
 
     def __init__(self, n_embd: int, n_head: int, block_size: int, n_layer: int, bias: bool = True):
         C = n_embd
-        self.subs = (("ln_1.", LayerNorm(C, bias=bias)), ("attn.c_attn.", Linear(C, 3 * C, bias)),
-                     ("attn.c_proj.", Linear(C, C, bias)), ("ln_2.", LayerNorm(C, bias=bias)),
-                     ("mlp.c_fc.", Linear(C, 4 * C, bias)), ("mlp.c_proj.", Linear(4 * C, C, bias)))
-        self.ln_1, self.c_attn, self.attn_proj, self.ln_2, self.c_fc, self.mlp_proj = (sub for _, sub in self.subs)
-        self.attn, self.gelu = CausalSelfAttention(block_size, n_head), GELU()
-        self.params = tuple((prefix + name, shape) for prefix, sub in self.subs for name, shape in sub.params)
+        self._assemble((("ln_1.", LayerNorm(C, bias=bias)), ("attn.c_attn.", Linear(C, 3 * C, bias)),
+                        ("attn.c_proj.", Linear(C, C, bias)), ("ln_2.", LayerNorm(C, bias=bias)),
+                        ("mlp.c_fc.", Linear(C, 4 * C, bias)), ("mlp.c_proj.", Linear(4 * C, C, bias))),
+                       CausalSelfAttention(block_size, n_head))
         self.in_features = self.out_features = C
         self.residual_std = INIT_STD / math.sqrt(2 * n_layer)  # nanoGPT's c_proj.weight special case
+
+    def _assemble(self, subs, attn):
+        self.subs, self.attn, self.gelu = subs, attn, GELU()
+        self.ln_1, self.c_attn, self.attn_proj, self.ln_2, self.c_fc, self.mlp_proj = (sub for _, sub in subs)
+        self.params = tuple((prefix + name, shape) for prefix, sub in subs for name, shape in sub.params)
+        self.shards = {prefix + name: kind for prefix, sub in subs for name, kind in getattr(sub, "shards", {}).items()}
+
+    def split(self, tp) -> "Block":
+        """This block as tensor-parallel rank ``tp.rank`` of ``tp.size`` runs it (Megatron's split): c_attn
+        column parallel by heads (its q, k and v rows of this rank's heads), attention over those heads,
+        c_proj row parallel; c_fc column and mlp.c_proj row parallel; LayerNorms replicated."""
+        from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+        local = copy.copy(self)  # its own LayerNorms too: they are bound to this part's views
+        local._assemble((("ln_1.", copy.copy(self.ln_1)),
+                         ("attn.c_attn.", ColumnParallelLinear(self.c_attn, tp, groups=3)),
+                         ("attn.c_proj.", RowParallelLinear(self.attn_proj, tp)), ("ln_2.", copy.copy(self.ln_2)),
+                         ("mlp.c_fc.", ColumnParallelLinear(self.c_fc, tp)),
+                         ("mlp.c_proj.", RowParallelLinear(self.mlp_proj, tp))),
+                        CausalSelfAttention(self.attn.T, self.attn.n_head // tp.size))
+        return local
 
     def init(self, rng):
         out = {}
@@ -191,6 +211,16 @@ class GPTSpec(ModelSpec):
         prefixes = ["transformer."] + [f"transformer.h.{i}." for i in range(n_layer)] + ["transformer."]
         widths = [n_embd] * (n_layer + 1) + [vocab_size]
         self._setup(layers, prefixes, widths, block_size, [(i, i) for i in range(len(layers))])
+
+    def check_tp(self, tp: int) -> None:
+        H = self.config["n_head"]
+        if tp > 1 and H % tp:
+            raise ConfigError(f"parallel.tp = {tp}: model.n_head = {H} is not divisible by it (each rank keeps whole "
+                              "attention heads)")
+
+    def tp_layer(self, i: int, tp):
+        layer = self.layers[i]
+        return layer.split(tp) if isinstance(layer, Block) else layer
 
     @classmethod
     def from_config(cls, model_cfg) -> "GPTSpec":

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import ConfigError, LayoutError
 from ..params import FlatBuffer, ParamLayout
-from .layers import LayerNorm, make_layer
+from .layers import LayerNorm, Linear, make_layer
 
 __all__ = ["ModelSpec", "ModelPart"]
 
@@ -65,6 +65,36 @@ class ModelSpec:
         starts[0] = 0  # leading activations join the first unit
         units = [(lo, hi - 1) for lo, hi in zip(starts, starts[1:] + [len(layers)])]
         self._setup(layers, [f"{i}." for i in range(len(layers))], widths, first_width, units)
+        self.tp_pairs = _linear_pairs(layers)
+
+    def check_tp(self, tp: int) -> None:
+        """ConfigError naming the first Linear pair whose split widths are not divisible by ``tp``."""
+        for col, row in self.tp_pairs:
+            width = self.layers[col].out_features
+            if tp > 1 and width % tp:
+                raise ConfigError(f"parallel.tp = {tp}: model.layers[{col}] and [{row}] are a tensor-parallel "
+                                  f"pair (column then row parallel) but their inner width {width} is not divisible "
+                                  f"by {tp}")
+
+    def tp_layer(self, i: int, tp):
+        """Layer ``i`` as tensor-parallel rank ``tp.rank`` of ``tp.size`` runs it (the layer itself when whole)."""
+        from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+        for col, row in self.tp_pairs:
+            if i == col:
+                return ColumnParallelLinear(self.layers[i], tp)
+            if i == row:
+                return RowParallelLinear(self.layers[i], tp)
+        return self.layers[i]
+
+    def tp_units(self) -> list[tuple[int, int]]:
+        """The units with each tensor-parallel pair's two units merged: a stage cut may not fall inside a pair."""
+        units = list(self.units)
+        for col, row in self.tp_pairs:
+            a = next(k for k, (lo, hi) in enumerate(units) if lo <= col <= hi)
+            b = next(k for k, (lo, hi) in enumerate(units) if lo <= row <= hi)
+            units[a : b + 1] = [(units[a][0], units[b][1])]
+        return units
 
     def _setup(self, layers, prefixes, widths, in_features, units):
         """Units: inclusive layer ranges, pipeline stages are cut between them (a layer with parameters
@@ -80,6 +110,8 @@ class ModelSpec:
                     raise LayoutError(f"layer {i} ties {prefix + name} {shape}, which no layer owns with that shape")
                 self.tied_by.setdefault(prefix + name, []).append(i)
 
+    tp_pairs: list[tuple[int, int]] = []  # (column-parallel layer, row-parallel layer) when tp > 1
+
     def width_before(self, layer: int) -> int:
         return self.in_features if layer == 0 else self.widths[layer - 1]
 
@@ -87,16 +119,25 @@ class ModelSpec:
         """Parameters layers lo..hi (inclusive) own."""
         return sum(int(np.prod(shape)) for layer in self.layers[lo : hi + 1] for _, shape in layer.params)
 
-    def partition(self, pp: int, stages=()) -> list[tuple[int, int]]:
-        """Inclusive layer ranges of the ``pp`` stages: ``stages`` when given, else units balanced by parameters."""
+    def partition(self, pp: int, stages=(), tp: int = 1) -> list[tuple[int, int]]:
+        """Inclusive layer ranges of the ``pp`` stages: ``stages`` when given, else units balanced by parameters.
+
+        With ``tp > 1`` a tensor-parallel pair is one unit: no stage boundary falls inside it."""
+        units = self.tp_units() if tp > 1 else self.units
         if stages:  # checked against the layers when the config was parsed
             if len(stages) != pp:
                 raise ConfigError(f"parallel.stages lists {len(stages)} stage(s) but parallel.pp = {pp}")
+            for s, (lo, hi) in enumerate(stages[:-1]):
+                inside = [(a, b) for a, b in self.tp_pairs if a <= hi < b] if tp > 1 else []
+                if inside:
+                    raise LayoutError(f"parallel.stages[{s}] ends at layer {hi}, inside layers {inside[0][0]}.."
+                                      f"{inside[0][1]}: a tensor-parallel pair (column then row parallel) must stay "
+                                      "on one stage")
             return [tuple(r) for r in stages]
-        if pp > len(self.units):
+        if pp > len(units):
             raise LayoutError(f"parallel.pp = {pp} is more stages than the model has partition units "
-                              f"({len(self.units)}: {self.unit_text})")
-        return _balanced([self.param_count(lo, hi) for lo, hi in self.units], self.units, pp)
+                              f"({len(units)}: {self.unit_text})")
+        return _balanced([self.param_count(lo, hi) for lo, hi in units], units, pp)
 
     unit_text = "a linear or layernorm layer with the activations after it"
 
@@ -109,9 +150,26 @@ class ModelSpec:
                 out[prefix + name] = arr
         return out
 
-    def part(self, lo: int = 0, hi: int | None = None) -> "ModelPart":
-        """The part running layers lo..hi (inclusive; the whole model by default)."""
-        return ModelPart(self, lo, len(self.layers) - 1 if hi is None else hi)
+    def part(self, lo: int = 0, hi: int | None = None, tp=None) -> "ModelPart":
+        """The part running layers lo..hi (inclusive; the whole model by default), as tensor-parallel
+        rank ``tp.rank`` of ``tp.size`` (parallel/tensor.py: ``TensorParallel``) when ``tp`` is given."""
+        return ModelPart(self, lo, len(self.layers) - 1 if hi is None else hi, tp)
+
+
+def _linear_pairs(layers) -> list[tuple[int, int]]:
+    """(i, j): Linear i, then only element-wise activations, then Linear j; each Linear in one pair at most."""
+    pairs, i = [], 0
+    while i < len(layers):
+        if isinstance(layers[i], Linear):
+            j = i + 1
+            while j < len(layers) and not layers[j].params and not isinstance(layers[j], LayerNorm):
+                j += 1
+            if j < len(layers) and isinstance(layers[j], Linear):
+                pairs.append((i, j))
+                i = j + 1
+                continue
+        i += 1
+    return pairs
 
 
 def _balanced(costs: list[int], units: list[tuple[int, int]], parts: int) -> list[tuple[int, int]]:
@@ -147,9 +205,10 @@ class ModelPart:
     sum before the optimizer step (the owner's and the replica's alike).
     """
 
-    def __init__(self, spec: ModelSpec, lo: int, hi: int):
-        self.spec, self.lo, self.hi = spec, lo, hi
-        self.layers = spec.layers[lo : hi + 1]
+    def __init__(self, spec: ModelSpec, lo: int, hi: int, tp=None):
+        self.spec, self.lo, self.hi, self.tp = spec, lo, hi, tp
+        split = tp is not None and tp.size > 1
+        self.layers = [spec.tp_layer(i, tp) if split else spec.layers[i] for i in range(lo, hi + 1)]
         self.prefixes = spec.prefixes[lo : hi + 1]
         self.is_first, self.is_last = lo == 0, hi == len(spec.layers) - 1
         self.in_features, self.out_features = spec.width_before(lo), spec.widths[hi]
@@ -167,7 +226,10 @@ class ModelPart:
         here = range(lo, hi + 1)
         self.shared = [name for name in owned_names if any(i not in here for i in spec.tied_by.get(name, ()))]
         self.shared = sorted(self.shared) + self.replicas  # the same order on the owner and the replica
-        self.global_names = {name: name for name in self.layout.names}  # local -> global (whole tensors)
+        self.global_names = {name: name for name in self.layout.names}  # local -> global
+        # how each tensor-parallel tensor is cut (parallel/tensor.py: shard); absent: whole, replicated
+        self.shards = {prefix + name: kind for layer, prefix in zip(self.layers, self.prefixes)
+                       for name, kind in getattr(layer, "shards", {}).items()}
         names = [name for name, _ in owned]
         self.global_range = ((spec.layout[names[0]].offset, spec.layout[names[-1]].end) if names
                              else (0, 0))  # this part's slice of the global flat buffer
@@ -183,9 +245,33 @@ class ModelPart:
         return f"layers {self.lo}..{self.hi}: {self.layout.size:,} parameters"
 
     def init_params(self, seed: int) -> dict[str, np.ndarray]:
-        """This part's initial tensors: the whole model is drawn from the seed, so every layout starts alike."""
-        full = self.spec.init_params(seed)
-        return {local: full[name] for local, name in self.global_names.items()}
+        """This part's initial tensors: the whole model is drawn from the seed and this rank's shards cut from
+        it, so every layout starts alike."""
+        return self.local_tensors(self.spec.init_params(seed))
+
+    def local_tensors(self, full: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """This part's tensors (this rank's shards) from the full tensors by global name."""
+        from ..parallel.tensor import shard
+
+        out = {}
+        for local, name in self.global_names.items():
+            kind = self.shards.get(local)
+            out[local] = full[name] if kind is None else shard(full[name], kind, self.tp.rank, self.tp.size)
+        return out
+
+    def norm_ranges(self) -> list[tuple[int, int]]:
+        """Local flat ranges whose squares this rank adds to the gradient norm: every shard; a replicated
+        tensor on tensor-parallel rank 0 only; never a tied tensor's replica (its owner counts it)."""
+        first = self.tp is None or self.tp.rank == 0
+        ranges = []
+        for s in self.layout:
+            if s.offset >= self.owned_size or not (first or s.name in self.shards):
+                continue
+            if ranges and ranges[-1][1] == s.offset:
+                ranges[-1] = (ranges[-1][0], s.end)
+            else:
+                ranges.append((s.offset, s.end))
+        return ranges
 
     def bind(self, params: FlatBuffer, grads: FlatBuffer) -> None:
         written = set()  # gradients written by a layer later in this part: its backward runs first

@@ -1,21 +1,29 @@
-"""Whole flat buffers to and from the stages that each hold a slice of them.
+"""Whole flat buffers to and from the ranks that each hold a piece of them.
 
-Checkpoints hold full, unsharded tensors; a pipeline stage holds the contiguous slice
-``[lo, hi)`` of the global flat buffer that its model part owns. One buffer (the
-parameters, or one optimizer slot) moves at a time, with buffer-based calls:
+Checkpoints hold full, unsharded tensors. A pipeline stage owns the contiguous slice
+``[lo, hi)`` of the global flat buffer that its model part covers; under tensor
+parallelism each rank of the stage holds its shard of some of those tensors
+(parallel/tensor.py), laid out in its part's local layout. One buffer (the parameters,
+or one optimizer slot) moves at a time, with buffer-based calls:
 
-* ``gather_flat``: ``Gatherv`` over the pipeline group of data-parallel rank 0 to its
-  stage 0 (world rank 0, the checkpoint writer);
-* ``scatter_flat``: ``Scatterv`` from there to every stage, then ``Bcast`` over each
-  stage's data-parallel group.
+* ``gather_flat``: on data-parallel rank 0 of each stage, ``Gather`` of the shards over
+  the tensor-parallel group and their reassembly into the stage's slice; then
+  ``Gatherv`` of the slices over the pipeline group to stage 0 (world rank 0, the
+  checkpoint writer);
+* ``scatter_flat``: the reverse (``Scatterv`` over the pipeline group, each stage's
+  slice cut into shards and ``Scatter``-ed over the tensor-parallel group), then
+  ``Bcast`` over each stage's data-parallel group.
 
-Both are collective over the whole mesh: every rank calls them in the same order,
-with the same ``ranges`` (one ``(lo, hi)`` per stage, from the same partition).
+Both are collective over the whole mesh: every rank calls them in the same order, with
+the same ``ranges`` (one ``(lo, hi)`` per stage, from the same partition) and its own
+``part``.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from .tensor import shard, unshard
 
 __all__ = ["gather_flat", "scatter_flat"]
 
@@ -24,15 +32,51 @@ def _counts(ranges):
     return [hi - lo for lo, hi in ranges], [lo for lo, _ in ranges]
 
 
-def gather_flat(mesh, local: np.ndarray, ranges, total: int) -> np.ndarray | None:
-    """The global flat buffer (``total`` float32) on world rank 0, None elsewhere (collective over the mesh)."""
+def _owned(part):
+    """(local spec, global spec) of each tensor the part owns (a tied replica is not its own)."""
+    return [(s, part.spec.layout[part.global_names[s.name]]) for s in part.layout if s.offset < part.owned_size]
+
+
+def _assemble(part, pieces: np.ndarray) -> np.ndarray:
+    """The stage's slice of the global buffer from the tensor-parallel ranks' owned local buffers (rows)."""
+    lo = part.global_range[0]
+    out = np.empty(part.global_range[1] - lo, dtype=np.float32)
+    for s, g in _owned(part):
+        kind = part.shards.get(s.name)
+        parts = [pieces[r, s.offset : s.end].reshape(s.shape) for r in range(len(pieces))]
+        out[g.offset - lo : g.end - lo] = (parts[0] if kind is None else unshard(parts, kind)).reshape(-1)
+    return out
+
+
+def _split(part, stage: np.ndarray, size: int) -> np.ndarray:
+    """Rows r = tensor-parallel rank r's owned local buffer, cut from the stage's slice of the global buffer."""
+    lo = part.global_range[0]
+    out = np.empty((size, part.owned_size), dtype=np.float32)
+    for s, g in _owned(part):
+        full = stage[g.offset - lo : g.end - lo].reshape(g.shape)
+        kind = part.shards.get(s.name)
+        for r in range(size):
+            out[r, s.offset : s.end] = (full if kind is None else shard(full, kind, r, size)).reshape(-1)
+    return out
+
+
+def gather_flat(mesh, local: np.ndarray, ranges, total: int, part) -> np.ndarray | None:
+    """The global flat buffer (``total`` float32) on world rank 0, None elsewhere (collective over the mesh).
+
+    ``local``: this rank's owned part of the buffer (``part.owned_size`` values, host memory)."""
     from mpi4py import MPI
 
-    if mesh.dp_rank != 0 or mesh.tp_rank != 0:
+    if mesh.dp_rank != 0:
         return None  # replicas: data-parallel rank 0 speaks for them
+    local = np.ascontiguousarray(local, dtype=np.float32)
+    if mesh.tp > 1:
+        pieces = np.empty((mesh.tp, local.size), dtype=np.float32) if mesh.tp_rank == 0 else None
+        mesh.tp_comm.Gather(local, pieces, root=0)
+        if mesh.tp_rank != 0:
+            return None
+        local = _assemble(part, pieces)
     comm = mesh.pp_comm
     counts, displs = _counts(ranges)
-    local = np.ascontiguousarray(local, dtype=np.float32)
     if comm.Get_rank() == 0:
         out = np.empty(total, dtype=np.float32)
         comm.Gatherv(local, [out, counts, displs, MPI.FLOAT], root=0)
@@ -41,17 +85,23 @@ def gather_flat(mesh, local: np.ndarray, ranges, total: int) -> np.ndarray | Non
     return None
 
 
-def scatter_flat(mesh, full: np.ndarray | None, ranges) -> np.ndarray:
-    """This stage's slice of ``full`` (given on world rank 0 only) on every rank (collective over the mesh)."""
+def scatter_flat(mesh, full: np.ndarray | None, ranges, part) -> np.ndarray:
+    """This rank's owned part (``part.owned_size`` values) of ``full`` (given on world rank 0 only), on every
+    rank (collective over the mesh)."""
     from mpi4py import MPI
 
     lo, hi = ranges[mesh.pp_rank]
-    local = np.empty(hi - lo, dtype=np.float32)
-    if mesh.dp_rank == 0 and mesh.tp_rank == 0:
-        comm = mesh.pp_comm
-        counts, displs = _counts(ranges)
-        send = [np.ascontiguousarray(full, dtype=np.float32), counts, displs, MPI.FLOAT] if comm.Get_rank() == 0 \
-            else None
-        comm.Scatterv(send, local, root=0)
+    local = np.empty(part.owned_size, dtype=np.float32)
+    if mesh.dp_rank == 0:
+        stage = np.empty(hi - lo, dtype=np.float32) if mesh.tp > 1 else local
+        if mesh.tp_rank == 0:
+            comm = mesh.pp_comm
+            counts, displs = _counts(ranges)
+            send = [np.ascontiguousarray(full, dtype=np.float32), counts, displs, MPI.FLOAT] \
+                if comm.Get_rank() == 0 else None
+            comm.Scatterv(send, stage, root=0)
+        if mesh.tp > 1:
+            pieces = _split(part, stage, mesh.tp) if mesh.tp_rank == 0 else None
+            mesh.tp_comm.Scatter(pieces, local, root=0)
     mesh.dp_comm.Bcast(local, root=0)
     return local

@@ -25,11 +25,5 @@ def broadcast_tied(mesh, part, local) -> None:
 
 def sum_tied_grads(mesh, transport, part, grads) -> None:
     """Sum each shared tensor's gradient over the two ends, in place in ``grads`` (a FlatBuffer)."""
-    from mpi4py import MPI
-
     for name in part.shared:
-        view = grads[name]
-        buf = transport.outgoing(view)  # the device array itself (CUDA-aware MPI) or a host copy
-        mesh.ends_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        if buf is not view:
-            grads.backend.copy_(view, grads.backend.asarray(buf).reshape(view.shape))
+        transport.allreduce_(mesh.ends_comm, grads[name])

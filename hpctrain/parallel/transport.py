@@ -49,6 +49,15 @@ class Transport:
         if not self.direct:
             self.backend.from_host_into(host, arr)
 
+    def allreduce_(self, comm, arr) -> None:
+        """Sum ``arr`` over ``comm`` in place (a blocking Allreduce; collective over ``comm``)."""
+        from mpi4py import MPI
+
+        buf = self.outgoing(arr)  # the array itself (host, or CUDA-aware MPI) or a host copy
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        if buf is not arr:
+            self.backend.copy_(arr, self.backend.asarray(buf).reshape(arr.shape))
+
 
 class _Recv:
     __slots__ = ("request", "host", "arr", "transport")

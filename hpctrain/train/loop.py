@@ -24,7 +24,7 @@ from .. import checkpoint as ckpt
 from ..parallel.agree import check_same_everywhere, run_everywhere
 from ..parallel.data_parallel import GradSync
 from ..parallel.sharding import gather_flat
-from ..parallel.transport import PointToPoint, Transport
+from ..parallel.transport import PointToPoint
 from ..optim import lr_at
 from . import startup
 from .metrics import MetricsFile, Window
@@ -60,7 +60,6 @@ class Trainer:
         # rank 0 reads whatever file is involved; a bad file is reported before any broadcast
         start = run_everywhere(mesh.world, (lambda: startup.read_start(self)) if self.rank0 else lambda: (None, None))
         startup.scatter_start(self, *start)
-        self.transport = Transport(self.be, cuda_aware=self.cuda_aware)
         self.sync = run_everywhere(mesh.world, lambda: GradSync(  # staging buffers: a device may run out
             comm=mesh.dp_comm, transport=self.transport, grads=self.grads, bucket_mb=cfg.parallel.bucket_mb,
             overlap=cfg.parallel.overlap))
@@ -93,7 +92,7 @@ class Trainer:
         out = []
         for buf in [self.params] + list(self.optim.slots.values()):  # a tied tensor's replica stays behind
             full = gather_flat(self.mesh, self.be.to_host(buf.data)[: self.part.owned_size], ranges,
-                               self.model.layout.size)
+                               self.model.layout.size, self.part)
             out.append(None if full is None else self.model.layout.unpack(full))
         if not self.rank0:
             return None

@@ -27,7 +27,9 @@ from ..optim import make_optimizer
 from ..parallel.agree import run_everywhere
 from ..parallel.mesh import mpi_cuda_aware
 from ..parallel.sharding import scatter_flat
+from ..parallel.tensor import TensorParallel
 from ..parallel.tied import broadcast_tied
+from ..parallel.transport import Transport
 from ..params import FlatBuffer
 
 __all__ = ["prepare_data", "build", "make_state", "read_start", "scatter_start"]
@@ -44,19 +46,26 @@ def prepare_data(t) -> None:
 
 
 def build(t) -> None:
-    """Set ``t.be``, ``t.model``, ``t.stages``, ``t.part``, ``t.loss``, ``t.data``, ``t.sampler``, ``t.cuda_aware``."""
+    """Set ``t.be``, ``t.cuda_aware``, ``t.transport``, ``t.model``, ``t.stages``, ``t.tensor`` (the tensor-parallel
+    group, None when tp = 1), ``t.part``, ``t.loss``, ``t.data``, ``t.sampler``."""
     cfg, mesh = t.cfg, t.mesh
     for key in ("dp", "pp", "tp"):
         want = getattr(cfg.parallel, key)
         if want != "auto" and getattr(mesh, key) != want:
             raise LayoutError(f"the mesh has {key} = {getattr(mesh, key)} but parallel.{key} = {want}: build it with "
                               "Mesh(dp=cfg.parallel.dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp)")
-    if mesh.tp > 1:
-        raise LayoutError(f"parallel.tp = {mesh.tp}: tensor parallelism is not supported yet (use dp and pp)")
     t.be = get_backend(cfg.train.backend, log=t.log, device_id=local_rank())
+    ca = cfg.parallel.cuda_aware
+    t.cuda_aware = bool(t.be.is_device and (mpi_cuda_aware() if ca == "auto" else ca))
+    if t.cuda_aware and getattr(t.be, "simulator", False):
+        t.log("parallel.cuda_aware: simulated device arrays have no device pointer; staging through host memory")
+        t.cuda_aware = False
+    t.transport = Transport(t.be, cuda_aware=t.cuda_aware)
     t.model = make_model(cfg.model)
-    t.stages = t.model.partition(mesh.pp, cfg.parallel.stages)
-    t.part = t.model.part(*t.stages[mesh.pp_rank])
+    t.model.check_tp(mesh.tp)
+    t.stages = t.model.partition(mesh.pp, cfg.parallel.stages, tp=mesh.tp)
+    t.tensor = TensorParallel(mesh.tp_comm, t.transport) if mesh.tp > 1 else None
+    t.part = t.model.part(*t.stages[mesh.pp_rank], tp=t.tensor)
     t.loss = make_loss(cfg.train.loss)
     t.data = open_dataset(cfg, t.loss, t.model)
     t.sampler = Sampler(t.data.n_train, cfg.train.batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
@@ -70,11 +79,6 @@ def build(t) -> None:
         raise DataError(problem)
     if mesh.rank == 0:
         check_outputs(cfg)
-    ca = cfg.parallel.cuda_aware
-    t.cuda_aware = bool(t.be.is_device and (mpi_cuda_aware() if ca == "auto" else ca))
-    if t.cuda_aware and getattr(t.be, "simulator", False):
-        t.log("parallel.cuda_aware: simulated device arrays have no device pointer; staging through host memory")
-        t.cuda_aware = False
 
 
 def check_outputs(cfg) -> None:
@@ -175,7 +179,7 @@ def scatter_start(t, state, weights) -> None:
     for buf, arrays in targets:  # arrays None: zeros
         full = t.model.layout.pack(arrays) if rank0 else None
         host = np.zeros(t.part.layout.size, dtype=np.float32)
-        host[: t.part.owned_size] = scatter_flat(mesh, full, ranges)
+        host[: t.part.owned_size] = scatter_flat(mesh, full, ranges, t.part)
         del full
         broadcast_tied(mesh, t.part, host)  # a tied tensor's replica on the last stage, from the first
         run_everywhere(mesh.world, lambda: t.be.copy_(buf.data, t.be.asarray(host)))  # noqa: B023

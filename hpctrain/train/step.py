@@ -64,6 +64,7 @@ class StepRunner:
                                       max_rows=max(1, sampler.local) * part.positions,
                                       tracer=tracer)
         self.tracer = tracer
+        self._norm_ranges = part.norm_ranges()
         self._eval_schedules = {}
         # whose loss sums count: the last stage's (one tensor-parallel rank of it)
         self.holds_loss = part.is_last and mesh.tp_rank == 0
@@ -95,9 +96,13 @@ class StepRunner:
         if part.shared:  # a tied tensor: the first and the last stage sum their gradients (both ends wait here)
             sum_tied_grads(self.mesh, self.transport, part, self.grads)
         wait = time.perf_counter() - t0
-        owned = self.grads.data if part.owned_size == part.layout.size else self.grads.data[: part.owned_size]
-        norm2 = np.array([be.sum_squares(owned)], dtype=np.float64)  # a replica is counted on its owner
+        # each tensor counted once: a shard on every tensor-parallel rank, a replicated tensor on one
+        data = self.grads.data
+        norm2 = np.array([sum(be.sum_squares(data if (lo, hi) == (0, data.size) else data[lo:hi])
+                              for lo, hi in self._norm_ranges)], dtype=np.float64)
         t0 = time.perf_counter()
+        if self.mesh.tp > 1:
+            self.mesh.tp_comm.Allreduce(MPI.IN_PLACE, norm2, op=MPI.SUM)
         if self.mesh.pp > 1:  # where a stage waits for the others to finish their backward passes
             self.mesh.pp_comm.Allreduce(MPI.IN_PLACE, norm2, op=MPI.SUM)
         wait += time.perf_counter() - t0

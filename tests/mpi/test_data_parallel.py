@@ -118,18 +118,6 @@ def test_nonblocking_path_equals_single_process(comm, data):
         np.testing.assert_allclose(value, alone[name], rtol=2e-5, atol=2e-6, err_msg=name)
 
 
-def test_tensor_parallel_layout_is_refused_clearly(comm, data):
-    if comm.size < 2:
-        pytest.skip("needs two ranks for tp = 2")
-    mesh = Mesh(comm=comm, dp=comm.size // 2, tp=2)
-    cfg = config(data, train={"batch_size": 8 * comm.size}, parallel={"tp": 2})
-    with pytest.raises((LayoutError, QuietExit)) as info:
-        Trainer(cfg, mesh=mesh, **quiet)
-    if comm.rank == 0:
-        assert "parallel.tp = 2: tensor parallelism is not supported yet" in str(info.value)
-    mesh.free()
-
-
 def test_a_mesh_that_differs_from_the_config_is_refused(comm, data):
     if comm.size < 2:
         pytest.skip("needs two ranks for pp = 2")

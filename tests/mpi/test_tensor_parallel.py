@@ -1,0 +1,117 @@
+"""Tensor parallelism (Megatron-style column/row-parallel pairs) equals one process, alone and with dp or pp.
+
+Run under ``mpiexec -n 1``, ``-n 2`` and ``-n 4`` by tests/test_suites.py. tp = 2 needs an even world;
+what is left over is dp (or pp = 2 at four ranks). The global batch grows with dp so every rank
+gets the same share; the reference is each rank training the same config alone on COMM_SELF.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from helpers import config, gpt_config, make_tokens, train_params as train
+
+SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+
+
+def layouts(comm):
+    """(tp, pp) pairs this world runs with tp = 2."""
+    if comm.size % 2:
+        return []
+    return [(2, 1)] + ([(2, 2)] if comm.size % 4 == 0 else [])
+
+
+def split_sizes(cfg, comm):
+    """(this rank's parameter count, the model's, how many tensors are sharded) at the config's layout."""
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+
+    p = cfg.parallel
+    mesh = Mesh(comm=comm, tp=p.tp, pp=p.pp)
+    t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    out = t.part.owned_size, t.model.layout.size, len(t.part.shards)
+    t.close()
+    mesh.free()
+    return out
+
+
+def alone(cfg):
+    single = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1, pp=1, stages=(), dp="auto"))
+    return train(single, MPI.COMM_SELF)
+
+
+def max_error(got, want) -> float:
+    assert set(got) == set(want)
+    return max(float(np.abs(got[n] - want[n]).max() / max(np.abs(want[n]).max(), 1e-30)) for n in want)
+
+
+@pytest.fixture
+def tokens(shared_dir, comm):
+    path = f"{shared_dir}/t.h5"
+    if comm.rank == 0:
+        make_tokens(path)
+    comm.Barrier()
+    return path
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_tensor_parallel_mlp_equals_one_process(comm, data, micro):
+    """The helper MLP: Linear 0 (then tanh, layernorm) stays whole; Linear 4 → relu → Linear 6 is a pair."""
+    if not layouts(comm):
+        pytest.skip("tp = 2 needs an even number of ranks")
+    for tp, pp in layouts(comm):
+        dp = comm.size // (tp * pp)
+        cfg = config(data, optim=SGD, train={"steps": 4, "batch_size": 8 * dp, "micro_batches": micro,
+                                              "grad_clip": 0.5}, parallel={"tp": tp, "pp": pp})
+        if pp == 1:  # layer 4's weight and bias, layer 6's weight: halved; the rest whole
+            assert split_sizes(cfg, comm) == (171 - (8 * 8 + 8 + 3 * 8) // 2, 171, 3)
+        assert max_error(train(cfg, comm), alone(cfg)) < 1e-6, (tp, pp)
+
+
+def test_tensor_parallel_gpt_equals_one_process(comm, tokens):
+    """Heads split across ranks (c_attn's q, k, v rows of each rank's heads), c_proj and the MLP split."""
+    if not layouts(comm):
+        pytest.skip("tp = 2 needs an even number of ranks")
+    for tp, pp in layouts(comm):
+        dp = comm.size // (tp * pp)
+        cfg = gpt_config(tokens, optim=SGD, train={"batch_size": 4 * dp, "micro_batches": 2, "grad_clip": 1.0},
+                         parallel={"tp": tp, "pp": pp})
+        if pp == 1:  # per block: c_attn, attn.c_proj.weight, c_fc, mlp.c_proj.weight halved
+            C, L = 8, 2
+            halved = L * (3 * C * C + 3 * C + C * C + 4 * C * C + 4 * C + 4 * C * C) // 2
+            assert split_sizes(cfg, comm) == (1920 - halved, 1920, 6 * L)
+        assert max_error(train(cfg, comm), alone(cfg)) < 1e-6, (tp, pp)
+
+
+def refused(cfg, comm, **mesh_args):
+    """The error every rank leaves with (rank 0's message; QuietExit elsewhere), before any training."""
+    from hpctrain.errors import HpctrainError
+    from hpctrain.parallel.agree import QuietExit
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+
+    mesh = Mesh(comm=comm, **mesh_args)
+    try:
+        with pytest.raises((HpctrainError, QuietExit)) as info:
+            Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    finally:
+        mesh.free()
+    return str(info.value) if comm.rank == 0 else None
+
+
+def test_bad_tensor_parallel_layouts_are_one_clear_error(comm, data, tokens):
+    if comm.size % 2:
+        pytest.skip("tp = 2 needs an even number of ranks")
+    dp = comm.size // 2
+    odd = config(data, hidden=7, train={"batch_size": 8 * dp}, parallel={"tp": 2})
+    msg = refused(odd, comm, tp=2)
+    assert msg is None or "model.layers[4] and [6] are a tensor-parallel pair" in msg and "7 is not divisible" in msg
+    heads = gpt_config(tokens, model={"n_head": 1}, train={"batch_size": 4 * dp}, parallel={"tp": 2})
+    msg = refused(heads, comm, tp=2)
+    assert msg is None or "model.n_head = 1 is not divisible by it" in msg
+    if comm.size == 4:
+        cut = config(data, train={"batch_size": 8}, parallel={"tp": 2, "pp": 2, "stages": [[0, 4], [5, 6]]})
+        msg = refused(cut, comm, tp=2, pp=2)
+        assert msg is None or "parallel.stages[0] ends at layer 4, inside layers 4..6" in msg

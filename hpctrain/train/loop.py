@@ -75,6 +75,11 @@ class Trainer:
                  f"{('on, communication thread' if self.sync.threaded else 'on') if cfg.parallel.overlap else 'off'}"
                  + (f", gradients {'straight to CUDA-aware MPI' if self.cuda_aware else 'staged through host memory'}"
                     if self.be.is_device else ""))
+        if mesh.tp > 1:
+            split = [f"{lo}..{hi}" for lo, hi in self.model.tp_pairs] if self.model.tp_pairs else \
+                ["every transformer block"] if self.part.shards else []
+            self.log(f"tensor parallel: tp {mesh.tp}, column/row-parallel pairs: {', '.join(split) or 'none'}; "
+                     f"this rank holds {self.part.owned_size:,} of {self.model.layout.size:,} parameters")
         if mesh.pp > 1:
             s = self.runner.schedule
             self.log(f"pipeline: schedule {s.name}, {cfg.train.micro_batches} micro-batch(es), stages "
@@ -178,6 +183,8 @@ class Trainer:
         means, rate = window.flush(B)
         record = dict(step=self.step, loss=loss, lr=lr, samples_per_s=rate, grad_norm=timing["grad_norm"],
                       **{f"{k}_s": means[k] for k in ("compute", "comm", "optim", "data")})
+        if "tp_bytes" in timing:
+            record["tp_bytes"] = timing["tp_bytes"]
         if self.model.positions > 1:  # a language model: every position of a sample is a token trained on
             record["tokens_per_s"] = rate * self.model.positions
         if stages:

@@ -82,8 +82,12 @@ class StepRunner:
         if self.tracer is not None:
             self.tracer.step = step + 1
         self.sync.start_step()
+        tp = self.part.tp
+        sent = tp.bytes if tp is not None else 0
         r = self.executor.run(self.schedule.stages[self.mesh.pp_rank], batch, grad_scale=self.grad_scale,
                               on_optimizer_step=lambda: self._finish(step, lr))
+        if tp is not None:  # bytes this rank's tensor-parallel Allreduces carried this step
+            r.extra["tp_bytes"] = tp.bytes - sent
         return dict(compute=r.busy, comm=r.comm, optim=r.optim, data=r.data, busy=r.busy, wait=r.wait, span=r.span,
                     bubble=r.bubble, loss_sum=r.loss_sum, peak_live=r.peak_live, peak_bytes=r.peak_bytes, **r.extra)
 

@@ -115,3 +115,42 @@ def test_bad_tensor_parallel_layouts_are_one_clear_error(comm, data, tokens):
         cut = config(data, train={"batch_size": 8}, parallel={"tp": 2, "pp": 2, "stages": [[0, 4], [5, 6]]})
         msg = refused(cut, comm, tp=2, pp=2)
         assert msg is None or "parallel.stages[0] ends at layer 4, inside layers 4..6" in msg
+
+
+@pytest.mark.parametrize("first_tp", [2, 1], ids=["tp2-then-tp1", "tp1-then-tp2"])
+def test_checkpoints_move_between_tensor_parallel_sizes(comm, tokens, shared_dir, first_tp):
+    """Two steps at one tp, a checkpoint (full tensors), two more at the other == four steps on one process."""
+    if comm.size % 2:
+        pytest.skip("tp = 2 needs an even number of ranks")
+    dp = comm.size // 2
+    base = gpt_config(tokens, optim={"name": "adamw", "lr": 0.01}, train={"batch_size": 4 * dp, "steps": 2},
+                      checkpoint={"dir": f"{shared_dir}/ck"})
+
+    def at(tp, steps, **changes):
+        return dataclasses.replace(base, train=dataclasses.replace(base.train, steps=steps),
+                                   parallel=dataclasses.replace(base.parallel, tp=tp), **changes)
+
+    train(at(first_tp, 2), comm)
+    resumed = train(at(3 - first_tp, 4), comm)
+    straight = alone(at(1, 4, checkpoint=dataclasses.replace(base.checkpoint, dir="")))
+    assert max_error(resumed, straight) < 1e-4  # AdamW: see tests/mpi/test_gpt_parallel.py, ADAMW_RTOL
+
+
+def test_tensor_parallel_bytes_are_megatrons_count(comm, tokens, shared_dir):
+    """Per block and micro-batch: an Allreduce of B·T·C floats after each pair forward, one before each
+    pair's input gradient backward: 4 · B·T·C · 4 bytes (the embedding's input needs no gradient)."""
+    if comm.size % 2:
+        pytest.skip("tp = 2 needs an even number of ranks")
+    import json
+
+    dp = comm.size // 2
+    metrics = f"{shared_dir}/m.jsonl"
+    cfg = gpt_config(tokens, train={"batch_size": 4 * dp, "steps": 2, "micro_batches": 2, "metrics": metrics},
+                     parallel={"tp": 2})
+    train(cfg, comm)
+    seen = np.zeros(2, dtype=np.int64)
+    if comm.rank == 0:  # every rank learns what rank 0 read: a failure on one rank alone could hang the next test
+        seen[:] = [r["tp_bytes"] for r in map(json.loads, open(metrics)) if "loss" in r]
+    comm.Bcast(seen, root=0)
+    B, T, C, L = 4, 8, 8, 2  # this rank's batch share, context, width, blocks
+    assert list(seen) == [4 * L * B * T * C * 4] * 2

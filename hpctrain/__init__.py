@@ -3,11 +3,9 @@
     mpiexec -n 2 hpctrain train jobs/configs/digits.toml
 """
 
-from ._memory import keep_freed_memory
 from ._threads import share_cores_between_local_ranks
 
 share_cores_between_local_ranks()  # before anything imports numpy
-keep_freed_memory()
 
 from .config import Config, load_config
 from .errors import CheckpointError, ConfigError, DataError, HpctrainError, LayoutError

@@ -6,8 +6,11 @@ step's first write to every page of every activation faults again: on the GPT of
 jobs/configs/gpt-char.toml that was 12% of the step (bench/bench_gpt.py: 12,611 tokens/s,
 14,403 with the thresholds below). Raising ``M_MMAP_THRESHOLD`` to its 64-bit maximum
 (32 MiB) and ``M_TRIM_THRESHOLD`` keeps such blocks on the heap for reuse, as the
-caching allocators PyTorch recommends on CPUs (jemalloc, tcmalloc) do. Linux with glibc
-only; a user's own ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` take precedence.
+caching allocators PyTorch recommends on CPUs (jemalloc, tcmalloc) do. A ``Trainer`` sets
+them when it is built (not ``import hpctrain``): the process then keeps up to the trim
+threshold of freed heap. Linux with glibc only; a user's own ``MALLOC_MMAP_THRESHOLD_`` /
+``MALLOC_TRIM_THRESHOLD_`` take precedence (``MALLOC_TRIM_THRESHOLD_=131072`` restores
+glibc's default).
 """
 
 import ctypes

@@ -21,6 +21,7 @@ renamed into place and the directory fsynced.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import time
@@ -51,7 +52,9 @@ class CheckpointState:
     ``{"world_size", "dp", "pp", "tp"}`` of the run that wrote it (any layout may
     load it). ``params`` and each ``slots[slot]`` map PyTorch names to full,
     unsharded float32 arrays; ``optim_step`` is the optimizer's own step count
-    (skipped non-finite steps do not count). ``path`` is set by the loaders.
+    (skipped non-finite steps do not count). ``vocabulary``: a language model's
+    characters in token-id order, or "" (stored as the optional root attribute
+    ``vocabulary``, a JSON array of code points). ``path`` is set by the loaders.
     """
 
     step: int
@@ -64,6 +67,7 @@ class CheckpointState:
     optim_step: int
     slots: dict = field(default_factory=dict)
     rng: dict = field(default_factory=dict)
+    vocabulary: str = ""
     path: str = ""
 
 
@@ -182,6 +186,8 @@ def _write_root_attrs(f: h5py.File, state: CheckpointState) -> None:
     values.update({key: int(state.layout[key]) for key in fmt.LAYOUT_KEYS})
     values.update(optimizer=state.optim_name, optimizer_step=int(state.optim_step))
     values.update({fmt.RNG_PREFIX + key: value for key, value in state.rng.items()})
+    if state.vocabulary:
+        values["vocabulary"] = json.dumps([ord(ch) for ch in state.vocabulary])
     values.update(hpctrain_version=str(getattr(hpctrain, "__version__", "")),
                   created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     for key, value in values.items():
@@ -324,7 +330,19 @@ def _read_meta(f: h5py.File, path: str) -> CheckpointState:
     if fmt.str_attr(a, fmt.ATTRS_DIGEST, path) != fmt.attrs_digest(a):
         raise CheckpointError(f"checkpoint {path}: the root attributes fail their checksum ({fmt.ATTRS_DIGEST}); "
                               "the file is damaged")
+    if "vocabulary" in a:
+        state.vocabulary = _vocabulary(fmt.str_attr(a, "vocabulary", path), path)
     return state
+
+
+def _vocabulary(text: str, path: str) -> str:
+    try:
+        points = json.loads(text)
+        if isinstance(points, list) and all(isinstance(p, int) and 0 <= p <= 0x10FFFF for p in points):
+            return "".join(map(chr, points))
+    except ValueError:
+        pass
+    raise CheckpointError(f"checkpoint {path}: root attribute 'vocabulary' is not a JSON array of code points")
 
 
 def _check_format(attrs, path: str, what: str) -> None:

@@ -50,6 +50,7 @@ def _parser():
     t2h = dsub.add_parser("text2h5", help="a text file -> a character-level token file (HDF5)")
     t2h.add_argument("input", help="a UTF-8 text file")
     t2h.add_argument("output", help="the HDF5 file to write (dataset 'tokens' with its vocabulary)")
+    t2h.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     return p
 
 
@@ -91,9 +92,16 @@ def _sample(args) -> int:
 
 
 def _data(args) -> int:
+    import os
+
     from .errors import DataError
     from .text import text_to_h5
 
+    if os.path.exists(args.output):
+        if os.path.exists(args.input) and os.path.samefile(args.input, args.output):
+            raise DataError(f"{args.output} is the input file itself")
+        if not args.force:
+            raise DataError(f"{args.output} exists; pass --force to replace it")
     try:
         with open(args.input, encoding="utf-8") as f:
             text = f.read()

@@ -285,7 +285,10 @@ def _check_ranges(cfg: Config) -> None:
         need(not d.inputs and not d.targets, "data.inputs", 'kind = "gpt" reads data.tokens, not data.inputs '
              "and data.targets")
         need(t.loss == "cross_entropy", "train.loss", f'kind = "gpt" trains with cross_entropy, got {t.loss!r}')
+        need(not d.corpus or d.tokens == "tokens", "data.tokens", 'data.corpus writes the dataset "tokens"; '
+             f"set data.tokens = \"tokens\", got {d.tokens!r}")
     else:
+        need(not d.corpus, "data.corpus", 'a bundled corpus is text for kind = "gpt"')
         need(m.layers, "model.layers", "the model needs at least one layer")
         need(d.inputs, "data.inputs", "required (the name of the input dataset)")
         need(d.targets, "data.targets", "required (the name of the target dataset)")

@@ -191,10 +191,13 @@ class TokenDataset:
         if count < T + 1:
             raise DataError(f"{path}: dataset {name!r} holds {count} tokens, shorter than one window of "
                             f"model.block_size + 1 = {T + 1}")
-        points = self.tokens.attrs.get("vocabulary")
-        if points is not None and len(points) > self.vocab_size:
-            raise DataError(f"{path}: the vocabulary of {name!r} has {len(points)} characters but model.vocab_size "
-                            f"= {self.vocab_size}; set vocab_size >= {len(points)}")
+        from .text import read_vocabulary
+
+        tok = read_vocabulary(path, name)
+        self.vocabulary = tok.vocabulary if tok is not None else ""  # kept in checkpoints, for `hpctrain sample`
+        if len(self.vocabulary) > self.vocab_size:
+            raise DataError(f"{path}: the vocabulary of {name!r} has {len(self.vocabulary)} characters but "
+                            f"model.vocab_size = {self.vocab_size}; set vocab_size >= {len(self.vocabulary)}")
         self._label = f"dataset {name!r} (data.tokens)"
         n = (count - 1) // T
         self.n_val = int(n * val_fraction)
@@ -262,7 +265,7 @@ class Sampler:
 
     def __init__(self, n_train: int, batch_size: int, *, shuffle: bool, seed: int, dp_rank: int = 0, dp_size: int = 1):
         if batch_size > n_train:
-            raise DataError(f"train.batch_size = {batch_size} is larger than the training split ({n_train} rows)")
+            raise DataError(f"train.batch_size = {batch_size} is larger than the training split ({n_train} samples)")
         if batch_size % dp_size:
             raise DataError(f"train.batch_size = {batch_size} is not divisible by the data-parallel size {dp_size}")
         self.n_train, self.batch_size, self.shuffle, self.seed = n_train, batch_size, shuffle, seed

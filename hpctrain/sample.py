@@ -2,9 +2,10 @@
 
     hpctrain sample runs/gpt-char/ckpt-00001500.h5 --prompt "The " --tokens 300 --temperature 0.8 --top-k 20
 
-The checkpoint's own config names the model and the token file whose vocabulary decodes
-it (``--vocab FILE`` names another). One process, the backend the config asks for (the
-CPU unless a GPU is there). Each new token runs the model over the last ``block_size``
+The checkpoint's own config names the model, and the checkpoint holds the vocabulary its
+data had (a checkpoint without one decodes with the vocabulary of the token file its
+config names, or ``--vocab FILE``). One process, on ``--backend`` (``auto``: a GPU when
+there is one, else the CPU). Each new token runs the model over the last ``block_size``
 tokens of the text so far, left-aligned in a full window: attention is causal, so the
 positions after the text change nothing before it. As nanoGPT's ``generate``: logits of the
 last position divided by the temperature, cropped to the ``top_k`` largest, softmax, one
@@ -13,6 +14,7 @@ draw (``--temperature 0``: the most likely token).
 
 from __future__ import annotations
 
+import math
 import tomllib
 
 import numpy as np
@@ -55,10 +57,10 @@ class Generator:
             if temperature == 0:
                 ids.append(int(np.argmax(z)))
                 continue
-            z = z / temperature
+            z = (z - z.max()) / temperature  # shifted first: a tiny temperature cannot overflow
             if top_k and top_k < len(z):
                 z[z < np.partition(z, -top_k)[-top_k]] = -np.inf
-            p = np.exp(z - z.max())
+            p = np.exp(z)
             ids.append(int(rng.choice(len(p), p=p / p.sum())))
         return ids
 
@@ -72,11 +74,17 @@ def sample(path: str, prompt: str, n: int, *, temperature=1.0, top_k=0, seed=0, 
 
     if n < 0:
         raise ConfigError(f"--tokens must be >= 0, got {n}")
-    if temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError(f"--temperature must be a finite number >= 0, got {temperature}")
     if top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0 = all), got {top_k}")
-    meta = ckpt.read_meta(path)
+    try:
+        meta = ckpt.read_meta(path)
+    except CheckpointError as e:
+        if "weights-only" in str(e):  # the model is defined by the config a checkpoint carries
+            raise CheckpointError(f"{path} is a weights-only file: sample needs a checkpoint (ckpt-*.h5), whose "
+                                  "config defines the model") from None
+        raise
     try:
         cfg = parse_config(tomllib.loads(meta.config_text), source=f"{path} (its config)")
     except tomllib.TOMLDecodeError as e:
@@ -84,17 +92,36 @@ def sample(path: str, prompt: str, n: int, *, temperature=1.0, top_k=0, seed=0, 
     if cfg.model.kind != "gpt":
         raise ConfigError(f"checkpoint {path} holds a {cfg.model.kind} model; sample needs a GPT (model.kind = \"gpt\")")
     spec = GPTSpec.from_config(cfg.model)
-    tokenizer = read_vocabulary(vocab or cfg.data.path, cfg.data.tokens)
-    if tokenizer is None:
-        raise DataError(f"{vocab or cfg.data.path}: dataset {cfg.data.tokens!r} has no vocabulary attribute to "
-                        "decode with; name a token file written by `hpctrain data text2h5` with --vocab")
+    tokenizer = _tokenizer(meta, cfg, vocab)
     if not prompt:
         raise ConfigError("--prompt must hold at least one character")
     ids = tokenizer.encode(prompt)
     weights = ckpt.load_weights(path, spec.layout)
-    gen = Generator(spec, weights, get_backend(backend if backend != "auto" else cfg.train.backend))
+    gen = Generator(spec, weights, get_backend(backend))
     if len(tokenizer) > spec.vocab_size:
         raise DataError(f"the vocabulary has {len(tokenizer)} characters but the model only {spec.vocab_size} ids")
     out = gen.generate(ids, n, temperature=temperature, top_k=top_k, rng=np.random.default_rng(seed),
                        vocab=len(tokenizer))
     return tokenizer.decode(out)
+
+
+def _tokenizer(meta, cfg, vocab: str):
+    """The checkpoint's vocabulary; else the token file's (``--vocab``, or the config's data), said clearly."""
+    from .text import CharTokenizer, read_vocabulary
+
+    stored = CharTokenizer(meta.vocabulary) if meta.vocabulary else None
+    if stored is not None and not vocab:
+        return stored
+    source = vocab or cfg.data.path
+    try:
+        tok = read_vocabulary(source, cfg.data.tokens if not vocab else "tokens")
+    except DataError as e:
+        hint = "" if vocab else " (the token file the checkpoint's config names; pass another with --vocab)"
+        raise DataError(f"{e}{hint}") from None
+    if tok is None:
+        raise DataError(f"{source}: no vocabulary attribute to decode with; name a token file written by "
+                        "`hpctrain data text2h5` with --vocab")
+    if stored is not None and tok.vocabulary != stored.vocabulary:
+        raise DataError(f"--vocab {vocab}: its vocabulary ({len(tok)} characters) is not the one the checkpoint "
+                        f"was trained with ({len(stored)} characters); leave --vocab out to use the checkpoint's")
+    return tok

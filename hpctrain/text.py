@@ -68,14 +68,16 @@ def corpus_text(name: str) -> str:
 def write_tokens(path: str, ids: np.ndarray, vocabulary: str) -> None:
     """Write ``ids`` and the vocabulary as a token file; atomically (a temporary file renamed into place)."""
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
     dtype = np.uint16 if len(vocabulary) <= 1 << 16 else np.int32
     try:
+        os.makedirs(folder, exist_ok=True)
         with h5py.File(tmp, "w") as f:
             dset = f.create_dataset(TOKENS, data=np.asarray(ids).astype(dtype), chunks=True)
             dset.attrs["vocabulary"] = np.array([ord(ch) for ch in vocabulary], dtype=np.int32)
         os.replace(tmp, path)
+    except OSError as e:
+        raise DataError(f"cannot write the token file {path}: {e.strerror or e}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -107,4 +109,7 @@ def read_vocabulary(path: str, dataset: str = TOKENS) -> CharTokenizer | None:
     if points.ndim != 1 or not np.issubdtype(points.dtype, np.integer) or \
             (points.size and (points.min() < 0 or points.max() > 0x10FFFF)):
         raise DataError(f"{path}: dataset {dataset!r} has a vocabulary attribute that is not a list of code points")
-    return CharTokenizer("".join(map(chr, points.tolist())))
+    try:
+        return CharTokenizer("".join(map(chr, points.tolist())))
+    except DataError as e:
+        raise DataError(f"{path}: dataset {dataset!r}: {e}") from None

@@ -192,3 +192,47 @@ def test_a_short_run_learns_well_below_the_unigram_entropy(tmp_path):
     mesh.free()
     assert val < 0.6 * unigram, (val, unigram)
     assert math.isfinite(val)
+
+
+def test_text2h5_never_overwrites_by_accident(tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("abc abc\n")
+    r = hpctrain("data", "text2h5", str(src), str(src))
+    assert r.returncode == 2 and "is the input file itself" in r.stderr and src.read_text() == "abc abc\n"
+    (tmp_path / "out.h5").write_text("precious")
+    r = hpctrain("data", "text2h5", str(src), str(tmp_path / "out.h5"))
+    assert r.returncode == 2 and "exists; pass --force" in r.stderr
+    assert hpctrain("data", "text2h5", str(src), str(tmp_path / "out.h5"), "--force").returncode == 0
+    r = hpctrain("data", "text2h5", str(src), str(src) + "/x.h5")  # a file used as a folder
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot write the token file" in r.stderr
+
+
+def test_sample_decodes_with_the_checkpoints_own_vocabulary(tmp_path):
+    cfg = _job(tmp_path)
+    assert hpctrain("train", cfg).returncode == 0
+    ck = str(tmp_path / "ck" / "ckpt-00000003.h5")
+    before = hpctrain("sample", ck, "--prompt", "ab", "--tokens", "10", "--seed", "1").stdout
+    os.rename(tmp_path / "t.h5", tmp_path / "moved.h5")  # the data file is gone: the checkpoint still decodes
+    assert hpctrain("sample", ck, "--prompt", "ab", "--tokens", "10", "--seed", "1").stdout == before
+    other = tmp_path / "other.txt"
+    other.write_text("xyz")
+    assert hpctrain("data", "text2h5", str(other), str(tmp_path / "other.h5")).returncode == 0
+    r = hpctrain("sample", ck, "--prompt", "ab", "--tokens", "3", "--vocab", str(tmp_path / "other.h5"))
+    assert r.returncode == 2 and "is not the one the checkpoint was trained with" in r.stderr
+    for bad in ("nan", "inf", "-1"):
+        r = hpctrain("sample", ck, "--prompt", "ab", "--tokens", "3", "--temperature", bad)
+        assert r.returncode == 2 and "--temperature must be a finite number >= 0" in r.stderr
+    tiny = hpctrain("sample", ck, "--prompt", "ab", "--tokens", "3", "--temperature", "1e-30")
+    assert tiny.returncode == 0, tiny.stderr
+    from hpctrain.checkpoint import save_weights
+    save_weights(str(tmp_path / "w.h5"), {"x": np.zeros(2)})
+    r = hpctrain("sample", str(tmp_path / "w.h5"), "--prompt", "ab")
+    assert r.returncode == 2 and "weights-only file: sample needs a checkpoint" in r.stderr
+
+
+def test_a_corpus_is_for_language_models():
+    from helpers import config
+    with pytest.raises(ConfigError, match="data.corpus: a bundled corpus is text for kind = \"gpt\""):
+        config("x.h5", data={"corpus": "pydoc"})
+    with pytest.raises(ConfigError, match="data.corpus writes the dataset \"tokens\""):
+        gpt_config("x.h5", data={"corpus": "pydoc", "tokens": "ids"})

@@ -19,8 +19,8 @@ __all__ = ["Linear", "ReLU", "GELU", "Tanh", "LayerNorm", "make_layer"]
 
 class Layer:
     params: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    # parameters the layer uses but another layer owns (a head tied to the token embedding): same
-    # local names as ``params``, resolved with the owner's prefix (see nn/model.py)
+    # parameters the layer uses but another layer owns (a head tied to the token embedding): named like
+    # ``params``, and this layer's prefix + the name must be the owner's global name (see nn/model.py)
     ties: tuple[tuple[str, tuple[int, ...]], ...] = ()
     in_features: int | None = None  # None: any width, output width = input width
     out_features: int | None = None

@@ -1,20 +1,24 @@
-"""A model as a spec of partition units, and the part of it one pipeline stage runs.
+"""A model as a spec of partition units, and the part of it one pipeline stage (and tp rank) runs.
 
-``ModelSpec`` is the whole model: its layers, the width after each, and one
-global, unsharded parameter layout named like ``torch.nn.Sequential.state_dict()``
-(the layer's index, a dot, the parameter: ``"0.weight"``, ``"0.bias"``,
-``"2.weight"``). Checkpoints hold these names and ranks hash this layout.
+``ModelSpec`` is the whole model: its layers, the width after each, and one global,
+unsharded parameter layout, named as PyTorch would (the MLP of ``model.layers`` like
+``torch.nn.Sequential.state_dict()``: ``"0.weight"``, ``"0.bias"``, ``"2.weight"``; the
+GPT of nn/gpt.py like nanoGPT: ``"transformer.h.0.attn.c_attn.weight"``). Each layer has a
+name prefix; prefix + a layer's parameter name is the global name. Checkpoints hold these
+names and ranks hash this layout. A layer may *tie* a tensor another layer owns (the GPT's
+head uses the token embedding); the global layout holds it once.
 
-A partition unit is a layer with parameters (Linear, LayerNorm) together with the
-parameter-free activations after it; pipeline stages are cut between units by
-default (balanced by parameter count), or anywhere the user says with
-``parallel.stages`` (ranges of ``model.layers`` indices, inclusive).
+A partition unit is a range of layers pipeline stages are never cut inside: for the MLP a
+layer with parameters (Linear, LayerNorm) with the parameter-free activations after it, for
+the GPT the embedding, each block, the head. Stages are cut between units by default
+(balanced by parameter count), or where the user says with ``parallel.stages``; under
+tensor parallelism a column/row-parallel pair is one unit.
 
-``ModelPart`` owns a contiguous range of layers: its own local layout and flat
-buffers, and a map from its local parameter names to the global ones. Under
-pipeline parallelism alone every tensor is whole, so the local names are the
-global ones and a part's parameters are one contiguous range of the global flat
-buffer (``global_range``), which is what checkpoints gather and scatter.
+``ModelPart`` owns a contiguous range of layers, as one tensor-parallel rank runs them: its
+own local layout and flat buffers (the tensors its layers own, this rank's shard of each
+split one, in the global order: one contiguous range of the global flat buffer,
+``global_range``; then a replica of any tied tensor another part owns), the map from its
+local names to the global ones, and how each split tensor is cut (``shards``).
 
     spec = ModelSpec(cfg.model.layers)
     part = spec.part(*spec.partition(pp=2)[stage])
@@ -225,7 +229,7 @@ class ModelPart:
         self.replicas = [name for name, _ in replicas]
         here = range(lo, hi + 1)
         self.shared = [name for name in owned_names if any(i not in here for i in spec.tied_by.get(name, ()))]
-        self.shared = sorted(self.shared) + self.replicas  # the same order on the owner and the replica
+        self.shared = sorted(self.shared) + sorted(self.replicas)  # the same order on the owner and the replica
         self.global_names = {name: name for name in self.layout.names}  # local -> global
         # how each tensor-parallel tensor is cut (parallel/tensor.py: shard); absent: whole, replicated
         self.shards = {prefix + name: kind for layer, prefix in zip(self.layers, self.prefixes)

@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from .. import checkpoint as ckpt
+from .._memory import keep_freed_memory
 from ..parallel.agree import check_same_everywhere, run_everywhere
 from ..parallel.data_parallel import GradSync
 from ..parallel.sharding import gather_flat
@@ -43,6 +44,7 @@ class Trainer:
 
     def __init__(self, cfg, *, mesh, log=print):
         self.cfg, self.mesh = cfg, mesh
+        keep_freed_memory()  # a step's activations reuse the last step's memory (hpctrain/_memory.py)
         self.rank0 = mesh.rank == 0
         self.log = log if self.rank0 else (lambda *a, **k: None)
         run_everywhere(mesh.world, (lambda: startup.prepare_data(self)) if self.rank0 else lambda: None)
@@ -117,7 +119,8 @@ class Trainer:
             data_position=self.step % self.sampler.steps_per_epoch, config_text=cfg.to_toml(),
             layout=dict(mesh.layout), params=params, optim_name=self.optim.name,
             optim_step=self.optim.step_count, slots=slots,
-            rng={"data_seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "init_seed": cfg.train.seed})
+            rng={"data_seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "init_seed": cfg.train.seed},
+            vocabulary=getattr(self.data, "vocabulary", ""))
         t0 = time.perf_counter()
         path = ckpt.save_checkpoint(cfg.checkpoint.dir, state, keep=cfg.checkpoint.keep)
         self.log(f"checkpoint {path} written in {time.perf_counter() - t0:.2f} s")

@@ -73,6 +73,9 @@ def build(t) -> None:
     if t.sampler.local % cfg.train.micro_batches:
         raise DataError(f"train.micro_batches = {cfg.train.micro_batches} does not divide this rank's share "
                         f"of the batch ({t.sampler.local} = batch_size {cfg.train.batch_size} / dp {mesh.dp})")
+    if cfg.data.val_fraction > 0 and t.data.n_val == 0:
+        t.log(f"warning: data.val_fraction = {cfg.data.val_fraction} of {t.data.n_train} samples rounds down to "
+              "none: this run is never evaluated")
     n = t.data.n_train + t.data.n_val
     problem = t.data.scan(n * mesh.rank // mesh.size, n * (mesh.rank + 1) // mesh.size)
     if problem:

@@ -70,7 +70,6 @@ def sample(path: str, prompt: str, n: int, *, temperature=1.0, top_k=0, seed=0, 
     from .backend import get_backend
     from .config import parse_config
     from .nn.gpt import GPTSpec
-    from .text import read_vocabulary
 
     if n < 0:
         raise ConfigError(f"--tokens must be >= 0, got {n}")

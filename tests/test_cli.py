@@ -41,7 +41,7 @@ BAD = [
     ("dataset", lambda t: t.replace('inputs = "x"', 'inputs = "images"'), "no dataset 'images' (data.inputs)"),
     ("nan", lambda t: t.replace('"d.h5"', '"nan.h5"'), "inputs contain NaN or Inf (first in row 40)"),
     ("batch", lambda t: t.replace("batch_size = 8", "batch_size = 100"),
-     "train.batch_size = 100 is larger than the training split (58 rows)"),
+     "train.batch_size = 100 is larger than the training split (58 samples)"),
     ("metrics", lambda t: t.replace('metrics = "out/m.jsonl"', 'metrics = "."'), "is a folder"),
     ("ckptdir", lambda t: t.replace('dir = "out"', 'dir = "d.h5"'), "d.h5 is not a folder"),
     ("ckptdir-under-file", lambda t: t.replace('dir = "out"', 'dir = "d.h5/ck"'), "is not a writable folder"),

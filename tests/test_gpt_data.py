@@ -11,7 +11,7 @@ import pytest
 from helpers import gpt_config, make_tokens
 from hpctrain.data import TokenDataset
 from hpctrain.errors import ConfigError, DataError
-from hpctrain.text import CharTokenizer, corpus_text, read_vocabulary, text_to_h5
+from hpctrain.text import CharTokenizer, corpus_text, read_vocabulary
 from test_cli import hpctrain
 
 

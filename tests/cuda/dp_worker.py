@@ -1,9 +1,11 @@
-"""Run by test_cuda_data_parallel.py under ``mpiexec -n 2``: data parallel (or a 2-stage pipeline) on the CUDA
-backend vs the CPU backend.
+"""Run by test_cuda_data_parallel.py under ``mpiexec -n 2``: data parallel, a 2-stage pipeline, a GPT
+pipeline (its tied embedding summed across the stages) or tensor parallelism on the CUDA backend vs the CPU
+backend.
 
-    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp]
+    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|tp]
 
-Under ``pp`` activations and gradients between the stages take the same host-staged path.
+Under ``pp`` activations and gradients between the stages take the same host-staged path, as do the tied
+gradient (``gpt-pp``) and the tensor-parallel Allreduces (``tp``).
 
 Gradients go through the non-CUDA-aware path (pinned host staging, several buckets,
 overlapped Iallreduce), which is the only one the simulator may take: simulated
@@ -20,7 +22,7 @@ sys.setswitchinterval(5e-5)  # see conftest.py
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from helpers import config, make_classification  # noqa: E402
+from helpers import config, gpt_config, make_classification, make_tokens  # noqa: E402
 from hpctrain.parallel.mesh import Mesh  # noqa: E402
 from hpctrain.train import Trainer  # noqa: E402
 
@@ -35,30 +37,36 @@ def full_params(trainer):
 
 def main(path, layout):
     comm = MPI.COMM_WORLD
-    pp = 2 if layout == "pp" else 1
+    pp = 2 if layout in ("pp", "gpt-pp") else 1
+    tp = 2 if layout == "tp" else 1
     if comm.rank == 0:
-        make_classification(path, n=32)
+        make_tokens(path, n=300) if layout == "gpt-pp" else make_classification(path, n=32)
     comm.Barrier()
     results = {}
     for backend in ("cuda", "cpu"):
-        cfg = config(path, train={"steps": 2, "batch_size": 8, "log_every": 1, "backend": backend,
-                                  "micro_batches": pp},
-                     optim={"name": "adamw", "lr": 0.01},
-                     parallel={"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False, "pp": pp})
-        mesh = Mesh(pp=pp)
+        parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False, "pp": pp, "tp": tp}
+        if layout == "gpt-pp":
+            cfg = gpt_config(path, model={"block_size": 4, "n_embd": 4}, data={"val_fraction": 0.0},
+                             train={"steps": 2, "batch_size": 2, "micro_batches": 2, "backend": backend},
+                             optim={"name": "sgd", "lr": 0.1, "momentum": 0.9}, parallel=parallel)
+        else:
+            cfg = config(path, train={"steps": 2, "batch_size": 8, "log_every": 1, "backend": backend,
+                                      "micro_batches": pp},
+                         optim={"name": "adamw", "lr": 0.01}, parallel=parallel)
+        mesh = Mesh(pp=pp, tp=tp)
         trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
         final = trainer.run()
         loss = np.array([final.get("loss", 0.0)])
         comm.Bcast(loss, root=0)  # the logged loss lives on rank 0
-        results[backend] = (float(loss[0]), full_params(trainer) if pp > 1 else trainer.params.to_host_dict())
-        if backend == "cuda" and len(trainer.sync.buckets) < 2:
+        results[backend] = (float(loss[0]), full_params(trainer) if pp * tp > 1 else trainer.params.to_host_dict())
+        if backend == "cuda" and layout != "gpt-pp" and len(trainer.sync.buckets) < 2:
             raise SystemExit("expected several gradient buckets")
         trainer.close()
         mesh.free()
     (loss_gpu, p_gpu), (loss_cpu, p_cpu) = results["cuda"], results["cpu"]
     ok = abs(loss_gpu - loss_cpu) <= 1e-5 * abs(loss_cpu) + 1e-6
     ok &= all(np.allclose(p_gpu[k], p_cpu[k], rtol=1e-4, atol=1e-5) for k in p_cpu)
-    if pp == 1:  # every data-parallel rank must hold the same weights after the step
+    if pp * tp == 1:  # every data-parallel rank must hold the same weights after the step
         gathered = comm.allgather(np.concatenate([v.ravel() for v in p_gpu.values()]))
         ok &= all(np.array_equal(gathered[0], g) for g in gathered)
     print(f"rank {comm.rank}: loss cuda {loss_gpu:.8f} cpu {loss_cpu:.8f} {'OK' if ok else 'MISMATCH'}", flush=True)

@@ -1,5 +1,5 @@
-"""Data parallel, and a two-stage pipeline, on two ranks with the CUDA backend: same result as the CPU backend,
-same weights on every data-parallel rank. Runs tests/cuda/dp_worker.py under ``mpiexec -n 2`` (the test itself
+"""Data parallel, a two-stage pipeline (an MLP and a GPT with its tied embedding) and tensor parallelism on two
+ranks with the CUDA backend: same result as the CPU backend, same weights on every data-parallel rank. Runs tests/cuda/dp_worker.py under ``mpiexec -n 2`` (the test itself
 is one process)."""
 
 import os
@@ -13,7 +13,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-@pytest.mark.parametrize("layout", ["dp", "pp"])
+@pytest.mark.parametrize("layout", ["dp", "pp", "gpt-pp", "tp"])
 def test_two_ranks_cuda_matches_cpu(tmp_path, layout):
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:

@@ -217,7 +217,7 @@ def test_attention_shape_errors_match_cpu(be, cpu, rng):
 def test_gpu_default_block_shape_runs(rng):
     """256-thread blocks, as on a GPU, on one small launch of each kernel."""
     be = CudaBackend(block=256, max_blocks=2)
-    B, T, H, hs, V, C = 1, 3, 2, 2, 5, 4
+    B, T, H, V, C = 1, 3, 2, 5, 4  # two heads of 2
     idx, wte, wpe, dout = _ids(rng, B, T, V), rand(rng, V, C), rand(rng, T, C), rand(rng, B * T, C)
     out = be.empty((B * T, C))
     be.embedding_forward(be.asarray(idx), be.asarray(wte), be.asarray(wpe), out)

@@ -1,0 +1,185 @@
+"""The CPU backend's transformer kernels: token + position embedding, causal multi-head attention.
+
+``CpuBackend`` (cpu.py) takes these methods from ``TransformerKernels``; the contract is
+in base.py and the CUDA twins in cuda_transformer.py. Shape letters: B batch, T positions,
+C width, V vocabulary, H heads of hs = C/H. Batched products go to numpy's BLAS one
+(batch, head) at a time; loops are ``numba.njit``, cached on disk, and the softmax's exp
+is numpy's SIMD one. The embedding's backward is one sequential pass in token order:
+deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from ..errors import BackendError
+from .base import check_array
+
+__all__ = ["TransformerKernels"]
+
+# as in cpu.py: numpy's error model lets LLVM vectorise; reductions may reassociate their sums
+_jit = numba.njit(cache=True, nogil=True, error_model="numpy")
+_jit_reduce = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
+
+
+# --------------------------------------------------------------------------- embedding (token + position)
+
+
+@_jit
+def _embedding_forward(idx, wte, wpe, out):
+    """out[b·T + t] = wte[idx[b, t]] + wpe[t]; returns the flat position of the first id outside wte, or -1."""
+    B, T = idx.shape
+    V, C = wte.shape
+    for b in range(B):
+        for t in range(T):
+            v = idx[b, t]
+            if v < 0 or v >= V:
+                return b * T + t
+            r = b * T + t
+            for c in range(C):
+                out[r, c] = wte[v, c] + wpe[t, c]
+    return -1
+
+
+@_jit
+def _embedding_backward(dout, idx, dwte, dwpe, accumulate_wte, accumulate_wpe):
+    """Scatter-add of dout's rows into dwte by token id, summed over the batch into dwpe; one fixed order."""
+    B, T = idx.shape
+    C = dwte.shape[1]
+    for b in range(B):
+        for t in range(T):
+            if idx[b, t] < 0 or idx[b, t] >= dwte.shape[0]:
+                return b * T + t
+    if not accumulate_wte:
+        dwte[:] = 0.0
+    if not accumulate_wpe:
+        dwpe[:] = 0.0
+    for b in range(B):
+        for t in range(T):
+            v = idx[b, t]
+            r = b * T + t
+            for c in range(C):
+                dwte[v, c] += dout[r, c]
+                dwpe[t, c] += dout[r, c]
+    return -1
+
+
+# --------------------------------------------------------------------------- causal attention
+
+
+@_jit_reduce
+def _causal_shift(scores, scale, att):
+    """att[..., i, j] = scale · (scores[..., i, j] − max_{j'≤i} scores[..., i, j']) for j ≤ i, −inf above."""
+    N, T, _ = scores.shape
+    for n in range(N):
+        for i in range(T):
+            mx = scores[n, i, 0]
+            for j in range(1, i + 1):
+                mx = max(mx, scores[n, i, j])
+            for j in range(i + 1):
+                att[n, i, j] = (scores[n, i, j] - mx) * scale
+            for j in range(i + 1, T):
+                att[n, i, j] = -np.inf
+
+
+@_jit_reduce
+def _normalise_rows(att):
+    """Divide each row (of exponentials, zero above the diagonal) by its sum."""
+    N, T, _ = att.shape
+    for n in range(N):
+        for i in range(T):
+            z = 0.0
+            for j in range(i + 1):
+                z += att[n, i, j]
+            inv = np.float32(1.0 / z)
+            for j in range(i + 1):
+                att[n, i, j] *= inv
+
+
+def _causal_softmax(scores, scale, att):
+    """att[..., i, j] = softmax_j≤i(scale · scores[..., i, j]), 0 above the diagonal; the exp is numpy's SIMD one."""
+    _causal_shift(scores, np.float32(scale), att)
+    np.exp(att, out=att)
+    _normalise_rows(att)
+
+
+@_jit
+def _causal_softmax_backward(att, datt, scale, dscores):
+    """dscores = scale · att ⊙ (datt − Σ_j att·datt), in place of nothing: a separate output."""
+    N, T, _ = att.shape
+    for n in range(N):
+        for i in range(T):
+            dot = 0.0
+            for j in range(i + 1):
+                dot += np.float64(att[n, i, j]) * datt[n, i, j]
+            for j in range(i + 1):
+                dscores[n, i, j] = scale * att[n, i, j] * (datt[n, i, j] - dot)
+            for j in range(i + 1, T):
+                dscores[n, i, j] = 0.0
+
+
+def _heads(qkv, B, T, H, hs):
+    """Views (B, H, T, hs) of the q, k and v parts of qkv[B·T, 3C] (no copies)."""
+    five = qkv.reshape(B, T, 3, H, hs)
+    return tuple(five[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+
+
+class TransformerKernels:
+    """Embedding and attention methods of ``CpuBackend`` (host numpy arrays)."""
+
+    # -- embedding: token and learned position
+    def embedding_forward(self, idx, wte, wpe, out):
+        """out[B·T, C] = wte[idx[b, t]] + wpe[t] for token ids idx[B, T] (int64), wte[V, C], wpe[≥T, C]."""
+        B, T = check_array("embedding_forward", "idx", idx, ndim=2, dtype=np.int64).shape
+        V, C = check_array("embedding_forward", "wte", wte, ndim=2).shape
+        check_array("embedding_forward", "wpe", wpe, ndim=2, cols=C)
+        if wpe.shape[0] < T:
+            raise BackendError(f"embedding_forward: {T} positions but the position table wpe has {wpe.shape[0]} rows")
+        check_array("embedding_forward", "out", out, shape=(B * T, C))
+        bad = _embedding_forward(idx, wte, wpe, out)
+        if bad >= 0:
+            self.bad_token(idx, bad, V, op="embedding_forward")
+
+    def embedding_backward(self, dout, idx, dwte, dwpe, *, accumulate_wte=False, accumulate_wpe=False):
+        """dwte[v] (+)= Σ dout rows with id v; dwpe[t] (+)= Σ_b dout[b·T + t] (rows ≥ T of dwpe: 0 or kept)."""
+        B, T = check_array("embedding_backward", "idx", idx, ndim=2, dtype=np.int64).shape
+        V, C = check_array("embedding_backward", "dwte", dwte, ndim=2).shape
+        check_array("embedding_backward", "dwpe", dwpe, ndim=2, cols=C)
+        check_array("embedding_backward", "dout", dout, shape=(B * T, C))
+        if dwpe.shape[0] < T:
+            raise BackendError(f"embedding_backward: {T} positions but dwpe has {dwpe.shape[0]} rows")
+        bad = _embedding_backward(dout, idx, dwte, dwpe, bool(accumulate_wte), bool(accumulate_wpe))
+        if bad >= 0:
+            self.bad_token(idx, bad, V, op="embedding_backward")
+
+    # -- causal multi-head self-attention on the fused q, k, v projection
+    def attention_forward(self, qkv, T, n_head, out, att):
+        """out[B·T, C] = softmax(q·kᵀ/√hs, causal)·v per head, from qkv[B·T, 3C] (q, k, v, heads of hs = C/H);
+        att[B, H, T, T] keeps the probabilities for the backward pass."""
+        B, H, C, hs = self._attention_shapes("attention_forward", qkv, T, n_head)
+        check_array("attention_forward", "out", out, shape=(B * T, C))
+        check_array("attention_forward", "att", att, shape=(B, H, T, T))
+        q, k, v = _heads(qkv, B, T, H, hs)
+        scores = np.matmul(q, k.transpose(0, 1, 3, 2))  # (B, H, T, T), BLAS per head
+        _causal_softmax(scores.reshape(B * H, T, T), 1.0 / math.sqrt(hs), att.reshape(B * H, T, T))
+        np.matmul(att, v, out=out.reshape(B, T, H, hs).transpose(0, 2, 1, 3))
+
+    def attention_backward(self, dout, qkv, att, T, n_head, dqkv):
+        """dqkv[B·T, 3C] from dout[B·T, C], the forward's qkv and att (overwritten, never accumulated)."""
+        B, H, C, hs = self._attention_shapes("attention_backward", qkv, T, n_head)
+        check_array("attention_backward", "dout", dout, shape=(B * T, C))
+        check_array("attention_backward", "att", att, shape=(B, H, T, T))
+        check_array("attention_backward", "dqkv", dqkv, shape=(B * T, 3 * C))
+        q, k, v = _heads(qkv, B, T, H, hs)
+        dq, dk, dv = _heads(dqkv, B, T, H, hs)
+        dy = dout.reshape(B, T, H, hs).transpose(0, 2, 1, 3)
+        datt = np.matmul(dy, v.transpose(0, 1, 3, 2))  # (B, H, T, T)
+        np.matmul(att.transpose(0, 1, 3, 2), dy, out=dv)
+        dscores = np.empty_like(datt)
+        _causal_softmax_backward(att.reshape(B * H, T, T), datt.reshape(B * H, T, T), 1.0 / math.sqrt(hs),
+                                 dscores.reshape(B * H, T, T))
+        np.matmul(dscores, k, out=dq)
+        np.matmul(dscores.transpose(0, 1, 3, 2), q, out=dk)

@@ -97,3 +97,19 @@ def test_gradients_final_events_cover_the_part_from_the_end():
     part.backward(be, np.ones_like(out), saved, on_final=events.append)
     assert events == sorted(events, reverse=True) and events[-1] == 0
     assert events[0] == part.layout["6.weight"].offset
+
+
+def test_tensor_parallel_pairs_are_linear_activations_linear():
+    from hpctrain.config import LayerSpec
+
+    def spec(*kinds):
+        layers = []
+        for k in kinds:
+            layers.append(LayerSpec("linear", (("bias", True), ("in", 8), ("out", 8))) if k == "L" else
+                          LayerSpec("layernorm", (("dim", 8), ("eps", 1e-5))) if k == "N" else LayerSpec(k))
+        return ModelSpec(layers)
+
+    assert spec("L", "relu", "L", "gelu", "L").tp_pairs == [(0, 2)]  # the last Linear stays whole
+    assert spec("L", "L", "gelu", "L").tp_pairs == [(1, 3)]  # two Linears in a row are no pair
+    assert spec("L", "tanh", "N", "gelu", "L", "relu", "tanh", "L").tp_pairs == [(4, 7)]
+    assert spec("L", "relu", "L", "relu", "L", "relu", "L").tp_units() == [(0, 3), (4, 6)]

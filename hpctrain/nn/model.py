@@ -161,14 +161,15 @@ class ModelSpec:
 
 
 def _linear_pairs(layers) -> list[tuple[int, int]]:
-    """(i, j): Linear i, then only element-wise activations, then Linear j; each Linear in one pair at most."""
+    """(i, j): Linear i, then one or more element-wise activations, then Linear j; each Linear in one pair
+    at most (Linear, Linear with nothing between is not a pair: the two would fold into one product)."""
     pairs, i = [], 0
     while i < len(layers):
         if isinstance(layers[i], Linear):
             j = i + 1
             while j < len(layers) and not layers[j].params and not isinstance(layers[j], LayerNorm):
                 j += 1
-            if j < len(layers) and isinstance(layers[j], Linear):
+            if j > i + 1 and j < len(layers) and isinstance(layers[j], Linear):
                 pairs.append((i, j))
                 i = j + 1
                 continue

@@ -150,3 +150,25 @@ def test_digits_job_reaches_97_percent(tmp_path):
     assert proc.returncode == 0, proc.stderr
     evals = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines() if "val_accuracy" in line]
     assert evals[-1]["val_accuracy"] >= 0.97
+
+
+def test_progress_reaches_a_log_file_as_it_happens(tmp_path):
+    """With PYTHONUNBUFFERED unset (as in users' shells and Slurm) and stdout a file, lines arrive at once."""
+    import time
+
+    make_classification(tmp_path / "d.h5", n=64)
+    # the start-up lines, then none for a long time: far from filling an 8 KiB stdout buffer
+    (tmp_path / "job.toml").write_text(toml_job(train={"steps": 10_000_000, "log_every": 10_000_000, "eval_every": 0}))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = ROOT
+    with open(tmp_path / "log.txt", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "hpctrain", "train", str(tmp_path / "job.toml")], cwd=ROOT,
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and "hpctrain: world 1" not in (tmp_path / "log.txt").read_text():
+                time.sleep(0.2)
+            assert "hpctrain: world 1" in (tmp_path / "log.txt").read_text()
+        finally:
+            proc.kill()
+            proc.wait()

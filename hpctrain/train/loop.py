@@ -39,14 +39,16 @@ class Trainer:
     """One training job over a mesh. Building it, ``run()``, ``train_step``, ``evaluate``,
     ``save_checkpoint`` and ``state_dict`` are collective over ``mesh.world``.
 
-    ``log`` receives rank 0's progress lines (other ranks log nothing).
+    ``log`` receives rank 0's progress lines (other ranks log nothing); by default each is printed
+    and flushed at once, so a log file or a Slurm output file shows progress as it happens, and
+    nothing is lost when the job is killed (stdout is block-buffered whenever it is not a terminal).
     """
 
-    def __init__(self, cfg, *, mesh, log=print):
+    def __init__(self, cfg, *, mesh, log=None):
         self.cfg, self.mesh = cfg, mesh
         keep_freed_memory()  # a step's activations reuse the last step's memory (hpctrain/_memory.py)
         self.rank0 = mesh.rank == 0
-        self.log = log if self.rank0 else (lambda *a, **k: None)
+        self.log = (log or log_line) if self.rank0 else (lambda *a, **k: None)
         run_everywhere(mesh.world, (lambda: startup.prepare_data(self)) if self.rank0 else lambda: None)
         run_everywhere(mesh.world, lambda: startup.build(self))
         check_same_everywhere(mesh.world, "config", cfg.to_toml(), lambda theirs: _first_line_diff(cfg.to_toml(), theirs))
@@ -256,6 +258,11 @@ class _StopFlag:
     def restore(self):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+
+def log_line(message: str) -> None:
+    """Print one progress line and flush it: stdout to a file or pipe is block-buffered."""
+    print(message, flush=True)
 
 
 def _first_line_diff(mine: str, theirs: str) -> str:

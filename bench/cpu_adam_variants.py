@@ -29,7 +29,7 @@ def main():
     rng = np.random.default_rng(0)
     initial = [rng.random(a.n, dtype=np.float32) for _ in range(4)]
     f32 = np.float32
-    scalars = (f32(1e-3), f32(0.9), f32(0.999), f32(0.5), f32(1e-8), f32(0.0), f32(1.0))
+    scalars = (f32(1e-3), f32(0.9), f32(0.999), f32(1 - 0.9), f32(1 - 0.999), f32(0.5), f32(1e-8), f32(0.0), f32(1.0))
     variants = [("1 error_model=python (default)", make()), ("2 error_model=numpy (library)", make(error_model="numpy"))]
     outputs, times = [], []
     for _, kernel in variants:

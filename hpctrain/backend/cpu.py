@@ -281,14 +281,14 @@ def _sgd_momentum(p, g, buf, lr, momentum, weight_decay, nesterov):
 
 
 @_jit
-def _adam_update(p, g, m, v, step_size, beta1, beta2, bc2_sqrt, eps, l2, keep):
-    """keep = 1 − lr·wd for AdamW (decoupled), 1 for Adam; l2 = wd for Adam, 0 for AdamW."""
-    one = np.float32(1.0)
+def _adam_update(p, g, m, v, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep):
+    """keep = 1 − lr·wd for AdamW (decoupled), 1 for Adam; l2 = wd for Adam, 0 for AdamW; omb1, omb2 =
+    1 − β1, 1 − β2 computed in float64 (torch.optim's Python floats): in float32, 1 − 0.99999 is 0.1% off."""
     for i in range(p.size):
         w = p[i] * keep
         d = g[i] + l2 * p[i]
-        mi = beta1 * m[i] + (one - beta1) * d
-        vi = beta2 * v[i] + (one - beta2) * d * d
+        mi = beta1 * m[i] + omb1 * d
+        vi = beta2 * v[i] + omb2 * d * d
         m[i] = mi
         v[i] = vi
         p[i] = w - step_size * mi / (np.sqrt(vi) / bc2_sqrt + eps)
@@ -441,5 +441,5 @@ class CpuBackend(TransformerKernels, Backend):
         step_size = lr / (1.0 - beta1**step)
         bc2_sqrt = math.sqrt(1.0 - beta2**step)
         keep, l2 = (1.0 - lr * weight_decay, 0.0) if decoupled else (1.0, weight_decay)
-        _adam_update(param, grad, exp_avg, exp_avg_sq, f32(step_size), f32(beta1), f32(beta2), f32(bc2_sqrt),
-                     f32(eps), f32(l2), f32(keep))
+        _adam_update(param, grad, exp_avg, exp_avg_sq, f32(step_size), f32(beta1), f32(beta2), f32(1.0 - beta1),
+                     f32(1.0 - beta2), f32(bc2_sqrt), f32(eps), f32(l2), f32(keep))

@@ -457,7 +457,8 @@ class CudaBackend(Backend):
         bc2_sqrt = math.sqrt(1.0 - beta2**step)
         keep, l2 = (1.0 - lr * weight_decay, 0.0) if decoupled else (1.0, weight_decay)
         self._elementwise(self._k.adam_update, param.size, param, grad, exp_avg, exp_avg_sq, f32(step_size),
-                          f32(beta1), f32(beta2), f32(bc2_sqrt), f32(eps), f32(l2), f32(keep))
+                          f32(beta1), f32(beta2), f32(1.0 - beta1), f32(1.0 - beta2), f32(bc2_sqrt), f32(eps),
+                          f32(l2), f32(keep))
 
     # ------------------------------------------------------------------ launching
 

@@ -370,10 +370,9 @@ def ops_kernels(nt: int) -> SimpleNamespace:
             p[i] -= lr * d
 
     @cuda.jit
-    def adam_update(p, g, m, v, step_size, beta1, beta2, bc2_sqrt, eps, l2, keep):
-        """torch.optim.Adam/AdamW over flat [n]; keep = 1 − lr·wd (AdamW) or 1, l2 = wd (Adam) or 0."""
-        omb1 = _ONE - beta1
-        omb2 = _ONE - beta2
+    def adam_update(p, g, m, v, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep):
+        """torch.optim.Adam/AdamW over flat [n]; keep = 1 − lr·wd (AdamW) or 1, l2 = wd (Adam) or 0;
+        omb1, omb2 = 1 − β1, 1 − β2, computed in float64 on the host as torch.optim does."""
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
             w = p[i]
             d = g[i] + l2 * w

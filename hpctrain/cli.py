@@ -1,4 +1,4 @@
-"""Command line: ``hpctrain train | inspect | sample | data``.
+"""Command line: ``hpctrain train | config | env | inspect | sample | data``, ``hpctrain --version``.
 
     hpctrain train jobs/configs/digits.toml
     mpiexec -n 2 hpctrain train jobs/configs/digits.toml --set train.steps=100
@@ -6,6 +6,8 @@
     hpctrain inspect runs/digits/ckpt-00000300.h5
     hpctrain sample runs/gpt-char/ckpt-00001500.h5 --prompt "The " --tokens 300
     hpctrain data text2h5 INPUT.txt OUT.h5
+    hpctrain config jobs/configs/gpt-char.toml --set parallel.tp=2   # the resolved config, every default
+    hpctrain env                                                    # versions, MPI, GPUs, BLAS threads
 
 Errors a user can cause print one line, ``hpctrain: error: ...`` (with the
 rank under MPI), and exit with status 2; so does a host allocation that fails
@@ -28,12 +30,20 @@ __all__ = ["main"]
 
 
 def _parser():
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="hpctrain", description="MPI-based training with Numba kernels.")
+    p.add_argument("--version", action="version", version=f"hpctrain {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a model from a TOML config")
     t.add_argument("config", help="path to the TOML config")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (a TOML value; anything else is taken as a string)")
+    c = sub.add_parser("config", help="print the fully resolved config (every default filled in) as TOML")
+    c.add_argument("config", help="path to the TOML config")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value, as for train")
+    sub.add_parser("env", help="versions, the MPI library, CUDA-awareness, GPUs and BLAS threads of this machine")
     i = sub.add_parser("inspect", help="describe a checkpoint and verify its checksums")
     i.add_argument("path")
     s = sub.add_parser("sample", help="print text a GPT checkpoint writes after a prompt")
@@ -113,8 +123,22 @@ def _data(args) -> int:
     return 0
 
 
+def _config(args) -> int:
+    from .config import load_config
+
+    print(load_config(args.config, args.overrides).to_toml(), end="")
+    return 0
+
+
+def _env(args) -> int:
+    from .envinfo import report
+
+    print(report())
+    return 0
+
+
 COMMANDS = {"train": lambda a: _train(a), "inspect": lambda a: _inspect(a), "sample": lambda a: _sample(a),
-            "data": lambda a: _data(a)}
+            "data": lambda a: _data(a), "config": lambda a: _config(a), "env": lambda a: _env(a)}
 
 
 def _where() -> str:

@@ -172,3 +172,23 @@ def test_progress_reaches_a_log_file_as_it_happens(tmp_path):
         finally:
             proc.kill()
             proc.wait()
+
+
+def test_version_env_and_config_commands(tmp_path):
+    from hpctrain import __version__
+    from hpctrain.config import load_config
+
+    r = hpctrain("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"hpctrain {__version__}"
+    r = hpctrain("env")
+    assert r.returncode == 0, r.stderr
+    for word in ("hpctrain", "Python", "numpy", "mpi4py", "MPI library", "thread level", "CUDA-aware", "GPUs", "BLAS"):
+        assert word in r.stdout, word
+    r = hpctrain("config", "jobs/configs/gpt-char.toml", "--set", "parallel.tp=2")
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "resolved.toml").write_text(r.stdout)
+    again = load_config(str(tmp_path / "resolved.toml"))
+    want = load_config(os.path.join(ROOT, "jobs/configs/gpt-char.toml"), ["parallel.tp=2"])
+    assert again.to_toml() == want.to_toml() and again.parallel.tp == 2 and "warmup_steps = 100" in r.stdout
+    r = hpctrain("config", "jobs/configs/gpt-char.toml", "--set", "model.n_head=5")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not divisible" in r.stderr

@@ -155,3 +155,14 @@ def test_metrics_trim_on_resume_keeps_lines_that_are_not_utf8(tmp_path):
     path.write_bytes(b'{"step": 1}\n\xff\xfe not ours\n{"step": 2}\n{"step": 3}\n')
     _truncate_after(str(path), 2)
     assert path.read_bytes() == b'{"step": 1}\n\xff\xfe not ours\n{"step": 2}\n'
+
+
+def test_a_trainer_without_a_mesh_makes_one_from_the_config(tmp_path):
+    from helpers import config, make_classification
+    from hpctrain import Trainer
+
+    make_classification(tmp_path / "d.h5")
+    trainer = Trainer(config(tmp_path / "d.h5", train={"steps": 2}), log=lambda *a: None)
+    assert trainer.mesh.size == 1 and trainer.mesh.describe().startswith("world 1")
+    trainer.run()
+    trainer.close()  # frees the mesh it made

@@ -5,8 +5,15 @@
     mpiexec -n 2 hpctrain train jobs/configs/digits-pp2.toml    # a 2-stage pipeline
     srun hpctrain train jobs/configs/digits.toml                # under Slurm
 
-``Trainer(cfg, mesh=mesh)`` is collective over the mesh's world communicator: every
-rank builds it and calls ``run()``. Bad input found while building (config, data,
+``Trainer(cfg)`` (or ``Trainer(cfg, mesh=Mesh(...))`` over a communicator of your own) is
+collective over the mesh's world communicator: every rank builds it and calls ``run()``,
+then ``close()``. From Python::
+
+    from hpctrain import Trainer, load_config
+    trainer = Trainer(load_config("jobs/configs/digits.toml", ["train.steps=100"]))
+    trainer.run()
+    trainer.close()
+ Bad input found while building (config, data,
 layout, schedule) is reported once by the lowest failing rank and every rank leaves
 together (parallel/agree.py). Each rank holds its pipeline stage's part of the model;
 ``train_step`` runs one step of the checked schedule (train/step.py).
@@ -44,7 +51,13 @@ class Trainer:
     nothing is lost when the job is killed (stdout is block-buffered whenever it is not a terminal).
     """
 
-    def __init__(self, cfg, *, mesh, log=None):
+    def __init__(self, cfg, *, mesh=None, log=None):
+        self._own_mesh = mesh is None  # made here from cfg.parallel over COMM_WORLD; freed by close()
+        if mesh is None:
+            from ..parallel.mesh import Mesh
+
+            p = cfg.parallel
+            mesh = Mesh(dp=p.dp, pp=p.pp, tp=p.tp)
         self.cfg, self.mesh = cfg, mesh
         keep_freed_memory()  # a step's activations reuse the last step's memory (hpctrain/_memory.py)
         self.rank0 = mesh.rank == 0
@@ -146,8 +159,8 @@ class Trainer:
         """
         cfg, t = self.cfg, self.cfg.train
         if self.step >= t.steps > 0:
-            self.log(f"training already finished: resumed at step {self.step} of {t.steps} (to train again, set "
-                     "checkpoint.resume = \"never\", a new checkpoint.dir, or more train.steps)")
+            self.log(f"training already finished: resumed at step {self.step} of {t.steps} (to train further, raise "
+                     "train.steps; to start afresh, use a new checkpoint.dir)")
             return self._log_eval(MetricsFile("")) if self.data.n_val else {}
         metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step)
         window = Window()
@@ -225,8 +238,12 @@ class Trainer:
         return ev
 
     def close(self):
+        """Stop the gradient sync's thread, close the data file, and free the mesh if the Trainer made it
+        (collective then)."""
         self.sync.close()
         self.data.close()
+        if self._own_mesh:
+            self.mesh.free()
 
 
 class _StopFlag:

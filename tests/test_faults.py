@@ -173,3 +173,51 @@ def test_drain_stdio_waits_until_the_launcher_has_read_the_output(read_after, ti
         assert read_after - 0.1 < waited < timeout  # waited for the reader, not for the deadline
     else:
         assert timeout <= waited < timeout + 2.0  # nobody read: gave up at the deadline
+
+
+# SIGTERM (what Slurm sends before the time limit) while the job starts, or twice: once to stop, once more
+# while the stop checkpoint is being written; each is recorded, never fatal
+SIGNAL_SCRIPT = """
+import os
+import signal
+import sys
+import hpctrain.checkpoint as ckpt
+import hpctrain.train.startup as startup
+import hpctrain.train as train
+from hpctrain.cli import main
+
+when = sys.argv[2]
+if when == "start-up":
+    build = startup.build
+    def build_then_signal(t):
+        build(t)
+        os.kill(os.getpid(), signal.SIGTERM)
+    startup.build = build_then_signal
+else:
+    step = train.Trainer.train_step
+    def step_then_signal(self, s, lr):
+        out = step(self, s, lr)
+        if s == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    train.Trainer.train_step = step_then_signal
+    save = ckpt.save_checkpoint
+    def save_under_fire(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # the second signal, mid-checkpoint
+        return save(*args, **kwargs)
+    ckpt.save_checkpoint = save_under_fire
+sys.exit(main(["train", sys.argv[1]]))
+"""
+
+
+@pytest.mark.parametrize("when", ["start-up", "twice"])
+def test_signals_are_recorded_from_start_up_to_the_stop_checkpoint(tmp_path, when):
+    make_classification(tmp_path / "d.h5", n=64)
+    (tmp_path / "job.toml").write_text(toml_job(train={"steps": 50}, checkpoint={"dir": "ck"}))
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_SCRIPT, str(tmp_path / "job.toml"), when], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    step = 0 if when == "start-up" else 3
+    assert f"stopping at step {step}" in proc.stdout
+    assert os.listdir(tmp_path / "ck") == [f"ckpt-{step:08d}.h5"]

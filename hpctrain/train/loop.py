@@ -52,6 +52,15 @@ class Trainer:
     """
 
     def __init__(self, cfg, *, mesh=None, log=None):
+        # SIGTERM/SIGUSR1 are recorded, never fatal, from here to the end of run()'s last checkpoint
+        self._stop = _StopFlag()
+        try:
+            self._build(cfg, mesh, log)
+        except BaseException:
+            self._stop.restore()
+            raise
+
+    def _build(self, cfg, mesh, log):
         self._own_mesh = mesh is None  # made here from cfg.parallel over COMM_WORLD; freed by close()
         if mesh is None:
             from ..parallel.mesh import Mesh
@@ -165,10 +174,13 @@ class Trainer:
         metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step)
         window = Window()
         last = {}
-        stop = _StopFlag()
+        stop = self._stop
         saved_at = -1
         try:
-            while self.step < t.steps:
+            stopping = stop.any_rank(self.mesh.world)  # a signal while the job was starting (agreed by all)
+            if stopping:
+                self.log(f"signal {stop.name} received during start-up: stopping at step {self.step}")
+            while self.step < t.steps and not stopping:
                 lr = lr_at(cfg.optim, self.step, t.steps)
                 timing = self.train_step(self.step, lr)
                 self.step += 1
@@ -184,13 +196,15 @@ class Trainer:
                     self.log(f"signal {stop.name} received: stopping at step {self.step}")
                     break
         finally:
-            stop.restore()
             metrics.close()
-        if saved_at != self.step:
-            self.save_checkpoint()
-        if self.tracer is not None:
-            spans = self.tracer.write(t.trace)
-            self.log(f"trace {t.trace} written ({spans:,} events)")
+        try:  # a second signal during the stop checkpoint is recorded too, never fatal
+            if saved_at != self.step:
+                self.save_checkpoint()
+            if self.tracer is not None:
+                spans = self.tracer.write(t.trace)
+                self.log(f"trace {t.trace} written ({spans:,} events)")
+        finally:
+            stop.restore()
         return last
 
     def _log_train(self, window, timing, lr, metrics):
@@ -240,6 +254,7 @@ class Trainer:
     def close(self):
         """Stop the gradient sync's thread, close the data file, and free the mesh if the Trainer made it
         (collective then)."""
+        self._stop.restore()
         self.sync.close()
         self.data.close()
         if self._own_mesh:
@@ -275,6 +290,7 @@ class _StopFlag:
     def restore(self):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        self._old = {}
 
 
 def log_line(message: str) -> None:

@@ -139,8 +139,9 @@ class ModelSpec:
                                       "on one stage")
             return [tuple(r) for r in stages]
         if pp > len(units):
+            merged = "; with tp > 1 a column/row-parallel pair is one unit" if len(units) < len(self.units) else ""
             raise LayoutError(f"parallel.pp = {pp} is more stages than the model has partition units "
-                              f"({len(units)}: {self.unit_text})")
+                              f"({len(units)}: {self.unit_text}{merged})")
         return _balanced([self.param_count(lo, hi) for lo, hi in units], units, pp)
 
     unit_text = "a linear or layernorm layer with the activations after it"

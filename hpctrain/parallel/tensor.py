@@ -76,7 +76,10 @@ class TensorParallel:
 
 
 class CopyToTensorParallel:
-    """Identity forward; Allreduce backward: the replicated input's gradient is the sum of the ranks' parts."""
+    """Identity forward; Allreduce backward: the replicated input's gradient is the sum of the ranks' parts.
+
+    ``backward`` is collective over the tensor-parallel group: every rank of it calls it, for the same
+    layer and micro-batch, in the same order."""
 
     def __init__(self, tp: TensorParallel):
         self.tp = tp
@@ -90,7 +93,10 @@ class CopyToTensorParallel:
 
 
 class ReduceFromTensorParallel:
-    """Allreduce forward (the partial products' sum); identity backward: every rank has the whole gradient."""
+    """Allreduce forward (the partial products' sum); identity backward: every rank has the whole gradient.
+
+    ``forward`` is collective over the tensor-parallel group: every rank of it calls it, for the same
+    layer and micro-batch, in the same order (training and evaluation alike)."""
 
     def __init__(self, tp: TensorParallel):
         self.tp = tp

@@ -106,6 +106,9 @@ class Trainer:
                 ["every transformer block"] if self.part.shards else []
             self.log(f"tensor parallel: tp {mesh.tp}, column/row-parallel pairs: {', '.join(split) or 'none'}; "
                      f"this rank holds {self.part.owned_size:,} of {self.model.layout.size:,} parameters")
+            if not split:
+                self.log(f"warning: parallel.tp = {mesh.tp} splits nothing in this model (no Linear → activation "
+                         "→ Linear pair): every tp rank computes the whole model; use dp instead")
         if mesh.pp > 1:
             s = self.runner.schedule
             self.log(f"pipeline: schedule {s.name}, {cfg.train.micro_batches} micro-batch(es), stages "
@@ -215,8 +218,13 @@ class Trainer:
         means, rate = window.flush(B)
         record = dict(step=self.step, loss=loss, lr=lr, samples_per_s=rate, grad_norm=timing["grad_norm"],
                       **{f"{k}_s": means[k] for k in ("compute", "comm", "optim", "data")})
-        if "tp_bytes" in timing:
-            record["tp_bytes"] = timing["tp_bytes"]
+        if "tp_bytes" in timing:  # this tp rank's, summed over the pipeline stages (collective over pp_comm)
+            sent = np.array([timing["tp_bytes"]], dtype=np.int64)
+            if self.mesh.pp > 1:
+                from mpi4py import MPI
+
+                self.mesh.pp_comm.Allreduce(MPI.IN_PLACE, sent, op=MPI.SUM)
+            record["tp_bytes"] = int(sent[0])
         if self.model.positions > 1:  # a language model: every position of a sample is a token trained on
             record["tokens_per_s"] = rate * self.model.positions
         if stages:

@@ -5,14 +5,19 @@ at start-up for deadlocks and unmatched messages, run by the stage executor
 (parallel/executor.py). Pure data parallelism is the one-stage schedule. Finishing
 the step (``OptimizerStep``) reduces over the right groups:
 
-* the gradient norm² is summed over the pipeline stages (each parameter lives on one
-  stage, and data-parallel replicas hold the same reduced gradients, so each is
-  counted once), so every rank sees the same norm;
+* a tensor two stages share (the GPT's tied embedding) has its gradient summed over
+  the first and last stage (``ends_comm``);
+* the gradient norm² is summed over the tensor-parallel ranks, then the pipeline stages:
+  each tensor counted once (a shard on every tp rank, a replicated tensor on tp rank
+  0, a tied tensor on its owner; data-parallel replicas hold the same reduced
+  gradients), so every rank sees the same norm;
 * the non-finite decision follows from that same norm on every rank;
 * then clipping and the optimizer run on each stage's own part.
 
 Collective: ``train_step`` over the whole mesh (point-to-point within the pipeline
-group, Allreduce within the data-parallel group, the norm over the pipeline group);
+group, Allreduce within the data-parallel group, the tensor-parallel Allreduces of the
+forward and backward passes within the tp group, the norm over the tp and pipeline
+groups);
 ``evaluate`` and ``global_mean`` over the world communicator.
 """
 
@@ -92,7 +97,8 @@ class StepRunner:
                     bubble=r.bubble, loss_sum=r.loss_sum, peak_live=r.peak_live, peak_bytes=r.peak_bytes, **r.extra)
 
     def _finish(self, step: int, lr: float) -> dict:
-        """The OptimizerStep instruction: norm over the stages, the skip decision, clipping, the update."""
+        """The OptimizerStep instruction: the tied gradients' sum (``ends_comm``), the norm over the tp ranks and
+        the stages, the skip decision, clipping, the update."""
         from mpi4py import MPI
 
         cfg, be, part = self.cfg, self.be, self.part

@@ -122,18 +122,20 @@ def test_checkpoints_move_between_tensor_parallel_sizes(comm, tokens, shared_dir
     """Two steps at one tp, a checkpoint (full tensors), two more at the other == four steps on one process."""
     if comm.size % 2:
         pytest.skip("tp = 2 needs an even number of ranks")
-    dp = comm.size // 2
-    base = gpt_config(tokens, optim={"name": "adamw", "lr": 0.01}, train={"batch_size": 4 * dp, "steps": 2},
-                      checkpoint={"dir": f"{shared_dir}/ck"})
+    for tp, pp in layouts(comm):  # tp2 <-> tp1 at pp = 1, and tp2·pp2 <-> tp1·pp1 at four ranks
+        base = gpt_config(tokens, optim={"name": "adamw", "lr": 0.01},
+                          train={"batch_size": 4 * comm.size // (tp * pp), "steps": 2},
+                          checkpoint={"dir": f"{shared_dir}/ck{pp}"})
 
-    def at(tp, steps, **changes):
-        return dataclasses.replace(base, train=dataclasses.replace(base.train, steps=steps),
-                                   parallel=dataclasses.replace(base.parallel, tp=tp), **changes)
+        def at(tp_, pp_, steps, **changes):
+            return dataclasses.replace(base, train=dataclasses.replace(base.train, steps=steps),
+                                       parallel=dataclasses.replace(base.parallel, tp=tp_, pp=pp_), **changes)
 
-    train(at(first_tp, 2), comm)
-    resumed = train(at(3 - first_tp, 4), comm)
-    straight = alone(at(1, 4, checkpoint=dataclasses.replace(base.checkpoint, dir="")))
-    assert max_error(resumed, straight) < 1e-4  # AdamW: see tests/mpi/test_gpt_parallel.py, ADAMW_RTOL
+        first, then = ((tp, pp), (1, 1)) if first_tp == 2 else ((1, 1), (tp, pp))
+        train(at(*first, 2), comm)
+        resumed = train(at(*then, 4), comm)
+        straight = alone(at(1, 1, 4, checkpoint=dataclasses.replace(base.checkpoint, dir="")))
+        assert max_error(resumed, straight) < 1e-4, pp  # AdamW: see tests/mpi/test_gpt_parallel.py, ADAMW_RTOL
 
 
 def test_tensor_parallel_bytes_are_megatrons_count(comm, tokens, shared_dir):
@@ -143,14 +145,15 @@ def test_tensor_parallel_bytes_are_megatrons_count(comm, tokens, shared_dir):
         pytest.skip("tp = 2 needs an even number of ranks")
     import json
 
-    dp = comm.size // 2
-    metrics = f"{shared_dir}/m.jsonl"
-    cfg = gpt_config(tokens, train={"batch_size": 4 * dp, "steps": 2, "micro_batches": 2, "metrics": metrics},
-                     parallel={"tp": 2})
-    train(cfg, comm)
-    seen = np.zeros(2, dtype=np.int64)
-    if comm.rank == 0:  # every rank learns what rank 0 read: a failure on one rank alone could hang the next test
-        seen[:] = [r["tp_bytes"] for r in map(json.loads, open(metrics)) if "loss" in r]
-    comm.Bcast(seen, root=0)
-    B, T, C, L = 4, 8, 8, 2  # this rank's batch share, context, width, blocks
-    assert list(seen) == [4 * L * B * T * C * 4] * 2
+    for tp, pp in layouts(comm):  # with pp = 2 each stage counts its block; the line sums them
+        dp = comm.size // (tp * pp)
+        metrics = f"{shared_dir}/m{pp}.jsonl"
+        cfg = gpt_config(tokens, train={"batch_size": 4 * dp, "steps": 2, "micro_batches": 2, "metrics": metrics},
+                         parallel={"tp": tp, "pp": pp})
+        train(cfg, comm)
+        seen = np.zeros(2, dtype=np.int64)
+        if comm.rank == 0:  # every rank learns what rank 0 read: a failure on one rank alone could hang the next test
+            seen[:] = [r["tp_bytes"] for r in map(json.loads, open(metrics)) if "loss" in r]
+        comm.Bcast(seen, root=0)
+        B, T, C, L = 4, 8, 8, 2  # this rank's batch share, context, width, blocks
+        assert list(seen) == [4 * L * B * T * C * 4] * 2, pp

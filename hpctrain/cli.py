@@ -74,6 +74,15 @@ def _train(args) -> int:
 
     cfg = run_everywhere(MPI.COMM_WORLD, lambda: load_config(args.config, args.overrides))
     p = cfg.parallel
+    if p.mode == "async_ps":
+        from .train.async_ps import AsyncTrainer
+
+        trainer = AsyncTrainer(cfg)
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
+        return 0
     run_everywhere(MPI.COMM_WORLD, lambda: resolve_layout(MPI.COMM_WORLD.Get_size(), p.dp, p.pp, p.tp))
     mesh = Mesh(dp=p.dp, pp=p.pp, tp=p.tp)
     trainer = Trainer(cfg, mesh=mesh)

@@ -126,6 +126,9 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     overlap: bool = True
     cuda_aware: bool | str = "auto"
+    mode: str = "sync"  # "async_ps": the first `servers` ranks serve the parameters, the others work
+    servers: int = 1
+    staleness: int = 0  # async_ps: a worker is at most this many steps ahead of the slowest
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,7 @@ CHOICES = {
     ("optim", "name"): ("sgd", "adam", "adamw"),
     ("optim", "schedule"): ("constant", "cosine", "linear"),
     ("parallel", "schedule"): ("1f1b", "gpipe"),
+    ("parallel", "mode"): ("sync", "async_ps"),
 }
 
 
@@ -322,6 +326,16 @@ def _check_ranges(cfg: Config) -> None:
         _check_stages(p, len(layers), lambda lo, hi: any(_param_count(l.type, dict(l.args)) for l in layers[lo : hi + 1]),
                       "model.layers")
     need(p.bucket_mb > 0, "parallel.bucket_mb", f"must be > 0, got {p.bucket_mb}")
+    need(p.servers >= 1, "parallel.servers", f"must be >= 1, got {p.servers}")
+    need(p.staleness >= 0, "parallel.staleness", f"must be >= 0 (0 = synchronous), got {p.staleness}")
+    if p.mode == "async_ps":
+        for key in ("pp", "tp"):
+            need(getattr(p, key) == 1, f"parallel.{key}", f'mode = "async_ps" with {key} = {getattr(p, key)} is '
+                 "not supported (the parameter server trains whole models on its workers)")
+        need(not t.skip_nonfinite, "train.skip_nonfinite", 'not supported with mode = "async_ps": a non-finite '
+             "gradient stops the job")
+        need(p.dp == "auto", "parallel.dp", 'mode = "async_ps": the workers are every rank but the servers; leave '
+             'dp = "auto"')
 
 
 def _check_stages(p: "ParallelConfig", n: int, has_params, what: str) -> None:

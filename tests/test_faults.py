@@ -221,3 +221,59 @@ def test_signals_are_recorded_from_start_up_to_the_stop_checkpoint(tmp_path, whe
     step = 0 if when == "start-up" else 3
     assert f"stopping at step {step}" in proc.stdout
     assert os.listdir(tmp_path / "ck") == [f"ckpt-{step:08d}.h5"]
+
+
+PS_SCRIPT = """
+import sys
+from mpi4py import MPI
+import hpctrain.train.async_ps as ps
+from hpctrain.cli import main
+
+role = sys.argv[2]
+if role == "worker":
+    original = ps.AsyncTrainer._work
+    def failing(self):
+        if MPI.COMM_WORLD.rank == 2:
+            raise RuntimeError("worker on fire")
+        return original(self)
+    ps.AsyncTrainer._work = failing
+else:
+    original = ps.AsyncTrainer._serve
+    def failing(self, metrics):
+        raise RuntimeError("server on fire")
+    ps.AsyncTrainer._serve = failing
+sys.exit(main(["train", sys.argv[1]]))
+"""
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+@pytest.mark.parametrize("role, rank", [("worker", 2), ("server", 0)])
+def test_a_failing_parameter_server_rank_ends_the_job_naming_it(tmp_path, role, rank):
+    make_classification(tmp_path / "d.h5", n=64)
+    (tmp_path / "job.toml").write_text(toml_job(train={"steps": 50}, parallel={"mode": "async_ps", "staleness": 1}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_LOCALRANKID"))}
+    env["PYTHONPATH"] = ROOT
+    t0 = time.monotonic()
+    proc = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-c", PS_SCRIPT, str(tmp_path / "job.toml"), role],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60
+    assert f"[rank {rank}/3]" in proc.stderr and f"{role} on fire" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_bad_parameter_server_layouts_are_one_line(tmp_path):
+    from helpers import config
+
+    from hpctrain.errors import ConfigError
+
+    for sections, message in (({"parallel": {"mode": "async_ps", "staleness": -1}}, "parallel.staleness: must be >= 0"),
+                              ({"parallel": {"mode": "async_ps", "pp": 2}}, 'mode = "async_ps" with pp = 2 is not supp'),
+                              ({"parallel": {"mode": "async_ps", "tp": 2}}, 'mode = "async_ps" with tp = 2 is not supp'),
+                              ({"parallel": {"servers": 0}}, "parallel.servers: must be >= 1")):
+        with pytest.raises(ConfigError, match=message):
+            config("x.h5", **sections)
+    make_classification(tmp_path / "d.h5", n=64)
+    (tmp_path / "job.toml").write_text(toml_job(parallel={"mode": "async_ps", "servers": 1}))
+    r = subprocess.run([sys.executable, "-m", "hpctrain", "train", str(tmp_path / "job.toml")], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "parallel.servers = 1 leaves no worker in a world of 1 rank(s)" in r.stderr

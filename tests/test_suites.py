@@ -25,10 +25,12 @@ LAYOUT_TESTS = ["tests/mpi/test_pipeline.py", "tests/mpi/test_checkpoint_reshard
                 "tests/mpi/test_tensor_parallel.py"]
 
 
-@pytest.mark.parametrize("ranks, tests", [(1, ["tests/mpi"]), (2, ["tests/mpi"]), (4, LAYOUT_TESTS)],
-                         ids=["1-rank", "2-ranks", "4-ranks-layouts"])
+@pytest.mark.parametrize("ranks, tests", [(1, ["tests/mpi"]), (2, ["tests/mpi"]), (3, ["tests/mpi/test_param_server.py"]),
+                                          (4, LAYOUT_TESTS + ["tests/mpi/test_param_server.py"])],
+                         ids=["1-rank", "2-ranks", "3-ranks-parameter-server", "4-ranks-layouts"])
 def test_mpi_suite(ranks, tests):
-    """Four ranks (oversubscribed on small machines) run the tests about layouts: pp 2 x dp 2, pp 4."""
+    """Three ranks run the parameter server (1 server, 2 workers); four (oversubscribed on small machines)
+    the tests about layouts: pp 2 x dp 2, pp 4, tp 2 x dp 2, tp 2 x pp 2, and 2 servers + 2 workers."""
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         pytest.fail("mpiexec not found: install hpctrain[mpich] or load your site's MPI module")

@@ -1,0 +1,206 @@
+"""An asynchronous parameter server with bounded staleness (stale synchronous parallel).
+
+The first S ranks of the world serve, the other W work. The global flat parameter buffer
+is cut into S contiguous ranges (``server_ranges``); server s owns range s, its optimizer
+state, and applies updates to it. Worker w trains the whole model on its share of every
+global batch (data-parallel rank w of W) and talks to every server with buffer-based
+point-to-point messages, no pickle:
+
+    worker                                   server s
+    PULL   int64 [clock, stop]        ──▶    held until the bound allows it, then
+           int64 [version]            ◀──    VERSION (−1: stop) and
+           float32 params[range s]    ◀──    PARAMS
+    PUSH   float64 [clock, version, loss, rows]  ──▶
+           float32 grads[range s]     ──▶    GRAD: applied in arrival order
+    DONE   float64 [idle seconds, steps] ──▶ after its last push
+
+``clock`` counts the pushes a worker has made. A PULL for clock c is answered once
+every worker has pushed at least c − k gradients (k = ``staleness``), so no worker is
+ever more than k steps ahead of the slowest. With k = 0 a server waits for the W
+gradients of each step and applies their sum as one update: synchronous data-parallel
+training on the same global batch. With k > 0 each gradient is one update, applied as
+it arrives; the server records its staleness, the updates applied since the parameters
+it was computed on were sent.
+
+Ordering: MPI keeps messages between two ranks on one communicator and tag in order,
+and a worker sends PUSH before GRAD, so a server that receives a PUSH header then
+receives its gradient from the same worker. A server answers a PULL with non-blocking
+sends of a copy, so it never waits on a worker; a worker waits only for its servers. A
+run ends when every worker has sent DONE to every server: nothing is left unmatched.
+
+Collective behaviour: ``Server.run`` and ``WorkerLink`` calls are point-to-point; with
+k = 0 and S > 1 the servers Allreduce the gradient norm² over ``servers_comm`` for each
+update, every server for the same step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+__all__ = ["server_ranges", "Server", "WorkerLink", "TAGS"]
+
+TAGS = dict(PULL=11, VERSION=12, PARAMS=13, PUSH=14, GRAD=15, DONE=16)
+
+
+def server_ranges(total: int, servers: int) -> list[tuple[int, int]]:
+    """Contiguous [lo, hi) ranges of a flat buffer of ``total`` values, as even as can be."""
+    return [(total * s // servers, total * (s + 1) // servers) for s in range(servers)]
+
+
+class Server:
+    """Server rank ``rank`` (< S) of the world: its range's parameters, optimizer and the staleness bound.
+
+    ``optimizer(grad, update)`` applies one update to ``params`` (the range's host array) with the
+    gradient ``grad`` and returns the gradient norm it used (for k = 0 after summing over the servers).
+    """
+
+    def __init__(self, *, world, servers_comm, workers: int, staleness: int, params: np.ndarray, optimizer,
+                 start: int = 0, stop_flag=None, log=None):
+        self.world, self.servers_comm, self.W, self.k = world, servers_comm, workers, staleness
+        self.S = servers_comm.Get_size()
+        self.params, self.optimizer, self.stop_flag = params, optimizer, stop_flag
+        self.log = log or (lambda *a: None)
+        self.start = start  # the step a resumed run starts from: every worker's first clock
+        self.pushes = [start] * workers  # each worker's clock: the steps it has pushed a gradient for
+        self.version = 0  # updates applied (by this run)
+        self.stopping = False
+        self.staleness = []  # per applied gradient (k > 0) or 0 (k = 0)
+        self.loss_sum = self.rows = 0.0  # since the last take_loss()
+        self.idle = [0.0] * workers
+        self.steps = [0] * workers
+        self._pending = []  # (worker, clock) pulls not answered yet
+        self._sends = []  # (request, buffer) kept until complete
+        self._sum = np.zeros_like(params)  # k = 0: the W gradients of the current step
+        self._sum_count = 0
+        self.ahead_max = 0  # the most steps a worker was ahead of the slowest when let go (<= staleness)
+
+    def worker_rank(self, w: int) -> int:
+        return self.S + w
+
+    def run(self, on_update=None) -> None:
+        """Serve until every worker has sent DONE; ``on_update(version)`` after each update."""
+        from mpi4py import MPI
+
+        done, status = 0, MPI.Status()
+        grad = np.empty_like(self.params)
+        self.started = time.perf_counter()
+        while done < self.W:
+            self.world.Probe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
+            src, tag = status.Get_source(), status.Get_tag()
+            w = src - self.S
+            if tag == TAGS["PULL"]:
+                head = np.empty(2, dtype=np.int64)
+                self.world.Recv(head, source=src, tag=tag)
+                self.stopping |= bool(head[1])
+                self._pending.append((w, int(head[0])))
+            elif tag == TAGS["PUSH"]:
+                head = np.empty(4, dtype=np.float64)
+                self.world.Recv(head, source=src, tag=tag)
+                self.world.Recv(grad, source=src, tag=TAGS["GRAD"])
+                self.loss_sum += head[2]
+                self.rows += head[3]
+                self._apply(w, int(head[1]), grad, on_update)
+            elif tag == TAGS["DONE"]:
+                tail = np.empty(2, dtype=np.float64)
+                self.world.Recv(tail, source=src, tag=tag)
+                self.idle[w], self.steps[w] = float(tail[0]), int(tail[1])
+                done += 1
+            else:
+                raise RuntimeError(f"parameter server {self.world.Get_rank()}: unexpected message tag {tag} "
+                                   f"from rank {src}")
+            if self.stop_flag is not None and self.stop_flag():
+                self.stopping = True
+            self._answer()
+        MPI.Request.Waitall([r for r, _ in self._sends])
+        self._sends = []
+        self.elapsed = time.perf_counter() - self.started
+
+    def _apply(self, w: int, version_read: int, grad: np.ndarray, on_update) -> None:
+        self.pushes[w] += 1
+        if self.k == 0:  # one update from the W gradients of this step, as synchronous data parallelism
+            self._sum += grad
+            self._sum_count += 1
+            if self._sum_count < self.W:
+                return
+            self.optimizer(self._sum, self.version, sum_norm=True)
+            self._sum[:] = 0.0
+            self._sum_count = 0
+            self.staleness.append(0)
+        else:
+            self.staleness.append(self.version - version_read)
+            self.optimizer(grad, self.version, sum_norm=False)
+        self.version += 1
+        if on_update is not None:
+            on_update(self.version)
+
+    def _answer(self) -> None:
+        """Send the parameters to each waiting worker the staleness bound now lets go on."""
+        slowest = min(self.pushes)
+        still = []
+        for w, clock in self._pending:
+            ready = self.stopping or (slowest >= clock - self.k and (self.k > 0 or self.start + self.version == clock))
+            if not ready:
+                still.append((w, clock))
+                continue
+            if not self.stopping:
+                self.ahead_max = max(self.ahead_max, clock - slowest)
+            version = np.array([-1 if self.stopping else self.version], dtype=np.int64)
+            data = self.params.copy()  # the update may change params while the send is in flight
+            dest = self.worker_rank(w)
+            self._sends.append((self.world.Isend(version, dest=dest, tag=TAGS["VERSION"]), version))
+            self._sends.append((self.world.Isend(data, dest=dest, tag=TAGS["PARAMS"]), data))
+        self._pending = still
+        if self._sends:
+            from mpi4py import MPI
+
+            done = set(MPI.Request.Testsome([r for r, _ in self._sends]) or [])
+            self._sends = [s for i, s in enumerate(self._sends) if i not in done]
+
+
+class WorkerLink:
+    """A worker's side: ``pull`` fresh parameters from every server, ``push`` its gradient, ``done``."""
+
+    def __init__(self, *, world, ranges, servers: int):
+        self.world, self.ranges, self.S = world, ranges, servers
+        self._sends = []
+        self.idle = 0.0
+
+    def pull(self, clock: int, into: np.ndarray, stop: bool) -> int | None:
+        """Parameters for step ``clock`` into the full host array ``into``; their version (the smallest of the
+        servers'), or None when the servers say stop."""
+        self._wait_sends()  # the gradient buffers of the last push may be reused now
+        t0 = time.perf_counter()
+        head = np.array([clock, int(stop)], dtype=np.int64)
+        for s in range(self.S):
+            self.world.Send(head, dest=s, tag=TAGS["PULL"])
+        versions = []
+        for s, (lo, hi) in enumerate(self.ranges):
+            v = np.empty(1, dtype=np.int64)
+            self.world.Recv(v, source=s, tag=TAGS["VERSION"])
+            self.world.Recv(into[lo:hi], source=s, tag=TAGS["PARAMS"])
+            versions.append(int(v[0]))
+        self.idle += time.perf_counter() - t0
+        return None if min(versions) < 0 else min(versions)
+
+    def push(self, clock: int, version: int, grads: np.ndarray, loss_sum: float, rows: int) -> None:
+        """Send the gradient (host array) to the servers, each its range; non-blocking."""
+        for s, (lo, hi) in enumerate(self.ranges):
+            head = np.array([clock, version, loss_sum if s == 0 else 0.0, rows if s == 0 else 0], dtype=np.float64)
+            self._sends.append((self.world.Isend(head, dest=s, tag=TAGS["PUSH"]), head))
+            self._sends.append((self.world.Isend(grads[lo:hi], dest=s, tag=TAGS["GRAD"]), grads))
+
+    def done(self, steps: int) -> None:
+        self._wait_sends()
+        tail = np.array([self.idle, steps], dtype=np.float64)
+        for s in range(self.S):
+            self.world.Send(tail, dest=s, tag=TAGS["DONE"])
+
+    def _wait_sends(self) -> None:
+        if self._sends:
+            from mpi4py import MPI
+
+            MPI.Request.Waitall([r for r, _ in self._sends])
+            self._sends = []
+

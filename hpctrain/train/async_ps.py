@@ -1,0 +1,313 @@
+"""Training with ``[parallel] mode = "async_ps"``: servers hold the parameters, workers push gradients.
+
+    mpiexec -n 3 hpctrain train jobs/configs/digits-ps.toml       # 1 server, 2 workers
+
+The protocol is in parallel/param_server.py. Here: start-up (the same checks and data as
+a synchronous run; world rank 0, the first server, reads the starting point and the
+servers scatter it by range), the workers' loop (the one-stage schedule of the stage
+executor, then a push), the servers' updates (the optimizer on their range: with
+staleness 0 the summed gradient of the step, clipped by the global norm; with staleness
+k > 0 each worker's gradient, which its worker scaled as the mean over its own share of
+the batch and clipped), and the end: the servers' ranges gathered into one unsharded
+checkpoint (any layout, async or sync, resumes it), the final parameters evaluated by the
+workers, and world rank 0's metrics.
+
+Collective over ``COMM_WORLD`` (a duplicate of it): every rank builds an ``AsyncTrainer`` and
+calls ``run()``, then ``close()``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from .. import checkpoint as ckpt
+from .._memory import keep_freed_memory
+from ..backend.cpu import CpuBackend
+from ..errors import LayoutError, NonFiniteError
+from ..nn import make_model
+from ..optim import clip_coefficient, lr_at, make_optimizer
+from ..parallel.agree import run_everywhere
+from ..parallel.executor import StageExecutor
+from ..parallel.mesh import Mesh
+from ..parallel.param_server import Server, WorkerLink, server_ranges
+from ..parallel.schedule import check_schedule, data_parallel, forward_only
+from ..params import FlatBuffer, ParamLayout
+from . import startup
+from .loop import _StopFlag, log_line
+from .metrics import MetricsFile
+from .step import _Batch
+
+__all__ = ["AsyncTrainer"]
+
+
+class AsyncTrainer:
+    """One parameter-server job over ``COMM_WORLD``; world ranks below ``parallel.servers`` serve."""
+
+    def __init__(self, cfg, *, log=None):
+        from mpi4py import MPI
+
+        self._stop = _StopFlag()  # SIGTERM/SIGUSR1: recorded, then every rank stops at a consistent point
+        keep_freed_memory()
+        self.cfg, p = cfg, cfg.parallel
+        self.world = MPI.COMM_WORLD.Dup()
+        rank, size = self.world.Get_rank(), self.world.Get_size()
+        self.rank0 = rank == 0
+        self.log = (log or log_line) if self.rank0 else (lambda *a, **k: None)
+
+        def check_layout():
+            if p.servers >= size:
+                raise LayoutError(f"parallel.servers = {p.servers} leaves no worker in a world of {size} rank(s): "
+                                  f"start at least {p.servers + 1} ranks")
+            if cfg.train.batch_size % (size - p.servers):
+                raise LayoutError(f"train.batch_size = {cfg.train.batch_size} is not divisible by the "
+                                  f"{size - p.servers} worker(s)")
+
+        run_everywhere(self.world, check_layout)
+        self.S, self.W, self.k = p.servers, size - p.servers, p.staleness
+        self.is_server = rank < self.S
+        self.servers_comm = self.world.Split(0 if self.is_server else MPI.UNDEFINED, rank)
+        self.workers_comm = self.world.Split(MPI.UNDEFINED if self.is_server else 0, rank)
+        self.model = make_model(cfg.model)
+        self.ranges = server_ranges(self.model.layout.size, self.S)
+        run_everywhere(self.world, (lambda: startup.prepare_data(self)) if self.rank0 else lambda: None)
+        self.mesh = None
+        run_everywhere(self.world, self._build_server if self.is_server else self._build_worker)
+        self._start()
+
+    # ------------------------------------------------------------------ start-up
+
+    def _build_server(self) -> None:
+        lo, hi = self.ranges[self.servers_comm.Get_rank()]
+        layout = ParamLayout([("range", (hi - lo,))])
+        self.be = CpuBackend()  # servers update host buffers whatever the workers' backend
+        self.params, self.grads = FlatBuffer(self.be, layout), FlatBuffer(self.be, layout)
+        self.optim = make_optimizer(self.cfg.optim, self.be, self.params, self.grads)
+
+    def _build_worker(self) -> None:
+        self.mesh = Mesh(comm=self.workers_comm, dp=self.W)
+        t = SimpleNamespace(cfg=self.cfg, mesh=self.mesh, log=lambda *a: None)
+        startup.build(t)
+        self.be, self.part, self.loss, self.data, self.sampler = t.be, t.part, t.loss, t.data, t.sampler
+        self.params, self.grads = FlatBuffer(self.be, self.part.layout), FlatBuffer(self.be, self.part.layout)
+        self.part.bind(self.params, self.grads)
+        m = self.cfg.train.micro_batches
+        self.schedule = data_parallel(m)
+        self.executor = StageExecutor(backend=self.be, part=self.part, loss=self.loss, stage=0, stages=1, p2p=None,
+                                      sync=None, stats=check_schedule(self.schedule),
+                                      max_rows=max(1, self.sampler.local) * self.part.positions)
+
+    def _start(self) -> None:
+        """World rank 0 reads the starting point; the servers scatter it by range; every rank learns the step."""
+        from mpi4py import MPI
+
+        header = np.zeros(2, dtype=np.int64)
+        full = None
+        if self.is_server:
+            start = SimpleNamespace(cfg=self.cfg, model=self.model, optim=self.optim, log=self.log)
+        state, weights = run_everywhere(self.world, (lambda: startup.read_start(start))
+                                        if self.rank0 else lambda: (None, None))
+        if self.is_server:
+            if self.rank0:
+                if state is not None:
+                    header[:] = state.step, state.optim_step
+                    self.log(f"resuming from {state.path} at step {state.step}")
+                full = [self.model.layout.pack(state.params if state else weights or
+                                               self.model.init_params(self.cfg.train.seed))]
+                full += [self.model.layout.pack(state.slots[s] if state else None) for s in self.optim.slots]
+            counts = [hi - lo for lo, hi in self.ranges]
+            displs = [lo for lo, _ in self.ranges]
+            for i, buf in enumerate([self.params] + list(self.optim.slots.values())):
+                send = [full[i], counts, displs, MPI.FLOAT] if self.rank0 else None
+                self.servers_comm.Scatterv(send, buf.data, root=0)
+        self.world.Bcast(header, root=0)
+        epoch_steps = np.array([0 if self.is_server else self.sampler.steps_per_epoch], dtype=np.int64)
+        self.world.Allreduce(MPI.IN_PLACE, epoch_steps, op=MPI.MAX)
+        self.steps_per_epoch = int(epoch_steps[0])
+        self.step, optim_step = int(header[0]), int(header[1])
+        if self.is_server:
+            self.optim.step_count = optim_step
+        self.log(f"hpctrain: parameter server, {self.S} server(s) and {self.W} worker(s), staleness {self.k}, "
+                 f"{self.model.layout.size:,} parameters")
+
+    # ------------------------------------------------------------------ training
+
+    def run(self) -> dict:
+        """Train to ``train.steps`` on every worker (collective over the world); world rank 0 returns the metrics."""
+        t = self.cfg.train
+        metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step)
+        try:
+            if self.is_server:
+                self._serve(metrics)
+            else:
+                self._work()
+            summary = self._finish()  # a signal during the checkpoint is recorded, never fatal
+            metrics.write(summary)
+        finally:
+            metrics.close()
+            self._stop.restore()
+        return summary
+
+    def _serve(self, metrics) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        total = t.steps
+
+        def update(grad, version, *, sum_norm):
+            from mpi4py import MPI
+
+            self.grads.data[:] = grad
+            if sum_norm:  # staleness 0: the step's summed gradient, clipped by its norm over every server
+                norm2 = np.array([self.be.sum_squares(self.grads.data)], dtype=np.float64)
+                if self.S > 1:
+                    self.servers_comm.Allreduce(MPI.IN_PLACE, norm2, op=MPI.SUM)
+                norm = math.sqrt(norm2[0])
+                if not math.isfinite(norm):
+                    raise NonFiniteError(f"update {version + 1}: the gradients contain NaN or Inf; lower optim.lr "
+                                         "or set train.grad_clip")
+                coef = clip_coefficient(norm, t.grad_clip)
+                if coef < 1.0:
+                    self.be.scale_(self.grads.data, coef)
+            step = self.step + (version if self.k == 0 else version // self.W)
+            self.optim.step(lr_at(cfg.optim, min(step, total - 1), total))
+
+        every = t.log_every * (1 if self.k == 0 else self.W)
+        last = [time.perf_counter(), 0]
+
+        def on_update(version):
+            if not self.rank0 or version % every:
+                return
+            now = time.perf_counter()
+            rate = (version - last[1]) / max(now - last[0], 1e-9)
+            last[:] = now, version
+            per = self.model.out_features if t.loss == "mse" else 1
+            loss = server.loss_sum / max(server.rows * per, 1)
+            server.loss_sum = server.rows = 0.0
+            record = dict(step=self.step + (version if self.k == 0 else version // self.W), updates=version,
+                          loss=loss, server_updates_per_s=rate, staleness_max=max(server.staleness, default=0))
+            metrics.write(record)
+            self.log(f"update {version:>7}  loss {loss:.4f}  {rate:,.0f} updates/s  staleness max "
+                     f"{record['staleness_max']}")
+
+        server = Server(world=self.world, servers_comm=self.servers_comm, workers=self.W, staleness=self.k,
+                        params=self.params.data, optimizer=update, start=self.step,
+                        stop_flag=lambda: bool(self._stop.name))
+        server.run(on_update)
+        self.server = server
+
+    def _work(self) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        link = WorkerLink(world=self.world, ranges=self.ranges, servers=self.S)
+        host = np.empty(self.model.layout.size, dtype=np.float32)
+        m = t.micro_batches
+        # staleness 0: the W gradients add up to the global batch's mean; k > 0: each is a mean of its own
+        grad_scale = self.loss.grad_scale(t.batch_size * self.part.positions, self.part.spec.out_features)
+        if self.k > 0:
+            grad_scale *= self.W
+        steps = 0
+        for clock in range(self.step, t.steps):
+            version = link.pull(clock, host, stop=bool(self._stop.name))
+            if version is None:
+                break
+            self.be.copy_(self.params.data, self.be.asarray(host))
+            rows = self.sampler.local_rows(clock)
+            per = len(rows) // m
+            batch = _Batch(self.data, [rows[i * per : (i + 1) * per] for i in range(m)], self.part.positions)
+            r = self.executor.run(self.schedule.stages[0], batch, grad_scale=grad_scale,
+                                  on_optimizer_step=lambda: None)
+            grads = self.be.to_host(self.grads.data)
+            if self.k > 0:  # this gradient is one update: its own norm clips it
+                norm = math.sqrt(float(np.dot(grads.astype(np.float64), grads)))
+                if not math.isfinite(norm):
+                    raise NonFiniteError(f"step {clock + 1}: this worker's gradients contain NaN or Inf; lower "
+                                         "optim.lr or set train.grad_clip")
+                coef = clip_coefficient(norm, t.grad_clip)
+                if coef < 1.0:
+                    grads = grads * np.float32(coef)
+            link.push(clock, version, np.ascontiguousarray(grads, dtype=np.float32), r.loss_sum, r.rows)
+            steps += 1
+        link.done(steps)
+
+    # ------------------------------------------------------------------ the end
+
+    def _finish(self) -> dict:
+        """Gather the servers' ranges, write the checkpoint, evaluate on the workers (collective over the world)."""
+        from mpi4py import MPI
+
+        step = np.zeros(1, dtype=np.int64)
+        slots = len(self.optim.slots) if self.is_server else 0
+        full = [np.empty(self.model.layout.size, dtype=np.float32) for _ in range(1 + slots)]
+        if self.is_server:
+            counts = [hi - lo for lo, hi in self.ranges]
+            displs = [lo for lo, _ in self.ranges]
+            for buf, out in zip([self.params] + list(self.optim.slots.values()), full):
+                self.servers_comm.Gatherv(buf.data, [out, counts, displs, MPI.FLOAT] if self.rank0 else None, root=0)
+            step[0] = min(self.server.pushes)  # every worker has done this many steps
+        self.world.Bcast(step, root=0)
+        self.world.Bcast(full[0], root=0)  # the final parameters, for the workers' evaluation
+        if self.rank0 and self.cfg.checkpoint.dir:
+            self._save(int(step[0]), full)
+        result = self._evaluate(full[0])
+        if not self.rank0:
+            return {}
+        s = self.server
+        summary = dict(step=int(step[0]), updates=s.version, updates_per_worker=list(s.pushes),
+                       staleness_max=max(s.staleness, default=0),
+                       staleness_mean=float(np.mean(s.staleness)) if s.staleness else 0.0,
+                       steps_ahead_max=s.ahead_max, server_updates_per_s=s.version / max(s.elapsed, 1e-9),
+                       worker_idle_s=[round(x, 4) for x in s.idle], **result)
+        self.log("parameter server done: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                                      for k, v in summary.items()))
+        return summary
+
+    def _save(self, step: int, full) -> None:
+        cfg = self.cfg
+        layout = self.model.layout
+        state = ckpt.CheckpointState(
+            step=step, epoch=step // self.steps_per_epoch, data_position=step % self.steps_per_epoch,
+            config_text=cfg.to_toml(),
+            layout={"world_size": self.W, "dp": self.W, "pp": 1, "tp": 1},  # the workers, a dp layout
+            params=layout.unpack(full[0]), optim_name=self.optim.name, optim_step=self.optim.step_count,
+            slots={name: layout.unpack(arr) for name, arr in zip(self.optim.slots, full[1:])},
+            rng={"data_seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "init_seed": cfg.train.seed})
+        path = ckpt.save_checkpoint(cfg.checkpoint.dir, state, keep=cfg.checkpoint.keep)
+        self.log(f"checkpoint {path} written")
+
+    def _evaluate(self, params: np.ndarray) -> dict:
+        """Validation loss (and accuracy) of ``params``, each worker a share of the split (collective)."""
+        from mpi4py import MPI
+
+        sums = np.zeros(3, dtype=np.float64)
+        if not self.is_server and self.data.n_val:
+            self.be.copy_(self.params.data, self.be.asarray(params))
+            w = self.workers_comm.Get_rank()
+            lo = self.data.n_train + self.data.n_val * w // self.W
+            hi = self.data.n_train + self.data.n_val * (w + 1) // self.W
+            chunk = max(1, self.sampler.local)
+            row_lists = [np.arange(a, min(hi, a + chunk)) for a in range(lo, hi, chunk)]
+            if row_lists:
+                schedule = forward_only(1, len(row_lists))
+                r = self.executor.run(schedule.stages[0], _Batch(self.data, row_lists, self.part.positions))
+                sums[:] = r.loss_sum, r.correct, r.rows
+        self.world.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        if not sums[2]:
+            return {}
+        per = self.model.out_features if self.cfg.train.loss == "mse" else 1
+        out = {"val_loss": float(sums[0] / (sums[2] * per))}
+        if self.cfg.train.loss == "cross_entropy":
+            out["val_accuracy"] = float(sums[1] / sums[2])
+        return out
+
+    def close(self) -> None:
+        self._stop.restore()
+        if not self.is_server:
+            self.data.close()
+            self.mesh.free()
+        for comm in (self.servers_comm, self.workers_comm):
+            from mpi4py import MPI
+
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+        self.world.Free()

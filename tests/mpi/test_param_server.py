@@ -1,0 +1,115 @@
+"""The asynchronous parameter server: staleness 0 is synchronous data parallelism, staleness 2 still learns and
+keeps its bound, checkpoints move between async and sync mode.
+
+Run under ``mpiexec -n 2, 3, 4`` by tests/test_suites.py (1 server and the rest workers, or 2 + 2 at four
+ranks); one rank cannot serve and work, so the tests skip there. The reference is the same job trained
+synchronously on one process with the same global batch.
+"""
+
+import dataclasses
+import os
+
+import h5py
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from helpers import config, train_params as train
+from hpctrain.config import load_config
+from hpctrain.train.async_ps import AsyncTrainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+
+
+def servers(comm):
+    return 2 if comm.size == 4 else 1
+
+
+def run_async(cfg):
+    trainer = AsyncTrainer(cfg, log=lambda *a: None)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+def checkpoint_params(folder):
+    name = sorted(n for n in os.listdir(folder) if n.startswith("ckpt-"))[-1]
+    with h5py.File(os.path.join(folder, name), "r") as f:
+        return {k: f["params"][k][()] for k in f["params"]}, int(f.attrs["step"])
+
+
+def alone(cfg):
+    sync = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mode="sync"),
+                               checkpoint=dataclasses.replace(cfg.checkpoint, dir=""))
+    return train(sync, MPI.COMM_SELF)
+
+
+def agreed(comm, worst):
+    """Rank 0's figure on every rank (a failing assert on one rank alone could hang the next test)."""
+    buf = np.array([worst], dtype=np.float64)
+    comm.Bcast(buf, root=0)
+    return float(buf[0])
+
+
+def test_staleness_zero_is_synchronous_data_parallel_training(comm, data, shared_dir):
+    if comm.size < 2:
+        pytest.skip("a server and a worker need two ranks")
+    S = servers(comm)
+    W = comm.size - S
+    cfg = config(data, optim=SGD, train={"steps": 5, "batch_size": 4 * W, "grad_clip": 0.5, "micro_batches": 2},
+                 parallel={"mode": "async_ps", "servers": S, "staleness": 0}, checkpoint={"dir": f"{shared_dir}/ck"})
+    summary = run_async(cfg)
+    worst = 1.0
+    if comm.rank == 0:
+        got, step = checkpoint_params(f"{shared_dir}/ck")
+        want = alone(cfg)
+        worst = max(float(np.abs(got[n] - want[n]).max() / np.abs(want[n]).max()) for n in want)
+        assert step == 5 and summary["updates"] == 5 and summary["staleness_max"] == 0
+    assert agreed(comm, worst) < 1e-6
+
+
+def test_staleness_two_learns_the_digits_within_its_bound(comm, shared_dir):
+    if comm.size < 2:
+        pytest.skip("a server and a worker need two ranks")
+    S = servers(comm)
+    cfg = load_config(os.path.join(ROOT, "jobs/configs/digits-ps.toml"),
+                      [f"parallel.servers={S}", "parallel.staleness=2", f"train.metrics={shared_dir}/m.jsonl",
+                       f"checkpoint.dir={shared_dir}/ck", "train.backend=\"cpu\""])
+    summary = run_async(cfg)
+    accuracy = np.array([summary.get("val_accuracy", 0.0), summary.get("steps_ahead_max", 99)])
+    comm.Bcast(accuracy, root=0)
+    assert accuracy[0] >= 0.95 and accuracy[1] <= 2
+    if comm.rank == 0:
+        assert summary["updates_per_worker"] == [600] * (comm.size - S)
+        assert len(summary["worker_idle_s"]) == comm.size - S and summary["server_updates_per_s"] > 0
+
+
+@pytest.mark.parametrize("first", ["async_ps", "sync"])
+def test_checkpoints_move_between_async_and_sync_mode(comm, data, shared_dir, first):
+    """Two steps in one mode, a checkpoint, two more in the other == four synchronous steps (staleness 0)."""
+    if comm.size < 2:
+        pytest.skip("a server and a worker need two ranks")
+    S = servers(comm)
+    W = comm.size - S
+    ck = f"{shared_dir}/ck-{first}"
+    base = config(data, optim={"name": "adamw", "lr": 0.01}, train={"steps": 2, "batch_size": 12 * W},  # W and world
+                  parallel={"servers": S, "staleness": 0}, checkpoint={"dir": ck})
+
+    def at(mode, steps):
+        return dataclasses.replace(base, train=dataclasses.replace(base.train, steps=steps),
+                                   parallel=dataclasses.replace(base.parallel, mode=mode))
+
+    other = "sync" if first == "async_ps" else "async_ps"
+    for mode, steps in ((first, 2), (other, 4)):
+        if mode == "async_ps":
+            run_async(at(mode, steps))
+        else:
+            train(at(mode, steps), comm)
+    worst = 1.0
+    if comm.rank == 0:
+        got, step = checkpoint_params(ck)
+        want = alone(at("sync", 4))
+        worst = max(float(np.abs(got[n] - want[n]).max() / np.abs(want[n]).max()) for n in want) if step == 4 else 1
+    assert agreed(comm, worst) < 1e-4  # AdamW amplifies rounding (tests/mpi/test_gpt_parallel.py)

@@ -277,3 +277,28 @@ def test_bad_parameter_server_layouts_are_one_line(tmp_path):
                        env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert "parallel.servers = 1 leaves no worker in a world of 1 rank(s)" in r.stderr
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+def test_sigterm_stops_a_parameter_server_job_with_a_checkpoint(tmp_path):
+    """SIGTERM to the launcher: the servers answer every pull with stop, the workers finish, a checkpoint, exit 0."""
+    import signal
+
+    make_classification(tmp_path / "d.h5", n=64)
+    (tmp_path / "job.toml").write_text(toml_job(train={"steps": 10_000_000, "log_every": 10_000_000},
+                                                parallel={"mode": "async_ps", "staleness": 1},
+                                                checkpoint={"dir": "ck"}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_LOCALRANKID"))}
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, "-m", "hpctrain", "train", str(tmp_path / "job.toml")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = proc.stdout.readline()  # the start-up line: every rank is past start-up
+        assert "parameter server" in first, first
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, first + out
+    assert "parameter server done" in out and len(os.listdir(tmp_path / "ck")) == 1

@@ -198,7 +198,7 @@ class AsyncTrainer:
         self.server = server
 
     def _work(self) -> None:
-        cfg, t = self.cfg, self.cfg.train
+        t = self.cfg.train
         link = WorkerLink(world=self.world, ranges=self.ranges, servers=self.S)
         host = np.empty(self.model.layout.size, dtype=np.float32)
         m = t.micro_batches

@@ -87,7 +87,7 @@ class Server:
         grad = np.empty_like(self.params)
         self.started = time.perf_counter()
         while done < self.W:
-            self.world.Probe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
+            self._wait_for_message(status)
             src, tag = status.Get_source(), status.Get_tag()
             w = src - self.S
             if tag == TAGS["PULL"]:
@@ -116,6 +116,18 @@ class Server:
         MPI.Request.Waitall([r for r, _ in self._sends])
         self._sends = []
         self.elapsed = time.perf_counter() - self.started
+
+    def _wait_for_message(self, status) -> None:
+        """Until a message arrives: polling, then sleeping in growing steps (to 1 ms), so that an idle server
+        leaves its core to the workers (a blocking Probe spins it, which on a node with more ranks than
+        cores slows every worker down)."""
+        from mpi4py import MPI
+
+        pause = 0.0
+        while not self.world.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+            if pause:
+                time.sleep(pause)
+            pause = min(1e-3, max(2e-5, pause * 2))
 
     def _apply(self, w: int, version_read: int, grad: np.ndarray, on_update) -> None:
         self.pushes[w] += 1

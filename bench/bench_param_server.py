@@ -2,6 +2,7 @@
 
     python bench/bench_param_server.py                    # W = 2 workers, 600 steps, 3 alternating repeats
     python bench/bench_param_server.py --repeats 2 --steps 400 --mpiexec "mpiexec -bind-to core"
+    python bench/bench_param_server.py --hidden 1024 --steps 300     # heavier steps: messaging matters less
 
 Run it plainly (not under mpiexec): it starts its ranks itself, re-invoking this file with --worker,
 one BLAS thread per rank. The job is the digits MLP of jobs/configs/digits-ps.toml (its model, data,
@@ -67,6 +68,10 @@ def worker(a):
     overrides = ['train.backend="cpu"', 'train.metrics=""', 'checkpoint.dir=""', 'checkpoint.resume="never"',
                  "train.eval_every=0", f"train.steps={a.steps}", f'parallel.mode="{"async_ps" if a.worker == "async" else "sync"}"',
                  "parallel.servers=1", f"parallel.staleness={a.staleness if a.worker == 'async' else 0}"]
+    if a.hidden:  # a heavier step: the digits MLP with wider hidden layers
+        h = a.hidden
+        overrides.append(f'model.layers=[{{type="linear",in=64,out={h}}},{{type="relu"}},{{type="linear",in={h},'
+                         f'out={h}}},{{type="relu"}},{{type="linear",in={h},out=10}}]')
     cfg = load_config(CONFIG, overrides)
     sleeps = []
     if a.straggler and world.rank == 1:
@@ -102,7 +107,7 @@ def worker(a):
 def launch(a, mode, straggler, env):
     n = a.workers + (1 if mode == "async" else 0)
     cmd = shlex.split(a.mpiexec) + ["-n", str(n), sys.executable, os.path.abspath(__file__), "--worker", mode,
-                                    "--steps", str(a.steps), "--staleness", str(a.staleness)]
+                                    "--steps", str(a.steps), "--staleness", str(a.staleness), "--hidden", str(a.hidden)]
     cmd += ["--straggler"] if straggler else []
     p = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -117,6 +122,7 @@ def main():
     p.add_argument("--steps", type=int, default=600, help="train.steps (per worker in async mode)")
     p.add_argument("--workers", type=int, default=2, help="W: sync ranks, async workers (plus 1 server)")
     p.add_argument("--staleness", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=0, help="hidden width (0: the config's 128); wider = heavier steps")
     p.add_argument("--mpiexec", default=os.path.join(os.path.dirname(sys.executable), "mpiexec"))
     p.add_argument("--worker", choices=("sync", "async"), help=argparse.SUPPRESS)
     p.add_argument("--straggler", action="store_true", help=argparse.SUPPRESS)

@@ -271,9 +271,19 @@ class AsyncTrainer:
             layout={"world_size": self.W, "dp": self.W, "pp": 1, "tp": 1},  # the workers, a dp layout
             params=layout.unpack(full[0]), optim_name=self.optim.name, optim_step=self.optim.step_count,
             slots={name: layout.unpack(arr) for name, arr in zip(self.optim.slots, full[1:])},
-            rng={"data_seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "init_seed": cfg.train.seed})
+            rng={"data_seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "init_seed": cfg.train.seed},
+            vocabulary=self._vocabulary())
         path = ckpt.save_checkpoint(cfg.checkpoint.dir, state, keep=cfg.checkpoint.keep)
         self.log(f"checkpoint {path} written")
+
+    def _vocabulary(self) -> str:
+        """A language model's vocabulary for its checkpoint (rank 0 serves and has no dataset open)."""
+        if self.cfg.model.kind != "gpt":
+            return ""
+        from ..text import read_vocabulary
+
+        tok = read_vocabulary(self.cfg.data.path, self.cfg.data.tokens)
+        return tok.vocabulary if tok is not None else ""
 
     def _evaluate(self, params: np.ndarray) -> dict:
         """Validation loss (and accuracy) of ``params``, each worker a share of the split (collective)."""

@@ -70,7 +70,7 @@ class Dataset:
             raise DataError(f"{path}: inputs {inputs!r} must be numeric, got dtype {self.x.dtype}")
         loss.check_targets(self.y.shape, self.y.dtype, out_features, f"{path}: targets {targets!r}")
         self.loss, self.features, self.out_features = loss, features, out_features
-        self.n_val = int(n * val_fraction)
+        self.n_val = validation_count(n, val_fraction)
         self.n_train = n - self.n_val
 
     def _dataset(self, name, key, expected):
@@ -147,6 +147,13 @@ class Dataset:
         return f"{self.path}: {what} contain NaN or Inf (first in row {lo + i})"
 
 
+def validation_count(n: int, val_fraction: float) -> int:
+    """floor(n · val_fraction) of the fraction as written (0.29 is 0.28999… in binary: 100 · it is 29, not 28)."""
+    from decimal import Decimal
+
+    return int(Decimal(repr(val_fraction)) * n)
+
+
 def _get_dataset(file, path, name, key, expected):
     """The dataset ``name`` of an open file; DataError naming ``key`` unless it holds rows."""
     try:
@@ -200,7 +207,7 @@ class TokenDataset:
                             f"model.vocab_size = {self.vocab_size}; set vocab_size >= {len(self.vocabulary)}")
         self._label = f"dataset {name!r} (data.tokens)"
         n = (count - 1) // T
-        self.n_val = int(n * val_fraction)
+        self.n_val = validation_count(n, val_fraction)
         self.n_train = n - self.n_val
 
     def close(self):

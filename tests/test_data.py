@@ -189,3 +189,11 @@ def test_data_file_can_also_be_checkpoint_init(tmp_path, monkeypatch):
         np.testing.assert_array_equal(loaded[name], value)
     assert d.scan(0, 20) == ""
     d.close()
+
+
+def test_the_validation_split_is_floor_of_the_fraction_as_written():
+    from hpctrain.data import validation_count
+
+    assert validation_count(100, 0.29) == 29  # int(100 * 0.29) is 28
+    assert validation_count(1797, 0.1) == 179
+    assert validation_count(7, 0.0) == 0 and validation_count(3, 0.5) == 1

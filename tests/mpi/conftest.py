@@ -43,3 +43,15 @@ def data(shared_dir, comm):
         make_classification(path, n=128)
     comm.Barrier()
     return path
+
+
+@pytest.fixture
+def tokens(shared_dir, comm):
+    """A small character token file (tests/helpers.py make_tokens) in the shared folder, written by rank 0."""
+    from helpers import make_tokens
+
+    path = f"{shared_dir}/t.h5"
+    if comm.rank == 0:
+        make_tokens(path)
+    comm.Barrier()
+    return path

@@ -12,16 +12,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import gpt_config, make_tokens, train_params as train
-
-
-@pytest.fixture
-def tokens(shared_dir, comm):
-    path = f"{shared_dir}/t.h5"
-    if comm.rank == 0:
-        make_tokens(path)
-    comm.Barrier()
-    return path
+from helpers import gpt_config, train_params as train
 
 
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import config, gpt_config, make_tokens, train_params as train
+from helpers import config, gpt_config, train_params as train
 
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
 
@@ -45,15 +45,6 @@ def alone(cfg):
 def max_error(got, want) -> float:
     assert set(got) == set(want)
     return max(float(np.abs(got[n] - want[n]).max() / max(np.abs(want[n]).max(), 1e-30)) for n in want)
-
-
-@pytest.fixture
-def tokens(shared_dir, comm):
-    path = f"{shared_dir}/t.h5"
-    if comm.rank == 0:
-        make_tokens(path)
-    comm.Barrier()
-    return path
 
 
 @pytest.mark.parametrize("micro", [1, 2])

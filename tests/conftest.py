@@ -18,6 +18,8 @@ they can be run by hand too:
 
 import os
 
+import hpctrain  # noqa: F401  before numpy: shares the cores between the ranks' BLAS threads (hpctrain/_threads.py)
+
 _subsuite = os.environ.get("HPCTRAIN_SUBSUITE", "")
 collect_ignore = [name for name in ("mpi", "cuda") if name != _subsuite]
 

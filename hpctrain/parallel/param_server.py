@@ -12,15 +12,24 @@ point-to-point messages, no pickle:
            float32 params[range s]    ◀──    PARAMS
     PUSH   float64 [clock, version, loss, rows]  ──▶
            float32 grads[range s]     ──▶    GRAD: applied in arrival order
-    DONE   float64 [idle seconds, steps] ──▶ after its last push
+    DONE   float64 [idle seconds, steps] ──▶ after it was told to stop
 
-``clock`` counts the pushes a worker has made. A PULL for clock c is answered once
-every worker has pushed at least c − k gradients (k = ``staleness``), so no worker is
-ever more than k steps ahead of the slowest. With k = 0 a server waits for the W
-gradients of each step and applies their sum as one update: synchronous data-parallel
-training on the same global batch. With k > 0 each gradient is one update, applied as
-it arrives; the server records its staleness, the updates applied since the parameters
-it was computed on were sent.
+A worker sends the PULL for step c + 1 before it computes step c (``WorkerLink.request``),
+so the servers' answer travels while it computes. ``clock`` counts the pushes a worker
+has made. A PULL for clock c is answered once every worker has pushed at least c − k
+gradients (k = ``staleness``), so no worker is ever more than k steps ahead of the
+slowest. With k = 0 a server also waits for the W gradients of step c − 1 and applies
+their sum as one update: synchronous data-parallel training on the same global batch.
+With k > 0 each gradient is one update, applied as it arrives (the parameters a worker
+computes step c + 1 on may lack its own gradient of step c); the server records its
+staleness, the updates applied since the parameters it was computed on were sent.
+
+The step budget is global: a run computes (steps − start) · W gradients, whichever
+workers compute them, so a fast worker takes more steps than a slow one (up to the
+bound). The first server counts the PULLs it answers with parameters and answers −1
+once the budget is spent; a worker stops when any server says −1 and pushes only
+gradients every server granted, so every server applies the same gradients. A DONE
+(sent only after a stop) makes every server answer −1 from then on.
 
 Ordering: MPI keeps messages between two ranks on one communicator and tag in order,
 and a worker sends PUSH before GRAD, so a server that receives a PUSH header then
@@ -57,12 +66,14 @@ class Server:
     """
 
     def __init__(self, *, world, servers_comm, workers: int, staleness: int, params: np.ndarray, optimizer,
-                 start: int = 0, stop_flag=None, log=None):
+                 start: int = 0, budget: int | None = None, stop_flag=None, log=None):
         self.world, self.servers_comm, self.W, self.k = world, servers_comm, workers, staleness
         self.S = servers_comm.Get_size()
         self.params, self.optimizer, self.stop_flag = params, optimizer, stop_flag
         self.log = log or (lambda *a: None)
         self.start = start  # the step a resumed run starts from: every worker's first clock
+        self.budget = budget  # the first server only: the gradients this run may compute (None: no limit)
+        self.granted = 0  # pulls answered with parameters: each is one gradient to come
         self.pushes = [start] * workers  # each worker's clock: the steps it has pushed a gradient for
         self.version = 0  # updates applied (by this run)
         self.stopping = False
@@ -106,6 +117,7 @@ class Server:
                 tail = np.empty(2, dtype=np.float64)
                 self.world.Recv(tail, source=src, tag=tag)
                 self.idle[w], self.steps[w] = float(tail[0]), int(tail[1])
+                self.stopping = True  # a worker stops only when told to: so must the others
                 done += 1
             else:
                 raise RuntimeError(f"parameter server {self.world.Get_rank()}: unexpected message tag {tag} "
@@ -152,13 +164,15 @@ class Server:
         slowest = min(self.pushes)
         still = []
         for w, clock in self._pending:
-            ready = self.stopping or (slowest >= clock - self.k and (self.k > 0 or self.start + self.version == clock))
+            stop = self.stopping or (self.budget is not None and self.granted >= self.budget)
+            ready = stop or (slowest >= clock - self.k and (self.k > 0 or self.start + self.version == clock))
             if not ready:
                 still.append((w, clock))
                 continue
-            if not self.stopping:
+            if not stop:
                 self.ahead_max = max(self.ahead_max, clock - slowest)
-            version = np.array([-1 if self.stopping else self.version], dtype=np.int64)
+                self.granted += 1
+            version = np.array([-1 if stop else self.version], dtype=np.int64)
             data = self.params.copy()  # the update may change params while the send is in flight
             dest = self.worker_rank(w)
             self._sends.append((self.world.Isend(version, dest=dest, tag=TAGS["VERSION"]), version))
@@ -172,29 +186,41 @@ class Server:
 
 
 class WorkerLink:
-    """A worker's side: ``pull`` fresh parameters from every server, ``push`` its gradient, ``done``."""
+    """A worker's side: ``request`` the parameters of a step, ``receive`` them, ``push`` a gradient, ``done``.
+
+    ``request`` only posts the PULL and the receives, so a worker asks for the next step's parameters before it
+    computes this step's gradient: the servers answer while it computes, and no round trip to a server sits on
+    the worker's critical path. With staleness 0 the servers hold the answer until the step's update is made.
+    """
 
     def __init__(self, *, world, ranges, servers: int):
         self.world, self.ranges, self.S = world, ranges, servers
         self._sends = []
+        self._recvs = []
+        self._versions = np.empty((servers, 1), dtype=np.int64)
         self.idle = 0.0
 
-    def pull(self, clock: int, into: np.ndarray, stop: bool) -> int | None:
-        """Parameters for step ``clock`` into the full host array ``into``; their version (the smallest of the
-        servers'), or None when the servers say stop."""
-        self._wait_sends()  # the gradient buffers of the last push may be reused now
-        t0 = time.perf_counter()
+    def request(self, clock: int, into: np.ndarray, stop: bool) -> None:
+        """Ask every server for the parameters of step ``clock``; they arrive in ``into`` (the full host array)."""
+        self._wait_sends()  # the gradient buffers of the last push may be reused once this returns
         head = np.array([clock, int(stop)], dtype=np.int64)
         for s in range(self.S):
             self.world.Send(head, dest=s, tag=TAGS["PULL"])
-        versions = []
         for s, (lo, hi) in enumerate(self.ranges):
-            v = np.empty(1, dtype=np.int64)
-            self.world.Recv(v, source=s, tag=TAGS["VERSION"])
-            self.world.Recv(into[lo:hi], source=s, tag=TAGS["PARAMS"])
-            versions.append(int(v[0]))
+            self._recvs.append(self.world.Irecv(self._versions[s], source=s, tag=TAGS["VERSION"]))
+            self._recvs.append(self.world.Irecv(into[lo:hi], source=s, tag=TAGS["PARAMS"]))
+
+    def receive(self) -> int | None:
+        """Wait for the requested parameters; their version (the smallest of the servers'), or None when a
+        server says stop (the step budget is spent, or a signal)."""
+        from mpi4py import MPI
+
+        t0 = time.perf_counter()
+        MPI.Request.Waitall(self._recvs)
+        self._recvs = []
         self.idle += time.perf_counter() - t0
-        return None if min(versions) < 0 else min(versions)
+        version = int(self._versions.min())
+        return None if version < 0 else version
 
     def push(self, clock: int, version: int, grads: np.ndarray, loss_sum: float, rows: int) -> None:
         """Send the gradient (host array) to the servers, each its range; non-blocking."""
@@ -215,4 +241,3 @@ class WorkerLink:
 
             MPI.Request.Waitall([r for r, _ in self._sends])
             self._sends = []
-

@@ -191,8 +191,9 @@ class AsyncTrainer:
             self.log(f"update {version:>7}  loss {loss:.4f}  {rate:,.0f} updates/s  staleness max "
                      f"{record['staleness_max']}")
 
+        budget = max(0, total - self.step) * self.W if self.servers_comm.Get_rank() == 0 else None
         server = Server(world=self.world, servers_comm=self.servers_comm, workers=self.W, staleness=self.k,
-                        params=self.params.data, optimizer=update, start=self.step,
+                        params=self.params.data, optimizer=update, start=self.step, budget=budget,
                         stop_flag=lambda: bool(self._stop.name))
         server.run(on_update)
         self.server = server
@@ -206,12 +207,11 @@ class AsyncTrainer:
         grad_scale = self.loss.grad_scale(t.batch_size * self.part.positions, self.part.spec.out_features)
         if self.k > 0:
             grad_scale *= self.W
-        steps = 0
-        for clock in range(self.step, t.steps):
-            version = link.pull(clock, host, stop=bool(self._stop.name))
-            if version is None:
-                break
+        steps, clock = 0, self.step
+        link.request(clock, host, stop=bool(self._stop.name))
+        while (version := link.receive()) is not None:  # None: the budget is spent, or a signal
             self.be.copy_(self.params.data, self.be.asarray(host))
+            link.request(clock + 1, host, stop=bool(self._stop.name))  # answered while this step computes
             rows = self.sampler.local_rows(clock)
             per = len(rows) // m
             batch = _Batch(self.data, [rows[i * per : (i + 1) * per] for i in range(m)], self.part.positions)
@@ -227,7 +227,7 @@ class AsyncTrainer:
                 if coef < 1.0:
                     grads = grads * np.float32(coef)
             link.push(clock, version, np.ascontiguousarray(grads, dtype=np.float32), r.loss_sum, r.rows)
-            steps += 1
+            steps, clock = steps + 1, clock + 1
         link.done(steps)
 
     # ------------------------------------------------------------------ the end
@@ -244,7 +244,8 @@ class AsyncTrainer:
             displs = [lo for lo, _ in self.ranges]
             for buf, out in zip([self.params] + list(self.optim.slots.values()), full):
                 self.servers_comm.Gatherv(buf.data, [out, counts, displs, MPI.FLOAT] if self.rank0 else None, root=0)
-            step[0] = min(self.server.pushes)  # every worker has done this many steps
+            pushed = sum(self.server.pushes) - self.step * self.W  # gradients applied by this run
+            step[0] = self.step + pushed // self.W  # in global batches
         self.world.Bcast(step, root=0)
         self.world.Bcast(full[0], root=0)  # the final parameters, for the workers' evaluation
         if self.rank0 and self.cfg.checkpoint.dir:
@@ -253,7 +254,7 @@ class AsyncTrainer:
         if not self.rank0:
             return {}
         s = self.server
-        summary = dict(step=int(step[0]), updates=s.version, updates_per_worker=list(s.pushes),
+        summary = dict(step=int(step[0]), updates=s.version, updates_per_worker=[p - self.step for p in s.pushes],
                        staleness_max=max(s.staleness, default=0),
                        staleness_mean=float(np.mean(s.staleness)) if s.staleness else 0.0,
                        steps_ahead_max=s.ahead_max, server_updates_per_s=s.version / max(s.elapsed, 1e-9),

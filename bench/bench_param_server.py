@@ -1,6 +1,7 @@
 """Async parameter server against sync data parallel: wall time to a target accuracy, with and without a straggler.
 
-    python bench/bench_param_server.py                    # W = 2 workers, 600 steps, 3 alternating repeats
+    python bench/bench_param_server.py                    # W = 2 workers, 600 steps, 3 alternating repeats,
+                                                          # async at staleness 2 and 256
     python bench/bench_param_server.py --repeats 2 --steps 400 --mpiexec "mpiexec -bind-to core"
     python bench/bench_param_server.py --hidden 1024 --steps 300     # heavier steps: messaging matters less
 
@@ -11,8 +12,9 @@ evaluation but the final one), trained for a fixed --steps, enough for both mode
 target validation accuracy (0.95; each run's final val_accuracy is printed beside its time):
 
   sync   ``mpiexec -n W``: the Trainer with parallel.mode = "sync", dp = W, the same global batch;
-  async  ``mpiexec -n W+1``: the AsyncTrainer, 1 server (world rank 0) and W workers, staleness 2;
-         every worker takes --steps steps of its 1/W share of the global batch (the same samples).
+  async  ``mpiexec -n W+1``: the AsyncTrainer, 1 server (world rank 0) and W workers, at each
+         --staleness bound; the step budget is global: --steps · W gradients of 1/W of the global
+         batch (as many samples as sync), whichever workers compute them.
 
 each without and with one straggler: world rank 1 (a sync rank, or the first async worker) sleeps
 after each training step half of that step's own time (busy + data + optimizer seconds that
@@ -22,13 +24,17 @@ Wall time: trainer.run() between two world Barriers (training and the final eval
 left out). The four configurations alternate, the order rotating each repeat; figures are medians.
 
 Targets (issue 11): with the straggler, async wall time < sync wall time; without it, async within
-1.25x of sync. Note: async uses one rank more than sync (the server), so on a 2-core machine its
-3 ranks oversubscribe the cores while sync's 2 ranks do not.
+1.25x of sync. A straggler slowed for the whole run gains async nothing under a tight bound (the
+others wait for it once they are k steps ahead), so the default runs a tight bound (2) and a loose
+one (256, more than the lead a 1.5x slower worker builds in 600 steps). Note: async uses one rank
+more than sync (the server), so on a 2-core machine its 3 ranks oversubscribe the cores while
+sync's 2 ranks do not; the CPU seconds each rank used are printed to show where the time went.
 """
 
 import argparse
 import json
 import os
+import resource
 import shlex
 import statistics
 import subprocess
@@ -37,7 +43,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "..", "jobs", "configs", "digits-ps.toml")
-CONFIGS = [("sync", False), ("async", False), ("sync", True), ("async", True)]
 TARGET = 0.95
 
 
@@ -67,7 +72,7 @@ def worker(a):
     world = MPI.COMM_WORLD
     overrides = ['train.backend="cpu"', 'train.metrics=""', 'checkpoint.dir=""', 'checkpoint.resume="never"',
                  "train.eval_every=0", f"train.steps={a.steps}", f'parallel.mode="{"async_ps" if a.worker == "async" else "sync"}"',
-                 "parallel.servers=1", f"parallel.staleness={a.staleness if a.worker == 'async' else 0}"]
+                 "parallel.servers=1", f"parallel.staleness={a.staleness[0] if a.worker == 'async' else 0}"]
     if a.hidden:  # a heavier step: the digits MLP with wider hidden layers
         h = a.hidden
         overrides.append(f'model.layers=[{{type="linear",in=64,out={h}}},{{type="relu"}},{{type="linear",in={h},'
@@ -88,6 +93,8 @@ def worker(a):
         mesh = Mesh(dp=world.size)
         trainer = Trainer(cfg, mesh=mesh, log=quiet)
     world.Barrier()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0 = usage.ru_utime + usage.ru_stime
     t0 = time.perf_counter()
     summary = trainer.run()
     world.Barrier()
@@ -95,19 +102,21 @@ def worker(a):
     trainer.close()
     if mesh is not None:
         mesh.free()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = world.gather(usage.ru_utime + usage.ru_stime - cpu0, root=0)
     sleep = world.bcast(statistics.mean(sleeps) if sleeps else 0.0, root=1)
     if world.rank == 0:
         print(json.dumps({"mode": a.worker, "straggler": a.straggler, "ranks": world.size, "wall": wall,
                           "val_accuracy": summary.get("val_accuracy"), "sleep": sleep,
                           "updates_per_worker": summary.get("updates_per_worker"),
-                          "worker_idle_s": summary.get("worker_idle_s"),
+                          "worker_idle_s": summary.get("worker_idle_s"), "cpu_s": cpu,
                           "mpi": MPI.Get_library_version().splitlines()[0].strip()}), flush=True)
 
 
-def launch(a, mode, straggler, env):
+def launch(a, mode, k, straggler, env):
     n = a.workers + (1 if mode == "async" else 0)
     cmd = shlex.split(a.mpiexec) + ["-n", str(n), sys.executable, os.path.abspath(__file__), "--worker", mode,
-                                    "--steps", str(a.steps), "--staleness", str(a.staleness), "--hidden", str(a.hidden)]
+                                    "--steps", str(a.steps), "--staleness", str(k), "--hidden", str(a.hidden)]
     cmd += ["--straggler"] if straggler else []
     p = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -121,7 +130,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3, help="launches of each configuration")
     p.add_argument("--steps", type=int, default=600, help="train.steps (per worker in async mode)")
     p.add_argument("--workers", type=int, default=2, help="W: sync ranks, async workers (plus 1 server)")
-    p.add_argument("--staleness", type=int, default=2)
+    p.add_argument("--staleness", type=int, nargs="+", default=[2, 256], help="async bounds to run")
     p.add_argument("--hidden", type=int, default=0, help="hidden width (0: the config's 128); wider = heavier steps")
     p.add_argument("--mpiexec", default=os.path.join(os.path.dirname(sys.executable), "mpiexec"))
     p.add_argument("--worker", choices=("sync", "async"), help=argparse.SUPPRESS)
@@ -130,36 +139,39 @@ def main():
     if a.worker:
         return worker(a)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    runs = {c: [] for c in CONFIGS}
+    configs = [(m, k, s) for s in (False, True) for m, k in [("sync", 0)] + [("async", k) for k in a.staleness]]
+    runs = {c: [] for c in configs}
     for r in range(a.repeats):
-        for c in CONFIGS[r % 4:] + CONFIGS[: r % 4]:
+        for c in configs[r % len(configs):] + configs[: r % len(configs)]:
             runs[c].append(launch(a, *c, env))
     W, cores = a.workers, os.cpu_count()
-    print(f"{runs[CONFIGS[0]][0]['mpi']}; launcher {a.mpiexec!r}; BLAS threads per rank 1; {cores} cores; "
+    print(f"{runs[configs[0]][0]['mpi']}; launcher {a.mpiexec!r}; BLAS threads per rank 1; {cores} cores; "
           f"python {sys.version.split()[0]}")
-    print(f"digits MLP (digits-ps.toml), global batch 64, {a.steps} steps, CPU; {a.repeats} launches per configuration")
-    print(f"sync: -n {W} (dp {W}); async: -n {W + 1} (1 server + {W} workers, staleness {a.staleness}) -- one rank more"
+    print(f"digits MLP (digits-ps.toml{f', hidden {a.hidden}' if a.hidden else ''}), global batch 64, {a.steps} "
+          f"steps, CPU; {a.repeats} launches per configuration")
+    print(f"sync: -n {W} (dp {W}); async: -n {W + 1} (1 server + {W} workers) -- one rank more"
           + (f"; {W + 1} ranks on {cores} cores: OVERSUBSCRIBED" if W + 1 > cores else ""))
     med = {}
-    for (mode, straggler), rs in runs.items():
-        med[mode, straggler] = statistics.median(x["wall"] for x in rs)
+    for (mode, k, straggler), rs in runs.items():
+        med[mode, k, straggler] = statistics.median(x["wall"] for x in rs)
         accs = [x["val_accuracy"] for x in rs]
-        walls = " ".join(f"{x['wall']:.2f}" for x in rs)
-        extra = ""
+        cpu = [statistics.median(x["cpu_s"][i] for x in rs) for i in range(len(rs[0]["cpu_s"]))]
+        name = f"{mode} k={k}" if mode == "async" else mode
+        line = (f"  {name:11} {'straggler' if straggler else 'no straggler':12}: wall {med[mode, k, straggler]:5.2f} s "
+                f"(runs {' '.join(f'{x:.2f}' for x in sorted(x['wall'] for x in rs))}); CPU s per rank "
+                f"{' '.join(f'{c:.2f}' for c in cpu)}; val_accuracy {min(accs):.4f}-{max(accs):.4f} "
+                f"({'all' if all(v >= TARGET for v in accs) else 'NOT all'} >= {TARGET})")
         if mode == "async":
-            extra = (f"; updates/worker {rs[-1]['updates_per_worker']}, worker idle s "
-                     f"{statistics.median(sum(x['worker_idle_s']) for x in rs):.2f} (median of sums)")
-        print(f"  {mode:5} {'straggler' if straggler else 'no straggler':12}: wall {med[mode, straggler]:6.2f} s "
-              f"(runs {walls}); val_accuracy {' '.join(f'{v:.4f}' for v in accs)} "
-              f"({'all' if all(v >= TARGET for v in accs) else 'NOT all'} >= {TARGET})"
-              + (f"; straggler sleep {statistics.median(x['sleep'] for x in rs) * 1e3:.2f} ms/step" if straggler else "")
-              + extra)
-    plain, slow = med["async", False] / med["sync", False], med["async", True] / med["sync", True]
-    print(f"  async / sync, no straggler: {plain:.2f} (target <= 1.25: {'met' if plain <= 1.25 else 'MISSED'})")
-    print(f"  async / sync, straggler:    {slow:.2f} (target < 1: {'met' if slow < 1 else 'MISSED'})")
-    print(f"  straggler slow-down: sync {med['sync', True] / med['sync', False]:.2f}x, "
-          f"async {med['async', True] / med['async', False]:.2f}x")
-
+            line += (f"; steps/worker {rs[-1]['updates_per_worker']}, worker idle s "
+                     f"{statistics.median(sum(x['worker_idle_s']) for x in rs):.2f}")
+        if straggler:
+            line += f"; straggler sleeps {statistics.median(x['sleep'] for x in rs) * 1e3:.2f} ms/step"
+        print(line)
+    for k in a.staleness:
+        plain, slow = med["async", k, False] / med["sync", 0, False], med["async", k, True] / med["sync", 0, True]
+        print(f"  async k={k} / sync: no straggler {plain:.2f} (target <= 1.25: {'met' if plain <= 1.25 else 'MISSED'}), "
+              f"straggler {slow:.2f} (target < 1: {'met' if slow < 1 else 'MISSED'}); the straggler slows sync "
+              f"{med['sync', 0, True] / med['sync', 0, False]:.2f}x, async {med['async', k, True] / med['async', k, False]:.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from .params import FlatBuffer
+from .params import FlatBuffer, ParamLayout
 
 __all__ = ["Optimizer", "make_optimizer", "lr_at", "clip_coefficient"]
 
@@ -41,6 +41,13 @@ class Optimizer:
             be.adam_update(p, g, self.slots["exp_avg"].data, self.slots["exp_avg_sq"].data, lr=lr, beta1=c.betas[0],
                            beta2=c.betas[1], eps=c.eps, weight_decay=self.weight_decay, step=self.step_count,
                            decoupled=self.name == "adamw")
+
+    def warm_up(self) -> None:
+        """Compile the update kernel now (or load it from numba's disk cache), with one step on one-element
+        scratch buffers: a parameter server's first update would otherwise hold up every worker."""
+        layout = ParamLayout([("scratch", (1,))])
+        be = self.backend
+        Optimizer(self.cfg, be, FlatBuffer(be, layout), FlatBuffer(be, layout)).step(0.0)
 
 
 def make_optimizer(cfg, backend, params, grads) -> Optimizer:

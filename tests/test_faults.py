@@ -237,11 +237,18 @@ if role == "worker":
             raise RuntimeError("worker on fire")
         return original(self)
     ps.AsyncTrainer._work = failing
-else:
+elif role == "server":
     original = ps.AsyncTrainer._serve
     def failing(self, metrics):
         raise RuntimeError("server on fire")
     ps.AsyncTrainer._serve = failing
+else:  # the first server cannot allocate its message buffers
+    original = ps.Server.__init__
+    def failing(self, **kwargs):
+        if MPI.COMM_WORLD.rank == 0:
+            raise MemoryError()
+        original(self, **kwargs)
+    ps.Server.__init__ = failing
 sys.exit(main(["train", sys.argv[1]]))
 """
 
@@ -258,6 +265,19 @@ def test_a_failing_parameter_server_rank_ends_the_job_naming_it(tmp_path, role, 
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and time.monotonic() - t0 < 60
     assert f"[rank {rank}/3]" in proc.stderr and f"{role} on fire" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+def test_a_parameter_server_out_of_memory_is_one_line_before_training(tmp_path):
+    make_classification(tmp_path / "d.h5", n=64)
+    (tmp_path / "job.toml").write_text(toml_job(train={"steps": 50}, parallel={"mode": "async_ps", "staleness": 1}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_LOCALRANKID"))}
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-c", PS_SCRIPT, str(tmp_path / "job.toml"), "oom"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert "hpctrain: error [rank 0/3]: parameter server 0 is out of memory for its 83 parameters" in proc.stderr
+    assert "use more servers (parallel.servers)" in proc.stderr and "update" not in proc.stdout
 
 
 def test_bad_parameter_server_layouts_are_one_line(tmp_path):

@@ -61,15 +61,17 @@ def server_ranges(total: int, servers: int) -> list[tuple[int, int]]:
 class Server:
     """Server rank ``rank`` (< S) of the world: its range's parameters, optimizer and the staleness bound.
 
-    ``optimizer(grad, update)`` applies one update to ``params`` (the range's host array) with the
-    gradient ``grad`` and returns the gradient norm it used (for k = 0 after summing over the servers).
+    ``optimizer(grad, version, sum_norm=)`` applies one update to ``params`` (the range's host array) with
+    the gradient ``grad``: ``grads`` (the optimizer's gradient array, which gradients are received into)
+    for k > 0, the sum of the step's gradients for k = 0 (``sum_norm``: clipped by the norm over the servers).
     """
 
-    def __init__(self, *, world, servers_comm, workers: int, staleness: int, params: np.ndarray, optimizer,
+    def __init__(self, *, world, servers_comm, workers: int, staleness: int, params: np.ndarray, grads: np.ndarray,
+                 optimizer,
                  start: int = 0, budget: int | None = None, stop_flag=None, log=None):
         self.world, self.servers_comm, self.W, self.k = world, servers_comm, workers, staleness
         self.S = servers_comm.Get_size()
-        self.params, self.optimizer, self.stop_flag = params, optimizer, stop_flag
+        self.params, self.grads, self.optimizer, self.stop_flag = params, grads, optimizer, stop_flag
         self.log = log or (lambda *a: None)
         self.start = start  # the step a resumed run starts from: every worker's first clock
         self.budget = budget  # the first server only: the gradients this run may compute (None: no limit)
@@ -83,7 +85,7 @@ class Server:
         self.steps = [0] * workers
         self._pending = []  # (worker, clock) pulls not answered yet
         self._sends = []  # (request, buffer) kept until complete
-        self._sum = np.zeros_like(params)  # k = 0: the W gradients of the current step
+        self._sum = np.zeros_like(params) if staleness == 0 else None  # k = 0: the W gradients of this step
         self._sum_count = 0
         self.ahead_max = 0  # the most steps a worker was ahead of the slowest when let go (<= staleness)
 
@@ -95,7 +97,7 @@ class Server:
         from mpi4py import MPI
 
         done, status = 0, MPI.Status()
-        grad = np.empty_like(self.params)
+        grad = self.grads
         self.started = time.perf_counter()
         while done < self.W:
             self._wait_for_message(status)

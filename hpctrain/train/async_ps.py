@@ -18,6 +18,7 @@ calls ``run()``, then ``close()``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from types import SimpleNamespace
@@ -27,7 +28,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from .._memory import keep_freed_memory
 from ..backend.cpu import CpuBackend
-from ..errors import LayoutError, NonFiniteError
+from ..errors import BackendError, LayoutError, NonFiniteError
 from ..nn import make_model
 from ..optim import clip_coefficient, lr_at, make_optimizer
 from ..parallel.agree import run_everywhere
@@ -77,6 +78,7 @@ class AsyncTrainer:
         self.mesh = None
         run_everywhere(self.world, self._build_server if self.is_server else self._build_worker)
         self._start()
+        run_everywhere(self.world, self._make_server if self.is_server else lambda: None)
 
     # ------------------------------------------------------------------ start-up
 
@@ -84,8 +86,33 @@ class AsyncTrainer:
         lo, hi = self.ranges[self.servers_comm.Get_rank()]
         layout = ParamLayout([("range", (hi - lo,))])
         self.be = CpuBackend()  # servers update host buffers whatever the workers' backend
-        self.params, self.grads = FlatBuffer(self.be, layout), FlatBuffer(self.be, layout)
-        self.optim = make_optimizer(self.cfg.optim, self.be, self.params, self.grads)
+        with self._server_memory():
+            self.params, self.grads = FlatBuffer(self.be, layout), FlatBuffer(self.be, layout)
+            self.optim = make_optimizer(self.cfg.optim, self.be, self.params, self.grads)
+        self.optim.warm_up()
+        self.be.sum_squares(self.grads.data[:1])  # the staleness-0 clipping's kernel, compiled now too
+
+    def _make_server(self) -> None:
+        """The server loop's state and buffers, allocated before training (the step is known now)."""
+        budget = max(0, self.cfg.train.steps - self.step) * self.W if self.servers_comm.Get_rank() == 0 else None
+        with self._server_memory():
+            self.server = Server(world=self.world, servers_comm=self.servers_comm, workers=self.W, staleness=self.k,
+                                 params=self.params.data, grads=self.grads.data, optimizer=self._update,
+                                 start=self.step, budget=budget, stop_flag=lambda: bool(self._stop.name))
+
+    @contextlib.contextmanager
+    def _server_memory(self):
+        """A host MemoryError on a server as one line naming its share (run inside an agreement)."""
+        try:
+            yield
+        except MemoryError:
+            lo, hi = self.ranges[self.servers_comm.Get_rank()]
+            slots = 2 if self.cfg.optim.name != "sgd" else 1
+            buffers = 2 + slots + 2 + (self.k == 0)  # params, grads, slots, receive and reply, the k = 0 sum
+            raise BackendError(f"parameter server {self.servers_comm.Get_rank()} is out of memory for its "
+                               f"{hi - lo:,} parameters (about {buffers * (hi - lo) * 4 / 1e6:,.3g} MB with its "
+                               "optimizer state and message buffers): use more servers (parallel.servers) or "
+                               "a smaller model") from None
 
     def _build_worker(self) -> None:
         self.mesh = Mesh(comm=self.workers_comm, dp=self.W)
@@ -151,28 +178,30 @@ class AsyncTrainer:
             self._stop.restore()
         return summary
 
-    def _serve(self, metrics) -> None:
-        cfg, t = self.cfg, self.cfg.train
-        total = t.steps
+    def _update(self, grad, version, *, sum_norm) -> None:
+        """The optimizer on this server's range with ``grad`` (``sum_norm``: staleness 0, clip by the global norm)."""
+        from mpi4py import MPI
 
-        def update(grad, version, *, sum_norm):
-            from mpi4py import MPI
-
+        t = self.cfg.train
+        if grad is not self.grads.data:
             self.grads.data[:] = grad
-            if sum_norm:  # staleness 0: the step's summed gradient, clipped by its norm over every server
-                norm2 = np.array([self.be.sum_squares(self.grads.data)], dtype=np.float64)
-                if self.S > 1:
-                    self.servers_comm.Allreduce(MPI.IN_PLACE, norm2, op=MPI.SUM)
-                norm = math.sqrt(norm2[0])
-                if not math.isfinite(norm):
-                    raise NonFiniteError(f"update {version + 1}: the gradients contain NaN or Inf; lower optim.lr "
-                                         "or set train.grad_clip")
-                coef = clip_coefficient(norm, t.grad_clip)
-                if coef < 1.0:
-                    self.be.scale_(self.grads.data, coef)
-            step = self.step + (version if self.k == 0 else version // self.W)
-            self.optim.step(lr_at(cfg.optim, min(step, total - 1), total))
+        if sum_norm:  # staleness 0: the step's summed gradient, clipped by its norm over every server
+            norm2 = np.array([self.be.sum_squares(self.grads.data)], dtype=np.float64)
+            if self.S > 1:
+                self.servers_comm.Allreduce(MPI.IN_PLACE, norm2, op=MPI.SUM)
+            norm = math.sqrt(norm2[0])
+            if not math.isfinite(norm):
+                raise NonFiniteError(f"update {version + 1}: the gradients contain NaN or Inf; lower optim.lr "
+                                     "or set train.grad_clip")
+            coef = clip_coefficient(norm, t.grad_clip)
+            if coef < 1.0:
+                self.be.scale_(self.grads.data, coef)
+        step = self.step + (version if self.k == 0 else version // self.W)
+        self.optim.step(lr_at(self.cfg.optim, min(step, t.steps - 1), t.steps))
 
+    def _serve(self, metrics) -> None:
+        t = self.cfg.train
+        server = self.server
         every = t.log_every * (1 if self.k == 0 else self.W)
         last = [time.perf_counter(), 0]
 
@@ -191,12 +220,7 @@ class AsyncTrainer:
             self.log(f"update {version:>7}  loss {loss:.4f}  {rate:,.0f} updates/s  staleness max "
                      f"{record['staleness_max']}")
 
-        budget = max(0, total - self.step) * self.W if self.servers_comm.Get_rank() == 0 else None
-        server = Server(world=self.world, servers_comm=self.servers_comm, workers=self.W, staleness=self.k,
-                        params=self.params.data, optimizer=update, start=self.step, budget=budget,
-                        stop_flag=lambda: bool(self._stop.name))
         server.run(on_update)
-        self.server = server
 
     def _work(self) -> None:
         t = self.cfg.train
@@ -217,15 +241,15 @@ class AsyncTrainer:
             batch = _Batch(self.data, [rows[i * per : (i + 1) * per] for i in range(m)], self.part.positions)
             r = self.executor.run(self.schedule.stages[0], batch, grad_scale=grad_scale,
                                   on_optimizer_step=lambda: None)
-            grads = self.be.to_host(self.grads.data)
             if self.k > 0:  # this gradient is one update: its own norm clips it
-                norm = math.sqrt(float(np.dot(grads.astype(np.float64), grads)))
+                norm = math.sqrt(self.be.sum_squares(self.grads.data))
                 if not math.isfinite(norm):
                     raise NonFiniteError(f"step {clock + 1}: this worker's gradients contain NaN or Inf; lower "
                                          "optim.lr or set train.grad_clip")
                 coef = clip_coefficient(norm, t.grad_clip)
                 if coef < 1.0:
-                    grads = grads * np.float32(coef)
+                    self.be.scale_(self.grads.data, coef)
+            grads = self.be.to_host(self.grads.data)
             link.push(clock, version, np.ascontiguousarray(grads, dtype=np.float32), r.loss_sum, r.rows)
             steps, clock = steps + 1, clock + 1
         link.done(steps)

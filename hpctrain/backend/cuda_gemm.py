@@ -8,14 +8,19 @@
     matmul_tn  out (+)= dYᵀ·X        A = dY [K,M],         B = X [K,N]           (weight gradient)
 
 A thread block owns a BM×BN tile of C and walks K in steps of BK. Each step the
-block loads a BK×BM slice of A and a BK×BN slice of B into shared memory (global
-reads are coalesced: consecutive threads read consecutive addresses of whichever
-axis is contiguous), then every thread multiplies TM values of A by TN values of B
-held in registers into its TM×TN accumulators. A thread's outputs are strided by
-the thread-grid size (rows ty, ty+BM/TM, ...; columns tx, tx+BN/TN, ...) so that a
-warp reads consecutive shared-memory words (no bank conflicts) and writes
-consecutive columns of C (coalesced stores). Tiles that hang over the edge of the
+block multiplies a BK×BM slice of A by a BK×BN slice of B held in shared memory:
+every thread reads TM values of A and TN values of B into registers and adds their
+products into its TM×TN accumulators. Global reads are coalesced (consecutive
+threads read consecutive addresses of whichever axis is contiguous); a thread's
+rows and columns are contiguous and the tile rows 16-byte aligned, so its shared
+reads are 128-bit loads. Two shared-memory stages pipeline the K walk: the global
+loads of the next slice go into registers before this slice is multiplied and
+into the other stage after it, with one barrier per slice. All index arithmetic
+is uint64: numba checks every signed index for wraparound, which had cost a
+compare and a select per shared load. Tiles that hang over the edge of the
 matrices are zero-filled on load and masked on store, so any M, N, K works.
+bench/cuda_sass_report.py shows what this compiles to (registers, occupancy, the
+share of multiply-adds in the K loop); tests/test_cuda_compile.py holds it there.
 
 Tile sizes are compile-time constants of a kernel built per ``GemmTile`` (shared
 and local array shapes must be constants), so a backend picks them at construction:
@@ -28,6 +33,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+import numpy as np
 from numba import cuda, float32, uint64
 
 from ..errors import BackendError
@@ -65,7 +71,7 @@ class GemmTile(NamedTuple):
         return self
 
 
-GPU_TILE = GemmTile(128, 128, 8, 8, 8)  # 256 threads, 64 accumulators each, 8.3 KiB of shared memory
+GPU_TILE = GemmTile(128, 128, 8, 8, 8)  # 256 threads, 64 accumulators each, 16.5 KiB of shared memory (2 stages)
 SIM_TILE = GemmTile(8, 8, 4, 2, 2)  # 16 threads: the simulator runs every thread as a Python thread
 
 
@@ -107,76 +113,119 @@ def _make_gemm(tile: GemmTile, *, a_kmajor: bool, b_kmajor: bool):
     A_LOADS = (A_ELEMS + NT - 1) // NT
     B_LOADS = (B_ELEMS + NT - 1) // NT
     A_EVEN, B_EVEN = A_ELEMS % NT == 0, B_ELEMS % NT == 0  # every thread loads the same count: no check
+    # Index arithmetic is unsigned 64-bit throughout: numba checks every signed index for wraparound
+    # (a compare and a select per shared-memory load), and uint64 mixed with a signed int is float64.
+    U = np.uint64
+    uBM, uBN, uBK, uNT, uNTX, uTM, uTN = U(BM), U(BN), U(BK), U(NT), U(NTX), U(TM), U(TN)
+    uA_ELEMS, uB_ELEMS = U(A_ELEMS), U(B_ELEMS)
+    ZERO, ONE = U(0), U(1)
 
-    @cuda.jit
+    @cuda.jit(device=True, inline="always")
+    def load_a(a, regs, tid, m0, k0, um, uk):
+        """This thread's share of the BK×BM slice of a at k0, from global memory into registers."""
+        e = tid
+        for slot in range(A_LOADS):
+            v = float32(0.0)
+            if A_EVEN or e < uA_ELEMS:
+                if a_kmajor:  # a[M,K]: neighbouring threads take neighbouring k
+                    gm, gk = m0 + e // uBK, k0 + e % uBK
+                else:  # a[K,M]: neighbouring threads take neighbouring m
+                    gm, gk = m0 + e % uBM, k0 + e // uBM
+                if gm < um and gk < uk:
+                    v = a[gm, gk] if a_kmajor else a[gk, gm]
+            regs[slot] = v
+            e += uNT
+
+    @cuda.jit(device=True, inline="always")
+    def store_a(tile, stage, regs, tid):
+        e = tid
+        for slot in range(A_LOADS):
+            if A_EVEN or e < uA_ELEMS:
+                if a_kmajor:
+                    tile[stage, e % uBK, e // uBK] = regs[slot]
+                else:
+                    tile[stage, e // uBM, e % uBM] = regs[slot]
+            e += uNT
+
+    @cuda.jit(device=True, inline="always")
+    def load_b(b, regs, tid, n0, k0, un, uk):
+        e = tid
+        for slot in range(B_LOADS):
+            v = float32(0.0)
+            if B_EVEN or e < uB_ELEMS:
+                if b_kmajor:  # b[N,K]
+                    gn, gk = n0 + e // uBK, k0 + e % uBK
+                else:  # b[K,N]
+                    gn, gk = n0 + e % uBN, k0 + e // uBN
+                if gn < un and gk < uk:
+                    v = b[gn, gk] if b_kmajor else b[gk, gn]
+            regs[slot] = v
+            e += uNT
+
+    @cuda.jit(device=True, inline="always")
+    def store_b(tile, stage, regs, tid):
+        e = tid
+        for slot in range(B_LOADS):
+            if B_EVEN or e < uB_ELEMS:
+                if b_kmajor:
+                    tile[stage, e % uBK, e // uBK] = regs[slot]
+                else:
+                    tile[stage, e // uBN, e % uBN] = regs[slot]
+            e += uNT
+
+    @cuda_sim.kernel_jit(NT)
     def gemm(a, b, c, bias, M, N, K, epilogue):
         """c[M,N] = a·b with the operand layouts fixed above; epilogue: store, accumulate or add bias[N]."""
-        a_tile = cuda.shared.array((BK, AW), float32)
-        b_tile = cuda.shared.array((BK, BW), float32)
+        a_tile = cuda.shared.array((2, BK, AW), float32)  # two stages: one computed from, one filled
+        b_tile = cuda.shared.array((2, BK, BW), float32)
         acc = cuda.local.array((TM, TN), float32)
         a_frag = cuda.local.array(TM, float32)
         b_frag = cuda.local.array(TN, float32)
-        tx = cuda.threadIdx.x
-        ty = cuda.threadIdx.y
-        tid = ty * NTX + tx
-        m0 = cuda.blockIdx.y * BM
-        n0 = cuda.blockIdx.x * BN
+        a_regs = cuda.local.array(A_LOADS, float32)
+        b_regs = cuda.local.array(B_LOADS, float32)
+        tx = uint64(cuda.threadIdx.x)
+        ty = uint64(cuda.threadIdx.y)
+        tid = ty * uNTX + tx
+        m0 = uint64(cuda.blockIdx.y) * uBM
+        n0 = uint64(cuda.blockIdx.x) * uBN
+        um, un, uk = uint64(M), uint64(N), uint64(K)
         for i in range(TM):
             for j in range(TN):
                 acc[i, j] = float32(0.0)
-        for k0 in range(0, K, BK):
-            for load in range(A_LOADS):
-                e = tid + load * NT
-                if A_EVEN or e < A_ELEMS:
-                    if a_kmajor:  # a[M,K]: neighbouring threads take neighbouring k
-                        kk = e % BK
-                        mm = e // BK
-                    else:  # a[K,M]: neighbouring threads take neighbouring m
-                        mm = e % BM
-                        kk = e // BM
-                    gm = m0 + mm
-                    gk = k0 + kk
-                    v = float32(0.0)
-                    if gm < M and gk < K:  # unsigned indices: numba skips its negative-index wraparound
-                        if a_kmajor:
-                            v = a[uint64(gm), uint64(gk)]
-                        else:
-                            v = a[uint64(gk), uint64(gm)]
-                    a_tile[kk, mm] = v
-            for load in range(B_LOADS):
-                e = tid + load * NT
-                if B_EVEN or e < B_ELEMS:
-                    if b_kmajor:  # b[N,K]
-                        kk = e % BK
-                        nn = e // BK
-                    else:  # b[K,N]
-                        nn = e % BN
-                        kk = e // BN
-                    gn = n0 + nn
-                    gk = k0 + kk
-                    v = float32(0.0)
-                    if gn < N and gk < K:
-                        if b_kmajor:
-                            v = b[uint64(gn), uint64(gk)]
-                        else:
-                            v = b[uint64(gk), uint64(gn)]
-                    b_tile[kk, nn] = v
-            cuda.syncthreads()
-            for kk in range(BK):
+        load_a(a, a_regs, tid, m0, ZERO, um, uk)
+        load_b(b, b_regs, tid, n0, ZERO, un, uk)
+        store_a(a_tile, ZERO, a_regs, tid)
+        store_b(b_tile, ZERO, b_regs, tid)
+        cuda.syncthreads()
+        stage = ZERO
+        k0 = ZERO
+        while k0 < uk:
+            k_next = k0 + uBK
+            # the next slice's global loads are in flight while this one is multiplied (past the end of K
+            # they load zeros, which nobody reads)
+            load_a(a, a_regs, tid, m0, k_next, um, uk)
+            load_b(b, b_regs, tid, n0, k_next, un, uk)
+            kk = ZERO
+            while kk < uBK:
                 for i in range(TM):
-                    a_frag[i] = a_tile[kk, ty + i * NTY]
+                    a_frag[i] = a_tile[stage, kk, ty * uTM + uint64(i)]
                 for j in range(TN):
-                    b_frag[j] = b_tile[kk, tx + j * NTX]
+                    b_frag[j] = b_tile[stage, kk, tx * uTN + uint64(j)]
                 for i in range(TM):
                     for j in range(TN):
                         acc[i, j] += a_frag[i] * b_frag[j]
-            cuda.syncthreads()  # the tiles are overwritten by the next K step
+                kk += ONE
+            store_a(a_tile, ONE - stage, a_regs, tid)  # the other stage: nobody reads it since the last barrier
+            store_b(b_tile, ONE - stage, b_regs, tid)
+            cuda.syncthreads()
+            stage = ONE - stage
+            k0 = k_next
         for i in range(TM):
-            gm = m0 + ty + i * NTY
-            if gm < M:
+            gm = m0 + ty * uTM + uint64(i)
+            if gm < um:
                 for j in range(TN):
-                    gn = n0 + tx + j * NTX
-                    if gn < N:
+                    gn = n0 + tx * uTN + uint64(j)
+                    if gn < un:
                         v = acc[i, j]
                         if epilogue == EPI_ACCUMULATE:
                             v += c[gm, gn]

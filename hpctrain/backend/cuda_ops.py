@@ -58,6 +58,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
     cuda_sim.install()  # under the simulator: shared arrays that every thread of a block agrees on
     RX, RY = reduce_shape(nt)
     NT = nt
+    kernel = cuda_sim.kernel_jit(NT)  # every kernel here is launched with NT threads per block
 
     # ------------------------------------------------------------------ block reductions
 
@@ -80,25 +81,25 @@ def ops_kernels(nt: int) -> SimpleNamespace:
 
     # ------------------------------------------------------------------ memory and flat buffers
 
-    @cuda.jit
+    @kernel
     def fill(x, value):
         """x[n] = value (any dtype)."""
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
             x[i] = value
 
-    @cuda.jit
+    @kernel
     def scale(x, s):
         """x[n] *= s."""
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
             x[i] *= s
 
-    @cuda.jit
+    @kernel
     def add(out, x):
         """out[n] += x[n] (a residual connection and its gradient)."""
         for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
             out[i] += x[i]
 
-    @cuda.jit
+    @kernel
     def sum_squares_partial(x, partial):
         """partial[block] = Σ x² over the block's share of x[n] (float64)."""
         sh = cuda.shared.array(NT, float64)
@@ -110,7 +111,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
         if cuda.threadIdx.x == 0:
             partial[cuda.blockIdx.x] = total
 
-    @cuda.jit
+    @kernel
     def sum_partials(partial, out):
         """out[0] = Σ partial (one block)."""
         sh = cuda.shared.array(NT, float64)
@@ -123,7 +124,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
 
     # ------------------------------------------------------------------ bias gradient
 
-    @cuda.jit
+    @kernel
     def bias_grad(dout, dbias, accumulate):
         """dbias[C] (+)= Σ_rows dout[B,C]."""
         sh = cuda.shared.array((RY, RX), float32)
@@ -141,25 +142,25 @@ def ops_kernels(nt: int) -> SimpleNamespace:
 
     # ------------------------------------------------------------------ activations
 
-    @cuda.jit
+    @kernel
     def relu_forward(x, out):
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
             v = x[i]
             out[i] = _ZERO if v <= _ZERO else v  # NaN passes through, as in torch
 
-    @cuda.jit
+    @kernel
     def relu_backward(x, dout, dinp):
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
             dinp[i] = dout[i] if x[i] > _ZERO else _ZERO
 
-    @cuda.jit
+    @kernel
     def gelu_forward(x, out):
         """Exact GELU: 0.5·x·(1 + erf(x/√2))."""
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
             v = x[i]
             out[i] = _HALF * v * (_ONE + math.erf(v * _SQRT_HALF))
 
-    @cuda.jit
+    @kernel
     def gelu_backward(x, dout, dinp):
         """dinp = dout·(Φ(x) + x·φ(x))."""
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
@@ -168,12 +169,12 @@ def ops_kernels(nt: int) -> SimpleNamespace:
             pdf = _INV_SQRT_2PI * math.exp(-_HALF * v * v)
             dinp[i] = dout[i] * (cdf + v * pdf)
 
-    @cuda.jit
+    @kernel
     def tanh_forward(x, out):
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
             out[i] = math.tanh(x[i])
 
-    @cuda.jit
+    @kernel
     def tanh_backward(y, dout, dinp):
         """Takes y = tanh(x), as the layer saves it."""
         for i in range(cuda.grid(1), y.size, cuda.gridsize(1)):
@@ -182,7 +183,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
 
     # ------------------------------------------------------------------ layernorm
 
-    @cuda.jit
+    @kernel
     def layernorm_forward(x, weight, bias, eps, out, mean, rstd):
         """out[B,C] = (x − mean)·rstd·weight + bias per row; saves mean[B], rstd[B] (two-pass variance)."""
         sh = cuda.shared.array(NT, float32)
@@ -205,7 +206,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
                 mean[row] = m
                 rstd[row] = r
 
-    @cuda.jit
+    @kernel
     def layernorm_backward_rows(dout, x, weight, mean, rstd, dinp):
         """dinp = rstd·(dn − mean(dn) − n·mean(dn·n)) with n the normalised x and dn = dout·weight."""
         sh = cuda.shared.array(NT, float32)
@@ -227,7 +228,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
                 n = (x[row, j] - m) * r
                 dinp[row, j] = r * (dout[row, j] * weight[j] - mean_dn - n * mean_dn_n)
 
-    @cuda.jit
+    @kernel
     def layernorm_backward_params(dout, x, mean, rstd, dweight, dbias, accumulate):
         """dweight[C] (+)= Σ_rows dout·n, dbias[C] (+)= Σ_rows dout."""
         sh_w = cuda.shared.array((RY, RX), float32)
@@ -252,7 +253,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
 
     # ------------------------------------------------------------------ losses
 
-    @cuda.jit
+    @kernel
     def cross_entropy_rows(logits, targets, dlogits, grad_scale, row_loss, row_flag):
         """Per row of logits[B,C]: row_loss = logsumexp − logit[target] (float64),
         row_flag = 1 if argmax == target else 0, or −1 for a target outside [0, C);
@@ -305,7 +306,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
                         p -= _ONE
                     dlogits[row, j] = p * grad_scale
 
-    @cuda.jit
+    @kernel
     def cross_entropy_finish(row_loss, row_flag, out):
         """out = [Σ row_loss, number correct, first row with a bad target (B if none)] (one block)."""
         sh_loss = cuda.shared.array(NT, float64)
@@ -338,7 +339,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
             out[1] = correct
             out[2] = float64(sh_bad[0])
 
-    @cuda.jit
+    @kernel
     def mse_partial(pred, target, dpred, grad_scale, partial):
         """dpred = 2·(pred − target)·grad_scale over flat [n]; partial[block] = Σ (pred − target)²."""
         sh = cuda.shared.array(NT, float64)
@@ -355,7 +356,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
 
     # ------------------------------------------------------------------ optimizers
 
-    @cuda.jit
+    @kernel
     def sgd_update(p, g, buf, lr, momentum, weight_decay, use_momentum, nesterov):
         """torch.optim.SGD (dampening 0) over flat [n]: d = g + wd·p; b = μ·b + d; p −= lr·(d + μ·b | b | d)."""
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
@@ -369,7 +370,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
                     d = b
             p[i] -= lr * d
 
-    @cuda.jit
+    @kernel
     def adam_update(p, g, m, v, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep):
         """torch.optim.Adam/AdamW over flat [n]; keep = 1 − lr·wd (AdamW) or 1, l2 = wd (Adam) or 0;
         omb1, omb2 = 1 − β1, 1 − β2, computed in float64 on the host as torch.optim does."""

@@ -33,7 +33,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["install"]
+__all__ = ["install", "kernel_jit"]
 
 _lock = threading.Lock()
 _installed = False
@@ -43,6 +43,17 @@ def _simulator() -> bool:
     from numba.cuda.core import config
 
     return bool(config.ENABLE_CUDASIM)
+
+
+def kernel_jit(threads: int):
+    """``cuda.jit`` for a kernel launched with ``threads`` threads per block. Above 256 threads, with launch
+    bounds, so that the compiler keeps its registers within what a block of that size may use (without,
+    a 1024-thread block of a kernel needing more than 64 registers fails to launch). At 256 or fewer
+    the 255-register limit cannot be exceeded, and bounds there made ptxas trade registers for spills
+    (tests/test_cuda_compile.py). The simulator has no launch bounds."""
+    from numba import cuda
+
+    return cuda.jit if _simulator() or threads <= 256 else cuda.jit(launch_bounds=threads)
 
 
 def install() -> None:

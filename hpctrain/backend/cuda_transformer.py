@@ -47,13 +47,14 @@ def transformer_kernels(nt: int) -> SimpleNamespace:
         raise BackendError(f"CUDA block size {nt}: must be a power of two between 2 and 1024")
     cuda_sim.install()  # under the simulator: shared arrays that every thread of a block agrees on
     NT = nt
+    kernel = cuda_sim.kernel_jit(NT)  # every kernel here is launched with NT threads per block
 
     red = block_reducers(nt)
     block_sum, block_max = red.block_sum, red.block_max
 
     # ------------------------------------------------------------------ embedding
 
-    @cuda.jit
+    @kernel
     def embedding_forward(idx, wte, wpe, out, bad):
         """out[b·T + t] = wte[idx[b, t]] + wpe[t]; bad[0] = min(bad[0], first flat position of an id outside wte)."""
         B, T = idx.shape
@@ -68,7 +69,7 @@ def transformer_kernels(nt: int) -> SimpleNamespace:
                 for c in range(cuda.threadIdx.x, C, NT):
                     out[r, c] = wte[v, c] + wpe[t, c]
 
-    @cuda.jit
+    @kernel
     def embedding_backward_wte(dout, order, starts, tokens, dwte):
         """dwte[tokens[u]] += Σ dout[order[p]] for p in starts[u]..starts[u+1]-1 (the rows of that id, in order)."""
         C = dwte.shape[1]
@@ -82,7 +83,7 @@ def transformer_kernels(nt: int) -> SimpleNamespace:
                     acc += dout[order[p], c]
                 dwte[v, c] = acc
 
-    @cuda.jit
+    @kernel
     def embedding_backward_wpe(dout, B, T, dwpe, accumulate):
         """dwpe[t] (+)= Σ_b dout[b·T + t] for t < T, b in order; rows t ≥ T are zeroed unless accumulating."""
         C = dwpe.shape[1]
@@ -99,7 +100,7 @@ def transformer_kernels(nt: int) -> SimpleNamespace:
 
     # ------------------------------------------------------------------ causal attention
 
-    @cuda.jit
+    @kernel
     def attention_softmax(qkv, T, H, scale, att):
         """att[b, h, i, j] = softmax_{j ≤ i}(scale · q_i·k_j), 0 for j > i: one block per row (b, h, i)."""
         sh = cuda.shared.array(NT, float32)
@@ -133,7 +134,7 @@ def transformer_kernels(nt: int) -> SimpleNamespace:
             for j in range(tid, T, NT):
                 att[b, h, i, j] = att[b, h, i, j] * inv if j <= i else _ZERO
 
-    @cuda.jit
+    @kernel
     def attention_values(att, qkv, T, H, out):
         """out[b·T + i, h·hs + d] = Σ_{j ≤ i} att[b, h, i, j] · v[b·T + j, h·hs + d]: one thread per output."""
         C = out.shape[1]
@@ -150,7 +151,7 @@ def transformer_kernels(nt: int) -> SimpleNamespace:
                 acc += att[b, h, i, j] * qkv[b * T + j, vc]
             out[r, col] = acc
 
-    @cuda.jit
+    @kernel
     def attention_softmax_backward(dout, qkv, att, T, H, scale, dscores):
         """dscores[b, h, i] = scale · att ⊙ (datt − Σ_j att·datt) with datt[j] = dy_i·v_j (0 for j > i):
         one block per row (b, h, i)."""
@@ -181,7 +182,7 @@ def transformer_kernels(nt: int) -> SimpleNamespace:
                 else:
                     dscores[b, h, i, j] = _ZERO
 
-    @cuda.jit
+    @kernel
     def attention_backward_qkv(dout, qkv, att, dscores, T, H, dqkv):
         """dqkv[B·T, 3C], one thread per element: dq = dscores·k, dk = dscoresᵀ·q, dv = attᵀ·dy, per head."""
         C = dout.shape[1]

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Everything to run the day a GPU is lent, in one command, with one summary table at the end:
+#
+#     bash bench/gpu_all.sh [OUT_DIR]        # default OUT_DIR: runs/gpu-<date>
+#
+# 1. the CUDA sub-suite on the GPU, not simulated (HPCTRAIN_SUBSUITE=cuda, NUMBA_ENABLE_CUDASIM unset);
+# 2. the library GEMM against cuBLAS SGEMM (TF32 off) at 1024², 2048², 4096² (bench/bench_cuda_gemm.py);
+# 3. the GEMM variants' own sweeps (bench/cuda_gemm_3_regblock.py, bench/cuda_gemm_4_pipelined.py);
+# 4. one MLP training step against PyTorch (bench/bench_cuda_step.py, batch 1024, hidden 4096);
+# 5. one GPT training step against PyTorch (bench/bench_gpt.py --backend cuda);
+# 6. the compile report of every kernel (bench/cuda_sass_report.py), beside the measured figures.
+# Each step's full output is kept in OUT_DIR/<step>.log; a failing step is marked in the table and
+# the others still run. Needs numba-cuda, PyTorch (or CuPy) with CUDA, mpi4py and h5py.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+out="${1:-runs/gpu-$(date +%Y%m%d-%H%M%S)}"
+mkdir -p "$out"
+unset NUMBA_ENABLE_CUDASIM
+export CUPY_TF32=0 NVIDIA_TF32_OVERRIDE=0
+py="${PYTHON:-python}"
+summary="$out/summary.md"
+status=0
+
+step() {  # step NAME COMMAND...: run it, keep its log, remember its exit status
+    local name="$1"
+    shift
+    echo "== $name: $*" | tee "$out/$name.log"
+    "$@" >>"$out/$name.log" 2>&1
+    local rc=$?
+    echo "   exit $rc" | tee -a "$out/$name.log"
+    [ "$rc" -eq 0 ] || status=1
+    printf '%s\n' "$rc" >"$out/$name.rc"
+}
+
+"$py" - >"$out/device.txt" 2>&1 <<'PY'
+from numba import cuda
+d = cuda.get_current_device()
+print(d.name.decode() if isinstance(d.name, bytes) else d.name, "compute capability", d.compute_capability)
+PY
+step cuda_suite env HPCTRAIN_SUBSUITE=cuda "$py" -m pytest -q -p no:cacheprovider tests/cuda
+step gemm_vs_cublas "$py" bench/bench_cuda_gemm.py
+step gemm_variant_3 "$py" bench/cuda_gemm_3_regblock.py --tiles 128,128,8,8,8 --sizes 4096
+step gemm_variant_4 "$py" bench/cuda_gemm_4_pipelined.py
+step mlp_step "$py" bench/bench_cuda_step.py
+step gpt_step "$py" bench/bench_gpt.py --backend cuda --torch-python "$py"
+step sass_report "$py" bench/cuda_sass_report.py
+
+{
+    echo "# GPU figures, $(date -u +%Y-%m-%d) on $(cat "$out/device.txt")"
+    echo
+    echo "| step | exit | result |"
+    echo "|---|---|---|"
+    row() { echo "| $1 | $(cat "$out/$1.rc") | $2 |"; }
+    row cuda_suite "$(grep -E '[0-9]+ (passed|failed)' "$out/cuda_suite.log" | tail -1)"
+    row gemm_vs_cublas "$(grep -E '^target|library/cuBLAS' "$out/gemm_vs_cublas.log" | grep -E 'target|4096' | tr '\n' ';')"
+    row gemm_variant_3 "$(grep -E 'M=N=K= *4096' "$out/gemm_variant_3.log" | tr '\n' ';')"
+    row gemm_variant_4 "$(grep -E 'M=N=K= *4096' "$out/gemm_variant_4.log" | tr '\n' ';')"
+    row mlp_step "$(grep -E '^(MLP|PyTorch|target)' "$out/mlp_step.log" | tr '\n' ';')"
+    row gpt_step "$(grep -E '^(hpctrain|PyTorch|ratio)' "$out/gpt_step.log" | tr '\n' ';')"
+    row sass_report "$(grep -E '^GEMM targets' "$out/sass_report.log")"
+} >"$summary"
+cat "$summary"
+exit "$status"

@@ -1,0 +1,258 @@
+"""Compile every CUDA kernel of the backend for real GPUs, without one.
+
+NVVM (``numba.cuda.compile_ptx``, from ``numba-cuda[cu12]``) turns each kernel, at the
+argument types the backend launches it with, into PTX for a compute capability;
+``ptxas -v`` assembles it and reports registers, local-memory stack, spills and
+shared memory per thread; ``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel) shows the
+machine code (SASS). None of them needs a GPU or a driver. tests/test_cuda_compile.py
+and bench/cuda_sass_report.py use this module:
+
+    from hpctrain.backend import cuda_compile as cc
+    for k in cc.kernels(block=256):                   # every kernel, each launch signature
+        ptx = cc.ptx(k, (9, 0))
+        info = cc.assemble(ptx, (9, 0))               # registers, stack, spills, shared, cubin
+
+``signatures()`` lists each kernel's argument types as ``CudaBackend`` passes them
+(device arrays are C-contiguous, Python ints int64, flags booleans); a kernel that
+the factories return and the table lacks is an error (``kernels``), so a new
+kernel cannot skip the checks. ``FLOAT64_KERNELS`` are the kernels meant to use
+float64: the reductions that accumulate in it, and ``fill`` of a float64 buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from types import SimpleNamespace
+from typing import NamedTuple
+
+__all__ = ["signatures", "FLOAT64_KERNELS", "Kernel", "kernels", "ptx", "assemble", "find_tool", "float64_ops",
+           "occupancy", "sass", "k_loop_ffma_share", "ARCHS"]
+
+ARCHS = ((8, 0), (9, 0))  # A100, H100/H200
+
+FLOAT64_KERNELS = frozenset({
+    "sum_squares_partial", "sum_partials", "mse_partial", "cross_entropy_rows", "cross_entropy_finish",
+    "fill",  # fill(float64[::1], float64) clears the device-side scalars
+})
+
+
+def _types():
+    from numba import types
+
+    f1, f2, f4 = types.float32[::1], types.float32[:, ::1], types.float32[:, :, :, ::1]
+    return SimpleNamespace(F1=f1, F2=f2, F4=f4, D1=types.float64[::1], I1=types.int64[::1], I2=types.int64[:, ::1],
+                           J1=types.int32[::1], i64=types.int64, f32=types.float32, f64=types.float64,
+                           b1=types.boolean)
+
+
+def signatures() -> dict[str, tuple[tuple, ...]]:
+    """Kernel name -> the argument types of each way ``CudaBackend`` launches it."""
+    t = _types()
+    F1, F2, F4, D1, I1, I2, J1 = t.F1, t.F2, t.F4, t.D1, t.I1, t.I2, t.J1
+    i64, f32, f64, b1 = t.i64, t.f32, t.f64, t.b1
+    gemm = ((F2, F2, F2, F1, i64, i64, i64, i64),)
+    return {
+        # cuda_gemm.py: c = a·b in three layouts, the epilogue a launch argument
+        "gemm_nt": gemm, "gemm_nn": gemm, "gemm_tn": gemm,
+        # cuda_ops.py
+        "fill": ((F1, f32), (I1, i64), (D1, f64)),
+        "scale": ((F1, f32),),
+        "add": ((F1, F1),),
+        "sum_squares_partial": ((F1, D1),),
+        "sum_partials": ((D1, D1),),
+        "bias_grad": ((F2, F1, b1),),
+        "relu_forward": ((F1, F1),), "relu_backward": ((F1, F1, F1),),
+        "gelu_forward": ((F1, F1),), "gelu_backward": ((F1, F1, F1),),
+        "tanh_forward": ((F1, F1),), "tanh_backward": ((F1, F1, F1),),
+        "layernorm_forward": ((F2, F1, F1, f32, F2, F1, F1),),
+        "layernorm_backward_rows": ((F2, F2, F1, F1, F1, F2),),
+        "layernorm_backward_params": ((F2, F2, F1, F1, F1, F1, b1),),
+        "cross_entropy_rows": ((F2, I1, F2, f32, D1, J1),),
+        "cross_entropy_finish": ((D1, J1, D1),),
+        "mse_partial": ((F1, F1, F1, f32, D1),),
+        "sgd_update": ((F1, F1, F1, f32, f32, f32, b1, b1),),
+        "adam_update": ((F1, F1, F1, F1) + (f32,) * 9,),
+        # cuda_transformer.py
+        "embedding_forward": ((I2, F2, F2, F2, I1),),
+        "embedding_backward_wte": ((F2, I1, I1, I1, F2),),
+        "embedding_backward_wpe": ((F2, i64, i64, F2, b1),),
+        "attention_softmax": ((F2, i64, i64, f32, F4),),
+        "attention_values": ((F4, F2, i64, i64, F2),),
+        "attention_softmax_backward": ((F2, F2, F4, i64, i64, f32, F4),),
+        "attention_backward_qkv": ((F2, F2, F4, F4, i64, i64, F2),),
+    }
+
+
+
+class Kernel(NamedTuple):
+    name: str
+    dispatcher: object  # a numba CUDA kernel
+    argtypes: tuple
+    threads: int  # the threads per block the backend launches it with
+
+
+def kernels(block: int = 256, tile=None) -> list[Kernel]:
+    """Every kernel of ``CudaBackend(block=block, tile=tile)``, once per launch signature.
+
+    Raises LookupError naming any kernel the factories return that ``signatures()`` does not list
+    (or the reverse)."""
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    from .cuda_gemm import GPU_TILE, gemm_kernels
+    from .cuda_ops import ops_kernels
+    from .cuda_transformer import transformer_kernels
+
+    tile = tile or GPU_TILE
+    found = {}
+    for factory in (ops_kernels(block), transformer_kernels(block)):
+        found.update({n: k for n, k in vars(factory).items() if isinstance(k, CUDADispatcher)})
+    nt, nn, tn = gemm_kernels(tile)
+    found.update(gemm_nt=nt, gemm_nn=nn, gemm_tn=tn)
+    table = signatures()
+    unknown, missing = sorted(set(found) - set(table)), sorted(set(table) - set(found))
+    if unknown or missing:
+        raise LookupError(f"kernels without launch signatures in cuda_compile.signatures(): {unknown}; "
+                          f"signatures of kernels that no longer exist: {missing}")
+    tile_threads = tile.threads[0] * tile.threads[1]
+    return [Kernel(name, found[name], sig, tile_threads if name.startswith("gemm_") else block)
+            for name in sorted(found) for sig in table[name]]
+
+
+@contextlib.contextmanager
+def _target(cc):
+    """Device functions ask the driver for the compute capability; a machine with no GPU has none."""
+    import numba.cuda.dispatcher as dispatcher
+
+    saved = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=cc)
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = saved
+
+
+def ptx(kernel: Kernel, cc) -> str:
+    """The kernel's PTX for compute capability ``cc`` with the options it was declared with."""
+    from numba import cuda
+
+    opts = kernel.dispatcher.targetoptions
+    with _target(cc):
+        text, _ = cuda.compile_ptx(kernel.dispatcher.py_func, kernel.argtypes, cc=cc,
+                                   fastmath=bool(opts.get("fastmath", False)), launch_bounds=opts.get("launch_bounds"))
+    return text
+
+
+def find_tool(name: str) -> str | None:
+    """``ptxas`` / ``nvdisasm``: on PATH, else from the nvidia-cuda-nvcc / nvidia-cuda-nvdisasm wheels."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for base in sys.path:
+        for sub in ("cuda_nvcc", "cu13", "cu12", "cuda_nvdisasm"):
+            path = os.path.join(base, "nvidia", sub, "bin", name)
+            if os.access(path, os.X_OK):
+                return path
+    return None
+
+
+class PtxasInfo(NamedTuple):
+    registers: int
+    stack: int  # bytes of local-memory stack frame per thread
+    spill_stores: int
+    spill_loads: int
+    shared: int  # bytes of static shared memory per block
+    cubin: bytes
+
+
+def assemble(ptx_text: str, cc) -> PtxasInfo:
+    """``ptxas -v`` for ``sm_XY``; raises RuntimeError with ptxas's output when it fails."""
+    tool = find_tool("ptxas")
+    if tool is None:
+        raise FileNotFoundError("ptxas not found: pip install 'numba-cuda[cu12]' (the nvidia-cuda-nvcc-cu12 wheel)")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx_text)
+        r = subprocess.run([tool, f"-arch=sm_{cc[0]}{cc[1]}", "-v", src, "-o", out], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"ptxas failed for sm_{cc[0]}{cc[1]}:\n{r.stderr[-3000:]}")
+        with open(out, "rb") as f:
+            cubin = f.read()
+    log = r.stderr
+
+    def number(pattern):
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else 0
+
+    return PtxasInfo(registers=number(r"Used (\d+) registers"), stack=number(r"(\d+) bytes stack frame"),
+                     spill_stores=number(r"(\d+) bytes spill stores"), spill_loads=number(r"(\d+) bytes spill loads"),
+                     shared=number(r"(\d+) bytes smem"), cubin=cubin)
+
+
+def float64_ops(ptx_text: str) -> int:
+    """PTX instructions that operate on float64 (declarations of .f64 registers not counted)."""
+    return len(re.findall(r"^\s*(?:@%p\d+\s+)?[a-z][\w.]*\.f64\b", ptx_text, re.M))
+
+
+# per-SM limits of the compute capabilities in ARCHS
+_SM = {(8, 0): dict(regs=65536, threads=2048, blocks=32, shared=164 * 1024),
+       (9, 0): dict(regs=65536, threads=2048, blocks=32, shared=228 * 1024)}
+
+
+def occupancy(info: PtxasInfo, threads: int, cc) -> tuple[int, float]:
+    """(blocks per SM, fraction of the SM's threads busy) for blocks of ``threads``; 0 blocks: cannot launch."""
+    sm = _SM[cc]
+    if threads > 1024 or info.registers * threads > sm["regs"]:
+        return 0, 0.0
+    warps = -(-threads // 32)
+    regs_per_warp = -(-max(info.registers, 1) * 32 // 256) * 256  # allocated per warp in units of 256
+    by_regs = sm["regs"] // (regs_per_warp * warps)
+    by_shared = sm["shared"] // info.shared if info.shared else sm["blocks"]
+    blocks = min(by_regs, by_shared, sm["threads"] // (warps * 32), sm["blocks"])
+    return blocks, blocks * warps * 32 / sm["threads"]
+
+
+def sass(cubin: bytes) -> str:
+    """The machine code of a cubin (``nvdisasm``)."""
+    tool = find_tool("nvdisasm")
+    if tool is None:
+        raise FileNotFoundError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        r = subprocess.run([tool, "-c", f.name], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"nvdisasm failed:\n{r.stderr[-2000:]}")
+    return r.stdout
+
+
+def k_loop_ffma_share(sass_text: str) -> tuple[float, int, int]:
+    """(FFMA / instructions, FFMAs, instructions) in the loop with the most FFMAs: a GEMM's K loop.
+
+    A loop is a backward branch ``BRA .L_x_N`` to a label above it; its body is the instructions between."""
+    lines = sass_text.splitlines()
+    labels, instructions = {}, []  # label -> index of the next instruction; (text) per instruction
+    for line in lines:
+        m = re.match(r"^\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(instructions)
+            continue
+        m = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if m:
+            instructions.append(m.group(1))
+    best = (0.0, 0, 0)
+    for end, text in enumerate(instructions):
+        m = re.search(r"\bBRA\b.*?(\.L_x_\d+)", text)
+        if not m or labels.get(m.group(1), end + 1) > end:
+            continue
+        body = instructions[labels[m.group(1)]:end + 1]
+        ffma = sum(1 for ins in body if re.search(r"\bFFMA\b", ins))
+        if ffma > best[1]:
+            best = (ffma / len(body), ffma, len(body))
+    return best

@@ -87,6 +87,7 @@ class TrainConfig:
     grad_clip: float = 0.0
     micro_batches: int = 1
     skip_nonfinite: bool = False
+    max_skipped_steps: int = 10  # skip_nonfinite: this many non-finite steps in a row stop the run
     trace: str = ""
 
 
@@ -114,6 +115,7 @@ class CheckpointConfig:
     every: int = 0
     keep: int = 3
     resume: str = "auto"
+    lock: bool = True  # world rank 0 holds <dir>/hpctrain.lock for the run (hpctrain/ckpt_lock.py)
 
 
 @dataclass(frozen=True)
@@ -308,6 +310,7 @@ def _check_ranges(cfg: Config) -> None:
     need(t.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 = only at the end), got {t.eval_every}")
     need(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 = off), got {t.grad_clip}")
     need(t.micro_batches >= 1, "train.micro_batches", f"must be >= 1, got {t.micro_batches}")
+    need(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
     need(o.lr >= 0, "optim.lr", f"must be >= 0, got {o.lr}")
     need(0 <= o.momentum < 1, "optim.momentum", f"must be in [0, 1), got {o.momentum}")
     need(not (o.nesterov and o.momentum <= 0), "optim.nesterov", "needs optim.momentum > 0 (as in torch.optim.SGD)")

@@ -13,6 +13,7 @@ __all__ = [
     "BackendError",
     "LayoutError",
     "CheckpointError",
+    "CheckpointInUseError",
     "NewerFormatError",
     "NonFiniteError",
 ]
@@ -44,6 +45,10 @@ class CheckpointError(HpctrainError):
 
 class NonFiniteError(HpctrainError):
     """A loss or gradient became NaN or Inf."""
+
+
+class CheckpointInUseError(CheckpointError):
+    """Another live job holds the lock on ``checkpoint.dir`` (hpctrain/ckpt_lock.py)."""
 
 
 class NewerFormatError(CheckpointError):

@@ -3,7 +3,8 @@
     mpiexec -n 3 hpctrain train jobs/configs/digits-ps.toml       # 1 server, 2 workers
 
 The protocol is in parallel/param_server.py. Here: start-up (the same checks and data as
-a synchronous run; world rank 0, the first server, reads the starting point and the
+a synchronous run; world rank 0, the first server, locks ``checkpoint.dir`` for the run
+(hpctrain/ckpt_lock.py) and reads the starting point, and the
 servers scatter it by range), the workers' loop (the one-stage schedule of the stage
 executor, then a push), the servers' updates (the optimizer on their range: with
 staleness 0 the summed gradient of the step, clipped by the global norm; with staleness
@@ -77,8 +78,15 @@ class AsyncTrainer:
         run_everywhere(self.world, (lambda: startup.prepare_data(self)) if self.rank0 else lambda: None)
         self.mesh = None
         run_everywhere(self.world, self._build_server if self.is_server else self._build_worker)
-        self._start()
-        run_everywhere(self.world, self._make_server if self.is_server else lambda: None)
+        # one job per checkpoint folder: world rank 0 locks it before anything in it is read or written
+        self._lock = run_everywhere(self.world, (lambda: startup.lock_checkpoint_dir(self)) if self.rank0
+                                    else lambda: None)
+        try:
+            self._start()
+            run_everywhere(self.world, self._make_server if self.is_server else lambda: None)
+        except BaseException:
+            self._release_lock()
+            raise
 
     # ------------------------------------------------------------------ start-up
 
@@ -336,13 +344,22 @@ class AsyncTrainer:
         return out
 
     def close(self) -> None:
-        self._stop.restore()
-        if not self.is_server:
-            self.data.close()
-            self.mesh.free()
-        for comm in (self.servers_comm, self.workers_comm):
-            from mpi4py import MPI
+        """Free the communicators (collective) and release the lock on ``checkpoint.dir``."""
+        try:
+            self._stop.restore()
+            if not self.is_server:
+                self.data.close()
+                self.mesh.free()
+            for comm in (self.servers_comm, self.workers_comm):
+                from mpi4py import MPI
 
-            if comm != MPI.COMM_NULL:
-                comm.Free()
-        self.world.Free()
+                if comm != MPI.COMM_NULL:
+                    comm.Free()
+            self.world.Free()
+        finally:
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None

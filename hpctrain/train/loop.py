@@ -29,7 +29,8 @@ import numpy as np
 
 from .. import checkpoint as ckpt
 from .._memory import keep_freed_memory
-from ..parallel.agree import check_same_everywhere, run_everywhere
+from ..errors import NonFiniteError
+from ..parallel.agree import QuietExit, check_same_everywhere, run_everywhere
 from ..parallel.data_parallel import GradSync
 from ..parallel.sharding import gather_flat
 from ..parallel.transport import PointToPoint
@@ -54,10 +55,12 @@ class Trainer:
     def __init__(self, cfg, *, mesh=None, log=None):
         # SIGTERM/SIGUSR1 are recorded, never fatal, from here to the end of run()'s last checkpoint
         self._stop = _StopFlag()
+        self._lock = None  # world rank 0's lock on checkpoint.dir, held until close()
         try:
             self._build(cfg, mesh, log)
         except BaseException:
             self._stop.restore()
+            self._release_lock()
             raise
 
     def _build(self, cfg, mesh, log):
@@ -73,6 +76,9 @@ class Trainer:
         self.log = (log or log_line) if self.rank0 else (lambda *a, **k: None)
         run_everywhere(mesh.world, (lambda: startup.prepare_data(self)) if self.rank0 else lambda: None)
         run_everywhere(mesh.world, lambda: startup.build(self))
+        # one job per checkpoint folder: rank 0 locks it before anything in it is read or written
+        self._lock = run_everywhere(mesh.world, (lambda: startup.lock_checkpoint_dir(self)) if self.rank0
+                                    else lambda: None)
         check_same_everywhere(mesh.world, "config", cfg.to_toml(), lambda theirs: _first_line_diff(cfg.to_toml(), theirs))
         check_same_everywhere(mesh.world, "parameter layout", self.model.layout.describe(),
                               self.model.layout.first_difference)
@@ -167,7 +173,9 @@ class Trainer:
         """Train until ``train.steps`` (collective: every rank calls it). Returns the last metrics on rank 0.
 
         SIGTERM and SIGUSR1 (what Slurm sends before a time limit) stop the run at the next step
-        boundary, after a checkpoint when ``checkpoint.dir`` is set.
+        boundary, after a checkpoint when ``checkpoint.dir`` is set. With ``train.skip_nonfinite``,
+        ``train.max_skipped_steps`` non-finite steps in a row stop it with a NonFiniteError and no
+        checkpoint; a checkpoint due during a shorter run of skipped steps waits for the next finite step.
         """
         cfg, t = self.cfg, self.cfg.train
         if self.step >= t.steps > 0:
@@ -179,6 +187,8 @@ class Trainer:
         last = {}
         stop = self._stop
         saved_at = -1
+        skipped = 0  # non-finite steps skipped in a row (every rank sees the same skip decision)
+        deferred = False  # a checkpoint fell due while steps were being skipped
         try:
             stopping = stop.any_rank(self.mesh.world)  # a signal while the job was starting (agreed by all)
             if stopping:
@@ -187,14 +197,23 @@ class Trainer:
                 lr = lr_at(cfg.optim, self.step, t.steps)
                 timing = self.train_step(self.step, lr)
                 self.step += 1
+                skipped = skipped + 1 if timing["skipped"] else 0
                 window.add(timing)
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     last = self._log_train(window, timing, lr, metrics)
+                if skipped >= t.max_skipped_steps:
+                    self._diverged(skipped)
                 if self.data.n_val and ((t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps):
                     last.update(self._log_eval(metrics))
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    self.save_checkpoint()
-                    saved_at = self.step
+                if deferred or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                    if skipped:  # these weights gave non-finite gradients: keep the older checkpoints for now
+                        if not deferred:
+                            self.log(f"step {self.step}: checkpoint deferred, {skipped} non-finite step(s) skipped "
+                                     "in a row; it is written after the next finite step")
+                        deferred = True
+                    else:
+                        self.save_checkpoint()
+                        saved_at, deferred = self.step, False
                 if stop.any_rank(self.mesh.world):
                     self.log(f"signal {stop.name} received: stopping at step {self.step}")
                     break
@@ -209,6 +228,19 @@ class Trainer:
         finally:
             stop.restore()
         return last
+
+    def _diverged(self, skipped: int):
+        """``train.max_skipped_steps`` in a row: raise on rank 0, leave quietly elsewhere; no checkpoint is written."""
+        if not self.rank0:
+            raise QuietExit(0)
+        c = self.cfg.checkpoint
+        found = ckpt.list_checkpoints(c.dir) if c.dir else []
+        kept = f"; the newest checkpoint, {found[-1][1]}, is kept" if found else ""
+        error = NonFiniteError(f"step {self.step}: {skipped} non-finite steps skipped in a row (train.max_skipped_steps"
+                               f" = {self.cfg.train.max_skipped_steps}): the run diverged; no checkpoint written"
+                               f"{kept}; lower optim.lr or set train.grad_clip")
+        error.collective = True  # every rank took the same skip decisions
+        raise error
 
     def _log_train(self, window, timing, lr, metrics):
         B = self.cfg.train.batch_size
@@ -260,13 +292,21 @@ class Trainer:
         return ev
 
     def close(self):
-        """Stop the gradient sync's thread, close the data file, and free the mesh if the Trainer made it
-        (collective then)."""
-        self._stop.restore()
-        self.sync.close()
-        self.data.close()
-        if self._own_mesh:
-            self.mesh.free()
+        """Stop the gradient sync's thread, close the data file, free the mesh if the Trainer made it
+        (collective then), and release the lock on ``checkpoint.dir``."""
+        try:
+            self._stop.restore()
+            self.sync.close()
+            self.data.close()
+            if self._own_mesh:
+                self.mesh.free()
+        finally:
+            self._release_lock()
+
+    def _release_lock(self):
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
 class _StopFlag:

@@ -4,6 +4,8 @@ Every function here runs on every rank inside an agreement (``run_everywhere``),
 failure on one rank ends the job on all of them before any training message:
 
 * ``build``: backend, model spec and this stage's part, loss, data, sampler, outputs;
+* ``lock_checkpoint_dir`` (world rank 0 only): the lock on ``checkpoint.dir``, taken before
+  anything in it is read or written (one job per folder; hpctrain/ckpt_lock.py);
 * ``make_state``: the part's parameter, gradient and optimizer buffers;
 * ``read_start`` (world rank 0 only): the checkpoint or weights file to start from,
   checked against this run, as full unsharded tensors;
@@ -20,6 +22,7 @@ import numpy as np
 
 from .. import checkpoint as ckpt
 from ..backend import get_backend
+from ..ckpt_lock import LOCK_NAME, FolderLock
 from ..data import Sampler, open_dataset
 from ..errors import CheckpointError, ConfigError, DataError, LayoutError
 from ..nn import make_loss, make_model
@@ -32,7 +35,7 @@ from ..parallel.tied import broadcast_tied
 from ..parallel.transport import Transport
 from ..params import FlatBuffer
 
-__all__ = ["prepare_data", "build", "make_state", "read_start", "scatter_start"]
+__all__ = ["prepare_data", "build", "lock_checkpoint_dir", "make_state", "read_start", "scatter_start"]
 
 
 def prepare_data(t) -> None:
@@ -107,6 +110,22 @@ def check_outputs(cfg) -> None:
                                   and re.fullmatch(r"\.?ckpt-\d{8,}\.h5.*", os.path.basename(full))):
                 raise ConfigError(f"{out_key}: {out} is checkpoint.dir or a checkpoint's name in it; the {what} "
                                   "would overwrite a checkpoint")
+            if full == os.path.join(folder, LOCK_NAME):
+                raise ConfigError(f"{out_key}: {out} is the lock file of checkpoint.dir; the {what} would overwrite it")
+
+
+def lock_checkpoint_dir(t):
+    """On world rank 0, before anything reads or writes ``checkpoint.dir``: its lock (a FolderLock), or None.
+
+    Another job holding it is a CheckpointInUseError naming that job; release the lock in ``close()``.
+    """
+    c = t.cfg.checkpoint
+    if not c.dir:
+        return None
+    if not c.lock:
+        t.log(f"warning: checkpoint.lock = false: {c.dir} is not locked; make sure no other job uses it")
+        return None
+    return FolderLock.take(c.dir, log=t.log)
 
 
 def make_state(t) -> None:

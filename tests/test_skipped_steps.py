@@ -1,0 +1,133 @@
+"""train.max_skipped_steps: a run that keeps producing non-finite gradients stops, keeping its good checkpoints."""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import config, make_classification, toml_job
+from hpctrain.checkpoint import list_checkpoints
+from hpctrain.errors import ConfigError, NonFiniteError
+from hpctrain.parallel.mesh import Mesh
+from hpctrain.train import Trainer
+from hpctrain.train.step import StepRunner
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIEXEC = shutil.which("mpiexec")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    m = Mesh()
+    yield m
+    m.free()
+
+
+def digest(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_diverging_run_stops_after_max_skipped_steps_and_keeps_the_good_checkpoint(tmp_path, ranks):
+    if ranks > 1 and MPIEXEC is None:
+        pytest.skip("mpiexec not found (pip install hpctrain[mpich])")
+    make_classification(tmp_path / "d.h5", n=64)
+    (tmp_path / "job.toml").write_text(toml_job(train={"steps": 3}, checkpoint={"dir": "ck", "keep": 1}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_LOCALRANKID"))}
+    env["PYTHONPATH"] = ROOT
+    launcher = [MPIEXEC, "-n", str(ranks)] if ranks > 1 else []
+
+    def train(*overrides):
+        sets = [arg for item in overrides for arg in ("--set", item)]
+        return subprocess.run([*launcher, sys.executable, "-m", "hpctrain", "train", str(tmp_path / "job.toml"), *sets],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+    good = train()
+    assert good.returncode == 0, good.stderr
+    ck = str(tmp_path / "ck")
+    before = digest(os.path.join(ck, "ckpt-00000003.h5"))
+    # resumed with a learning rate that blows the weights up: every step from then on is non-finite
+    bad = train("optim.lr=1e30", "train.steps=50", "train.skip_nonfinite=true", "train.max_skipped_steps=4")
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    skips = [int(s) for s in re.findall(r"step (\d+): non-finite gradients, step skipped", bad.stdout)]
+    assert len(skips) == 4 and skips == list(range(skips[0], skips[0] + 4)), bad.stdout
+    errors = [line for line in bad.stderr.splitlines() if "hpctrain: error" in line]
+    where = " [rank 0/2]" if ranks > 1 else ""
+    assert errors == [f"hpctrain: error{where}: step {skips[-1]}: 4 non-finite steps skipped in a row "
+                      "(train.max_skipped_steps = 4): the run diverged; no checkpoint written; the newest checkpoint, "
+                      f"{ck}/ckpt-00000003.h5, is kept; lower optim.lr or set train.grad_clip"], bad.stderr
+    assert "Traceback" not in bad.stderr
+    # keep = 1, yet the good checkpoint is still there, unchanged, and nothing else was written
+    assert os.listdir(ck) == ["ckpt-00000003.h5"] and digest(os.path.join(ck, "ckpt-00000003.h5")) == before
+
+
+def poison(monkeypatch, steps):
+    """Non-finite gradients at these 0-based steps (the norm, and so the skip decision, sees them)."""
+    finish = StepRunner._finish
+
+    def poisoned(self, step, lr):
+        if step in steps:
+            self.grads.data[0] = np.nan
+        return finish(self, step, lr)
+
+    monkeypatch.setattr(StepRunner, "_finish", poisoned)
+
+
+def test_fewer_non_finite_steps_in_a_row_than_the_limit_are_skipped_and_training_goes_on(tmp_path, mesh, monkeypatch):
+    make_classification(tmp_path / "d.h5", n=64)
+    poison(monkeypatch, {3, 4, 6})  # steps 4 and 5 (two in a row), then 7
+    ck, metrics = str(tmp_path / "ck"), tmp_path / "m.jsonl"
+    lines = []
+    t = Trainer(config(tmp_path / "d.h5", train={"steps": 9, "skip_nonfinite": True, "max_skipped_steps": 3,
+                                                 "metrics": str(metrics)},
+                       checkpoint={"dir": ck, "every": 1, "keep": 20}), mesh=mesh, log=lines.append)
+    t.run()
+    t.close()
+    assert t.step == 9 and t.optim.step_count == 6
+    skipped = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if r.get("skipped")]
+    assert skipped == [4, 5, 7]
+    # no checkpoint of weights that just gave non-finite gradients: each waits for the next finite step
+    assert [s for s, _ in list_checkpoints(ck)] == [1, 2, 3, 6, 8, 9]
+    assert sum("checkpoint deferred" in line for line in lines) == 2
+
+
+def test_the_final_checkpoint_is_written_after_fewer_skipped_steps_than_the_limit(tmp_path, mesh, monkeypatch):
+    make_classification(tmp_path / "d.h5", n=64)
+    poison(monkeypatch, {7, 8})  # the last two steps
+    ck = str(tmp_path / "ck")
+    t = Trainer(config(tmp_path / "d.h5", train={"steps": 9, "skip_nonfinite": True, "max_skipped_steps": 3},
+                       checkpoint={"dir": ck, "every": 1, "keep": 20}), mesh=mesh, log=lambda *a: None)
+    t.run()
+    t.close()
+    assert [s for s, _ in list_checkpoints(ck)] == [1, 2, 3, 4, 5, 6, 7, 9] and t.optim.step_count == 7
+
+
+def test_the_limit_of_non_finite_steps_in_a_row_stops_the_run_without_a_checkpoint(tmp_path, mesh, monkeypatch):
+    make_classification(tmp_path / "d.h5", n=64)
+    poison(monkeypatch, {3, 4})
+    ck = str(tmp_path / "ck")
+    t = Trainer(config(tmp_path / "d.h5", train={"steps": 9, "skip_nonfinite": True, "max_skipped_steps": 2},
+                       checkpoint={"dir": ck, "every": 1, "keep": 1}), mesh=mesh, log=lambda *a: None)
+    try:
+        with pytest.raises(NonFiniteError, match=r"^step 5: 2 non-finite steps skipped in a row \(train.max_skipped_"
+                                                 r"steps = 2\): the run diverged; no checkpoint written; the newest "
+                                                 r"checkpoint, .*ckpt-00000003.h5, is kept"):
+            t.run()
+    finally:
+        t.close()
+    assert [s for s, _ in list_checkpoints(ck)] == [3]
+
+
+def test_max_skipped_steps_is_checked(tmp_path):
+    assert config("x.h5").train.max_skipped_steps == 10
+    for value, message in ((0, "train.max_skipped_steps: must be >= 1, got 0"),
+                           (1.5, "train.max_skipped_steps: expected int, got float 1.5")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            config("x.h5", train={"max_skipped_steps": value})

@@ -1,4 +1,4 @@
-"""Command line: ``hpctrain train | config | env | inspect | sample | data``, ``hpctrain --version``.
+"""Command line: ``hpctrain train | config | env | inspect | sample | data | plot``, ``hpctrain --version``.
 
     hpctrain train jobs/configs/digits.toml
     mpiexec -n 2 hpctrain train jobs/configs/digits.toml --set train.steps=100
@@ -8,6 +8,7 @@
     hpctrain data text2h5 INPUT.txt OUT.h5
     hpctrain config jobs/configs/gpt-char.toml --set parallel.tp=2   # the resolved config, every default
     hpctrain env                                                    # versions, MPI, GPUs, BLAS threads
+    hpctrain plot runs/digits/metrics.jsonl -o loss.png             # needs matplotlib (hpctrain[plot])
 
 Errors a user can cause print one line, ``hpctrain: error: ...`` (with the
 rank under MPI), and exit with status 2; so does a host allocation that fails
@@ -61,6 +62,23 @@ def _parser():
     t2h.add_argument("input", help="a UTF-8 text file")
     t2h.add_argument("output", help="the HDF5 file to write (dataset 'tokens' with its vocabulary)")
     t2h.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+    pl = sub.add_parser(
+        "plot", help="draw a metrics file (loss, accuracy, throughput) or a trace (timeline) to an image",
+        description="Draw the metrics file a run writes (train.metrics: training and validation loss, validation\n"
+                    "accuracy and throughput against step, one panel each) or a trace (train.trace: a timeline,\n"
+                    "one row per rank, one bar per span). Which of the two FILE is comes from its content.\n"
+                    "Needs matplotlib: pip install 'hpctrain[plot]'.",
+        epilog="examples:\n  hpctrain plot runs/digits/metrics.jsonl -o loss.png\n"
+               "  hpctrain plot runs/digits-pp2/trace.json -o timeline.svg --steps 100:101",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    pl.add_argument("file", metavar="FILE", help="a metrics file (JSONL, one record a line) or a Chrome/Perfetto "
+                                                 "trace (JSON), at most 1 GB")
+    pl.add_argument("-o", "--output", required=True, metavar="IMAGE",
+                    help="the image to write; its extension picks the format: .png, .pdf or .svg (replaced if it "
+                         "exists; its folder must exist)")
+    pl.add_argument("--steps", metavar="FIRST:LAST",
+                    help="draw only steps FIRST to LAST (inclusive; FIRST:, :LAST or one STEP work too); for a "
+                         "trace, the spans of those steps (default: all)")
     return p
 
 
@@ -132,6 +150,13 @@ def _data(args) -> int:
     return 0
 
 
+def _plot(args) -> int:
+    from .plot import plot
+
+    print(plot(args.file, args.output, steps=args.steps))
+    return 0
+
+
 def _config(args) -> int:
     from .config import load_config
 
@@ -147,7 +172,8 @@ def _env(args) -> int:
 
 
 COMMANDS = {"train": lambda a: _train(a), "inspect": lambda a: _inspect(a), "sample": lambda a: _sample(a),
-            "data": lambda a: _data(a), "config": lambda a: _config(a), "env": lambda a: _env(a)}
+            "data": lambda a: _data(a), "config": lambda a: _config(a), "env": lambda a: _env(a),
+            "plot": lambda a: _plot(a)}
 
 
 def _where() -> str:

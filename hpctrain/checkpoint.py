@@ -22,6 +22,7 @@ renamed into place and the directory fsynced.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import time
@@ -31,6 +32,7 @@ import h5py
 import numpy as np
 
 from . import checkpoint_format as fmt
+from ._files import H5_ERRORS, member, shown, storage_problem
 from .errors import CheckpointError, ModelMismatchError, NewerFormatError
 from .params import ParamLayout
 
@@ -39,7 +41,7 @@ __all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "read_meta",
 
 list_checkpoints = fmt.list_checkpoints
 
-_H5_ERRORS = (OSError, KeyError, RuntimeError)  # what h5py raises on damaged metadata
+_H5_ERRORS = H5_ERRORS  # what h5py raises on damaged metadata or content it cannot represent
 
 
 @dataclass
@@ -154,6 +156,10 @@ def _checked_arrays(state: CheckpointState) -> list[tuple[str, np.ndarray]]:
             t = _float32(tensors[name], f"slots[{slot!r}][{name!r}]")
             if t.shape != np.shape(arr):
                 raise ValueError(f"slots[{slot!r}][{name!r}] has shape {t.shape}, params[{name!r}] has {np.shape(arr)}")
+            problem = _value_problem(slot, t)
+            if problem:  # the loaders refuse it too
+                raise CheckpointError(f"step {state.step}: optimizer slot {slot} of {name} has {problem}; "
+                                      "no checkpoint written")
             arrays.append((f"optim/{slot}/{name}", t))
     return arrays
 
@@ -228,10 +234,11 @@ def load_checkpoint(path: str, layout: ParamLayout, *, optim_name: str | None = 
                 raise CheckpointError(f"checkpoint {path} holds {state.optim_name} optimizer state but the optimizer is "
                                       f"{optim_name}; to start {optim_name} from its weights, use it as checkpoint.init")
             groups = _groups(f, path, state.optim_name)
+            _check_members(f"checkpoint {path}", groups, path, require_digest=True)
             _check_fit(f"checkpoint {path}", groups, layout, strict_dtype=True)
             tensors, failures = _read_groups(groups, layout)
         except _H5_ERRORS as e:
-            raise CheckpointError(f"checkpoint {path} is damaged: {e}") from None
+            raise CheckpointError(f"checkpoint {path} is damaged: {shown(e)}") from None
     if failures:
         raise CheckpointError(f"checkpoint {path} failed verification: " + "; ".join(failures))
     state.params = tensors.pop("params")
@@ -246,7 +253,7 @@ def read_meta(path: str) -> CheckpointState:
         try:
             state = _read_meta(f, path)
         except _H5_ERRORS as e:
-            raise CheckpointError(f"checkpoint {path} is damaged: {e}") from None
+            raise CheckpointError(f"checkpoint {path} is damaged: {shown(e)}") from None
     state.path = path
     return state
 
@@ -306,6 +313,10 @@ def _set_aside(paths) -> None:
 
 def _read_meta(f: h5py.File, path: str) -> CheckpointState:
     a = f.attrs
+    odd = [shown(k) for k in a.keys() if not isinstance(k, str)]
+    if odd:
+        raise CheckpointError(f"checkpoint {path}: root attribute name(s) {', '.join(odd)} are not UTF-8; "
+                              "the file is damaged")
     if "format" not in a:
         if isinstance(f.get("params"), h5py.Group):
             raise CheckpointError(f"checkpoint {path} is a weights-only file (/params but no format attribute): "
@@ -330,9 +341,22 @@ def _read_meta(f: h5py.File, path: str) -> CheckpointState:
     if fmt.str_attr(a, fmt.ATTRS_DIGEST, path) != fmt.attrs_digest(a):
         raise CheckpointError(f"checkpoint {path}: the root attributes fail their checksum ({fmt.ATTRS_DIGEST}); "
                               "the file is damaged")
+    _check_counters(state, path)
     if "vocabulary" in a:
         state.vocabulary = _vocabulary(fmt.str_attr(a, "vocabulary", path), path)
     return state
+
+
+def _check_counters(state: CheckpointState, path: str) -> None:
+    """Counters a run could reach and keep counting from (a next save must not overflow int64), consistent."""
+    for key, value in (("step", state.step), ("optimizer_step", state.optim_step)):
+        if value > fmt.MAX_STEP:
+            raise CheckpointError(f"checkpoint {path}: root attribute {key!r} = {value} is beyond any run "
+                                  "(at most 2**62 steps); the file is damaged or forged")
+    for key, value in (("epoch", state.epoch), ("data_position", state.data_position)):
+        if value > state.step:  # epoch = step // steps_per_epoch, data_position = step % steps_per_epoch
+            raise CheckpointError(f"checkpoint {path}: root attribute {key!r} = {value} is larger than step = "
+                                  f"{state.step}; the file is damaged or forged")
 
 
 def _vocabulary(text: str, path: str) -> str:
@@ -348,27 +372,34 @@ def _vocabulary(text: str, path: str) -> str:
 def _check_format(attrs, path: str, what: str) -> None:
     name = fmt.decode_attr(attrs["format"])
     if name != fmt.FORMAT:
-        raise CheckpointError(f"{what} {path} has format attribute {attrs['format']!r}, expected {fmt.FORMAT!r}")
+        raise CheckpointError(f"{what} {path} has format attribute {shown(repr(attrs['format']))}, expected "
+                              f"{fmt.FORMAT!r}")
     version = fmt.decode_attr(attrs.get("version"))
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise CheckpointError(f"{what} {path} has an invalid version attribute {attrs.get('version')!r}")
+        raise CheckpointError(f"{what} {path} has an invalid version attribute {shown(repr(attrs.get('version')))}")
     if version > fmt.VERSION:
         raise NewerFormatError(f"{what} {path} was written by a newer hpctrain (format version {version}; this "
                               f"hpctrain reads up to version {fmt.VERSION}): upgrade hpctrain to read it")
 
 
-def _member(f: h5py.File, name: str, path: str):
-    """``f[name]``, or None when there is no such link; a link whose object cannot be read is an error.
+def _member(group: h5py.Group, name: str, path: str):
+    """``group[name]``, or None when there is no such link; a link that cannot be followed is an error.
 
-    ``f.get`` would answer None for a damaged object header too, and a damaged
-    ``/optim`` would pass as "no optimizer state".
+    ``group.get`` would answer None for a damaged object header or a dangling soft
+    link too, and a damaged ``/optim`` would pass as "no optimizer state".
     """
-    if name not in f:
-        return None
-    try:
-        return f[name]
-    except (KeyError, OSError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: /{name} cannot be read, the file is damaged ({e})") from None
+    obj, problem = member(group, name)
+    if problem:
+        raise CheckpointError(f"{path}: {group.name.rstrip('/')}/{name} {problem}")
+    return obj
+
+
+def _check_members(what: str, groups, path: str, *, require_digest: bool) -> None:
+    """One CheckpointError listing every member that is no dataset of this file (``fmt.member_problems``)."""
+    size = os.path.getsize(path)
+    problems = [p for _, group in groups for p in fmt.member_problems(group, size, require_digest=require_digest)]
+    if problems:
+        raise CheckpointError(f"{what} cannot be used: " + "; ".join(problems))
 
 
 def _groups(f: h5py.File, path: str, optim_name: str) -> list[tuple[str, h5py.Group]]:
@@ -380,11 +411,17 @@ def _groups(f: h5py.File, path: str, optim_name: str) -> list[tuple[str, h5py.Gr
     if optim is not None and not isinstance(optim, h5py.Group):
         raise CheckpointError(f"checkpoint {path}: /optim is not a group")
     slots = list(optim.keys()) if optim is not None else []
+    odd = [shown(s) for s in slots if not isinstance(s, str)]
+    if odd:
+        raise CheckpointError(f"checkpoint {path}: /optim has member(s) whose names are not UTF-8: {', '.join(odd)}")
     _check_slot_names(optim_name, set(slots), lambda msg: CheckpointError(f"checkpoint {path}: {msg}"))
-    not_groups = [s for s in slots if not isinstance(optim[s], h5py.Group)]
-    if not_groups:
-        raise CheckpointError(f"checkpoint {path}: /optim/{not_groups[0]} is not a group")
-    return [("params", params)] + [(slot, optim[slot]) for slot in slots]
+    groups = [("params", params)]
+    for slot in slots:
+        group = _member(optim, slot, path)
+        if not isinstance(group, h5py.Group):
+            raise CheckpointError(f"checkpoint {path}: /optim/{slot} is not a group")
+        groups.append((slot, group))
+    return groups
 
 
 def _check_fit(what: str, groups, layout: ParamLayout, *, strict_dtype: bool) -> None:
@@ -405,14 +442,22 @@ def _nonfinite(arr) -> str:
     return "" if finite.all() else f"{finite.size - int(finite.sum())} non-finite value(s) (NaN or Inf)"
 
 
+def _value_problem(label: str, arr) -> str:
+    """'' when the values of a parameter (``label`` "params") or optimizer slot can be trained on, else why not."""
+    problem = _nonfinite(arr)
+    if not problem and label == "exp_avg_sq" and (arr < 0).any():  # a running mean of squared gradients
+        problem = f"{int((arr < 0).sum())} negative value(s) (exp_avg_sq is >= 0)"
+    return problem
+
+
 def _read_groups(groups, layout: ParamLayout):
     items = [((label, spec.name), group[spec.name]) for label, group in groups for spec in layout]
     tensors = {label: {} for label, _ in groups}
     failures = []
     for (label, name), arr, problem in fmt.verify_datasets(items, keep=True):
         where = f"/params/{name}" if label == "params" else f"/optim/{label}/{name}"
-        if not problem and label == "params":
-            problem = _nonfinite(arr)
+        if not problem:
+            problem = _value_problem(label, arr)
         if problem:
             failures.append(f"{where}: {problem}")
         else:
@@ -445,21 +490,25 @@ def save_weights(path: str, params: dict[str, np.ndarray]) -> None:
 def load_weights(path: str, layout: ParamLayout) -> dict[str, np.ndarray]:
     """Read ``/params`` from a weights file or a checkpoint; names and shapes must match ``layout`` exactly.
 
-    Datasets with a ``sha256`` attribute (checkpoints) are verified against it;
+    Datasets with a ``sha256`` attribute are verified against it (in a file with a
+    ``format`` attribute, a checkpoint, every dataset must have one);
     Fletcher32-filtered ones (save_weights) by HDF5 as they are read. Any float
-    dtype is accepted and converted to float32.
+    dtype is accepted and converted to float32. Every dataset must keep written
+    data in this file (``hpctrain/_files.py``).
     """
     with fmt.open_read(path, "weights file") as f:
         try:
-            if "format" in f.attrs:
+            checkpoint = "format" in f.attrs
+            if checkpoint:
                 _check_format(f.attrs, path, "weights file")
             group = _member(f, "params", path)
             if not isinstance(group, h5py.Group):
                 raise CheckpointError(f"weights file {path} has no /params group")
+            _check_members(f"weights file {path}", [("params", group)], path, require_digest=checkpoint)
             _check_fit(f"weights file {path}", [("params", group)], layout, strict_dtype=False)
             tensors, failures = _read_groups([("params", group)], layout)
         except _H5_ERRORS as e:
-            raise CheckpointError(f"weights file {path} is damaged: {e}") from None
+            raise CheckpointError(f"weights file {path} is damaged: {shown(e)}") from None
     if failures:
         raise CheckpointError(f"weights file {path} failed verification: " + "; ".join(failures))
     return tensors["params"]
@@ -500,17 +549,18 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
             state = _read_meta(f, path)
         except CheckpointError as e:
             problems.append(str(e))
-            lines.append(f"  kind: format {fmt.decode_attr(f.attrs['format'])!r}, "
-                         f"version {fmt.decode_attr(f.attrs.get('version'))}")
+            lines.append(f"  kind: format {shown(repr(fmt.decode_attr(f.attrs['format'])))}, "
+                         f"version {shown(repr(fmt.decode_attr(f.attrs.get('version'))))}")
     if state is not None:
         lay = state.layout
         lines += [f"  kind: hpctrain checkpoint, format version {fmt.decode_attr(f.attrs['version'])}, "
-                  f"{fmt.DIGEST} per dataset, written by hpctrain {fmt.decode_attr(f.attrs.get('hpctrain_version'))} "
-                  f"at {fmt.decode_attr(f.attrs.get('created'))}",
+                  f"{fmt.DIGEST} per dataset, written by hpctrain "
+                  f"{shown(fmt.decode_attr(f.attrs.get('hpctrain_version')))} "
+                  f"at {shown(fmt.decode_attr(f.attrs.get('created')))}",
                   f"  step {state.step}, epoch {state.epoch}, data position {state.data_position} steps into the epoch",
                   f"  layout: world_size {lay['world_size']} = dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']}",
                   f"  optimizer: {state.optim_name}, {state.optim_step} optimizer steps",
-                  "  rng: " + (", ".join(f"{k}={v!r}" for k, v in state.rng.items()) or "none"),
+                  "  rng: " + (", ".join(f"{k}={shown(repr(v))}" for k, v in state.rng.items()) or "none"),
                   f"  root attributes verify ({fmt.ATTRS_DIGEST}); config: {len(state.config_text.splitlines())} "
                   "lines, shown at the end"]
     try:
@@ -521,56 +571,83 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
     if not isinstance(params, h5py.Group):
         problems.append("no /params group")
         return
-    specs = [(n, ds) for n, ds in params.items() if isinstance(ds, h5py.Dataset)]
-    total = sum(int(np.prod(ds.shape)) for _, ds in specs)
+    size = os.path.getsize(path)
+    specs = _usable(params, size, problems)
+    total = sum(math.prod(ds.shape) for _, ds in specs)
     lines.append(f"parameters: {len(specs)} tensors, {total:,} values ({_size(total * 4)} as float32)")
     width = max([len(n) for n, _ in specs] + [4])
     for name, ds in specs:
         lines.append(f"  {name:<{width}}  {'x'.join(map(str, ds.shape)) or 'scalar':<14} {ds.dtype}")
+        if state is not None and ds.dtype != np.dtype("<f4"):  # the loaders refuse these too
+            problems.append(f"{ds.name} has dtype {ds.dtype}, expected little-endian float32")
+        elif ds.dtype.kind != "f":
+            problems.append(f"{ds.name} has dtype {ds.dtype}, expected a float type")
     layout = ParamLayout([(n, ds.shape) for n, ds in specs])
-    groups = [("params", params)]
+    groups = [("params", specs)]
     if optim is not None and not isinstance(optim, h5py.Group):
         problems.append("/optim is not a group")
     if state is not None:
-        slots = set(optim.keys()) if isinstance(optim, h5py.Group) else set()
+        slots = {s for s in optim.keys() if isinstance(s, str)} if isinstance(optim, h5py.Group) else set()
         try:
             _check_slot_names(state.optim_name, slots, CheckpointError)
         except CheckpointError as e:
             problems.append(str(e))
     if isinstance(optim, h5py.Group):
-        for slot, group in optim.items():
-            if not isinstance(group, h5py.Group):
-                problems.append(f"/optim/{slot} is not a group")
+        for slot in optim.keys():
+            group, problem = member(optim, slot)
+            if problem or not isinstance(group, h5py.Group):
+                problems.append(f"/optim/{shown(slot)} " + (problem or "is not a group"))
                 continue
             fit = fmt.fit_problems(group, layout, strict_dtype=True)
             lines.append(f"optimizer slot {slot}: " + ("same names and shapes as the parameters" if not fit
                                                       else "; ".join(fit)))
             problems += [f"/optim/{slot}: {p}" for p in fit]
-            groups.append((slot, group))
+            groups.append((slot, _usable(group, size, problems)))
     elif state is not None:
         lines.append("optimizer slots: none")
     items, kinds = [], {}
-    for label, group in groups:
-        for name, ds in group.items():
-            if isinstance(ds, h5py.Dataset):
-                items.append((ds.name, ds))
-                kind = fmt.checksum_kind(ds)
-                kinds[kind] = kinds.get(kind, 0) + 1
-                if state is not None and kind != fmt.DIGEST:
-                    problems.append(f"{ds.name} has no {fmt.DIGEST} attribute")
+    for label, members in groups:
+        for _, ds in members:
+            items.append((ds.name, ds))
+            kind = fmt.checksum_kind(ds)
+            kinds[kind] = kinds.get(kind, 0) + 1
+            if state is not None and kind != fmt.DIGEST:
+                problems.append(f"{ds.name} has no {fmt.DIGEST} attribute")
     bad = 0
     for label, arr, problem in fmt.verify_datasets(items, keep=True):  # one read per dataset, not held
         if problem:
             bad += 1
             problems.append(f"{label}: {problem}")
-        elif label.startswith("/params/") and (nonfinite := _nonfinite(arr)):  # the loaders refuse it too
-            problems.append(f"{label}: {nonfinite}")
+        elif value_problem := _value_problem(_slot_of(label), arr):  # the loaders refuse it too
+            problems.append(f"{label}: {value_problem}")
     summary = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
     lines.append(f"checksums: {len(items) - bad} of {len(items)} datasets verify ({summary})"
                  + (" -- datasets without a checksum are only read, not verified" if "none" in kinds else ""))
     if state is not None:
         lines.append("config:")
-        lines += [f"  {line}" for line in state.config_text.splitlines()]
+        lines += [f"  {shown(line)}" for line in state.config_text.splitlines()]
+
+
+def _usable(group: h5py.Group, size: int, problems: list) -> list[tuple[str, h5py.Dataset]]:
+    """``(name, dataset)`` of the members of ``group`` that can be read; a problem for each other member."""
+    found = []
+    for name in group.keys():
+        obj, problem = member(group, name)
+        if not problem and not isinstance(obj, h5py.Dataset):
+            problem = "is a group, not a dataset"
+        if not problem:
+            problem = storage_problem(obj, size)
+        if problem:
+            problems.append(f"{group.name}/{shown(name)} {problem}")
+        else:
+            found.append((name, obj))
+    return found
+
+
+def _slot_of(label: str) -> str:
+    """"params" for ``/params/<name>``, the slot for ``/optim/<slot>/<name>``."""
+    parts = label.split("/")
+    return parts[2] if parts[1] == "optim" and len(parts) > 3 else "params"
 
 
 def _size(nbytes: int) -> str:

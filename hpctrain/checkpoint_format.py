@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import h5py
 import numpy as np
 
+from ._files import member, regular_file, shown, storage_problem
 from .config import INT64_MAX
 from .errors import CheckpointError
 
@@ -35,6 +36,7 @@ OPTIMIZERS = {  # optimizer name -> (slots it must have, slots it may have), tor
 LAYOUT_KEYS = ("world_size", "dp", "pp", "tp")
 ATTRS_DIGEST = "attrs_sha256"  # root attribute: sha256 of the other root attributes
 RNG_PREFIX = "rng_"
+MAX_STEP = 2**62  # step counters read from a file: far beyond any run, with room to count on in int64
 
 _NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
 _TEMP_RE = re.compile(r"^\.ckpt-\d{8,}\.h5\.(?P<host>.+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
@@ -124,23 +126,20 @@ def fsync_dir(directory: str) -> None:
 
 def open_read(path: str, what: str) -> h5py.File:
     """Open read-only (no HDF5 file lock: files are immutable once renamed into place, and Lustre/NFS often lack flock)."""
-    if not os.path.exists(path):
-        raise CheckpointError(f"{what} {path} does not exist")
-    if os.path.isdir(path):
-        raise CheckpointError(f"{what} {path} is a directory, not a file")
+    regular_file(path, f"{what} {path}", CheckpointError)  # never open a FIFO or a device: it would block
     try:
         with open(path, "rb"):  # h5py.is_hdf5 says False for an unreadable file; say why instead
             pass
         is_hdf5 = h5py.is_hdf5(path)
     except OSError as e:
-        raise CheckpointError(f"{what} {path} cannot be read ({e})") from None
+        raise CheckpointError(f"{what} {path} cannot be read ({shown(e)})") from None
     if not is_hdf5:
         raise CheckpointError(f"{what} {path} is not an HDF5 file")
     try:
         return h5py.File(path, "r", locking=False)
     except OSError as e:
         hint = " (the file is truncated)" if "truncated" in str(e) else " (damaged or truncated?)"
-        raise CheckpointError(f"{what} {path} cannot be opened as HDF5{hint}: {e}") from None
+        raise CheckpointError(f"{what} {path} cannot be opened as HDF5{hint}: {shown(e)}") from None
 
 
 # --------------------------------------------------------------------------- datasets and digests
@@ -235,6 +234,7 @@ def fit_problems(group, layout, *, strict_dtype: bool = True) -> list[str]:
     """What keeps ``group`` (``/params`` or an optimizer slot) from fitting ``layout``; [] when it fits.
 
     ``strict_dtype``: the datasets must be little-endian float32 (checkpoints), else any float (weights files).
+    Members that cannot be followed or hold no data are left to ``member_problems``.
     """
     have = set(group.keys())
     want = set(layout.names)
@@ -242,19 +242,43 @@ def fit_problems(group, layout, *, strict_dtype: bool = True) -> list[str]:
     if want - have:
         problems.append("missing " + ", ".join(_by_layout(want - have, layout)))
     if have - want:
-        problems.append("unexpected " + ", ".join(sorted(have - want)))
+        problems.append("unexpected " + ", ".join(sorted(shown(n) for n in have - want)))
     for spec in layout:
         if spec.name not in have:
             continue
-        obj = group[spec.name]
+        obj, _ = member(group, spec.name)
+        if obj is None:
+            continue
         if not isinstance(obj, h5py.Dataset):
             problems.append(f"{spec.name} is a group, not a dataset")
+        elif obj.shape is None:
+            continue
         elif tuple(obj.shape) != spec.shape:
             problems.append(f"{spec.name} has shape {tuple(obj.shape)}, the model needs {spec.shape}")
         elif strict_dtype and obj.dtype != np.dtype("<f4"):
             problems.append(f"{spec.name} has dtype {obj.dtype}, expected little-endian float32")
         elif obj.dtype.kind != "f":
             problems.append(f"{spec.name} has dtype {obj.dtype}, expected a float type")
+    return problems
+
+
+def member_problems(group, file_size: int, *, require_digest: bool) -> list[str]:
+    """``"<path> <problem>"`` for each member of ``group`` that cannot be read as data of this file.
+
+    A link must lead to an object in this file; a dataset must keep written data in this file
+    (no external or virtual storage, nothing larger than the file can hold) and, when
+    ``require_digest`` (a checkpoint), carry its ``sha256`` attribute.
+    """
+    problems = []
+    for name in group.keys():
+        where = f"{group.name}/{shown(name)}"
+        obj, problem = member(group, name)
+        if not problem and isinstance(obj, h5py.Dataset):
+            problem = storage_problem(obj, file_size)
+            if not problem and require_digest and DIGEST not in obj.attrs:
+                problem = f"has no {DIGEST} attribute: every dataset of a checkpoint carries its digest"
+        if problem:
+            problems.append(f"{where} {problem}")
     return problems
 
 
@@ -329,8 +353,8 @@ def int_attr(attrs, key: str, path: str, *, minimum: int = 0) -> int:
         raise CheckpointError(f"checkpoint {path} has no root attribute {key!r}")
     value = decode_attr(attrs[key])
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= INT64_MAX:
-        raise CheckpointError(f"checkpoint {path}: root attribute {key!r} = {attrs[key]!r}, expected an integer in "
-                              f"[{minimum}, 2**63 - 1]")
+        raise CheckpointError(f"checkpoint {path}: root attribute {key!r} = {shown(repr(attrs[key]))}, expected an "
+                              f"integer in [{minimum}, 2**63 - 1]")
     return value
 
 
@@ -339,5 +363,6 @@ def str_attr(attrs, key: str, path: str) -> str:
         raise CheckpointError(f"checkpoint {path} has no root attribute {key!r}")
     value = decode_attr(attrs[key])
     if not isinstance(value, str):
-        raise CheckpointError(f"checkpoint {path}: root attribute {key!r} = {attrs[key]!r}, expected a string")
+        raise CheckpointError(f"checkpoint {path}: root attribute {key!r} = {shown(repr(attrs[key]))}, expected a "
+                              "string")
     return value

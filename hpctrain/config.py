@@ -18,6 +18,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._files import MAX_CONFIG_BYTES, read_capped, shown
 from .errors import ConfigError
 
 __all__ = ["Config", "LayerSpec", "load_config", "parse_config", "config_to_toml"]
@@ -72,6 +73,7 @@ class DataConfig:
     val_fraction: float = 0.1
     shuffle: bool = True
     seed: int = 0
+    allow_external: bool = False  # follow HDF5 external storage, virtual datasets and external links (hpctrain/_files.py)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class TrainConfig:
     skip_nonfinite: bool = False
     max_skipped_steps: int = 10  # skip_nonfinite: this many non-finite steps in a row stop the run
     trace: str = ""
+    debug_collectives: bool = False  # fingerprint every collective across its ranks (parallel/watch.py)
+    collective_timeout: float = 0.0  # seconds in one MPI call (or silent) before the job is ended; 0 = off
 
 
 @dataclass(frozen=True)
@@ -310,6 +314,8 @@ def _check_ranges(cfg: Config) -> None:
     need(t.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 = only at the end), got {t.eval_every}")
     need(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 = off), got {t.grad_clip}")
     need(t.micro_batches >= 1, "train.micro_batches", f"must be >= 1, got {t.micro_batches}")
+    need(t.collective_timeout >= 0 and math.isfinite(t.collective_timeout), "train.collective_timeout",
+         f"must be a number of seconds >= 0 (0 = off), got {t.collective_timeout}")
     need(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
     need(o.lr >= 0, "optim.lr", f"must be >= 0, got {o.lr}")
     need(0 <= o.momentum < 1, "optim.momentum", f"must be in [0, 1), got {o.momentum}")
@@ -339,6 +345,9 @@ def _check_ranges(cfg: Config) -> None:
              "gradient stops the job")
         need(p.dp == "auto", "parallel.dp", 'mode = "async_ps": the workers are every rank but the servers; leave '
              'dp = "auto"')
+        for key in ("debug_collectives", "collective_timeout"):
+            need(not getattr(t, key), f"train.{key}", 'not supported with mode = "async_ps" yet (its servers and '
+                 "workers talk point to point, by their own protocol)")
 
 
 def _check_stages(p: "ParallelConfig", n: int, has_params, what: str) -> None:
@@ -422,16 +431,13 @@ def _parse_override(item: str):
 
 
 def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a TOML config file and apply ``section.key=value`` overrides."""
+    """Read a TOML config file and apply ``section.key=value`` overrides.
+
+    Only a regular file of at most 16 MiB is read (a FIFO would block, /dev/zero never end).
+    """
+    text = read_capped(path, f"config file {path!r}", ConfigError, MAX_CONFIG_BYTES)
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path!r} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path!r} is a directory") from None
-    except OSError as e:  # NotADirectoryError (a file used as a folder), PermissionError, I/O errors
-        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror or e}") from None
+        data = tomllib.loads(text.decode("utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: malformed TOML: {e}") from None
     except RecursionError:  # tomllib parses nested arrays and tables recursively
@@ -444,7 +450,10 @@ def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
         if not isinstance(table, dict):
             raise ConfigError(f"[{section}] must be a table")
         table[key] = value
-    return parse_config(data, base_dir=os.path.dirname(os.path.abspath(path)), source=path)
+    try:
+        return parse_config(data, base_dir=os.path.dirname(os.path.abspath(path)), source=path)
+    except ConfigError as e:  # a quoted TOML key may hold a newline: the message stays one line
+        raise ConfigError(shown(str(e))) from None
 
 
 def _toml_value(v) -> str:

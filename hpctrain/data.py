@@ -24,29 +24,32 @@ import os
 import h5py
 import numpy as np
 
+from ._files import H5_ERRORS, member, regular_file, shown, storage_problem
 from .errors import DataError
 
 __all__ = ["Dataset", "TokenDataset", "Sampler", "open_dataset"]
 
 SCAN_ROWS = 1 << 16
+SCAN_BYTES = 64 << 20  # the start-up scan holds at most about this much of the file at once
 
 
 def _open_h5(path) -> h5py.File:
     """The data file, read-only and unlocked (like checkpoint reads: the same file may hold checkpoint.init's
-    /params, and another reader's lock on a shared file system must not block a training job)."""
-    if not os.path.exists(path):
-        raise DataError(f"data file {path} does not exist")
+    /params, and another reader's lock on a shared file system must not block a training job).
+
+    Only a regular file is opened: a FIFO or a device would block or never end."""
+    regular_file(path, f"data file {path}", DataError)
     try:
         return h5py.File(path, "r", locking=False)
     except OSError as e:
-        raise DataError(f"data file {path} is not a readable HDF5 file ({e})") from None
+        raise DataError(f"data file {path} is not a readable HDF5 file ({shown(e)})") from None
 
 
 class Dataset:
     """One HDF5 file opened read-only; rows are read on demand."""
 
-    def __init__(self, path, inputs, targets, *, val_fraction, loss, in_features, out_features):
-        self.path = path
+    def __init__(self, path, inputs, targets, *, val_fraction, loss, in_features, out_features, allow_external=False):
+        self.path, self.allow_external = path, allow_external
         self.file = _open_h5(path)
         try:
             self._check(inputs, targets, val_fraction, loss, in_features, out_features)
@@ -74,7 +77,7 @@ class Dataset:
         self.n_train = n - self.n_val
 
     def _dataset(self, name, key, expected):
-        return _get_dataset(self.file, self.path, name, key, expected)
+        return _get_dataset(self.file, self.path, name, key, expected, self.allow_external)
 
     def close(self):
         self.file.close()
@@ -100,8 +103,8 @@ class Dataset:
         for dset, label in zip((self.x, self.y), self._labels):
             try:
                 out.append(dset[rows])
-            except OSError as e:  # a corrupt gzip/fletcher32 chunk, a missing external file, a missing filter
-                raise DataError(f"{self.path}: cannot read {_rows_text(dset, rows)} of {label}: {e}") from None
+            except H5_ERRORS as e:  # a corrupt gzip/fletcher32 chunk, a missing external file, a missing filter
+                raise DataError(f"{self.path}: cannot read {_rows_text(dset, rows)} of {label}: {shown(e)}") from None
         return out
 
     def _convert(self, x, y):
@@ -118,8 +121,10 @@ class Dataset:
 
         An unreadable row raises DataError instead.
         """
-        for lo in range(start, stop, SCAN_ROWS):
-            hi = min(stop, lo + SCAN_ROWS)
+        row_bytes = self.features * max(self.x.dtype.itemsize, 4) + self.out_features * 8
+        step = max(1, min(SCAN_ROWS, SCAN_BYTES // row_bytes))
+        for lo in range(start, stop, step):
+            hi = min(stop, lo + step)
             x_raw, y_raw = self._fetch(slice(lo, hi))
             x, y = self._convert(x_raw, y_raw)
             bad = ~np.isfinite(x).all(axis=1)
@@ -154,20 +159,32 @@ def validation_count(n: int, val_fraction: float) -> int:
     return int(Decimal(repr(val_fraction)) * n)
 
 
-def _get_dataset(file, path, name, key, expected):
-    """The dataset ``name`` of an open file; DataError naming ``key`` unless it holds rows."""
+def _get_dataset(file, path, name, key, expected, allow_external):
+    """The dataset ``name`` of an open file; DataError naming ``key`` unless it holds rows of this file.
+
+    External storage, virtual datasets and external links are refused unless ``allow_external``
+    (``data.allow_external``); so are storage never written and sizes the file cannot hold.
+    """
     try:
-        obj = file.get(name)
-        shape = obj.shape if isinstance(obj, h5py.Dataset) else None
-    except (OSError, KeyError) as e:  # damaged metadata
-        raise DataError(f"{path}: dataset {name!r} ({key}) cannot be opened: {e}") from None
-    if obj is None:
-        raise DataError(f"{path}: no dataset {name!r} ({key}); it has: {', '.join(file.keys()) or 'nothing'}")
-    if not isinstance(obj, h5py.Dataset):
-        raise DataError(f"{path}: {name!r} ({key}) is a group, not a dataset")
+        obj, problem = member(file, name, allow_external=allow_external)
+        if obj is None and not problem:
+            names = [shown(n) for n in file.keys()]
+            raise DataError(f"{path}: no dataset {name!r} ({key}); it has: {', '.join(names) or 'nothing'}")
+        if problem:
+            hint = "; set data.allow_external = true to follow it" if "external link" in problem else ""
+            raise DataError(f"{path}: dataset {name!r} ({key}) {problem}{hint}")
+        if not isinstance(obj, h5py.Dataset):
+            raise DataError(f"{path}: {name!r} ({key}) is a group, not a dataset")
+        shape = obj.shape
+        problem = storage_problem(obj, os.path.getsize(path), allow_external=allow_external)
+    except H5_ERRORS as e:  # damaged metadata, a type h5py cannot represent
+        raise DataError(f"{path}: dataset {name!r} ({key}) cannot be opened: {shown(e)}") from None
     if shape is None:
         raise DataError(f"{path}: dataset {name!r} ({key}) holds no data (an empty dataspace); "
                         f"expected shape {expected}")
+    if problem:
+        hint = "; set data.allow_external = true to read it" if "which hpctrain refuses" in problem else ""
+        raise DataError(f"{path}: dataset {name!r} ({key}) {problem}{hint}")
     if len(shape) == 0:
         raise DataError(f"{path}: dataset {name!r} ({key}) is a scalar; expected one row per sample, "
                         f"shape {expected}")
@@ -179,8 +196,8 @@ def _get_dataset(file, path, name, key, expected):
 class TokenDataset:
     """Windows of a 1-D token dataset, read on demand: ``read(rows)`` -> ids (n, T) and targets (n·T,)."""
 
-    def __init__(self, path, tokens, *, block_size, val_fraction, vocab_size):
-        self.path, self.T, self.vocab_size = path, block_size, vocab_size
+    def __init__(self, path, tokens, *, block_size, val_fraction, vocab_size, allow_external=False):
+        self.path, self.T, self.vocab_size, self.allow_external = path, block_size, vocab_size, allow_external
         self.file = _open_h5(path)
         try:
             self._check(tokens, val_fraction)
@@ -190,7 +207,7 @@ class TokenDataset:
 
     def _check(self, name, val_fraction):
         path, T = self.path, self.T
-        self.tokens = _get_dataset(self.file, path, name, "data.tokens", "(N,) token ids")
+        self.tokens = _get_dataset(self.file, path, name, "data.tokens", "(N,) token ids", self.allow_external)
         if len(self.tokens.shape) != 1 or not np.issubdtype(self.tokens.dtype, np.integer):
             raise DataError(f"{path}: dataset {name!r} (data.tokens) must be 1-D integer token ids, got shape "
                             f"{self.tokens.shape} and dtype {self.tokens.dtype}")
@@ -200,7 +217,7 @@ class TokenDataset:
                             f"model.block_size + 1 = {T + 1}")
         from .text import read_vocabulary
 
-        tok = read_vocabulary(path, name)
+        tok = read_vocabulary(path, name, allow_external=self.allow_external)
         self.vocabulary = tok.vocabulary if tok is not None else ""  # kept in checkpoints, for `hpctrain sample`
         if len(self.vocabulary) > self.vocab_size:
             raise DataError(f"{path}: the vocabulary of {name!r} has {len(self.vocabulary)} characters but "
@@ -216,8 +233,8 @@ class TokenDataset:
     def _fetch(self, lo: int, hi: int) -> np.ndarray:
         try:
             return self.tokens[lo:hi]
-        except OSError as e:
-            raise DataError(f"{self.path}: cannot read tokens {lo} to {hi - 1} of {self._label}: {e}") from None
+        except H5_ERRORS as e:
+            raise DataError(f"{self.path}: cannot read tokens {lo} to {hi - 1} of {self._label}: {shown(e)}") from None
 
     def read(self, rows: np.ndarray):
         """Token ids (n, T) int64 and targets (n·T,) int64 of the windows ``rows``, in that order."""
@@ -260,7 +277,7 @@ def _rows_text(dset, rows) -> str:
             a, b = max(a, lo), min(hi, a + step)
             try:
                 dset[a:b]
-            except OSError:
+            except H5_ERRORS:
                 return f"rows {a} to {b - 1}"
         return f"rows {lo} to {hi - 1}"
     shown = ", ".join(str(int(r)) for r in rows[:4])
@@ -304,6 +321,6 @@ def open_dataset(cfg, loss, model) -> Dataset | TokenDataset:
     d = cfg.data
     if cfg.model.kind == "gpt":
         return TokenDataset(d.path, d.tokens, block_size=model.block_size, val_fraction=d.val_fraction,
-                            vocab_size=model.vocab_size)
+                            vocab_size=model.vocab_size, allow_external=d.allow_external)
     return Dataset(d.path, d.inputs, d.targets, val_fraction=d.val_fraction, loss=loss,
-                   in_features=model.in_features, out_features=model.out_features)
+                   in_features=model.in_features, out_features=model.out_features, allow_external=d.allow_external)

@@ -20,6 +20,7 @@ import os
 import h5py
 import numpy as np
 
+from ._files import H5_ERRORS, member, regular_file, shown
 from .errors import ConfigError, DataError
 
 __all__ = ["CharTokenizer", "corpus_text", "write_tokens", "text_to_h5", "write_corpus", "read_vocabulary"]
@@ -96,16 +97,22 @@ def write_corpus(name: str, path: str) -> CharTokenizer:
     return text_to_h5(corpus_text(name), path)
 
 
-def read_vocabulary(path: str, dataset: str = TOKENS) -> CharTokenizer | None:
-    """The tokenizer stored with a token dataset, None when it has no ``vocabulary`` attribute."""
+def read_vocabulary(path: str, dataset: str = TOKENS, *, allow_external: bool = False) -> CharTokenizer | None:
+    """The tokenizer stored with a token dataset, None when it has no ``vocabulary`` attribute.
+
+    ``allow_external``: follow an external link to the dataset (``data.allow_external``).
+    """
+    regular_file(path, f"token file {path}", DataError)  # never open a FIFO or a device
     try:
         with h5py.File(path, "r", locking=False) as f:
-            obj = f.get(dataset)
+            obj, problem = member(f, dataset, allow_external=allow_external)
+            if problem:
+                raise DataError(f"{path}: dataset {dataset!r} {problem}")
             if not isinstance(obj, h5py.Dataset) or "vocabulary" not in obj.attrs:
                 return None
             points = np.asarray(obj.attrs["vocabulary"])
-    except OSError as e:
-        raise DataError(f"{path}: cannot read the vocabulary: {e}") from None
+    except H5_ERRORS as e:
+        raise DataError(f"{path}: cannot read the vocabulary: {shown(e)}") from None
     if points.ndim != 1 or not np.issubdtype(points.dtype, np.integer) or \
             (points.size and (points.min() < 0 or points.max() > 0x10FFFF)):
         raise DataError(f"{path}: dataset {dataset!r} has a vocabulary attribute that is not a list of code points")

@@ -121,7 +121,7 @@ def test_missing_external_storage_is_a_data_error(tmp_path):
     with h5py.File(path, "w") as f:
         f["x"] = np.zeros((8, 4), np.float32)
         f.create_dataset("y", shape=(8,), dtype=np.int64, external=[(str(tmp_path / "y.bin"), 0, 8 * 8)])
-    d = Dataset(str(path), "x", "y", **KW)
+    d = Dataset(str(path), "x", "y", **KW, allow_external=True)  # refused without (tests/test_file_checks.py)
     with pytest.raises(DataError, match=r"cannot read rows 0 to 7 of dataset 'y' \(data.targets\).*external"):
         d.scan(0, 8)
     d.close()

@@ -50,23 +50,36 @@ def _finite(value):
     return value
 
 
+MAX_METRICS_BYTES = 1 << 30  # a metrics file to resume is read line by line, and only up to this size
+
+
 def truncate_after(path, step):
-    """Drop the metrics lines of steps after ``step`` (left by a run that went on past the checkpoint)."""
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:  # lines that are not ours stay as they are
-        lines = f.readlines()
-    kept = []
-    for line in lines:
-        try:
-            record_step = json.loads(line).get("step", 0)
-        except (ValueError, AttributeError):
-            record_step = 0  # not a metrics record: keep it as it is
-        if not isinstance(record_step, int) or record_step <= step:
-            kept.append(line if line.endswith("\n") else line + "\n")
-    if len(kept) != len(lines):
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
+    """Drop the metrics lines of steps after ``step`` (left by a run that went on past the checkpoint).
+
+    Only a regular file of at most MAX_METRICS_BYTES is read (a FIFO would block), one line at a time.
+    """
+    from .._files import regular_file
+    from ..errors import ConfigError
+
+    size = regular_file(path, f"train.metrics: {path}", ConfigError).st_size
+    if size > MAX_METRICS_BYTES:
+        raise ConfigError(f"train.metrics: {path} is larger than {MAX_METRICS_BYTES >> 30} GiB; move it away to resume")
+
+    def kept_lines():
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:  # lines that are not ours stay as they are
+            for line in f:
+                try:
+                    record_step = json.loads(line).get("step", 0)
+                except (ValueError, AttributeError, RecursionError):
+                    record_step = 0  # not a metrics record: keep it as it is
+                yield line, not isinstance(record_step, int) or record_step <= step
+
+    if all(keep for _, keep in kept_lines()):
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
+        f.writelines(line if line.endswith("\n") else line + "\n" for line, keep in kept_lines() if keep)
+    os.replace(tmp, path)
 
 
 class Window:

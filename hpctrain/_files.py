@@ -1,0 +1,123 @@
+"""Checks on the files a user hands hpctrain: what may be opened, how much is read, what an HDF5 file may reference.
+
+A path is stat'ed before it is opened, and only a regular file is opened (a FIFO or a device
+would block or never end); text is read with a cap. An HDF5 dataset must keep its data in its
+own file, written: external raw storage, virtual datasets and external links would make a job
+read other local files, and storage never written reads as fill values. docs/reliability.md
+("Hostile files and paths") lists the rules and the caps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+
+import h5py
+
+MAX_CONFIG_BYTES = 16 << 20  # a config file larger than this is not a config
+DECLARED_CAP = 1 << 30  # a dataset may always declare this many bytes ...
+DECLARED_RATIO = 1024  # ... or this many times its file's size (deflate compresses at most ~1032:1)
+H5_ERRORS = (OSError, KeyError, RuntimeError, ValueError, TypeError)  # what h5py raises on odd or damaged content
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def shown(text) -> str:
+    """``text`` (a str or a name HDF5 returned as bytes) on one line: control and undecodable characters escaped."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "backslashreplace")
+    text = str(text)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def regular_file(path: str, label: str, error) -> os.stat_result:
+    """``os.stat(path)`` when it is a regular file, else ``error`` saying what it is; never opens it.
+
+    ``label`` starts each message ("config file 'c.toml'", "data file d.h5").
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{label} does not exist") from None
+    except OSError as e:
+        raise error(f"{label} cannot be read: {shown(e.strerror or e)}") from None
+    _check_mode(st, label, error)
+    return st
+
+
+def _check_mode(st: os.stat_result, label: str, error) -> None:
+    if stat.S_ISDIR(st.st_mode):
+        raise error(f"{label} is a directory, not a file")
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+        raise error(f"{label} is {kind}, not a regular file; hpctrain reads only regular files")
+
+
+def read_capped(path: str, label: str, error, cap: int) -> bytes:
+    """The bytes of the regular file ``path``, at most ``cap`` of them (more is ``error``)."""
+    regular_file(path, label, error)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise error(f"{label} cannot be read: {shown(e.strerror or e)}") from None
+    with os.fdopen(fd, "rb") as f:
+        _check_mode(os.fstat(fd), label, error)  # replaced since the stat
+        try:
+            data = f.read(cap + 1)
+        except OSError as e:
+            raise error(f"{label} cannot be read: {shown(e.strerror or e)}") from None
+    if len(data) > cap:
+        raise error(f"{label} is larger than {cap >> 20} MiB, more than hpctrain reads from it")
+    return data
+
+
+def member(group, name, *, allow_external: bool = False):
+    """``(object, "")`` for the link ``name`` in ``group``; ``(None, "")`` when there is no such link;
+    ``(None, problem)`` when it cannot be followed: a dangling or looping soft link, an external link
+    (another file; followed only with ``allow_external``), a name that is not UTF-8, damaged metadata."""
+    if isinstance(name, bytes):
+        return None, "has a name that is not UTF-8"
+    try:
+        link = group.get(name, getlink=True)
+    except H5_ERRORS as e:
+        return None, f"cannot be opened ({shown(e)})"
+    if link is None:
+        return None, ""
+    if isinstance(link, h5py.ExternalLink) and not allow_external:
+        return None, (f"is an external link to {shown(link.path)} in {shown(link.filename)}: "
+                      "a file may not reference other files")
+    try:
+        return group[name], ""
+    except H5_ERRORS as e:
+        if isinstance(link, h5py.SoftLink):
+            return None, f"is a soft link to {shown(link.path)} that leads nowhere (dangling, or a loop of links)"
+        return None, f"cannot be opened, the file is damaged ({shown(e)})"
+
+
+def storage_problem(ds: h5py.Dataset, file_size: int, *, allow_external: bool = False) -> str:
+    """'' when ``ds`` keeps written data in its own file, of a size the file can hold; else the problem.
+
+    Refused: an empty dataspace, virtual datasets and external raw storage (unless ``allow_external``;
+    then the other checks are skipped), storage never allocated (HDF5 would return fill values), and a
+    declared size above both DECLARED_CAP and DECLARED_RATIO times ``file_size``.
+    """
+    shape = ds.shape
+    if shape is None:
+        return "holds no data (an empty dataspace)"
+    if ds.is_virtual:
+        return "" if allow_external else "is a virtual dataset (it maps data from other files), which hpctrain refuses"
+    plist = ds.id.get_create_plist()
+    if plist.get_external_count():
+        if allow_external:
+            return ""
+        name = shown(plist.get_external(0)[0])
+        return f"keeps its data in another file ({name}: HDF5 external storage), which hpctrain refuses"
+    declared = math.prod(shape) * ds.dtype.itemsize
+    if declared and ds.id.get_storage_size() == 0:
+        return f"is declared (shape {shape}) but never written: HDF5 would return fill values"
+    if declared > max(DECLARED_CAP, DECLARED_RATIO * file_size):
+        return (f"declares shape {shape} of {ds.dtype} ({declared:,} bytes), more than {DECLARED_RATIO} times "
+                f"the file's {file_size:,} bytes can hold; the file is damaged or forged")
+    return ""

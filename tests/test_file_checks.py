@@ -1,0 +1,382 @@
+"""Hostile files and paths, one regression test per hole (docs/reliability.md, "Hostile files and paths").
+
+Each input must give one HpctrainError line, never a traceback, a hang, an unbounded read or a
+read outside the given file.
+"""
+
+import os
+import threading
+
+import h5py
+import numpy as np
+import pytest
+from helpers import make_classification
+from test_checkpoint import SHAPES, make_state
+
+from hpctrain import checkpoint_format as fmt
+from hpctrain import data as data_module
+from hpctrain.checkpoint import inspect, load_checkpoint, load_weights, read_meta, save_checkpoint
+from hpctrain.config import load_config, parse_config
+from hpctrain.data import Dataset, TokenDataset
+from hpctrain.errors import CheckpointError, ConfigError, DataError, HpctrainError
+from hpctrain.nn import CrossEntropyLoss
+from hpctrain.params import ParamLayout
+from hpctrain.text import read_vocabulary
+from hpctrain.train.metrics import truncate_after
+
+KW = {"val_fraction": 0.1, "loss": CrossEntropyLoss(), "in_features": 4, "out_features": 3}
+LAYOUT = ParamLayout(SHAPES)
+
+
+def one_line(excinfo):
+    text = str(excinfo.value)
+    assert "\n" not in text, text
+    return text
+
+
+def checkpoint(tmp_path, step=3, **edits):
+    return save_checkpoint(str(tmp_path / "ck"), make_state(step, **edits), keep=5)
+
+
+def redigest(f):
+    fmt.set_attr(f.attrs, fmt.ATTRS_DIGEST, fmt.attrs_digest(f.attrs))
+
+
+def weights_file(path, make=None):
+    """A weights-only file for SHAPES; ``make(group, name, shape)`` makes 0.bias instead of real data."""
+    with h5py.File(path, "w") as f:
+        g = f.create_group("params")
+        for name, shape in SHAPES:
+            if name == "0.bias" and make is not None:
+                make(g, name, shape)
+            else:
+                g[name] = np.ones(shape, np.float32)
+    return str(path)
+
+
+# --------------------------------------------------------------------------- A: digests and storage
+
+
+def test_a_checkpoint_dataset_without_its_digest_is_refused_even_when_altered(tmp_path):
+    path = checkpoint(tmp_path)
+    with h5py.File(path, "r+") as f:
+        del f["params/0.bias"].attrs["sha256"]
+        f["params/0.bias"][0] = 42.0
+    for load in (lambda: load_checkpoint(path, LAYOUT), lambda: load_weights(path, LAYOUT)):
+        with pytest.raises(CheckpointError, match=r"/params/0.bias has no sha256 attribute") as e:
+            load()
+        one_line(e)
+    text, ok = inspect(path)
+    assert not ok and "/params/0.bias has no sha256 attribute" in text
+
+
+def test_a_external_storage_in_a_checkpoint_is_never_read(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(np.arange(8, dtype="<f4").tobytes())
+    path = checkpoint(tmp_path)
+    with h5py.File(path, "r+") as f:
+        del f["params/0.bias"]
+        d = f.create_dataset("params/0.bias", shape=(8,), dtype="<f4", external=[(str(secret), 0, 32)])
+        fmt.set_attr(d.attrs, "sha256", fmt.sha256_hex(np.arange(8, dtype="<f4")))  # a forged, matching digest
+    for load in (lambda: load_checkpoint(path, LAYOUT), lambda: load_weights(path, LAYOUT)):
+        with pytest.raises(CheckpointError, match=r"/params/0.bias keeps its data in another file .*secret") as e:
+            load()
+        one_line(e)
+    text, ok = inspect(path)
+    assert not ok and "keeps its data in another file" in text
+
+
+def _virtual(group, name, shape, source):
+    layout = h5py.VirtualLayout(shape=shape, dtype="<f4")
+    layout[...] = h5py.VirtualSource(source, "x", shape=shape)
+    group.create_virtual_dataset(name, layout)
+
+
+def test_a_virtual_datasets_are_refused_in_weights_files(tmp_path):
+    src = tmp_path / "src.h5"
+    with h5py.File(src, "w") as f:
+        f["x"] = np.ones(8, np.float32)
+    path = weights_file(tmp_path / "w.h5", lambda g, n, s: _virtual(g, n, s, str(src)))
+    with pytest.raises(CheckpointError, match=r"/params/0.bias is a virtual dataset") as e:
+        load_weights(path, LAYOUT)
+    one_line(e)
+    assert "is a virtual dataset" in inspect(path)[0]
+
+
+def test_a_unallocated_storage_is_refused(tmp_path):
+    path = weights_file(tmp_path / "w.h5", lambda g, n, s: g.create_dataset(n, shape=s, dtype="<f4", fillvalue=7))
+    with pytest.raises(CheckpointError, match=r"/params/0.bias is declared \(shape \(8,\)\) but never written") as e:
+        load_weights(path, LAYOUT)
+    one_line(e)
+    data = tmp_path / "d.h5"
+    with h5py.File(data, "w") as f:
+        f["x"] = np.zeros((8, 4), np.float32)
+        f.create_dataset("y", shape=(8,), dtype=np.int64, chunks=(4,), compression="gzip")
+    with pytest.raises(DataError, match=r"dataset 'y' \(data.targets\) is declared \(shape \(8,\)\) but never written"):
+        Dataset(str(data), "x", "y", **KW)
+
+
+def test_a_data_files_refuse_external_and_virtual_storage_unless_allowed(tmp_path):
+    raw = tmp_path / "x.bin"
+    x = np.arange(32, dtype="<f4").reshape(8, 4)
+    raw.write_bytes(x.tobytes())
+    ext, virt, linked = tmp_path / "e.h5", tmp_path / "v.h5", tmp_path / "l.h5"
+    with h5py.File(ext, "w") as f:
+        f.create_dataset("x", shape=(8, 4), dtype="<f4", external=[(str(raw), 0, x.nbytes)])
+        f["y"] = np.zeros(8, np.int64)
+    with h5py.File(virt, "w") as f:
+        layout = h5py.VirtualLayout(shape=(8, 4), dtype="<f4")
+        layout[...] = h5py.VirtualSource(str(ext), "x", shape=(8, 4))
+        f.create_virtual_dataset("x", layout)
+        f["y"] = np.zeros(8, np.int64)
+    with h5py.File(linked, "w") as f:
+        f["x"] = h5py.ExternalLink(str(ext), "/x")
+        f["y"] = np.zeros(8, np.int64)
+    for path, what in ((ext, "keeps its data in another file"), (virt, "is a virtual dataset"),
+                       (linked, "is an external link to /x in")):
+        with pytest.raises(DataError, match=rf"dataset 'x' \(data.inputs\) {what}.*data.allow_external = true") as e:
+            Dataset(str(path), "x", "y", **KW)
+        one_line(e)
+        d = Dataset(str(path), "x", "y", **KW, allow_external=True)
+        np.testing.assert_array_equal(d.read(np.arange(8))[0], x)
+        d.close()
+
+
+def test_a_allow_external_is_a_checked_config_key():
+    base = {"model": {"layers": [{"type": "linear", "in": 4, "out": 3}]},
+            "data": {"path": "d.h5", "inputs": "x", "targets": "y"}}
+    assert parse_config(base).data.allow_external is False
+    base["data"]["allow_external"] = True
+    assert parse_config(base).data.allow_external is True
+    base["data"]["allow_external"] = "yes"
+    with pytest.raises(ConfigError, match="data.allow_external: expected bool, got string 'yes'"):
+        parse_config(base)
+
+
+# --------------------------------------------------------------------------- B: declared sizes, rows
+
+
+@pytest.mark.parametrize("rows", [10**9, 10**12])
+def test_b_a_huge_declared_dataset_is_refused_at_once(tmp_path, rows):
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        x = f.create_dataset("x", shape=(rows, 4), dtype="<f4", chunks=(1024, 4), compression="gzip")
+        x[:1024] = 1.0
+        y = f.create_dataset("y", shape=(rows,), dtype="<i8", chunks=(1024,), compression="gzip")
+        y[:1024] = 0
+        t = f.create_dataset("tokens", shape=(rows * 4,), dtype="<u2", chunks=(4096,), compression="gzip")
+        t[:4096] = 1
+    assert os.path.getsize(path) < 1 << 20
+    with pytest.raises(DataError, match=rf"dataset 'x' \(data.inputs\) declares shape \({rows}, 4\) of float32") as e:
+        Dataset(str(path), "x", "y", **KW)
+    one_line(e)
+    with pytest.raises(DataError, match=r"dataset 'tokens' \(data.tokens\) declares shape"):
+        TokenDataset(str(path), "tokens", block_size=8, val_fraction=0.1, vocab_size=4)
+
+
+def test_b_scan_problems_name_the_row_in_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_module, "SCAN_BYTES", 64)  # a few rows per read: the rows lie in later reads
+    path = tmp_path / "d.h5"
+    make_classification(path, n=40, features=4, nan_row=29)
+    with h5py.File(path, "r+") as f:
+        f["y"][33] = 7
+    d = Dataset(str(path), "x", "y", **KW)
+    assert "inputs contain NaN or Inf (first in row 29)" in d.scan(20, 40)  # a rank whose share starts at 20
+    assert "target 7 in row 33 is not a class index in [0, 3)" in d.scan(30, 40)
+    d.close()
+
+
+# --------------------------------------------------------------------------- C: paths
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    path = tmp_path / "pipe"
+    os.mkfifo(path)
+    yield str(path)
+    try:  # a reader left blocked by a failing test is released
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+def within(seconds, fn):
+    """``fn()``'s exception (or None); fails the test when it has not returned within ``seconds``."""
+    out = {}
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "blocked"
+    return out.get("error")
+
+
+def test_c_a_fifo_is_never_opened(tmp_path, fifo):
+    calls = [
+        (lambda: load_config(fifo), ConfigError),
+        (lambda: Dataset(fifo, "x", "y", **KW), DataError),
+        (lambda: TokenDataset(fifo, "t", block_size=4, val_fraction=0.1, vocab_size=4), DataError),
+        (lambda: load_weights(fifo, LAYOUT), CheckpointError),
+        (lambda: load_checkpoint(fifo, LAYOUT), CheckpointError),
+        (lambda: read_meta(fifo), CheckpointError),
+        (lambda: read_vocabulary(fifo), DataError),
+        (lambda: truncate_after(fifo, 3), ConfigError),
+    ]
+    for call, kind in calls:
+        error = within(10, call)
+        assert isinstance(error, kind), error
+        assert "is a FIFO (named pipe), not a regular file" in str(error) and "\n" not in str(error)
+    text, ok = within(10, lambda: None) or inspect(fifo)
+    assert not ok and "is a FIFO (named pipe)" in text
+
+
+def test_c_config_reads_are_capped(tmp_path):
+    with pytest.raises(ConfigError, match="is a character device, not a regular file"):
+        load_config("/dev/zero")
+    big = tmp_path / "big.toml"
+    with open(big, "wb") as f:
+        f.truncate(17 << 20)  # sparse: nothing written
+    with pytest.raises(ConfigError, match="is larger than 16 MiB"):
+        load_config(str(big))
+
+
+def test_c_a_folder_as_data_path_is_one_line(tmp_path):
+    with pytest.raises(DataError, match=r"data file .* is a directory, not a file$") as e:
+        Dataset(str(tmp_path), "x", "y", **KW)
+    one_line(e)
+
+
+def test_c_metrics_lines_that_are_not_json_records_survive_resume(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n' + "[" * 100000 + "\n" + '{"step": 5}\n')
+    truncate_after(str(path), 3)
+    assert path.read_text() == '{"step": 1}\n' + "[" * 100000 + "\n"
+
+
+# --------------------------------------------------------------------------- D: odd content
+
+
+def test_d_odd_names_links_and_dataspaces_are_one_line(tmp_path):
+    makers = {
+        "non-UTF-8 name": (lambda g, n, s: (g.create_dataset(n, data=np.ones(s, np.float32)),
+                                            g.create_dataset(b"\xff\xfe", data=np.ones(1, np.float32))),
+                           r"/params/\\xff\\xfe has a name that is not UTF-8"),
+        "empty dataspace": (lambda g, n, s: g.create_dataset(n, data=h5py.Empty("<f4")),
+                            r"/params/0.bias holds no data \(an empty dataspace\)"),
+        "dangling": (lambda g, n, s: g.__setitem__(n, h5py.SoftLink("/nowhere")),
+                     r"/params/0.bias is a soft link to /nowhere that leads nowhere"),
+        "cycle": (lambda g, n, s: g.__setitem__(n, h5py.SoftLink("/params/0.bias")),
+                  r"/params/0.bias is a soft link to /params/0.bias that leads nowhere"),
+    }
+    for label, (make, message) in makers.items():
+        path = weights_file(tmp_path / f"{label}.h5", make)
+        with pytest.raises(CheckpointError, match=message) as e:
+            load_weights(path, LAYOUT)
+        one_line(e)
+        text, ok = inspect(path)
+        assert not ok and message.replace("\\", "").replace("(", "").replace(")", "")[:20] in \
+            text.replace("\\", "").replace("(", "").replace(")", ""), (label, text)
+
+
+def test_d_a_broken_link_in_a_data_file_is_not_a_missing_dataset(tmp_path):
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        f["inputs"] = h5py.SoftLink("/gone")
+        f["loop"] = h5py.SoftLink("/loop")
+        f["y"] = np.zeros(8, np.int64)
+        f.create_dataset(b"\xff", data=np.zeros(2))
+    with pytest.raises(DataError, match=r"dataset 'inputs' \(data.inputs\) is a soft link to /gone that leads nowhere"):
+        Dataset(str(path), "inputs", "y", **KW)
+    with pytest.raises(DataError, match=r"dataset 'loop' \(data.inputs\) is a soft link to /loop"):
+        Dataset(str(path), "loop", "y", **KW)
+    with pytest.raises(DataError, match=r"no dataset 'z' \(data.inputs\); it has: inputs, loop, y, \\xff") as e:
+        Dataset(str(path), "z", "y", **KW)
+    one_line(e)
+
+
+def test_d_non_utf8_root_attribute_names_are_refused(tmp_path):
+    path = checkpoint(tmp_path)
+    with h5py.File(path, "r+") as f:
+        f.attrs.create(b"\xff", 1)
+    with pytest.raises(CheckpointError, match=r"root attribute name\(s\) \\xff are not UTF-8") as e:
+        load_checkpoint(path, LAYOUT)
+    one_line(e)
+    assert not inspect(path)[1]
+
+
+def test_d_a_damaged_root_group_is_one_line(tmp_path):
+    path = checkpoint(tmp_path)
+    with h5py.File(path, "r") as f:
+        root = h5py.h5o.get_info(f.id).addr
+    with open(path, "r+b") as fh:  # the root group's object header, checksummed by HDF5
+        fh.seek(root + 8)
+        byte = fh.read(1)
+        fh.seek(root + 8)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path, LAYOUT)
+    one_line(e)
+    assert not inspect(path)[1]
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("optimizer_step", 2**63 - 1, r"'optimizer_step' = 9223372036854775807 is beyond any run"),
+    ("step", 2**62 + 1, r"'step' = 4611686018427387905 is beyond any run"),
+    ("epoch", 4, r"'epoch' = 4 is larger than step = 3"),
+])
+def test_d_step_counters_a_run_cannot_continue_from_are_refused(tmp_path, key, value, message):
+    path = checkpoint(tmp_path)
+    with h5py.File(path, "r+") as f:
+        fmt.set_attr(f.attrs, key, value)
+        redigest(f)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(path, LAYOUT)
+    assert not inspect(path)[1]
+
+
+def _rewrite(path, dataset, arr):
+    with h5py.File(path, "r+") as f:
+        del f[dataset]
+        d = f.create_dataset(dataset, data=arr)
+        fmt.set_attr(d.attrs, "sha256", fmt.sha256_hex(np.ascontiguousarray(arr)))
+
+
+@pytest.mark.parametrize("dataset,arr,message", [
+    ("optim/exp_avg_sq/0.bias", -np.ones(8, np.float32), r"/optim/exp_avg_sq/0.bias: 8 negative value\(s\)"),
+    ("optim/exp_avg/0.bias", np.full(8, np.nan, np.float32), r"/optim/exp_avg/0.bias: 8 non-finite value\(s\)"),
+    ("params/0.bias", np.ones(8, np.int32), r"0.bias has dtype int32, expected little-endian float32"),
+])
+def test_d_bad_optimizer_state_and_integer_parameters_are_refused_and_inspected(tmp_path, dataset, arr, message):
+    path = checkpoint(tmp_path)
+    _rewrite(path, dataset, arr)
+    with pytest.raises(CheckpointError, match=message) as e:
+        load_checkpoint(path, LAYOUT)
+    one_line(e)
+    text, ok = inspect(path)
+    assert not ok and message.replace("\\", "").split(": ")[-1][:20] in text.replace("\\", ""), text
+
+
+def test_d_save_refuses_optimizer_state_the_loaders_refuse(tmp_path):
+    state = make_state(3)
+    state.slots["exp_avg_sq"]["0.bias"][0] = -1.0
+    with pytest.raises(CheckpointError, match=r"optimizer slot exp_avg_sq of 0.bias has 1 negative value"):
+        save_checkpoint(str(tmp_path), state, keep=1)
+    assert os.listdir(tmp_path) == []
+
+
+def test_every_error_here_is_an_hpctrain_error():
+    assert issubclass(CheckpointError, HpctrainError) and issubclass(DataError, HpctrainError)
+
+
+def test_c_a_config_key_holding_a_newline_is_named_on_one_line(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\n"steps\\nx" = 1\n')
+    with pytest.raises(ConfigError, match=r"train.steps\\nx: unknown key") as e:
+        load_config(str(path))
+    one_line(e)

@@ -59,8 +59,10 @@ class GradSync:
     bandwidth of one 100 MB Allreduce (bench/bench_allreduce_patterns.py).
     """
 
-    def __init__(self, *, comm, transport, grads, bucket_mb: float, overlap: bool):
+    def __init__(self, *, comm, transport, grads, bucket_mb: float, overlap: bool, diag=None):
         from mpi4py import MPI
+
+        self.diag = diag  # parallel/watch.py: the waits below are recorded for the watchdog
 
         self.MPI = MPI
         self.comm, self.transport, self.backend, self.grads = comm, transport, transport.backend, grads
@@ -125,7 +127,14 @@ class GradSync:
             return
         for lo, hi in self.buckets[self._launched :]:  # not started yet: blocking, bucket by bucket
             self.comm.Allreduce(self.MPI.IN_PLACE, self._buffer(lo, hi), op=self.MPI.SUM)
-        self.MPI.Request.Waitall(self._requests)
+        if self.diag is None:
+            self.MPI.Request.Waitall(self._requests)
+        elif self._requests:
+            self.diag.begin(f"the wait for {len(self._requests)} gradient Iallreduce(s) over dp")
+            try:
+                self.MPI.Request.Waitall(self._requests)
+            finally:
+                self.diag.end()
         self._requests = []
         self._launched = len(self.buckets)
         self.transport.incoming(self.host, self.grads.data)

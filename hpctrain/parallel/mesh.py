@@ -60,6 +60,11 @@ class Mesh:
     def describe(self) -> str:
         return f"world {self.size} = dp {self.dp} x pp {self.pp} x tp {self.tp}"
 
+    def watch(self, diag) -> None:
+        """Route every collective on this mesh's communicators through ``diag`` (parallel/watch.py)."""
+        for attr in ("world", "dp_comm", "tp_comm", "pp_comm", "ends_comm"):
+            setattr(self, attr, diag.wrap(getattr(self, attr), attr.removesuffix("_comm")))
+
     def free(self) -> None:
         from mpi4py import MPI
 

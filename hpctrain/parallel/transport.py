@@ -10,12 +10,16 @@ pipeline's point-to-point messages alike:
   after a receive.
 
 ``PointToPoint`` wraps ``Isend``/``Irecv`` on one communicator (the mesh's ``pp_comm``:
-stage s is rank s there). Which ranks must call what is the schedule's business: the
+stage s is rank s there). With collective diagnostics on (parallel/watch.py) each send
+is preceded by its fingerprint on a duplicate communicator, which the receiver checks
+before it takes the data, and every wait is recorded for the watchdog. Which ranks must call what is the schedule's business: the
 pipeline executor posts each receive before its sender needs it, and a schedule that
 could leave a send without its receive is refused at start-up (parallel/schedule.py).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 __all__ = ["Transport", "PointToPoint", "TAG_LIMIT"]
 
@@ -60,14 +64,17 @@ class Transport:
 
 
 class _Recv:
-    __slots__ = ("request", "host", "arr", "transport")
+    __slots__ = ("request", "host", "arr", "transport", "check")
 
-    def __init__(self, request, host, arr, transport):
-        self.request, self.host, self.arr, self.transport = request, host, arr, transport
+    def __init__(self, request, host, arr, transport, check=None):
+        self.request, self.host, self.arr, self.transport, self.check = request, host, arr, transport, check
 
     def wait(self):
         """Complete the receive; returns the backend array holding the message."""
-        self.request.Wait()
+        if self.check is not None:
+            self.check(self.request)
+        else:
+            self.request.Wait()
         if self.host is not None:
             self.transport.incoming(self.host, self.arr)
         return self.arr
@@ -76,28 +83,77 @@ class _Recv:
 class PointToPoint:
     """``Isend``/``Irecv`` of backend arrays over ``comm``; sends stay referenced until they complete."""
 
-    def __init__(self, *, comm, transport: Transport, max_in_flight: int = 4):
+    def __init__(self, *, comm, transport: Transport, max_in_flight: int = 4, diag=None):
         self.comm, self.transport = comm, transport
         self.max_in_flight = max_in_flight
         self._sends = []  # (request, buffer): MPI may read the buffer until the request completes
+        self.diag = diag  # parallel/watch.py's Diagnostics, or None
+        self._fp = comm.Dup() if diag is not None and diag.fingerprints else None
+        self._counts = {}  # ("send" | "recv", peer) -> messages so far
 
     def post_recv(self, arr, *, source: int, tag: int, host=None) -> _Recv:
         """Post a receive into ``arr`` (through ``host`` when staged); ``wait()`` on the result completes it."""
         buf = arr if self.transport.direct else host
-        return _Recv(self.comm.Irecv(buf, source=source, tag=tag % TAG_LIMIT), None if self.transport.direct else host,
-                     arr, self.transport)
+        request = self.comm.Irecv(buf, source=source, tag=tag % TAG_LIMIT)
+        check = None
+        if self.diag is not None:
+            check = self._recv_check(buf, source, tag)
+        return _Recv(request, None if self.transport.direct else host, arr, self.transport, check)
 
     def post_send(self, arr, *, dest: int, tag: int) -> None:
         """Start sending ``arr``; the buffer is kept alive until the send completes (at most
         ``max_in_flight`` sends stay in flight: beyond that the oldest is waited for)."""
         buf = self.transport.outgoing(arr)
+        if self._fp is not None:
+            from .watch import pack_record, call_site
+
+            record = pack_record(f"{self._key('send', dest, tag, buf)}|{call_site(2)}")
+            self._sends.append((self._fp.Isend(record, dest=dest, tag=tag % TAG_LIMIT), record))
         self._sends.append((self.comm.Isend(buf, dest=dest, tag=tag % TAG_LIMIT), buf))
         # backpressure: a stage that never waits (stage 0 of a forward-only pass) would otherwise keep
         # every activation it sent alive until the end; waiting on an older send than the schedule checker
         # already assumed complete cannot deadlock
-        while len(self._sends) > self.max_in_flight:
+        while len(self._sends) > self.max_in_flight * (2 if self._fp is not None else 1):
             request, _ = self._sends.pop(0)
+            self._wait(request, f"send to rank {dest}")
+
+    def _key(self, direction: str, peer: int, tag: int, buf) -> str:
+        """What both ends of a message must agree on: its number between the two ranks, tag, dtype and size."""
+        from .watch import describe_buffer
+
+        n = self._counts[direction, peer] = self._counts.get((direction, peer), 0) + 1
+        return f"message #{n} tag {tag % TAG_LIMIT} {describe_buffer(buf)}"
+
+    def _recv_check(self, buf, source: int, tag: int):
+        """The wait of a receive under diagnostics: recorded, and (fingerprints) checked against the sender's."""
+        from .watch import RECORD, unpack_record, call_site, end_job
+
+        site = call_site(3)
+        expected = self._key("recv", source, tag, buf) if self._fp is not None else ""
+        record = np.zeros(RECORD, dtype=np.uint8) if self._fp is not None else None
+        fp_request = self._fp.Irecv(record, source=source, tag=tag % TAG_LIMIT) if record is not None else None
+
+        def wait(request):
+            what = f"receive of {expected or f'tag {tag}'} from rank {source} at {site}"
+            if fp_request is not None:
+                self._wait(fp_request, what)
+                sent, sent_at = unpack_record(record).split("|", 1)
+                if sent != expected:
+                    end_job(f"debug_collectives: rank {self.comm.Get_rank()} of {getattr(self.comm, '_name', 'pp')} "
+                            f"expected {expected} from rank {source} at {site}; it sent {sent} at {sent_at}")
+            self._wait(request, what)
+
+        return wait
+
+    def _wait(self, request, what: str) -> None:
+        if self.diag is None:
             request.Wait()
+            return
+        self.diag.begin(what)
+        try:
+            request.Wait()
+        finally:
+            self.diag.end()
 
     def progress(self) -> None:
         """Let MPI move the sends in flight along, and drop those that completed."""
@@ -114,5 +170,15 @@ class PointToPoint:
         if self._sends:
             from mpi4py import MPI
 
-            MPI.Request.Waitall([r for r, _ in self._sends])
+            if self.diag is None:
+                MPI.Request.Waitall([r for r, _ in self._sends])
+            else:
+                for request, _ in self._sends:
+                    self._wait(request, "completing this stage's sends")
             self._sends = []
+
+    def free(self) -> None:
+        """Free the fingerprints' duplicate communicator (collective over ``comm``)."""
+        if self._fp is not None:
+            self._fp.Free()
+            self._fp = None

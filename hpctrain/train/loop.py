@@ -34,8 +34,10 @@ from ..parallel.agree import QuietExit, check_same_everywhere, run_everywhere
 from ..parallel.data_parallel import GradSync
 from ..parallel.sharding import gather_flat
 from ..parallel.transport import PointToPoint
+from ..parallel.watch import Diagnostics, enabled_by_env
 from ..optim import lr_at
 from . import startup
+from .progress import Progress
 from .metrics import MetricsFile, Window
 from .step import StepRunner
 from .trace import Tracer
@@ -71,6 +73,12 @@ class Trainer:
             p = cfg.parallel
             mesh = Mesh(dp=p.dp, pp=p.pp, tp=p.tp)
         self.cfg, self.mesh = cfg, mesh
+        self.diag = None
+        t = cfg.train
+        if t.debug_collectives or t.collective_timeout or enabled_by_env():  # parallel/watch.py
+            self.diag = run_everywhere(mesh.world, lambda: Diagnostics(
+                mesh.world, fingerprints=t.debug_collectives or enabled_by_env(), timeout=t.collective_timeout))
+            mesh.watch(self.diag)
         keep_freed_memory()  # a step's activations reuse the last step's memory (hpctrain/_memory.py)
         self.rank0 = mesh.rank == 0
         self.log = (log or log_line) if self.rank0 else (lambda *a, **k: None)
@@ -94,9 +102,10 @@ class Trainer:
         startup.scatter_start(self, *start)
         self.sync = run_everywhere(mesh.world, lambda: GradSync(  # staging buffers: a device may run out
             comm=mesh.dp_comm, transport=self.transport, grads=self.grads, bucket_mb=cfg.parallel.bucket_mb,
-            overlap=cfg.parallel.overlap))
+            overlap=cfg.parallel.overlap, diag=self.diag))
         self.tracer = Tracer(mesh) if cfg.train.trace else None
-        p2p = PointToPoint(comm=mesh.pp_comm, transport=self.transport) if mesh.pp > 1 else None
+        self._p2p = p2p = PointToPoint(comm=mesh.pp_comm, transport=self.transport, diag=self.diag) \
+            if mesh.pp > 1 else None
         self.runner = run_everywhere(mesh.world, lambda: StepRunner(
             cfg=cfg, mesh=mesh, backend=self.be, part=self.part, loss=self.loss, data=self.data,
             sampler=self.sampler, sync=self.sync, optim=self.optim, grads=self.grads, p2p=p2p,
@@ -184,6 +193,9 @@ class Trainer:
             return self._log_eval(MetricsFile("")) if self.data.n_val else {}
         metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step)
         window = Window()
+        # an ETA for the log lines; on a terminal, a status line between them (train/progress.py)
+        self.progress = Progress(t.steps, self.step, live=self.rank0 and self.log is log_line)
+        plain_log, self.log = self.log, self.progress.wrap(self.log)
         last = {}
         stop = self._stop
         saved_at = -1
@@ -195,8 +207,11 @@ class Trainer:
                 self.log(f"signal {stop.name} received during start-up: stopping at step {self.step}")
             while self.step < t.steps and not stopping:
                 lr = lr_at(cfg.optim, self.step, t.steps)
+                if self.diag is not None:
+                    self.diag.step = self.step + 1  # what the watchdog reports: "step N" from here to its end checks
                 timing = self.train_step(self.step, lr)
                 self.step += 1
+                self.progress.advance(self.step)
                 skipped = skipped + 1 if timing["skipped"] else 0
                 window.add(timing)
                 if self.step % t.log_every == 0 or self.step == t.steps:
@@ -227,6 +242,8 @@ class Trainer:
                 self.log(f"trace {t.trace} written ({spans:,} events)")
         finally:
             stop.restore()
+            self.progress.clear()
+            self.log = plain_log
         return last
 
     def _diverged(self, skipped: int):
@@ -268,7 +285,9 @@ class Trainer:
         self.log(f"step {self.step:>6}/{self.cfg.train.steps}  loss {loss:.4f}  lr {lr:.3g}  {speed}  "
                  f"(compute {means['compute'] * 1e3:.1f} ms, comm wait {means['comm'] * 1e3:.1f} ms, "
                  f"optim {means['optim'] * 1e3:.1f} ms"
-                 + (", bubble " + " ".join(f"{s['bubble']:.0%}" for s in stages) if stages else "") + ")")
+                 + (", bubble " + " ".join(f"{s['bubble']:.0%}" for s in stages) if stages else "")
+                 + f")  ETA {self.progress.eta()}")
+        self.progress.summary = f"loss {loss:.4f}  {speed}"
         return record
 
     def _stage_figures(self, window) -> list[dict]:
@@ -298,6 +317,10 @@ class Trainer:
             self._stop.restore()
             self.sync.close()
             self.data.close()
+            if self._p2p is not None:
+                self._p2p.free()
+            if self.diag is not None:
+                self.diag.close()
             if self._own_mesh:
                 self.mesh.free()
         finally:

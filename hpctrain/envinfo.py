@@ -39,7 +39,7 @@ def _mpi() -> list[str]:
 
     levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled", MPI.THREAD_SERIALIZED: "serialized",
               MPI.THREAD_MULTIPLE: "multiple"}
-    library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+    library = " ".join(MPI.Get_library_version().replace("\0", "").strip().splitlines()[0].split())
     return [f"MPI library: {library}",
             f"MPI standard {'.'.join(map(str, MPI.Get_version()))}, thread level {levels.get(MPI.Query_thread(), '?')}, "
             f"world size {MPI.COMM_WORLD.Get_size()}",

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from helpers import make_classification, toml_job
+from launch import launcher_env  # the user's MPI settings pass, a running launcher's rank does not
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = shutil.which("mpiexec")
@@ -39,7 +40,7 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path):
     (tmp_path / "c.toml").write_text(CONFIG)
     (tmp_path / "fail.py").write_text(SCRIPT)
     proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(tmp_path / "fail.py"), str(tmp_path / "c.toml")],
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "hpctrain: error [rank 1/2]: RuntimeError: disk on fire" in proc.stderr, proc.stderr
 
@@ -73,7 +74,7 @@ def test_a_failing_pipeline_stage_ends_the_job_naming_its_rank(tmp_path, where):
     (tmp_path / "fail.py").write_text(STAGE_FAILURE)
     t0 = time.monotonic()
     proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(tmp_path / "fail.py"), str(tmp_path / "c.toml"),
-                           where], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                           where], cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode != 0
     assert f"hpctrain: error [rank 1/2]: RuntimeError: stage 1 fell over in {where}" in proc.stderr, proc.stderr
@@ -129,7 +130,7 @@ def test_a_set_up_failure_on_one_rank_ends_the_job_without_a_hang(tmp_path, wher
     (tmp_path / "c.toml").write_text(CONFIG)
     (tmp_path / "fail.py").write_text(SETUP_FAILURE)
     proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(tmp_path / "fail.py"), str(tmp_path / "c.toml"),
-                           where], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                           where], cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr, proc.stderr
@@ -161,7 +162,7 @@ print(f"{time.monotonic() - t:.3f}", file=sys.stderr)
 @pytest.mark.parametrize("read_after, timeout", [(0.5, 10.0), (None, 0.5)])
 def test_drain_stdio_waits_until_the_launcher_has_read_the_output(read_after, timeout):
     """Abort comes only once the pipe to the launcher is empty, or the deadline has passed."""
-    proc = subprocess.Popen([sys.executable, "-c", DRAIN, str(timeout)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+    proc = subprocess.Popen([sys.executable, "-c", DRAIN, str(timeout)], cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stderr.readline() == "draining\n"
     if read_after is not None:
@@ -214,7 +215,7 @@ sys.exit(main(["train", sys.argv[1]]))
 def test_signals_are_recorded_from_start_up_to_the_stop_checkpoint(tmp_path, when):
     make_classification(tmp_path / "d.h5", n=64)
     (tmp_path / "job.toml").write_text(toml_job(train={"steps": 50}, checkpoint={"dir": "ck"}))
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = launcher_env({"PYTHONPATH": ROOT})
     proc = subprocess.run([sys.executable, "-c", SIGNAL_SCRIPT, str(tmp_path / "job.toml"), when], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -258,8 +259,7 @@ sys.exit(main(["train", sys.argv[1]]))
 def test_a_failing_parameter_server_rank_ends_the_job_naming_it(tmp_path, role, rank):
     make_classification(tmp_path / "d.h5", n=64)
     (tmp_path / "job.toml").write_text(toml_job(train={"steps": 50}, parallel={"mode": "async_ps", "staleness": 1}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_LOCALRANKID"))}
-    env["PYTHONPATH"] = ROOT
+    env = launcher_env({"PYTHONPATH": ROOT})
     t0 = time.monotonic()
     proc = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-c", PS_SCRIPT, str(tmp_path / "job.toml"), role],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -271,8 +271,7 @@ def test_a_failing_parameter_server_rank_ends_the_job_naming_it(tmp_path, role, 
 def test_a_parameter_server_out_of_memory_is_one_line_before_training(tmp_path):
     make_classification(tmp_path / "d.h5", n=64)
     (tmp_path / "job.toml").write_text(toml_job(train={"steps": 50}, parallel={"mode": "async_ps", "staleness": 1}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_LOCALRANKID"))}
-    env["PYTHONPATH"] = ROOT
+    env = launcher_env({"PYTHONPATH": ROOT})
     proc = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-c", PS_SCRIPT, str(tmp_path / "job.toml"), "oom"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
@@ -294,7 +293,7 @@ def test_bad_parameter_server_layouts_are_one_line(tmp_path):
     make_classification(tmp_path / "d.h5", n=64)
     (tmp_path / "job.toml").write_text(toml_job(parallel={"mode": "async_ps", "servers": 1}))
     r = subprocess.run([sys.executable, "-m", "hpctrain", "train", str(tmp_path / "job.toml")], cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+                       env=launcher_env({"PYTHONPATH": ROOT}), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert "parallel.servers = 1 leaves no worker in a world of 1 rank(s)" in r.stderr
 
@@ -308,8 +307,7 @@ def test_sigterm_stops_a_parameter_server_job_with_a_checkpoint(tmp_path):
     (tmp_path / "job.toml").write_text(toml_job(train={"steps": 10_000_000, "log_every": 10_000_000},
                                                 parallel={"mode": "async_ps", "staleness": 1},
                                                 checkpoint={"dir": "ck"}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_LOCALRANKID"))}
-    env["PYTHONPATH"] = ROOT
+    env = launcher_env({"PYTHONPATH": ROOT})
     proc = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, "-m", "hpctrain", "train", str(tmp_path / "job.toml")],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -119,7 +119,8 @@ def test_finished_run_reports_instead_of_training_again(tmp_path, mesh):
     lines = []
     again = run(config(tmp_path / "d.h5", train={"steps": 3}, checkpoint={"dir": ckdir}), mesh, lines.append)
     assert again.step == 3
-    assert any("training already finished: resumed at step 3 of 3" in line for line in lines)
+    assert any(f"training already finished: {ckdir} holds step 3 of train.steps = 3; to train further, raise "
+               "train.steps (--set train.steps=6" in line for line in lines), lines
     assert [step for step, _ in list_checkpoints(ckdir)] == [3]
 
 

@@ -13,7 +13,8 @@ then ``close()``. From Python::
     trainer = Trainer(load_config("jobs/configs/digits.toml", ["train.steps=100"]))
     trainer.run()
     trainer.close()
- Bad input found while building (config, data,
+
+Bad input found while building (config, data,
 layout, schedule) is reported once by the lowest failing rank and every rank leaves
 together (parallel/agree.py). Each rank holds its pipeline stage's part of the model;
 ``train_step`` runs one step of the checked schedule (train/step.py).
@@ -179,7 +180,7 @@ class Trainer:
         return self.runner.evaluate()
 
     def run(self):
-        """Train until ``train.steps`` (collective: every rank calls it). Returns the last metrics on rank 0.
+        """Train until ``train.steps`` (collective: every rank calls it). Returns the last metrics (on every rank).
 
         SIGTERM and SIGUSR1 (what Slurm sends before a time limit) stop the run at the next step
         boundary, after a checkpoint when ``checkpoint.dir`` is set. With ``train.skip_nonfinite``,
@@ -188,8 +189,10 @@ class Trainer:
         """
         cfg, t = self.cfg, self.cfg.train
         if self.step >= t.steps > 0:
-            self.log(f"training already finished: resumed at step {self.step} of {t.steps} (to train further, raise "
-                     "train.steps; to start afresh, use a new checkpoint.dir)")
+            self.log(f"training already finished: {cfg.checkpoint.dir} holds step {self.step} of train.steps = "
+                     f"{t.steps}; to train further, raise train.steps (--set train.steps={2 * t.steps}: the learning-"
+                     "rate schedule then differs from a run that had it from the start); to start afresh, point "
+                     "checkpoint.dir at a new folder")
             return self._log_eval(MetricsFile("")) if self.data.n_val else {}
         metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step)
         window = Window()

@@ -11,6 +11,8 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/, for launch.py
+from launch import launcher_env  # noqa: E402
 
 
 @pytest.mark.parametrize("layout", ["dp", "pp", "gpt-pp", "tp"])
@@ -19,7 +21,7 @@ def test_two_ranks_cuda_matches_cpu(tmp_path, layout):
     if mpiexec is None:
         pytest.skip("mpiexec not found: install hpctrain[mpich] or load your site's MPI module")
     # this process may be an MPI singleton already: do not pass its PMI settings to the new job
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_LOCALRANKID", "OMPI_"))}
+    env = launcher_env()  # the user's MPI settings pass, what placed this process does not (tests/launch.py)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     proc = subprocess.run([mpiexec, "-n", "2", sys.executable, os.path.join(HERE, "dp_worker.py"),
                            str(tmp_path / "d.h5"), layout], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

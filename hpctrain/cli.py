@@ -159,10 +159,12 @@ def _data(args) -> int:
             raise DataError(f"{args.output} is the input file itself")
         if not args.force:
             raise DataError(f"{args.output} exists; pass --force to replace it")
+    from ._files import read_capped
+
+    raw = read_capped(args.input, f"text file {args.input}", DataError, 1 << 32)  # a regular file, at most 4 GiB
     try:
-        with open(args.input, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
         raise DataError(f"cannot read {args.input} as UTF-8 text: {e}") from None
     tok = text_to_h5(text, args.output)
     print(f"{args.output}: {len(text):,} tokens, {len(tok)} characters in the vocabulary "

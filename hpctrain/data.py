@@ -45,12 +45,40 @@ def _open_h5(path) -> h5py.File:
         raise DataError(f"data file {path} is not a readable HDF5 file ({shown(e)})") from None
 
 
-class Dataset:
+class _Unchanged:
+    """The data file as it was opened (device, inode, size, modification time), re-checked before each read.
+
+    HDF5 reads past the end of a truncated file as zeros, and a file rewritten in place holds rows
+    the start-up scan never saw: either would train on garbage without a word. A stat per batch
+    costs about a microsecond."""
+
+    def _remember(self):
+        self._identity = _identity(os.stat(self.path))
+
+    def check_unchanged(self) -> None:
+        try:
+            now = _identity(os.stat(self.path))
+        except OSError as e:
+            raise DataError(f"data file {self.path} disappeared while training ({e.strerror or e})") from None
+        if now != self._identity:
+            was, is_ = self._identity, now
+            what = ("was replaced by another file" if was[:2] != is_[:2] else
+                    f"changed size from {was[2]:,} to {is_[2]:,} bytes" if was[2] != is_[2] else "was rewritten")
+            raise DataError(f"data file {self.path} {what} while training: its rows are no longer the ones checked "
+                            "at start-up; restore it and resume from the last checkpoint")
+
+
+def _identity(st: os.stat_result) -> tuple:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class Dataset(_Unchanged):
     """One HDF5 file opened read-only; rows are read on demand."""
 
     def __init__(self, path, inputs, targets, *, val_fraction, loss, in_features, out_features, allow_external=False):
         self.path, self.allow_external = path, allow_external
         self.file = _open_h5(path)
+        self._remember()
         try:
             self._check(inputs, targets, val_fraction, loss, in_features, out_features)
         except BaseException:
@@ -84,6 +112,7 @@ class Dataset:
 
     def read(self, rows: np.ndarray):
         """Inputs (n, features) float32 and targets for the given row indices, in that order."""
+        self.check_unchanged()
         rows = np.asarray(rows, dtype=np.int64)
         if len(rows) == 0:
             return self._convert(self.x[0:0], self.y[0:0])
@@ -193,12 +222,13 @@ def _get_dataset(file, path, name, key, expected, allow_external):
     return obj
 
 
-class TokenDataset:
+class TokenDataset(_Unchanged):
     """Windows of a 1-D token dataset, read on demand: ``read(rows)`` -> ids (n, T) and targets (n·T,)."""
 
     def __init__(self, path, tokens, *, block_size, val_fraction, vocab_size, allow_external=False):
         self.path, self.T, self.vocab_size, self.allow_external = path, block_size, vocab_size, allow_external
         self.file = _open_h5(path)
+        self._remember()
         try:
             self._check(tokens, val_fraction)
         except BaseException:
@@ -238,6 +268,7 @@ class TokenDataset:
 
     def read(self, rows: np.ndarray):
         """Token ids (n, T) int64 and targets (n·T,) int64 of the windows ``rows``, in that order."""
+        self.check_unchanged()
         rows = np.asarray(rows, dtype=np.int64)
         T = self.T
         windows = np.empty((len(rows), T + 1), dtype=np.int64)

@@ -391,3 +391,62 @@ def test_c_a_config_key_holding_a_newline_is_named_on_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"train.steps\\nx: unknown key") as e:
         load_config(str(path))
     one_line(e)
+
+
+# --------------------------------------------------------------------------- a data file changed under a running job
+
+
+def _data_file(path, n=32):
+    with h5py.File(path, "w") as f:
+        f["x"] = np.random.default_rng(0).standard_normal((n, 4)).astype(np.float32)
+        f["y"] = np.arange(n) % 3
+    return str(path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ("truncate", "changed size from"),
+    ("append", "changed size from"),
+    ("rewrite", "was rewritten while training"),
+    ("replace", "was replaced by another file while training"),
+    ("delete", "disappeared while training"),
+])
+def test_a_data_file_changed_while_training_stops_the_next_read(tmp_path, change, message):
+    path = _data_file(tmp_path / "d.h5")
+    ds = Dataset(path, "x", "y", **KW)
+    try:
+        ds.read(np.arange(8))
+        if change == "truncate":
+            os.truncate(path, os.path.getsize(path) // 2)  # HDF5 would read the lost rows as zeros
+        elif change == "append":
+            with open(path, "ab") as f:
+                f.write(b"\0" * 4096)
+        elif change == "rewrite":  # same size, same inode: other bytes in place
+            st = os.stat(path)
+            with open(path, "r+b") as f:
+                f.seek(st.st_size - 64)
+                f.write(b"\x7f" * 16)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # a coarse clock may not have moved
+        elif change == "replace":
+            os.replace(_data_file(tmp_path / "other.h5"), path)
+        else:
+            os.unlink(path)
+        with pytest.raises(DataError) as excinfo:
+            ds.read(np.arange(8))
+        text = one_line(excinfo)
+        assert f"data file {path} " in text and message in text, text
+    finally:
+        ds.close()
+
+
+def test_a_token_file_truncated_while_training_stops_the_next_read(tmp_path):
+    from helpers import make_tokens
+
+    make_tokens(tmp_path / "t.h5")
+    ds = TokenDataset(str(tmp_path / "t.h5"), "tokens", block_size=8, val_fraction=0.1, vocab_size=16)
+    try:
+        ds.read(np.arange(4))
+        os.truncate(tmp_path / "t.h5", os.path.getsize(tmp_path / "t.h5") - 512)
+        with pytest.raises(DataError, match="changed size from .* while training"):
+            ds.read(np.arange(4))
+    finally:
+        ds.close()

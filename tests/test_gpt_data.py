@@ -34,7 +34,10 @@ def test_text2h5_writes_tokens_and_their_vocabulary(tmp_path):
         assert tok.decode(f["tokens"][:]) == "naïve café\nnaïve"
         assert f["tokens"].dtype == np.uint16
     r = hpctrain("data", "text2h5", str(tmp_path / "missing.txt"), str(tmp_path / "u.h5"))
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot read" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "text file" in r.stderr and "does not exist" in r.stderr
+    os.mkfifo(tmp_path / "pipe")  # read, it would block for ever
+    r = hpctrain("data", "text2h5", str(tmp_path / "pipe"), str(tmp_path / "u.h5"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is a FIFO (named pipe), not a regular file" in r.stderr
 
 
 def test_windows_are_block_size_plus_one_tokens(tmp_path):

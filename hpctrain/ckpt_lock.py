@@ -52,10 +52,13 @@ class FolderLock:
         created = False
         path = os.path.join(folder, LOCK_NAME)
         for _ in range(_TRIES):
-            try:
-                if not os.path.isdir(folder):
+            if not os.path.isdir(folder):
+                try:
                     os.makedirs(folder, exist_ok=True)
-                    created = True
+                except OSError as e:
+                    raise CheckpointError(f"checkpoint.dir {folder} cannot be created: {e.strerror or e}") from None
+                created = True
+            try:
                 f, new_file = _open(path)
             except FileNotFoundError:  # removed by a job that just released it: make it again
                 continue

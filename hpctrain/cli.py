@@ -198,6 +198,13 @@ COMMANDS = {"train": lambda a: _train(a), "inspect": lambda a: _inspect(a), "sam
             "plot": lambda a: _plot(a)}
 
 
+def _say(line: str) -> None:
+    """One line to stderr in one write: print() writes the text and the newline apart, and two ranks'
+    lines can then arrive glued together (unbuffered stderr, one launcher reading both)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def _where() -> str:
     try:
         from mpi4py import MPI
@@ -219,24 +226,24 @@ def main(argv=None) -> int:
     except QuietExit:
         return 2  # another rank printed the error; every rank leaves together
     except NoMPIError as e:
-        print(f"hpctrain: error: {e}", file=sys.stderr)
+        _say(f"hpctrain: error: {e}")
         return 2
     except HpctrainError as e:
-        print(f"hpctrain: error{_where()}: {e}", file=sys.stderr)
+        _say(f"hpctrain: error{_where()}: {e}")
         if not getattr(e, "collective", False):
             abort_world(2)
         return 2
     except KeyboardInterrupt:
-        print(f"hpctrain: interrupted{_where()}", file=sys.stderr)
+        _say(f"hpctrain: interrupted{_where()}")
         abort_world(130)
         return 130
     except MemoryError as e:  # e.g. parameter buffers too large: the user's config, not a bug
-        print(f"hpctrain: error{_where()}: out of memory: {e or 'MemoryError'} (lower the model width or "
-              "train.batch_size, or use more ranks)", file=sys.stderr)
+        _say(f"hpctrain: error{_where()}: out of memory: {e or 'MemoryError'} (lower the model width or "
+             "train.batch_size, or use more ranks)")
         abort_world(2)  # this rank alone may have failed, and the others wait for it in a collective
         return 2
     except Exception as e:  # a bug, or a failure on this rank only: never leave the other ranks waiting
         traceback.print_exc()
-        print(f"hpctrain: error{_where()}: {type(e).__name__}: {e}", file=sys.stderr)
+        _say(f"hpctrain: error{_where()}: {type(e).__name__}: {e}")
         abort_world(1)
         return 1

@@ -198,6 +198,8 @@ def _coerce(key: str, value, annotation: str):
     if annotation == "str":
         if not isinstance(value, str):
             raise bad
+        if "\0" in value:  # no file name, schedule or backend holds one; the OS refuses them in paths
+            raise ConfigError(f"{key}: must not contain a NUL character")
         return value
     if annotation == "int | str":  # parallel.dp
         if isinstance(value, str) and value == "auto":
@@ -334,7 +336,7 @@ def _check_ranges(cfg: Config) -> None:
         layers = cfg.model.layers
         _check_stages(p, len(layers), lambda lo, hi: any(_param_count(l.type, dict(l.args)) for l in layers[lo : hi + 1]),
                       "model.layers")
-    need(p.bucket_mb > 0, "parallel.bucket_mb", f"must be > 0, got {p.bucket_mb}")
+    need(0 < p.bucket_mb <= 1e6, "parallel.bucket_mb", f"must be > 0 and at most 1e6 (a terabyte), got {p.bucket_mb}")
     need(p.servers >= 1, "parallel.servers", f"must be >= 1, got {p.servers}")
     need(p.staleness >= 0, "parallel.staleness", f"must be >= 0 (0 = synchronous), got {p.staleness}")
     if p.mode == "async_ps":

@@ -450,3 +450,58 @@ def test_a_token_file_truncated_while_training_stops_the_next_read(tmp_path):
             ds.read(np.arange(4))
     finally:
         ds.close()
+
+
+# --------------------------------------------------------------------------- odd values and failing writes: one line
+
+
+def test_absurd_bucket_sizes_nul_characters_and_overlong_paths_are_one_line(tmp_path):
+    from helpers import config
+
+    from hpctrain.train.startup import check_outputs
+
+    with pytest.raises(ConfigError, match=r"parallel.bucket_mb: must be > 0 and at most 1e6"):
+        config("d.h5", parallel={"bucket_mb": 1e303})  # had overflowed in make_buckets
+    with pytest.raises(ConfigError, match="train.metrics: must not contain a NUL character"):
+        config("d.h5", train={"metrics": "a\0b"})
+    for long in ("x" * 300, "/".join(["y" * 200] * 25)):
+        with pytest.raises(ConfigError, match=r"train.metrics: the path is too long") as excinfo:
+            check_outputs(config(str(tmp_path / "d.h5"), train={"metrics": str(tmp_path / long)}))
+        one_line(excinfo)
+
+
+def test_a_checkpoint_folder_that_cannot_be_made_and_a_failing_metrics_write_are_one_line(tmp_path):
+    from hpctrain.ckpt_lock import FolderLock
+    from hpctrain.train.metrics import MetricsFile
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match=r"checkpoint.dir .*/file/ck cannot be created: Not a directory"):
+        FolderLock.take(str(tmp_path / "file" / "ck"), log=print)
+    metrics = MetricsFile("/dev/full")  # every write fails: a full disk
+    try:
+        with pytest.raises(ConfigError, match="train.metrics: cannot write /dev/full: No space left on device"):
+            metrics.write({"step": 1, "loss": 0.5})
+    finally:
+        try:
+            metrics.close()
+        except OSError:
+            pass
+
+
+def test_an_error_line_is_one_write(monkeypatch):
+    import sys
+
+    from hpctrain import cli
+
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    cli._say("hpctrain: error [rank 1/2]: something")
+    assert writes == ["hpctrain: error [rank 1/2]: something\n"]  # print() had written the newline apart

@@ -298,6 +298,7 @@ def end_job(message: str | None) -> None:
     if message:
         size = MPI.COMM_WORLD.Get_size()
         where = f" [rank {MPI.COMM_WORLD.Get_rank()}/{size}]" if size > 1 else ""
-        print(f"hpctrain: error{where}: {message}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"hpctrain: error{where}: {message}\n")  # one write: lines of two ranks never glue
+        sys.stderr.flush()
     abort_world(1)
     os._exit(1)  # one rank alone: nothing to abort

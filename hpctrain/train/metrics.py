@@ -7,6 +7,7 @@ import math
 import os
 import time
 
+from ..errors import ConfigError
 from ..parallel.executor import bubble_share
 
 __all__ = ["MetricsFile", "Window", "truncate_after"]
@@ -32,8 +33,11 @@ class MetricsFile:
 
     def write(self, record):
         if self.f:
-            self.f.write(json.dumps(_finite(record), allow_nan=False) + "\n")
-            self.f.flush()
+            try:
+                self.f.write(json.dumps(_finite(record), allow_nan=False) + "\n")
+                self.f.flush()
+            except OSError as e:  # a full disk, a quota, a folder gone read-only
+                raise ConfigError(f"train.metrics: cannot write {self.f.name}: {e.strerror or e}") from None
 
     def close(self):
         if self.f:

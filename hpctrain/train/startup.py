@@ -209,6 +209,11 @@ def scatter_start(t, state, weights) -> None:
 
 def _check_writable(key, path, *, folder):
     """ConfigError unless ``path`` (a folder or a file) exists writable, or can be created."""
+    full = os.path.abspath(path)
+    longest = max((len(part.encode("utf-8", "surrogateescape")) for part in full.split(os.sep)), default=0)
+    if longest > 255 or len(full.encode("utf-8", "surrogateescape")) >= 4096:
+        raise ConfigError(f"{key}: the path is too long ({len(full):,} characters, a name of {longest}; the limits "
+                          "are 4,095 and 255 bytes)")
     if os.path.exists(path):
         if os.path.isdir(path) != folder:
             raise ConfigError(f"{key}: {path} is {'not a folder' if folder else 'a folder'}")

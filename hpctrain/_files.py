@@ -57,7 +57,8 @@ def _check_mode(st: os.stat_result, label: str, error) -> None:
 
 def read_capped(path: str, label: str, error, cap: int) -> bytes:
     """The bytes of the regular file ``path``, at most ``cap`` of them (more is ``error``)."""
-    regular_file(path, label, error)
+    if regular_file(path, label, error).st_size > cap:
+        raise error(f"{label} is larger than {cap >> 20} MiB, more than hpctrain reads from it")
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:

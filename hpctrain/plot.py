@@ -20,6 +20,7 @@ import os
 import re
 import stat
 
+from ._files import read_capped
 from .errors import DataError, HpctrainError
 
 __all__ = ["FORMATS", "MAX_BYTES", "plot", "read_metrics", "read_text", "read_trace", "trace_events"]
@@ -90,40 +91,13 @@ def check_output(output: str) -> str:
 
 def read_text(path: str) -> str:
     """The UTF-8 text of a regular file of at most MAX_BYTES; stat first, so a FIFO or device is never opened."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise DataError(f"{path} does not exist") from None
-    except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
-    _check_regular(path, st)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
-    with os.fdopen(fd, "rb") as f:
-        _check_regular(path, os.fstat(fd))  # it may have been replaced since the stat
-        try:
-            data = f.read(MAX_BYTES + 1)
-        except OSError as e:
-            raise DataError(f"cannot read {path}: {e.strerror or e}") from None
-    if len(data) > MAX_BYTES:
-        raise DataError(f"{path} is larger than hpctrain plot reads ({MAX_BYTES >> 30} GB)")
+    data = read_capped(path, f"metrics or trace file {path}", DataError, MAX_BYTES)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise DataError(f"{path}: line {line} is not UTF-8 text (hpctrain plot reads JSONL metrics or a JSON trace)"
                         ) from None
-
-
-def _check_regular(path, st):
-    if stat.S_ISDIR(st.st_mode):
-        raise DataError(f"{path} is a folder, not a metrics or trace file")
-    if not stat.S_ISREG(st.st_mode):
-        raise DataError(f"{path} is not a regular file (a FIFO, socket or device); hpctrain plot reads files only")
-    if st.st_size > MAX_BYTES:
-        raise DataError(f"{path} is {st.st_size:,} bytes, larger than hpctrain plot reads ({MAX_BYTES >> 30} GB)")
 
 
 def trace_events(text: str):

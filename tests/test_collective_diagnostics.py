@@ -16,6 +16,7 @@ import time
 import pytest
 
 from helpers import make_classification, toml_job
+from launch import launcher_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = shutil.which("mpiexec")
@@ -50,8 +51,7 @@ sys.exit(main(["train", sys.argv[1]] + sys.argv[3:]))
 def run_job(tmp_path, fault, *overrides, timeout=90):
     make_classification(tmp_path / "d.h5", n=64)
     (tmp_path / "job.toml").write_text(toml_job(train={"steps": 20, "log_every": 5}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_LOCALRANKID"))}
-    env["PYTHONPATH"] = ROOT
+    env = launcher_env({"PYTHONPATH": ROOT})
     args = [a for o in overrides for a in ("--set", o)]
     t0 = time.monotonic()
     proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", SCRIPT, str(tmp_path / "job.toml"), fault, *args],

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import make_classification, toml_job
+from launch import launcher_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = shutil.which("mpiexec")
@@ -38,8 +39,7 @@ sys.exit(main(["train", sys.argv[1]]))
 
 
 def launch(folder, fault):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_LOCALRANKID"))}
-    env["PYTHONPATH"] = ROOT
+    env = launcher_env({"PYTHONPATH": ROOT})
     t0 = time.monotonic()
     proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", SCRIPT, str(folder / "job.toml"), fault],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

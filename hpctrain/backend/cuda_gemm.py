@@ -101,6 +101,48 @@ def _bank_pad(width: int, BK: int) -> int:
     return (32 // BK - width) % 32
 
 
+def _operand_io(width: int, BK: int, NT: int, kmajor: bool):
+    """(load, store) device functions for one operand's BK×width slice, shared by NT threads.
+
+    ``load(src, regs, tid, r0, k0, rows, uk)`` reads this thread's share of the slice at k0 (rows r0 ..
+    r0 + width of ``src``, zero past the edges) from global memory into ``regs``; ``store(tile, stage, regs,
+    tid)`` writes it into shared stage ``stage``, k rows by ``width`` columns. ``src`` is [rows, K]
+    (``kmajor``: neighbouring threads take neighbouring k) or [K, rows] (neighbouring rows)."""
+    U = np.uint64
+    ELEMS = width * BK
+    LOADS = (ELEMS + NT - 1) // NT
+    EVEN = ELEMS % NT == 0  # every thread loads the same count: no check
+    uW, uBK, uNT, uELEMS = U(width), U(BK), U(NT), U(ELEMS)
+
+    @cuda.jit(device=True, inline="always")
+    def load(src, regs, tid, r0, k0, rows, uk):
+        e = tid
+        for slot in range(LOADS):
+            v = float32(0.0)
+            if EVEN or e < uELEMS:
+                if kmajor:
+                    r, k = r0 + e // uBK, k0 + e % uBK
+                else:
+                    r, k = r0 + e % uW, k0 + e // uW
+                if r < rows and k < uk:
+                    v = src[r, k] if kmajor else src[k, r]
+            regs[slot] = v
+            e += uNT
+
+    @cuda.jit(device=True, inline="always")
+    def store(tile, stage, regs, tid):
+        e = tid
+        for slot in range(LOADS):
+            if EVEN or e < uELEMS:
+                if kmajor:
+                    tile[stage, e % uBK, e // uBK] = regs[slot]
+                else:
+                    tile[stage, e // uW, e % uW] = regs[slot]
+            e += uNT
+
+    return load, store, LOADS
+
+
 def _make_gemm(tile: GemmTile, *, a_kmajor: bool, b_kmajor: bool):
     BM, BN, BK, TM, TN = tile
     NTX, NTY = tile.threads
@@ -109,69 +151,13 @@ def _make_gemm(tile: GemmTile, *, a_kmajor: bool, b_kmajor: bool):
     # columns that spread those strided stores over the 32 banks. Shapes must be plain constants.
     AW = BM + (_bank_pad(BM, BK) if a_kmajor else 0)
     BW = BN + (_bank_pad(BN, BK) if b_kmajor else 0)
-    A_ELEMS, B_ELEMS = BM * BK, BN * BK
-    A_LOADS = (A_ELEMS + NT - 1) // NT
-    B_LOADS = (B_ELEMS + NT - 1) // NT
-    A_EVEN, B_EVEN = A_ELEMS % NT == 0, B_ELEMS % NT == 0  # every thread loads the same count: no check
+    load_a, store_a, A_LOADS = _operand_io(BM, BK, NT, a_kmajor)
+    load_b, store_b, B_LOADS = _operand_io(BN, BK, NT, b_kmajor)
     # Index arithmetic is unsigned 64-bit throughout: numba checks every signed index for wraparound
     # (a compare and a select per shared-memory load), and uint64 mixed with a signed int is float64.
     U = np.uint64
-    uBM, uBN, uBK, uNT, uNTX, uTM, uTN = U(BM), U(BN), U(BK), U(NT), U(NTX), U(TM), U(TN)
-    uA_ELEMS, uB_ELEMS = U(A_ELEMS), U(B_ELEMS)
+    uBM, uBN, uBK, uNTX, uTM, uTN = U(BM), U(BN), U(BK), U(NTX), U(TM), U(TN)
     ZERO, ONE = U(0), U(1)
-
-    @cuda.jit(device=True, inline="always")
-    def load_a(a, regs, tid, m0, k0, um, uk):
-        """This thread's share of the BK×BM slice of a at k0, from global memory into registers."""
-        e = tid
-        for slot in range(A_LOADS):
-            v = float32(0.0)
-            if A_EVEN or e < uA_ELEMS:
-                if a_kmajor:  # a[M,K]: neighbouring threads take neighbouring k
-                    gm, gk = m0 + e // uBK, k0 + e % uBK
-                else:  # a[K,M]: neighbouring threads take neighbouring m
-                    gm, gk = m0 + e % uBM, k0 + e // uBM
-                if gm < um and gk < uk:
-                    v = a[gm, gk] if a_kmajor else a[gk, gm]
-            regs[slot] = v
-            e += uNT
-
-    @cuda.jit(device=True, inline="always")
-    def store_a(tile, stage, regs, tid):
-        e = tid
-        for slot in range(A_LOADS):
-            if A_EVEN or e < uA_ELEMS:
-                if a_kmajor:
-                    tile[stage, e % uBK, e // uBK] = regs[slot]
-                else:
-                    tile[stage, e // uBM, e % uBM] = regs[slot]
-            e += uNT
-
-    @cuda.jit(device=True, inline="always")
-    def load_b(b, regs, tid, n0, k0, un, uk):
-        e = tid
-        for slot in range(B_LOADS):
-            v = float32(0.0)
-            if B_EVEN or e < uB_ELEMS:
-                if b_kmajor:  # b[N,K]
-                    gn, gk = n0 + e // uBK, k0 + e % uBK
-                else:  # b[K,N]
-                    gn, gk = n0 + e % uBN, k0 + e // uBN
-                if gn < un and gk < uk:
-                    v = b[gn, gk] if b_kmajor else b[gk, gn]
-            regs[slot] = v
-            e += uNT
-
-    @cuda.jit(device=True, inline="always")
-    def store_b(tile, stage, regs, tid):
-        e = tid
-        for slot in range(B_LOADS):
-            if B_EVEN or e < uB_ELEMS:
-                if b_kmajor:
-                    tile[stage, e % uBK, e // uBK] = regs[slot]
-                else:
-                    tile[stage, e // uBN, e % uBN] = regs[slot]
-            e += uNT
 
     @cuda_sim.kernel_jit(NT)
     def gemm(a, b, c, bias, M, N, K, epilogue):

@@ -197,15 +197,17 @@ class AsyncTrainer:
             norm2 = np.array([self.be.sum_squares(self.grads.data)], dtype=np.float64)
             if self.S > 1:
                 self.servers_comm.Allreduce(MPI.IN_PLACE, norm2, op=MPI.SUM)
-            norm = math.sqrt(norm2[0])
-            if not math.isfinite(norm):
-                raise NonFiniteError(f"update {version + 1}: the gradients contain NaN or Inf; lower optim.lr "
-                                     "or set train.grad_clip")
-            coef = clip_coefficient(norm, t.grad_clip)
-            if coef < 1.0:
-                self.be.scale_(self.grads.data, coef)
+            self._clip(math.sqrt(norm2[0]), f"update {version + 1}: the gradients")
         step = self.step + (version if self.k == 0 else version // self.W)
         self.optim.step(lr_at(self.cfg.optim, min(step, t.steps - 1), t.steps))
+
+    def _clip(self, norm: float, what: str) -> None:
+        """Scale the gradient buffer to ``train.grad_clip`` by its ``norm``; NonFiniteError when not finite."""
+        if not math.isfinite(norm):
+            raise NonFiniteError(f"{what} contain NaN or Inf; lower optim.lr or set train.grad_clip")
+        coef = clip_coefficient(norm, self.cfg.train.grad_clip)
+        if coef < 1.0:
+            self.be.scale_(self.grads.data, coef)
 
     def _serve(self, metrics) -> None:
         t = self.cfg.train
@@ -250,13 +252,8 @@ class AsyncTrainer:
             r = self.executor.run(self.schedule.stages[0], batch, grad_scale=grad_scale,
                                   on_optimizer_step=lambda: None)
             if self.k > 0:  # this gradient is one update: its own norm clips it
-                norm = math.sqrt(self.be.sum_squares(self.grads.data))
-                if not math.isfinite(norm):
-                    raise NonFiniteError(f"step {clock + 1}: this worker's gradients contain NaN or Inf; lower "
-                                         "optim.lr or set train.grad_clip")
-                coef = clip_coefficient(norm, t.grad_clip)
-                if coef < 1.0:
-                    self.be.scale_(self.grads.data, coef)
+                self._clip(math.sqrt(self.be.sum_squares(self.grads.data)),
+                           f"step {clock + 1}: this worker's gradients")
             grads = self.be.to_host(self.grads.data)
             link.push(clock, version, np.ascontiguousarray(grads, dtype=np.float32), r.loss_sum, r.rows)
             steps, clock = steps + 1, clock + 1

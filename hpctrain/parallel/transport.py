@@ -89,7 +89,7 @@ class PointToPoint:
         self._sends = []  # (request, buffer): MPI may read the buffer until the request completes
         self.diag = diag  # parallel/watch.py's Diagnostics, or None
         self._fp = comm.Dup() if diag is not None and diag.fingerprints else None
-        self._counts = {}  # ("send" | "recv", peer) -> messages so far
+        self._counts = {}  # ("send" | "recv", peer, tag) -> messages so far
 
     def post_recv(self, arr, *, source: int, tag: int, host=None) -> _Recv:
         """Post a receive into ``arr`` (through ``host`` when staged); ``wait()`` on the result completes it."""
@@ -118,10 +118,12 @@ class PointToPoint:
             self._wait(request, f"send to rank {dest}")
 
     def _key(self, direction: str, peer: int, tag: int, buf) -> str:
-        """What both ends of a message must agree on: its number between the two ranks, tag, dtype and size."""
+        """What both ends of a message must agree on: its number among the two ranks' messages with its tag
+        (counted per tag, so receives posted in another order than the sends still agree), dtype and size."""
         from .watch import describe_buffer
 
-        n = self._counts[direction, peer] = self._counts.get((direction, peer), 0) + 1
+        key = (direction, peer, tag % TAG_LIMIT)
+        n = self._counts[key] = self._counts.get(key, 0) + 1
         return f"message #{n} tag {tag % TAG_LIMIT} {describe_buffer(buf)}"
 
     def _recv_check(self, buf, source: int, tag: int):

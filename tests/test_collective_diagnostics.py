@@ -42,6 +42,9 @@ def any_rank(self, comm):
             return False
         if fault == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        if fault == "raise":
+            from hpctrain.errors import DataError
+            raise DataError("injected: the data went away")
     return original(self, comm)
 loop._StopFlag.any_rank = any_rank
 sys.exit(main(["train", sys.argv[1]] + sys.argv[3:]))
@@ -98,3 +101,32 @@ def test_a_stopped_rank_is_named_by_the_watchdog(tmp_path):
     assert proc.returncode != 0 and took < 60 and len(lines) == 1, proc.stderr[-3000:]
     assert "rank 1 sent nothing for" in lines[0] and "(stopped or frozen)" in lines[0], lines[0]
     assert "rank 0: step 3, in Allreduce #" in lines[0], lines[0]
+
+
+def test_with_the_watchdog_on_an_error_on_one_rank_is_still_its_own_one_line(tmp_path):
+    """The failing rank's clean-up must not wait for the others (it did: a Barrier in the watchdog's close),
+    or the watchdog names it "stopped or frozen" and its own message is lost."""
+    proc, took = run_job(tmp_path, "raise", "train.collective_timeout=20")
+    lines = error_lines(proc)
+    assert proc.returncode == 2 and took < 15 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0] == "hpctrain: error [rank 1/2]: injected: the data went away", lines
+
+
+def test_the_callers_mesh_is_left_as_it_was(tmp_path):
+    from mpi4py import MPI
+
+    from helpers import config
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.parallel.watch import WatchedComm
+    from hpctrain.train import Trainer
+
+    make_classification(tmp_path / "d.h5", n=64)
+    mesh = Mesh(comm=MPI.COMM_SELF)
+    try:
+        trainer = Trainer(config(tmp_path / "d.h5", train={"steps": 2, "debug_collectives": True}), mesh=mesh,
+                          log=lambda *a: None)
+        trainer.run()
+        assert isinstance(trainer.mesh.world, WatchedComm) and not isinstance(mesh.world, WatchedComm)
+        trainer.close()
+    finally:
+        mesh.free()

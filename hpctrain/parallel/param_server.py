@@ -28,8 +28,11 @@ The step budget is global: a run computes (steps − start) · W gradients, whic
 workers compute them, so a fast worker takes more steps than a slow one (up to the
 bound). The first server counts the PULLs it answers with parameters and answers −1
 once the budget is spent; a worker stops when any server says −1 and pushes only
-gradients every server granted, so every server applies the same gradients. A DONE
-(sent only after a stop) makes every server answer −1 from then on.
+gradients every server granted, so every server applies the same gradients. A worker
+that sent DONE no longer counts for the bound. Only the first server's budget and a
+stop request (a signal: the stop flag of a PULL, or this server's own) answer −1, so
+a server never refuses a pull the first server granted (that gradient would be lost
+and the run would end one short of its budget).
 
 Ordering: MPI keeps messages between two ranks on one communicator and tag in order,
 and a worker sends PUSH before GRAD, so a server that receives a PUSH header then
@@ -79,6 +82,7 @@ class Server:
         self.pushes = [start] * workers  # each worker's clock: the steps it has pushed a gradient for
         self.version = 0  # updates applied (by this run)
         self.stopping = False
+        self.done = set()  # workers that sent DONE
         self.staleness = []  # per applied gradient (k > 0) or 0 (k = 0)
         self.loss_sum = self.rows = 0.0  # since the last take_loss()
         self.idle = [0.0] * workers
@@ -119,7 +123,7 @@ class Server:
                 tail = np.empty(2, dtype=np.float64)
                 self.world.Recv(tail, source=src, tag=tag)
                 self.idle[w], self.steps[w] = float(tail[0]), int(tail[1])
-                self.stopping = True  # a worker stops only when told to: so must the others
+                self.done.add(w)  # no longer holds the others back; they are told to stop by the first server
                 done += 1
             else:
                 raise RuntimeError(f"parameter server {self.world.Get_rank()}: unexpected message tag {tag} "
@@ -163,7 +167,8 @@ class Server:
 
     def _answer(self) -> None:
         """Send the parameters to each waiting worker the staleness bound now lets go on."""
-        slowest = min(self.pushes)
+        active = [p for w, p in enumerate(self.pushes) if w not in self.done]
+        slowest = min(active, default=max(self.pushes))  # the bound is over the workers still training
         still = []
         for w, clock in self._pending:
             stop = self.stopping or (self.budget is not None and self.granted >= self.budget)

@@ -93,8 +93,9 @@ def unpack_record(arr: np.ndarray) -> str:
 class Diagnostics:
     """One rank's diagnostics for one job: fingerprints, the watchdog, the record of its MPI calls.
 
-    Collective over ``world`` to construct (with a timeout it duplicates it); ``close()`` is
-    collective too. ``wrap(comm, name)`` returns ``comm`` watched (COMM_NULL as it is)."""
+    Collective over ``world`` to construct (with a timeout it duplicates it). ``close()`` is not
+    collective (it runs on an error path too, where the other ranks are elsewhere): it stops the
+    watchdog and frees the duplicates. ``wrap(comm, name)`` returns ``comm`` watched (COMM_NULL as it is)."""
 
     def __init__(self, world, *, fingerprints: bool, timeout: float):
         from mpi4py import MPI
@@ -107,6 +108,7 @@ class Diagnostics:
         self.last = "none yet"  # the last MPI call this rank finished
         self.step = None
         self._monitor = None
+        self._wrapped = []  # the WatchedComms made here, whose duplicates close() frees
         if self.timeout > 0:
             if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
                 raise HpctrainError("train.collective_timeout needs an MPI library initialised with "
@@ -114,9 +116,13 @@ class Diagnostics:
             self._monitor = _Monitor(self, world.Dup())
 
     def wrap(self, comm, name: str):
-        if comm == self.MPI.COMM_NULL or isinstance(comm, WatchedComm):
+        if comm == self.MPI.COMM_NULL:
             return comm
-        return WatchedComm(comm, name, self)
+        if isinstance(comm, WatchedComm):
+            comm = comm.comm  # watched by earlier diagnostics: watch the plain one here
+        watched = WatchedComm(comm, name, self)
+        self._wrapped.append(watched)
+        return watched
 
     # ------------------------------------------------------------------ what this rank is doing
 
@@ -145,6 +151,9 @@ class Diagnostics:
         if self._monitor is not None:
             self._monitor.close()
             self._monitor = None
+        for watched in self._wrapped:
+            watched.release()
+        self._wrapped = []
 
 
 class WatchedComm:
@@ -173,10 +182,14 @@ class WatchedComm:
 
     __hash__ = None
 
-    def Free(self):
+    def release(self) -> None:
+        """Free the fingerprints' duplicate (the communicator itself stays)."""
         if self._fp is not None:
             self._fp.Free()
             self._fp = None
+
+    def Free(self):
+        self.release()
         self._comm.Free()
 
     def _collective(self, op, args, kwargs):
@@ -227,9 +240,9 @@ class _Monitor:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop the thread (rank 0 cancels its receives; a heartbeat sent is 240 bytes, complete when sent)."""
         self._stop.set()
         self._thread.join()
-        self.comm.Barrier()  # every heartbeat sent has been received or cancelled: free the communicator
         self.comm.Free()
 
     def _run(self) -> None:

@@ -32,7 +32,7 @@ from ..backend.cpu import CpuBackend
 from ..errors import BackendError, LayoutError, NonFiniteError
 from ..nn import make_model
 from ..optim import clip_coefficient, lr_at, make_optimizer
-from ..parallel.agree import run_everywhere
+from ..parallel.agree import QuietExit, run_everywhere
 from ..parallel.executor import StageExecutor
 from ..parallel.mesh import Mesh
 from ..parallel.param_server import Server, WorkerLink, server_ranges
@@ -197,13 +197,19 @@ class AsyncTrainer:
             norm2 = np.array([self.be.sum_squares(self.grads.data)], dtype=np.float64)
             if self.S > 1:
                 self.servers_comm.Allreduce(MPI.IN_PLACE, norm2, op=MPI.SUM)
-            self._clip(math.sqrt(norm2[0]), f"update {version + 1}: the gradients")
+            self._clip(math.sqrt(norm2[0]), f"update {version + 1}: the gradients", everywhere=True)
         step = self.step + (version if self.k == 0 else version // self.W)
         self.optim.step(lr_at(self.cfg.optim, min(step, t.steps - 1), t.steps))
 
-    def _clip(self, norm: float, what: str) -> None:
-        """Scale the gradient buffer to ``train.grad_clip`` by its ``norm``; NonFiniteError when not finite."""
+    def _clip(self, norm: float, what: str, *, everywhere: bool = False) -> None:
+        """Scale the gradient buffer to ``train.grad_clip`` by its ``norm``; NonFiniteError when not finite.
+
+        ``everywhere``: every server sees the same norm (staleness 0): the first one reports, the others
+        leave quietly (the report aborts the job)."""
         if not math.isfinite(norm):
+            if everywhere and self.servers_comm.Get_rank() != 0:
+                time.sleep(10.0)  # the first server reports it and aborts the job; leaving first could cut it off
+                raise QuietExit(0)
             raise NonFiniteError(f"{what} contain NaN or Inf; lower optim.lr or set train.grad_clip")
         coef = clip_coefficient(norm, self.cfg.train.grad_clip)
         if coef < 1.0:

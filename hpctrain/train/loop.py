@@ -22,6 +22,7 @@ together (parallel/agree.py). Each rank holds its pipeline stage's part of the m
 
 from __future__ import annotations
 
+import copy
 import signal
 import threading
 import time
@@ -63,6 +64,8 @@ class Trainer:
             self._build(cfg, mesh, log)
         except BaseException:
             self._stop.restore()
+            if getattr(self, "diag", None) is not None:
+                self.diag.close()  # its watchdog thread and duplicates; not collective
             self._release_lock()
             raise
 
@@ -79,6 +82,7 @@ class Trainer:
         if t.debug_collectives or t.collective_timeout or enabled_by_env():  # parallel/watch.py
             self.diag = run_everywhere(mesh.world, lambda: Diagnostics(
                 mesh.world, fingerprints=t.debug_collectives or enabled_by_env(), timeout=t.collective_timeout))
+            self.mesh = mesh = copy.copy(mesh)  # this trainer's view of it: the caller's Mesh stays as it was
             mesh.watch(self.diag)
         keep_freed_memory()  # a step's activations reuse the last step's memory (hpctrain/_memory.py)
         self.rank0 = mesh.rank == 0
@@ -237,6 +241,7 @@ class Trainer:
                     break
         finally:
             metrics.close()
+            self.progress.clear()  # an error line on its way must not land on the status line
         try:  # a second signal during the stop checkpoint is recorded too, never fatal
             if saved_at != self.step:
                 self.save_checkpoint()

@@ -119,6 +119,50 @@ def test_the_step_budget_is_global_so_a_straggler_takes_fewer_steps(comm, data, 
     assert counts[0] < counts[1:].min() and counts.max() - counts.min() <= k + 1, per
 
 
+def test_no_server_refuses_a_pull_the_first_server_granted(comm, data, shared_dir, monkeypatch):
+    """Two servers: the first grants the budget's last gradient to worker A, whose PULL reaches the second
+    server late; worker B, told to stop meanwhile, sends DONE. The second server must still grant A's pull
+    (refusing it lost that gradient: the run ended one step short). A is slowed between its two PULLs."""
+    S = servers(comm)
+    W = comm.size - S
+    if S < 2:
+        pytest.skip("needs two servers (four ranks)")
+    import hpctrain.parallel.param_server as ps
+    from hpctrain.parallel.executor import StageExecutor
+
+    if comm.rank == S:  # worker A: a pause between its PULL to the first server and to the second
+        def request(self, clock, into, stop):
+            self._wait_sends()
+            head = np.array([clock, int(stop)], dtype=np.int64)
+            for s in range(self.S):
+                self.world.Send(head, dest=s, tag=ps.TAGS["PULL"])
+                time.sleep(0.02 if s == 0 else 0)
+            for s, (lo, hi) in enumerate(self.ranges):
+                self._recvs.append(self.world.Irecv(self._versions[s], source=s, tag=ps.TAGS["VERSION"]))
+                self._recvs.append(self.world.Irecv(into[lo:hi], source=s, tag=ps.TAGS["PARAMS"]))
+
+        monkeypatch.setattr(ps.WorkerLink, "request", request)
+    if comm.rank == S + 1:  # worker B: a little slower, so that it is told to stop while A is between PULLs
+        original = StageExecutor.run
+
+        def slow(self, *args, **kwargs):
+            time.sleep(0.005)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(StageExecutor, "run", slow)
+    steps = 30
+    results = np.zeros((3, 2), dtype=np.int64)
+    for attempt in range(3):  # the race needs the timing: three chances to hit it
+        cfg = config(data, optim=SGD, train={"steps": steps, "batch_size": 4 * W},
+                     parallel={"mode": "async_ps", "servers": S, "staleness": 100},
+                     checkpoint={"dir": f"{shared_dir}/ck{attempt}"})
+        summary = run_async(cfg)
+        if comm.rank == 0:
+            results[attempt] = summary["step"], sum(summary["updates_per_worker"])
+    comm.Bcast(results, root=0)
+    assert (results == [steps, steps * W]).all(), results
+
+
 @pytest.mark.parametrize("first", ["async_ps", "sync"])
 def test_checkpoints_move_between_async_and_sync_mode(comm, data, shared_dir, first):
     """Two steps in one mode, a checkpoint, two more in the other == four synchronous steps (staleness 0)."""

@@ -433,6 +433,10 @@ def _check_fit(what: str, groups, layout: ParamLayout, *, strict_dtype: bool) ->
             entries.setdefault(problems, []).append(group.name)
     if entries:
         parts = [f"{', '.join(names)}: {'; '.join(problems)}" for problems, names in entries.items()]
+        if all(" has dtype " in p for problems in entries for p in problems):
+            # names and shapes fit: not another model's file but one hpctrain did not write as it stands,
+            # so resume = "auto" may fall back to an older checkpoint
+            raise CheckpointError(f"{what} holds tensors of another dtype than hpctrain writes: " + " | ".join(parts))
         raise ModelMismatchError(f"{what} does not fit the model: " + " | ".join(parts))
 
 

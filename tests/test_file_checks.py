@@ -373,6 +373,23 @@ def test_d_bad_optimizer_state_and_integer_parameters_are_refused_and_inspected(
     assert not ok and message.replace("\\", "").split(": ")[-1][:20] in text.replace("\\", ""), text
 
 
+def test_d_resume_falls_back_past_a_checkpoint_of_another_dtype(tmp_path):
+    """Names and shapes fit, one tensor is int32: not another model's file (resume = "auto" would stop there)
+    but one hpctrain did not write as it stands, so the search goes on to the older checkpoint."""
+    from hpctrain.checkpoint import find_resume
+    from hpctrain.errors import ModelMismatchError
+
+    checkpoint(tmp_path, step=3)
+    newest = checkpoint(tmp_path, step=4)
+    _rewrite(newest, "params/0.bias", np.ones(8, np.int32))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(newest, LAYOUT)
+    assert not isinstance(e.value, ModelMismatchError) and "another dtype than hpctrain writes" in str(e.value)
+    logs = []
+    state = find_resume(str(tmp_path / "ck"), LAYOUT, logs.append)
+    assert state.step == 3 and any("skipping ckpt-00000004.h5" in line for line in logs), logs
+
+
 def test_d_save_refuses_optimizer_state_the_loaders_refuse(tmp_path):
     state = make_state(3)
     state.slots["exp_avg_sq"]["0.bias"][0] = -1.0

@@ -22,7 +22,6 @@ renamed into place and the directory fsynced.
 from __future__ import annotations
 
 import json
-import math
 import os
 import secrets
 import time
@@ -32,7 +31,7 @@ import h5py
 import numpy as np
 
 from . import checkpoint_format as fmt
-from ._files import H5_ERRORS, member, shown, storage_problem
+from ._files import H5_ERRORS, member, shown
 from .errors import CheckpointError, ModelMismatchError, NewerFormatError
 from .params import ParamLayout
 
@@ -522,140 +521,8 @@ def load_weights(path: str, layout: ParamLayout) -> dict[str, np.ndarray]:
 
 
 def inspect(path: str) -> tuple[str, bool]:
-    """A readable description of a checkpoint or weights file and whether every checksum verifies.
+    """A readable description of a checkpoint or weights file and whether every checksum verifies
+    (``hpctrain inspect PATH``; hpctrain/checkpoint_inspect.py). Files never raise here."""
+    from .checkpoint_inspect import inspect as describe
 
-    Lists step, layout, optimizer and RNG settings, every parameter's name and
-    shape, the optimizer slots, and each dataset that fails its checksum. ``ok``
-    is False for any problem; files never raise here. ``hpctrain inspect PATH``.
-    """
-    try:
-        f = fmt.open_read(path, "file")
-    except CheckpointError as e:
-        return f"{path}\n  problem: {e}\nresult: FAILED", False
-    lines, problems = [path], []
-    with f:
-        try:
-            _inspect_file(f, path, lines, problems)
-        except _H5_ERRORS as e:
-            problems.append(f"the file is damaged: {e}")
-    for p in problems:
-        lines.append(f"  problem: {p}")
-    lines.append("result: OK, every checksum verifies" if not problems else f"result: FAILED ({len(problems)} problem(s))")
-    return "\n".join(lines), not problems
-
-
-def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
-    state = None
-    if "format" not in f.attrs:
-        lines.append("  kind: weights-only file (/params, no format attribute)")
-    else:
-        try:
-            state = _read_meta(f, path)
-        except CheckpointError as e:
-            problems.append(str(e))
-            lines.append(f"  kind: format {shown(repr(fmt.decode_attr(f.attrs['format'])))}, "
-                         f"version {shown(repr(fmt.decode_attr(f.attrs.get('version'))))}")
-    if state is not None:
-        lay = state.layout
-        lines += [f"  kind: hpctrain checkpoint, format version {fmt.decode_attr(f.attrs['version'])}, "
-                  f"{fmt.DIGEST} per dataset, written by hpctrain "
-                  f"{shown(fmt.decode_attr(f.attrs.get('hpctrain_version')))} "
-                  f"at {shown(fmt.decode_attr(f.attrs.get('created')))}",
-                  f"  step {state.step}, epoch {state.epoch}, data position {state.data_position} steps into the epoch",
-                  f"  layout: world_size {lay['world_size']} = dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']}",
-                  f"  optimizer: {state.optim_name}, {state.optim_step} optimizer steps",
-                  "  rng: " + (", ".join(f"{k}={shown(repr(v))}" for k, v in state.rng.items()) or "none"),
-                  f"  root attributes verify ({fmt.ATTRS_DIGEST}); config: {len(state.config_text.splitlines())} "
-                  "lines, shown at the end"]
-    try:
-        params, optim = _member(f, "params", path), _member(f, "optim", path)
-    except CheckpointError as e:
-        problems.append(str(e))
-        return
-    if not isinstance(params, h5py.Group):
-        problems.append("no /params group")
-        return
-    size = os.path.getsize(path)
-    specs = _usable(params, size, problems)
-    total = sum(math.prod(ds.shape) for _, ds in specs)
-    lines.append(f"parameters: {len(specs)} tensors, {total:,} values ({_size(total * 4)} as float32)")
-    width = max([len(n) for n, _ in specs] + [4])
-    for name, ds in specs:
-        lines.append(f"  {name:<{width}}  {'x'.join(map(str, ds.shape)) or 'scalar':<14} {ds.dtype}")
-        if state is not None and ds.dtype != np.dtype("<f4"):  # the loaders refuse these too
-            problems.append(f"{ds.name} has dtype {ds.dtype}, expected little-endian float32")
-        elif ds.dtype.kind != "f":
-            problems.append(f"{ds.name} has dtype {ds.dtype}, expected a float type")
-    layout = ParamLayout([(n, ds.shape) for n, ds in specs])
-    groups = [("params", specs)]
-    if optim is not None and not isinstance(optim, h5py.Group):
-        problems.append("/optim is not a group")
-    if state is not None:
-        slots = {s for s in optim.keys() if isinstance(s, str)} if isinstance(optim, h5py.Group) else set()
-        try:
-            _check_slot_names(state.optim_name, slots, CheckpointError)
-        except CheckpointError as e:
-            problems.append(str(e))
-    if isinstance(optim, h5py.Group):
-        for slot in optim.keys():
-            group, problem = member(optim, slot)
-            if problem or not isinstance(group, h5py.Group):
-                problems.append(f"/optim/{shown(slot)} " + (problem or "is not a group"))
-                continue
-            fit = fmt.fit_problems(group, layout, strict_dtype=True)
-            lines.append(f"optimizer slot {slot}: " + ("same names and shapes as the parameters" if not fit
-                                                      else "; ".join(fit)))
-            problems += [f"/optim/{slot}: {p}" for p in fit]
-            groups.append((slot, _usable(group, size, problems)))
-    elif state is not None:
-        lines.append("optimizer slots: none")
-    items, kinds = [], {}
-    for label, members in groups:
-        for _, ds in members:
-            items.append((ds.name, ds))
-            kind = fmt.checksum_kind(ds)
-            kinds[kind] = kinds.get(kind, 0) + 1
-            if state is not None and kind != fmt.DIGEST:
-                problems.append(f"{ds.name} has no {fmt.DIGEST} attribute")
-    bad = 0
-    for label, arr, problem in fmt.verify_datasets(items, keep=True):  # one read per dataset, not held
-        if problem:
-            bad += 1
-            problems.append(f"{label}: {problem}")
-        elif value_problem := _value_problem(_slot_of(label), arr):  # the loaders refuse it too
-            problems.append(f"{label}: {value_problem}")
-    summary = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-    lines.append(f"checksums: {len(items) - bad} of {len(items)} datasets verify ({summary})"
-                 + (" -- datasets without a checksum are only read, not verified" if "none" in kinds else ""))
-    if state is not None:
-        lines.append("config:")
-        lines += [f"  {shown(line)}" for line in state.config_text.splitlines()]
-
-
-def _usable(group: h5py.Group, size: int, problems: list) -> list[tuple[str, h5py.Dataset]]:
-    """``(name, dataset)`` of the members of ``group`` that can be read; a problem for each other member."""
-    found = []
-    for name in group.keys():
-        obj, problem = member(group, name)
-        if not problem and not isinstance(obj, h5py.Dataset):
-            problem = "is a group, not a dataset"
-        if not problem:
-            problem = storage_problem(obj, size)
-        if problem:
-            problems.append(f"{group.name}/{shown(name)} {problem}")
-        else:
-            found.append((name, obj))
-    return found
-
-
-def _slot_of(label: str) -> str:
-    """"params" for ``/params/<name>``, the slot for ``/optim/<slot>/<name>``."""
-    parts = label.split("/")
-    return parts[2] if parts[1] == "optim" and len(parts) > 3 else "params"
-
-
-def _size(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes} B" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
+    return describe(path)

@@ -9,6 +9,7 @@ read other local files, and storage never written reads as fill values. docs/rel
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import stat
@@ -72,6 +73,21 @@ def read_capped(path: str, label: str, error, cap: int) -> bytes:
     if len(data) > cap:
         raise error(f"{label} is larger than {cap >> 20} MiB, more than hpctrain reads from it")
     return data
+
+
+@contextlib.contextmanager
+def replaced_atomically(path: str, label: str, error):
+    """Yield a temporary name beside ``path`` to write; then rename it over ``path``, so a half-written file
+    never stands under its name. An OSError on the way is ``error("{label}: reason")``; the temporary goes."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except OSError as e:
+        raise error(f"{label}: {shown(e.strerror or e)}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def member(group, name, *, allow_external: bool = False):

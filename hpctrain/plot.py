@@ -20,7 +20,7 @@ import os
 import re
 import stat
 
-from ._files import read_capped
+from ._files import read_capped, replaced_atomically
 from .errors import DataError, HpctrainError
 
 __all__ = ["FORMATS", "MAX_BYTES", "plot", "read_metrics", "read_text", "read_trace", "trace_events"]
@@ -265,13 +265,5 @@ def _draw_timeline(rows, *, title):
 
 def _save(fig, output, out_format):
     """Write to a temporary name beside ``output``, then rename: never a half-written image under its name."""
-    folder, name = os.path.split(os.path.abspath(output))
-    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
-    try:
+    with replaced_atomically(output, f"-o {output}: cannot write", DataError) as tmp:
         fig.savefig(tmp, format=out_format)
-        os.replace(tmp, output)
-    except OSError as e:
-        raise DataError(f"-o {output}: cannot write: {e.strerror or e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

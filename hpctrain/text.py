@@ -20,7 +20,7 @@ import os
 import h5py
 import numpy as np
 
-from ._files import H5_ERRORS, member, regular_file, shown
+from ._files import H5_ERRORS, member, regular_file, replaced_atomically, shown
 from .errors import ConfigError, DataError
 
 __all__ = ["CharTokenizer", "corpus_text", "write_tokens", "text_to_h5", "write_corpus", "read_vocabulary"]
@@ -68,20 +68,15 @@ def corpus_text(name: str) -> str:
 
 def write_tokens(path: str, ids: np.ndarray, vocabulary: str) -> None:
     """Write ``ids`` and the vocabulary as a token file; atomically (a temporary file renamed into place)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
     dtype = np.uint16 if len(vocabulary) <= 1 << 16 else np.int32
+    label = f"cannot write the token file {path}"
     try:
-        os.makedirs(folder, exist_ok=True)
-        with h5py.File(tmp, "w") as f:
-            dset = f.create_dataset(TOKENS, data=np.asarray(ids).astype(dtype), chunks=True)
-            dset.attrs["vocabulary"] = np.array([ord(ch) for ch in vocabulary], dtype=np.int32)
-        os.replace(tmp, path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     except OSError as e:
-        raise DataError(f"cannot write the token file {path}: {e.strerror or e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        raise DataError(f"{label}: {e.strerror or e}") from None
+    with replaced_atomically(path, label, DataError) as tmp, h5py.File(tmp, "w") as f:
+        dset = f.create_dataset(TOKENS, data=np.asarray(ids).astype(dtype), chunks=True)
+        dset.attrs["vocabulary"] = np.array([ord(ch) for ch in vocabulary], dtype=np.int32)
 
 
 def text_to_h5(text: str, path: str) -> CharTokenizer:

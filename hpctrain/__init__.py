@@ -7,10 +7,19 @@ from ._threads import share_cores_between_local_ranks
 
 share_cores_between_local_ranks()  # before anything imports numpy
 
-from .config import Config, load_config
 from .errors import CheckpointError, ConfigError, DataError, HpctrainError, LayoutError
-from .train import Trainer
 
 __version__ = "0.1.0"
 __all__ = ["Config", "load_config", "Trainer", "HpctrainError", "ConfigError", "DataError", "LayoutError",
            "CheckpointError", "__version__"]
+
+# imported on first use: the command line installs its signal handlers before numpy and h5py load (0.4 s)
+_LAZY = {"Config": "config", "load_config": "config", "Trainer": "train"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'hpctrain' has no attribute {name!r}")

@@ -103,6 +103,11 @@ def _load_mpi():
 
 
 def _train(args) -> int:
+    from .train.stop import StopFlag
+
+    # first, before MPI starts: a SIGTERM or SIGUSR1 from here to the process's exit is recorded, never fatal
+    # (a rank killed during start-up, or after its part of the stop checkpoint, loses the checkpoint)
+    stop = StopFlag()
     MPI = _load_mpi()
 
     from .config import load_config
@@ -115,7 +120,7 @@ def _train(args) -> int:
     if p.mode == "async_ps":
         from .train.async_ps import AsyncTrainer
 
-        trainer = AsyncTrainer(cfg)
+        trainer = AsyncTrainer(cfg, stop=stop)
         try:
             trainer.run()
         finally:
@@ -123,7 +128,7 @@ def _train(args) -> int:
         return 0
     run_everywhere(MPI.COMM_WORLD, lambda: resolve_layout(MPI.COMM_WORLD.Get_size(), p.dp, p.pp, p.tp))
     mesh = Mesh(dp=p.dp, pp=p.pp, tp=p.tp)
-    trainer = Trainer(cfg, mesh=mesh)
+    trainer = Trainer(cfg, mesh=mesh, stop=stop)
     try:
         trainer.run()
     finally:

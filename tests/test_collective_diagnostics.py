@@ -25,11 +25,11 @@ pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip 
 SCRIPT = """
 import os, signal, sys
 from mpi4py import MPI
-import hpctrain.train.loop as loop
+import hpctrain.train.stop as stop
 from hpctrain.cli import main
 
 fault = sys.argv[2]
-original = loop._StopFlag.any_rank
+original = stop.StopFlag.any_rank
 calls = [0]
 def any_rank(self, comm):
     calls[0] += 1
@@ -46,7 +46,7 @@ def any_rank(self, comm):
             from hpctrain.errors import DataError
             raise DataError("injected: the data went away")
     return original(self, comm)
-loop._StopFlag.any_rank = any_rank
+stop.StopFlag.any_rank = any_rank
 sys.exit(main(["train", sys.argv[1]] + sys.argv[3:]))
 """
 

@@ -6,9 +6,15 @@
 
 Modules: ``startup`` (agreements, buffers, the start scattered to the stages),
 ``step`` (one step and one evaluation pass through the executor), ``loop`` (the
-Trainer), ``metrics`` (JSONL lines), ``trace`` (Chrome/Perfetto trace).
+Trainer), ``metrics`` (JSONL lines), ``trace`` (Chrome/Perfetto trace), ``stop`` (stop signals).
 """
 
-from .loop import Trainer
-
 __all__ = ["Trainer"]
+
+
+def __getattr__(name):  # the Trainer on first use: train.stop is imported before numpy at the command line's entry
+    if name == "Trainer":
+        from .loop import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'hpctrain.train' has no attribute {name!r}")

@@ -39,9 +39,10 @@ from ..parallel.param_server import Server, WorkerLink, server_ranges
 from ..parallel.schedule import check_schedule, data_parallel, forward_only
 from ..params import FlatBuffer, ParamLayout
 from . import startup
-from .loop import _StopFlag, log_line
+from .loop import log_line
 from .metrics import MetricsFile
 from .step import _Batch
+from .stop import StopFlag
 
 __all__ = ["AsyncTrainer"]
 
@@ -49,10 +50,13 @@ __all__ = ["AsyncTrainer"]
 class AsyncTrainer:
     """One parameter-server job over ``COMM_WORLD``; world ranks below ``parallel.servers`` serve."""
 
-    def __init__(self, cfg, *, log=None):
+    def __init__(self, cfg, *, log=None, stop=None):
         from mpi4py import MPI
 
-        self._stop = _StopFlag()  # SIGTERM/SIGUSR1: recorded, then every rank stops at a consistent point
+        # SIGTERM/SIGUSR1: recorded, then every rank stops at a consistent point (train/stop.py); ``stop``: a
+        # StopFlag the command line installed at entry, else one of this trainer's, restored by close()
+        self._own_stop = stop is None
+        self._stop = StopFlag() if stop is None else stop
         keep_freed_memory()
         self.cfg, p = cfg, cfg.parallel
         self.world = MPI.COMM_WORLD.Dup()
@@ -179,11 +183,11 @@ class AsyncTrainer:
                 self._serve(metrics)
             else:
                 self._work()
-            summary = self._finish()  # a signal during the checkpoint is recorded, never fatal
+            self._stop.shield_interrupts()  # a signal or a Ctrl-C during the checkpoint is recorded, never fatal
+            summary = self._finish()  # the workers' evaluation after it keeps every rank until it is written
             metrics.write(summary)
         finally:
             metrics.close()
-            self._stop.restore()
         return summary
 
     def _update(self, grad, version, *, sum_norm) -> None:
@@ -349,7 +353,8 @@ class AsyncTrainer:
     def close(self) -> None:
         """Free the communicators (collective) and release the lock on ``checkpoint.dir``."""
         try:
-            self._stop.restore()
+            if self._own_stop:
+                self._stop.restore()
             if not self.is_server:
                 self.data.close()
                 self.mesh.free()

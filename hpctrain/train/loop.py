@@ -23,8 +23,6 @@ together (parallel/agree.py). Each rank holds its pipeline stage's part of the m
 from __future__ import annotations
 
 import copy
-import signal
-import threading
 import time
 
 import numpy as np
@@ -42,6 +40,7 @@ from . import startup
 from .progress import Progress
 from .metrics import MetricsFile, Window
 from .step import StepRunner
+from .stop import StopFlag
 from .trace import Tracer
 
 __all__ = ["Trainer"]
@@ -54,16 +53,21 @@ class Trainer:
     ``log`` receives rank 0's progress lines (other ranks log nothing); by default each is printed
     and flushed at once, so a log file or a Slurm output file shows progress as it happens, and
     nothing is lost when the job is killed (stdout is block-buffered whenever it is not a terminal).
+
+    ``stop``: a StopFlag installed earlier (the command line installs one at entry, so a signal during
+    start-up is recorded too); by default the Trainer installs its own and restores the old handlers in
+    ``close()``.
     """
 
-    def __init__(self, cfg, *, mesh=None, log=None):
-        # SIGTERM/SIGUSR1 are recorded, never fatal, from here to the end of run()'s last checkpoint
-        self._stop = _StopFlag()
+    def __init__(self, cfg, *, mesh=None, log=None, stop=None):
+        # SIGTERM/SIGUSR1 are recorded, never fatal, from here to close() (train/stop.py)
+        self._own_stop = stop is None
+        self._stop = StopFlag() if stop is None else stop
         self._lock = None  # world rank 0's lock on checkpoint.dir, held until close()
         try:
             self._build(cfg, mesh, log)
         except BaseException:
-            self._stop.restore()
+            self._restore_signals()
             if getattr(self, "diag", None) is not None:
                 self.diag.close()  # its watchdog thread and duplicates; not collective
             self._release_lock()
@@ -242,14 +246,17 @@ class Trainer:
         finally:
             metrics.close()
             self.progress.clear()  # an error line on its way must not land on the status line
-        try:  # a second signal during the stop checkpoint is recorded too, never fatal
+        stop.shield_interrupts()  # a second signal, or a Ctrl-C, during the stop checkpoint is recorded, never fatal
+        try:
             if saved_at != self.step:
                 self.save_checkpoint()
             if self.tracer is not None:
                 spans = self.tracer.write(t.trace)
                 self.log(f"trace {t.trace} written ({spans:,} events)")
+            # no rank leaves before rank 0's files are durable: a launcher that sees one rank exit, or a
+            # signal that kills a rank that has left run(), would otherwise end rank 0 mid-write
+            self.mesh.world.Barrier()
         finally:
-            stop.restore()
             self.progress.clear()
             self.log = plain_log
         return last
@@ -322,7 +329,7 @@ class Trainer:
         """Stop the gradient sync's thread, close the data file, free the mesh if the Trainer made it
         (collective then), and release the lock on ``checkpoint.dir``."""
         try:
-            self._stop.restore()
+            self._restore_signals()
             self.sync.close()
             self.data.close()
             if self._p2p is not None:
@@ -334,42 +341,14 @@ class Trainer:
         finally:
             self._release_lock()
 
+    def _restore_signals(self):
+        if self._own_stop:
+            self._stop.restore()
+
     def _release_lock(self):
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-
-
-class _StopFlag:
-    """SIGTERM/SIGUSR1 set a flag; ranks agree on it at each step boundary (a one-int Allreduce)."""
-
-    SIGNALS = ("SIGTERM", "SIGUSR1")
-
-    def __init__(self):
-        self.name, self._old = "", {}
-        if threading.current_thread() is threading.main_thread():
-            for name in self.SIGNALS:
-                sig = getattr(signal, name, None)
-                if sig is not None:
-                    self._old[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.name = signal.Signals(signum).name
-
-    def any_rank(self, comm) -> bool:
-        from mpi4py import MPI
-
-        flag = np.array([1 if self.name else 0], dtype=np.int32)
-        if comm.Get_size() > 1:
-            comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
-        if flag[0] and not self.name:
-            self.name = "from another rank"
-        return bool(flag[0])
-
-    def restore(self):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old = {}
 
 
 def log_line(message: str) -> None:

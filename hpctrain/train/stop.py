@@ -1,0 +1,74 @@
+"""Stop signals: SIGTERM and SIGUSR1 recorded, never fatal, from the command line's entry to the process's exit.
+
+Slurm sends SIGUSR1 (``--signal=B:USR1@120``, forwarded by the batch script) before a time limit
+and SIGTERM on ``scancel`` or preemption, to every task; MPICH's ``mpiexec`` forwards both to its
+ranks. A rank records the signal; the ranks agree on it at the next step boundary (``any_rank``, a
+one-int Allreduce) and stop together after a checkpoint.
+
+Why the handlers stay until the process exits: a second signal during the stop checkpoint must not
+kill a rank that has done its part (a launcher then kills the rank still writing). The trainer keeps
+every rank in a Barrier until world rank 0's write is durable, and a signal after that is recorded
+and ignored. While the stop checkpoint is written, SIGINT is recorded too (``shield_interrupts``): a
+Ctrl-C then does not lose the checkpoint either; during training it interrupts as usual.
+
+Open MPI's ``mpirun`` is different: on SIGTERM or SIGINT it kills its ranks itself about half a
+second later, whatever they do with the signal. Under it, stop a job with SIGUSR1 (which it forwards)
+or signal the ranks themselves, as Slurm does (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+__all__ = ["StopFlag"]
+
+
+class StopFlag:
+    """SIGTERM/SIGUSR1 set a flag (``name``); ranks agree on it at each step boundary.
+
+    Installing handlers needs the main thread; elsewhere the flag is inert (nothing sets it).
+    ``restore()`` puts the previous handlers back; the command line never calls it.
+    """
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self):
+        self.name, self.later, self._old = "", [], {}
+        for name in self.SIGNALS:
+            self._install(name)
+
+    def _install(self, name: str) -> None:
+        sig = getattr(signal, name, None)
+        if sig is None or sig in self._old or threading.current_thread() is not threading.main_thread():
+            return
+        self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        received = signal.Signals(signum).name
+        if self.name:
+            self.later.append(received)  # already stopping: recorded, nothing more
+        else:
+            self.name = received
+
+    def shield_interrupts(self) -> None:
+        """From now until ``restore``, SIGINT is recorded like SIGTERM (the stop checkpoint is being written)."""
+        self._install("SIGINT")
+
+    def any_rank(self, comm) -> bool:
+        """True on every rank when any rank has received a stop signal (collective over ``comm``)."""
+        import numpy as np
+        from mpi4py import MPI
+
+        flag = np.array([1 if self.name else 0], dtype=np.int32)
+        if comm.Get_size() > 1:
+            comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+        if flag[0] and not self.name:
+            self.name = "from another rank"
+        return bool(flag[0])
+
+    def restore(self) -> None:
+        """The handlers there were before this flag (not collective)."""
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}

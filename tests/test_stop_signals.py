@@ -1,0 +1,133 @@
+"""Stop signals on a 2-rank job under MPICH's mpiexec and Open MPI's mpirun: nothing lost to a second signal.
+
+A first SIGTERM stops the run at the next step boundary with a checkpoint; a second SIGTERM (or a Ctrl-C's
+SIGINT) while that checkpoint is written is recorded and ignored, on every rank, until world rank 0's
+write is durable. A SIGTERM during start-up, before the Trainer exists, stops the job at step 0 with a
+checkpoint. MPICH's mpiexec forwards the signals to its ranks; Open MPI's mpirun kills its ranks on
+SIGTERM, so there the signals go to the ranks themselves, as Slurm sends them to every task.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from helpers import make_classification, toml_job
+from launch import launcher_env, mpi_command, open_mpi_python
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# each rank writes its pid once MPI is up, before the config is read and the Trainer built; world rank 0's
+# checkpoint write is slowed down so that the second signal lands inside it
+SCRIPT = """
+import os, sys, time
+import hpctrain.checkpoint as ckpt
+import hpctrain.cli as cli
+
+marks = sys.argv[2]
+load_mpi = cli._load_mpi
+def load_mpi_and_say():  # MPI is up, nothing of the Trainer yet
+    MPI = load_mpi()
+    with open(os.path.join(marks, f"pid{MPI.COMM_WORLD.Get_rank()}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(1.0)  # the start-up signal lands here
+    return MPI
+cli._load_mpi = load_mpi_and_say
+save = ckpt.save_checkpoint
+def slow_save(*args, **kwargs):
+    open(os.path.join(marks, "writing"), "w").close()
+    time.sleep(2.0)
+    return save(*args, **kwargs)
+ckpt.save_checkpoint = slow_save
+sys.exit(cli.main(["train", sys.argv[1]]))
+"""
+
+
+def _launchers():
+    return [pytest.param("mpich", marks=pytest.mark.skipif(shutil.which("mpiexec") is None,
+                                                           reason="mpiexec not found (pip install hpctrain[mpich])")),
+            "openmpi"]
+
+
+def _start(tmp_path, mpi):
+    make_classification(tmp_path / "d.h5", n=64)
+    (tmp_path / "job.toml").write_text(toml_job(train={"steps": 10_000_000, "log_every": 1},
+                                                checkpoint={"dir": "ck"}))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    if mpi == "mpich":
+        python, launcher = sys.executable, shutil.which("mpiexec")
+    else:
+        python = open_mpi_python()
+        launcher = os.path.join(os.path.dirname(python), "mpirun")
+    env = launcher_env({"PYTHONPATH": ROOT})
+    env.pop("PYTHONUNBUFFERED", None)  # as in a user's shell: the log lines must still arrive
+    proc = subprocess.Popen(mpi_command(launcher, 2, python, "-c", SCRIPT, str(tmp_path / "job.toml"), str(marks)),
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    return proc, marks, lines
+
+
+def _wait_for(what, deadline=60.0):
+    t0 = time.monotonic()
+    while not what():
+        if time.monotonic() - t0 > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.02)
+
+
+def _signal(proc, marks, mpi, sig):
+    """What Slurm or a user does: MPICH's launcher forwards to the ranks; under Open MPI, signal the ranks."""
+    if mpi == "mpich":
+        proc.send_signal(sig)
+        return
+    for rank in (0, 1):
+        os.kill(int((marks / f"pid{rank}").read_text()), sig)
+
+
+def _finish(proc, lines):
+    try:
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.2)  # the reader thread's last lines
+    return "".join(lines)
+
+
+@pytest.mark.parametrize("mpi", _launchers())
+@pytest.mark.parametrize("second", ["SIGTERM", "SIGINT"])
+def test_a_second_signal_during_the_stop_checkpoint_loses_nothing(tmp_path, mpi, second):
+    proc, marks, lines = _start(tmp_path, mpi)
+    try:
+        _wait_for(lambda: any("step " in line for line in lines) and (marks / "pid1").exists())
+        _signal(proc, marks, mpi, signal.SIGTERM)
+        _wait_for(lambda: (marks / "writing").exists())
+        time.sleep(0.3)
+        _signal(proc, marks, mpi, getattr(signal, second))
+    finally:
+        out = _finish(proc, lines)
+    assert proc.returncode == 0, out[-3000:]
+    assert "signal SIGTERM received: stopping at step" in out
+    assert [n for n in os.listdir(tmp_path / "ck") if n != "hpctrain.lock"] == \
+        [n for n in os.listdir(tmp_path / "ck") if n.startswith("ckpt-") and n.endswith(".h5")]
+    assert len(os.listdir(tmp_path / "ck")) == 1, os.listdir(tmp_path / "ck")  # the checkpoint; no temp, no lock
+
+
+@pytest.mark.parametrize("mpi", _launchers())
+def test_a_signal_during_start_up_stops_the_job_at_step_0_with_a_checkpoint(tmp_path, mpi):
+    proc, marks, lines = _start(tmp_path, mpi)
+    try:
+        _wait_for(lambda: (marks / "pid0").exists() and (marks / "pid1").exists())
+        _signal(proc, marks, mpi, signal.SIGTERM)
+    finally:
+        out = _finish(proc, lines)
+    assert proc.returncode == 0, out[-3000:]
+    assert "received during start-up: stopping at step 0" in out
+    assert os.listdir(tmp_path / "ck") == ["ckpt-00000000.h5"]

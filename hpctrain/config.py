@@ -135,6 +135,7 @@ class ParallelConfig:
     mode: str = "sync"  # "async_ps": the first `servers` ranks serve the parameters, the others work
     servers: int = 1
     staleness: int = 0  # async_ps: a worker is at most this many steps ahead of the slowest
+    zero: int = 0  # ZeRO over dp: 1 shards the optimizer state, 2 also the gradients (parallel/zero.py)
 
 
 @dataclass(frozen=True)
@@ -339,7 +340,11 @@ def _check_ranges(cfg: Config) -> None:
     need(0 < p.bucket_mb <= 1e6, "parallel.bucket_mb", f"must be > 0 and at most 1e6 (a terabyte), got {p.bucket_mb}")
     need(p.servers >= 1, "parallel.servers", f"must be >= 1, got {p.servers}")
     need(p.staleness >= 0, "parallel.staleness", f"must be >= 0 (0 = synchronous), got {p.staleness}")
+    need(isinstance(p.zero, int) and not isinstance(p.zero, bool) and p.zero in (0, 1, 2), "parallel.zero",
+         f"must be 0, 1 or 2 (0: off; 1: optimizer state sharded over dp; 2: gradients too), got {p.zero!r}")
     if p.mode == "async_ps":
+        need(p.zero == 0, "parallel.zero", f'zero = {p.zero} with parallel.mode = "async_ps" is not supported (the '
+             "parameter servers already hold the optimizer state in ranges); use zero = 0")
         for key in ("pp", "tp"):
             need(getattr(p, key) == 1, f"parallel.{key}", f'mode = "async_ps" with {key} = {getattr(p, key)} is '
                  "not supported (the parameter server trains whole models on its workers)")

@@ -17,23 +17,38 @@ __all__ = ["Optimizer", "make_optimizer", "lr_at", "clip_coefficient"]
 
 
 class Optimizer:
-    """Holds the optimizer slots and the step count; ``step(lr)`` updates params in place."""
+    """Holds the optimizer slots and the step count; ``step(lr)`` updates params in place.
 
-    def __init__(self, cfg, backend, params: FlatBuffer, grads: FlatBuffer):
+    ``owned`` (ZeRO, parallel/zero.py): the [lo, hi) slice of the flat buffers this rank updates; the
+    slots then exist for the slice only (one tensor named ``"slice"``), and ``step`` reads the gradients
+    and writes the parameters of the slice alone. Default: the whole buffer, slots in its layout.
+    """
+
+    def __init__(self, cfg, backend, params: FlatBuffer, grads: FlatBuffer, *, owned=None):
         self.cfg, self.backend, self.params, self.grads = cfg, backend, params, grads
         self.name = cfg.name
         self.weight_decay = cfg.weight_decay
         self.step_count = 0
+        self.owned = (0, params.layout.size) if owned is None else tuple(owned)
         if cfg.name == "sgd":
             slots = ("momentum_buffer",) if cfg.momentum != 0 else ()
         else:
             slots = ("exp_avg", "exp_avg_sq")
-        self.slots = {name: FlatBuffer(backend, params.layout) for name in slots}
+        layout = params.layout if owned is None else ParamLayout([("slice", (self.owned[1] - self.owned[0],))])
+        self.slots = {name: FlatBuffer(backend, layout) for name in slots}
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        return 4 * sum(buf.layout.size for buf in self.slots.values())
 
     def step(self, lr: float) -> None:
         self.step_count += 1
         be, c = self.backend, self.cfg
-        p, g = self.params.data, self.grads.data
+        lo, hi = self.owned
+        if hi == lo:
+            return  # a ZeRO slice with nothing in it (more data-parallel ranks than aligned pieces)
+        p, g = self.params.data[lo:hi], self.grads.data[lo:hi]
         if self.name == "sgd":
             buf = self.slots["momentum_buffer"].data if self.slots else p  # unused without momentum
             be.sgd_update(p, g, buf, lr=lr, momentum=c.momentum, weight_decay=self.weight_decay, nesterov=c.nesterov)
@@ -50,8 +65,8 @@ class Optimizer:
         Optimizer(self.cfg, be, FlatBuffer(be, layout), FlatBuffer(be, layout)).step(0.0)
 
 
-def make_optimizer(cfg, backend, params, grads) -> Optimizer:
-    return Optimizer(cfg, backend, params, grads)
+def make_optimizer(cfg, backend, params, grads, *, owned=None) -> Optimizer:
+    return Optimizer(cfg, backend, params, grads, owned=owned)
 
 
 def lr_at(cfg, step: int, total_steps: int) -> float:

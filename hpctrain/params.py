@@ -94,10 +94,13 @@ class ParamLayout:
 class FlatBuffer:
     """One backend array of ``layout.size`` float32 values with a named view per parameter."""
 
-    def __init__(self, backend, layout: ParamLayout, *, zero: bool = True):
+    def __init__(self, backend, layout: ParamLayout, *, zero: bool = True, data=None):
+        """``data``: an array of ``layout.size`` float32 to use as the buffer (zero = 2's releasable host memory)."""
         self.backend = backend
         self.layout = layout
-        self.data = backend.zeros((layout.size,)) if zero else backend.empty((layout.size,))
+        if data is not None and tuple(data.shape) != (layout.size,):
+            raise ValueError(f"data of shape {tuple(data.shape)} for a layout of {layout.size} values")
+        self.data = data if data is not None else backend.zeros((layout.size,)) if zero else backend.empty((layout.size,))
         self._views = {s.name: self.data[s.offset : s.end].reshape(s.shape) for s in layout}
 
     def __getitem__(self, name):

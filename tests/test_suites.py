@@ -38,7 +38,7 @@ def _run(cmd, env_extra, timeout):
 
 
 LAYOUT_TESTS = ["tests/mpi/test_pipeline.py", "tests/mpi/test_checkpoint_resharding.py", "tests/mpi/test_gpt_parallel.py",
-                "tests/mpi/test_tensor_parallel.py"]
+                "tests/mpi/test_tensor_parallel.py", "tests/mpi/test_zero.py"]
 RUNS = [(1, ["tests/mpi"]), (2, ["tests/mpi"]), (3, ["tests/mpi/test_param_server.py"]),
         (4, LAYOUT_TESTS + ["tests/mpi/test_param_server.py"])]
 IDS = ["1-rank", "2-ranks", "3-ranks-parameter-server", "4-ranks-layouts"]
@@ -48,7 +48,8 @@ SUBSUITE = ["-m", "pytest", "-p", "no:cacheprovider"]
 @pytest.mark.parametrize("ranks, tests", RUNS, ids=IDS)
 def test_mpi_suite(ranks, tests):
     """Three ranks run the parameter server (1 server, 2 workers); four (oversubscribed on small machines)
-    the tests about layouts: pp 2 x dp 2, pp 4, tp 2 x dp 2, tp 2 x pp 2, and 2 servers + 2 workers."""
+    the tests about layouts: pp 2 x dp 2, pp 4, tp 2 x dp 2, tp 2 x pp 2, ZeRO at dp 2 x pp 2 and dp 2 x tp 2,
+    and 2 servers + 2 workers."""
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         pytest.fail("mpiexec not found: install hpctrain[mpich] or load your site's MPI module")

@@ -24,6 +24,17 @@ pass over the buffer.
 
 Device buffers go to MPI directly when MPI is CUDA-aware; otherwise each
 bucket is staged through a host buffer. parallel/transport.py decides which.
+
+With ``parallel.zero >= 1`` (parallel/zero.py) each bucket is reduce-scattered instead:
+``Reduce_scatter`` with per-rank counts leaves the sum of the bucket's part of rank r's
+slice on rank r alone, written into the gradient buffer at the slice's place; the rest of
+the bucket keeps this rank's own, unreduced gradients (zero = 2 hands those pages back to
+the kernel at once). After the optimizer has stepped the slice, ``gather_params``
+all-gathers the parameters bucket by bucket (``Allgatherv`` in place). Buckets holding a
+tensor tied across pipeline stages (the GPT's token embedding) wait until ``wait()``: the
+two ends first sum their local gradients of it over ``ends_comm`` (``presum``), since after
+the scatter no rank holds the whole reduced tensor. On a device, or without
+MPI_THREAD_MULTIPLE, the buckets are reduce-scattered in ``wait()``, after backward.
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+
+from .zero import overlap as _overlap
 
 __all__ = ["GradSync", "make_buckets"]
 
@@ -52,14 +65,21 @@ class GradSync:
     Every rank must issue the same collectives in the same order, so what is
     started when depends only on the "gradients final" events, never on a rank-local test
     of completion. With host buffers and MPI_THREAD_MULTIPLE, ready buckets go
-    in order to a communication thread running one blocking Allreduce each.
+    in order to a communication thread running one blocking collective each.
     Otherwise each ``grads_final`` event starts at most one ready bucket's Iallreduce,
     and ``wait`` reduces the buckets not yet started with blocking Allreduces,
     bucket by bucket: on MPICH's shared memory 25 MB pieces ran at 2.3-2.5x the
     bandwidth of one 100 MB Allreduce (bench/bench_allreduce_patterns.py).
+
+    ZeRO (``slices``: every data-parallel rank's [lo, hi) of the buffer, parallel/zero.py): each
+    bucket is reduce-scattered into the slices; ``owned`` is this rank's. ``release``: the
+    gradient buffer's ReleasableHost (zero = 2), whose pages outside ``owned`` go back to the
+    kernel once their bucket is scattered. ``tied``: (local ranges, presum) of tensors tied across
+    pipeline stages; their buckets are scattered in ``wait()`` after ``presum()``.
     """
 
-    def __init__(self, *, comm, transport, grads, bucket_mb: float, overlap: bool, diag=None):
+    def __init__(self, *, comm, transport, grads, bucket_mb: float, overlap: bool, diag=None, slices=None,
+                 release=None, tied=None):
         from mpi4py import MPI
 
         self.diag = diag  # parallel/watch.py: the waits below are recorded for the watchdog
@@ -67,19 +87,32 @@ class GradSync:
         self.MPI = MPI
         self.comm, self.transport, self.backend, self.grads = comm, transport, transport.backend, grads
         self.overlap = overlap
-        self.buckets = make_buckets(grads.data.shape[0], bucket_mb * 1e6 / 4)
+        size = grads.data.shape[0]
+        self.buckets = make_buckets(size, bucket_mb * 1e6 / 4)
         self.direct = transport.direct
-        self.host = transport.host_buffer((grads.data.shape[0],))
+        self.host = transport.host_buffer((size,))
         self.active = comm.Get_size() > 1
+        self.slices = slices if self.active else None
+        self.owned = slices[comm.Get_rank()] if self.slices else (0, size)
+        self.release = release if self.slices else None
         self.wait_seconds = 0.0
+        self.released_bytes = 0  # zero = 2: gradient pages handed back to the kernel this step
         self._ready = 0  # buckets [0, _ready) have all their gradients written
-        self._launched = 0  # buckets [0, _launched) have their reduction started
+        self._launched = 0  # buckets [0, _launched) have their reduction started (or are held)
         self._requests = []
-        # Host buffers with MPI_THREAD_MULTIPLE: a communication thread runs blocking Allreduces while
+        self._held, self._presum = [], None
+        if self.slices:
+            ranges, self._presum = tied if tied else ((), None)
+            self._held = [i for i, b in enumerate(self.buckets) if any(_overlap(b, r)[1] > _overlap(b, r)[0]
+                                                                      for r in ranges)]
+            biggest = max((_overlap(b, self.owned)[1] - _overlap(b, self.owned)[0] for b in self.buckets), default=0)
+            # Reduce_scatter may not write into the buffer it reads: each bucket's sum lands here first
+            self._scatter_out = (self.backend.empty((biggest,)) if self.direct else transport.host_buffer((biggest,)))
+        # Host buffers with MPI_THREAD_MULTIPLE: a communication thread runs blocking collectives while
         # backward goes on (MPI progresses nonblocking collectives only inside MPI calls, so Iallreduce
         # alone barely overlaps). Device buffers keep the nonblocking path on the caller's thread.
         threaded = self.active and overlap and not self.backend.is_device and MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        self._worker = _Reducer(comm) if threaded else None
+        self._worker = _Reducer() if threaded else None
 
     @property
     def threaded(self) -> bool:
@@ -90,9 +123,26 @@ class GradSync:
         """What MPI reduces for [lo, hi): the gradient slice itself, or its host staging copy."""
         return self.transport.outgoing(self.grads.data[lo:hi], None if self.direct else self.host[lo:hi])
 
+    def _reduce(self, i) -> None:
+        """Bucket i's blocking collective: an Allreduce in place, or the reduce-scatter into the slices."""
+        lo, hi = self.buckets[i]
+        if not self.slices:
+            self.comm.Allreduce(self.MPI.IN_PLACE, self._buffer(lo, hi), op=self.MPI.SUM)
+            return
+        parts = [_overlap((lo, hi), s) for s in self.slices]
+        a, b = _overlap((lo, hi), self.owned)
+        out = self._scatter_out[: b - a]
+        self.comm.Reduce_scatter(self._buffer(lo, hi), out, [y - x for x, y in parts], op=self.MPI.SUM)
+        if b > a:
+            self.backend.copy_(self.grads.data[a:b], out)  # a device array, or host memory (staged or the CPU)
+        if self.release is not None:  # zero = 2: the rest of the bucket is this rank's unreduced gradients
+            self.released_bytes += self.release.release(lo, a if b > a else hi) + (
+                self.release.release(b, hi) if b > a else 0)
+
     def start_step(self) -> None:
         self._ready = self._launched = 0
         self._requests = []
+        self.released_bytes = 0
 
     def grads_final(self, lo: int) -> None:
         """Called by the last backward of a step once every gradient from offset ``lo`` on is final."""
@@ -102,9 +152,12 @@ class GradSync:
             self._ready += 1
         if self._worker is not None:
             while self._launched < self._ready:
-                self._worker.submit(self.grads.data[slice(*self.buckets[self._launched])])
+                if self._launched not in self._held:
+                    self._worker.submit(lambda i=self._launched: self._reduce(i))
                 self._launched += 1
             return
+        if self.slices:
+            return  # no overlap for reduce-scatters on this path: wait() runs them
         if self._launched < self._ready:
             lo, hi = self.buckets[self._launched]
             self._requests.append(self.comm.Iallreduce(self.MPI.IN_PLACE, self._buffer(lo, hi), op=self.MPI.SUM))
@@ -113,20 +166,33 @@ class GradSync:
             self.MPI.Request.Testall(self._requests)  # drives MPI's progress on the buckets in flight
 
     def wait(self) -> None:
-        """Complete the sum of every bucket (collective); afterwards every rank holds the same gradients."""
+        """Complete the sum of every bucket (collective); afterwards every rank holds the same gradients
+        (under ZeRO: the summed gradients of its own slice)."""
         if not self.active:
             return
         t0 = time.perf_counter()
         self.backend.synchronize()
         if self._worker is not None:
-            for lo, hi in self.buckets[self._launched :]:
-                self._worker.submit(self.grads.data[lo:hi])
+            for i in range(self._launched, len(self.buckets)):
+                if i not in self._held:
+                    self._worker.submit(lambda i=i: self._reduce(i))
             self._launched = len(self.buckets)
             self._worker.join()
-            self.wait_seconds = time.perf_counter() - t0
-            return
-        for lo, hi in self.buckets[self._launched :]:  # not started yet: blocking, bucket by bucket
-            self.comm.Allreduce(self.MPI.IN_PLACE, self._buffer(lo, hi), op=self.MPI.SUM)
+        else:
+            for i in range(self._launched, len(self.buckets)):  # not started yet: blocking, bucket by bucket
+                if i not in self._held:
+                    self._reduce(i)
+            self._wait_requests()
+            self._launched = len(self.buckets)
+            if not self.slices:
+                self.transport.incoming(self.host, self.grads.data)
+        if self._held:
+            self._presum()  # the tied tensors' two ends, before their buckets leave the full buffer
+            for i in self._held:
+                self._reduce(i)
+        self.wait_seconds = time.perf_counter() - t0
+
+    def _wait_requests(self) -> None:
         if self.diag is None:
             self.MPI.Request.Waitall(self._requests)
         elif self._requests:
@@ -136,9 +202,18 @@ class GradSync:
             finally:
                 self.diag.end()
         self._requests = []
-        self._launched = len(self.buckets)
-        self.transport.incoming(self.host, self.grads.data)
-        self.wait_seconds = time.perf_counter() - t0
+
+    def gather_params(self, params) -> None:
+        """ZeRO: every rank's updated slice of ``params`` (a backend array, this part's layout) to every rank,
+        bucket by bucket with ``Allgatherv`` in place (collective over ``comm``)."""
+        if not self.slices:
+            return
+        for lo, hi in reversed(self.buckets):  # first layers first: the next forward needs them first
+            parts = [_overlap((lo, hi), s) for s in self.slices]
+            buf = self.transport.outgoing(params[lo:hi], None if self.direct else self.host[lo:hi])
+            self.comm.Allgatherv(self.MPI.IN_PLACE, [buf, [y - x for x, y in parts], [x - lo for x, _ in parts],
+                                                     self.MPI.FLOAT])
+            self.transport.incoming(buf, params[lo:hi])
 
     def close(self) -> None:
         """Stop the communication thread, if any (not collective)."""
@@ -148,22 +223,19 @@ class GradSync:
 
 
 class _Reducer:
-    """A daemon thread that sums submitted buffers over ``comm`` with blocking Allreduce, in order.
+    """A daemon thread that runs submitted collectives (blocking, one bucket each), in order.
 
-    Only this thread uses ``comm`` while a step's buckets are in flight; ``join`` waits for all
-    of them and re-raises the thread's error, if any.
+    Only this thread uses the communicator while a step's buckets are in flight; ``join`` waits for
+    all of them and re-raises the thread's error, if any.
     """
 
-    def __init__(self, comm):
-        from mpi4py import MPI
-
-        self.MPI, self.comm = MPI, comm
+    def __init__(self):
         self.queue = queue.Queue()
         self.error = None
         threading.Thread(target=self._run, name="hpctrain-grad-allreduce", daemon=True).start()
 
-    def submit(self, buf) -> None:
-        self.queue.put(buf)
+    def submit(self, collective) -> None:
+        self.queue.put(collective)
 
     def close(self) -> None:
         """Stop the thread once what was submitted is done."""
@@ -171,13 +243,13 @@ class _Reducer:
 
     def _run(self):
         while True:
-            buf = self.queue.get()
-            if buf is None:
+            collective = self.queue.get()
+            if collective is None:
                 self.queue.task_done()
                 return
             try:
                 if self.error is None:
-                    self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+                    collective()
             except BaseException as e:  # handed to the training thread in join()
                 self.error = e
             finally:

@@ -25,7 +25,7 @@ import numpy as np
 
 from .tensor import shard, unshard
 
-__all__ = ["gather_flat", "scatter_flat"]
+__all__ = ["gather_flat", "scatter_flat", "gather_slices"]
 
 
 def _counts(ranges):
@@ -105,3 +105,18 @@ def scatter_flat(mesh, full: np.ndarray | None, ranges, part) -> np.ndarray:
             mesh.tp_comm.Scatter(pieces, local, root=0)
     mesh.dp_comm.Bcast(local, root=0)
     return local
+
+
+def gather_slices(comm, local: np.ndarray, slices) -> np.ndarray | None:
+    """ZeRO: the whole buffer from every data-parallel rank's slice (``slices[r]`` on rank r of ``comm``),
+    on rank 0 of ``comm``, None elsewhere (collective over ``comm``)."""
+    from mpi4py import MPI
+
+    local = np.ascontiguousarray(local, dtype=np.float32)
+    counts, displs = _counts(slices)
+    if comm.Get_rank() == 0:
+        out = np.empty(slices[-1][1], dtype=np.float32)
+        comm.Gatherv(local, [out, counts, displs, MPI.FLOAT], root=0)
+        return out
+    comm.Gatherv(local, None, root=0)
+    return None

@@ -33,6 +33,7 @@ from ..parallel.sharding import scatter_flat
 from ..parallel.tensor import TensorParallel
 from ..parallel.tied import broadcast_tied
 from ..parallel.transport import Transport
+from ..parallel.zero import ReleasableHost, zero_slices
 from ..params import FlatBuffer
 
 __all__ = ["prepare_data", "build", "lock_checkpoint_dir", "make_state", "read_start", "scatter_start"]
@@ -129,11 +130,24 @@ def lock_checkpoint_dir(t):
 
 
 def make_state(t) -> None:
-    """This stage's parameter and gradient buffers and the optimizer with its slots (run on every rank)."""
+    """This stage's parameter and gradient buffers and the optimizer with its slots (run on every rank).
+
+    Sets ``t.zero`` (the ZeRO stage in effect: none with one data-parallel rank) and ``t.slices`` (every
+    data-parallel rank's [lo, hi) of the part's flat buffer under ZeRO, else None; parallel/zero.py).
+    """
+    size, dp = t.part.layout.size, t.mesh.dp
+    t.zero = t.cfg.parallel.zero if dp > 1 else 0
+    t.slices = zero_slices(size, dp) if t.zero else None
+    t.grad_memory = None  # zero = 2 on the CPU: pages outside this rank's slice go back to the kernel
     t.params = FlatBuffer(t.be, t.part.layout)
-    t.grads = FlatBuffer(t.be, t.part.layout)
+    if t.zero == 2 and not t.be.is_device:
+        t.grad_memory = ReleasableHost(size)
+        t.grads = FlatBuffer(t.be, t.part.layout, data=t.grad_memory.array)
+    else:
+        t.grads = FlatBuffer(t.be, t.part.layout)
     t.part.bind(t.params, t.grads)
-    t.optim = make_optimizer(t.cfg.optim, t.be, t.params, t.grads)
+    t.optim = make_optimizer(t.cfg.optim, t.be, t.params, t.grads,
+                             owned=t.slices[t.mesh.dp_rank] if t.slices else None)
 
 
 def read_start(t):
@@ -204,6 +218,9 @@ def scatter_start(t, state, weights) -> None:
         host[: t.part.owned_size] = scatter_flat(mesh, full, ranges, t.part)
         del full
         broadcast_tied(mesh, t.part, host)  # a tied tensor's replica on the last stage, from the first
+        if buf is not t.params and t.slices:  # ZeRO: optimizer state for this rank's slice only
+            lo, hi = t.slices[mesh.dp_rank]
+            host = host[lo:hi]
         run_everywhere(mesh.world, lambda: t.be.copy_(buf.data, t.be.asarray(host)))  # noqa: B023
 
 

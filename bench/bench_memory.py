@@ -1,0 +1,154 @@
+"""ZeRO's memory and speed: every rank's peak RSS and the step time at parallel.zero = 0, 1 and 2.
+
+    python bench/bench_memory.py                        # the 50 M-parameter MLP: RSS at dp 4, step time at dp 2
+    python bench/bench_memory.py --width 1024 --steps 3 # a quick look
+
+The model is an MLP of three ``--width`` x ``--width`` Linear layers (4096: 50.3 M parameters) trained
+with Adam, so a rank holds 4 bytes per parameter of weights, 4 of gradients and 8 of optimizer state.
+Against zero = 0, zero = 1 saves 8N(1 - 1/dp) bytes of optimizer state (6N at dp 4) and zero = 2 another
+4N(1 - 1/dp) of gradients (9N in all at dp 4). Targets: each rank's peak RSS falls by at least 75% of
+that; step time with zero 1 and 2 at least 0.95x zero = 0 at dp 2.
+
+1. Memory: ``mpiexec -n 4 /usr/bin/time -f %M hpctrain train ...`` once per zero setting; /usr/bin/time
+   gives each rank's peak RSS (kB), the log line gives what hpctrain says each rank holds.
+2. Speed: ``mpiexec -n 2 hpctrain train ...`` per zero setting, alternated over ``--repeat`` rounds so
+   drift in the machine's load hits each alike; the median of the mean step time (compute + comm +
+   optim, from the metrics file, the first step left out).
+MB here is 10^6 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from common import synthetic_classification  # noqa: E402
+
+
+def write_config(folder, width, batch, steps, zero, bucket_mb):
+    layers = ", ".join(f'{{type = "linear", in = {width}, out = {width}}}' + (', {type = "relu"}' if i < 2 else "")
+                       for i in range(3))
+    path = os.path.join(folder, f"zero{zero}.toml")
+    with open(path, "w") as f:
+        f.write(f"""[model]
+layers = [{layers}]
+[data]
+path = "d.h5"
+inputs = "x"
+targets = "y"
+val_fraction = 0.0
+shuffle = false
+[train]
+batch_size = {batch}
+steps = {steps}
+log_every = 1
+eval_every = 0
+backend = "cpu"
+metrics = "m{zero}.jsonl"
+[optim]
+name = "adam"
+lr = 1e-4
+[parallel]
+zero = {zero}
+bucket_mb = {bucket_mb}
+""")
+    return path
+
+
+def mpiexec():
+    found = shutil.which("mpiexec")
+    if found is None:
+        sys.exit("mpiexec not found: pip install 'hpctrain[mpich]'")
+    return found
+
+
+def run(cmd, folder):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDI_"))}
+    proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def peak_rss(folder, config, ranks):
+    """Every rank's peak RSS in MB, from /usr/bin/time -f %M (kB) printed last by each rank."""
+    hpctrain = os.path.join(os.path.dirname(sys.executable), "hpctrain")
+    proc = run([mpiexec(), "-n", str(ranks), "/usr/bin/time", "-f", "peak-rss-kb %M", hpctrain, "train", config],
+               folder)
+    peaks = [int(line.split()[1]) * 1024 / 1e6 for line in proc.stderr.splitlines() if line.startswith("peak-rss-kb")]
+    said = [line for line in proc.stdout.splitlines() if line.startswith("zero ")]
+    return sorted(peaks), said
+
+
+def step_seconds(folder, config, zero, ranks):
+    hpctrain = os.path.join(os.path.dirname(sys.executable), "hpctrain")
+    metrics = os.path.join(folder, f"m{zero}.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    run([mpiexec(), "-n", str(ranks), hpctrain, "train", config], folder)
+    with open(metrics) as f:
+        lines = [json.loads(line) for line in f if '"loss"' in line]
+    steps = [r["compute_s"] + r["comm_s"] + r["optim_s"] for r in lines[1:]]  # the first: compiles and faults
+    return statistics.mean(steps)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--width", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=32, help="global batch")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--memory-ranks", type=int, default=4)
+    ap.add_argument("--speed-ranks", type=int, default=2)
+    ap.add_argument("--speed-steps", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    args = ap.parse_args()
+    folder = tempfile.mkdtemp(prefix="hpctrain-bench-memory-")
+    try:
+        synthetic_classification(os.path.join(folder, "d.h5"), 4 * args.batch, args.width, args.width)
+        n = 3 * (args.width * args.width + args.width)
+        dp = args.memory_ranks
+        print(f"MLP 3 x {args.width}^2: N = {n / 1e6:.1f} M parameters, Adam; peak RSS per rank at dp {dp} "
+              f"({args.steps} steps, batch {args.batch}, buckets {args.bucket_mb:g} MB)")
+        base = None
+        for zero in (0, 1, 2):
+            config = write_config(folder, args.width, args.batch, args.steps, zero, args.bucket_mb)
+            peaks, said = peak_rss(folder, config, dp)
+            worst = max(peaks)
+            line = f"  zero {zero}: peak RSS per rank {', '.join(f'{p:,.0f}' for p in peaks)} MB (max {worst:,.0f})"
+            if base is None:
+                base = worst
+            else:
+                theory = (8 if zero == 1 else 12) * n * (1 - 1 / dp) / 1e6
+                saved = base - worst
+                line += (f"; saved {saved:,.0f} MB of the theoretical {theory:,.0f} ({saved / theory:.0%}; "
+                         "target >= 75%)")
+            print(line)
+            for s in said[:1]:
+                print(f"    rank 0 says: {s}")
+        print(f"step time at dp {args.speed_ranks} ({args.speed_steps} steps, median of {args.repeat} rounds):")
+        times = {0: [], 1: [], 2: []}
+        for _ in range(args.repeat):
+            for zero in (0, 1, 2):
+                config = write_config(folder, args.width, args.batch, args.speed_steps, zero, args.bucket_mb)
+                times[zero].append(step_seconds(folder, config, zero, args.speed_ranks))
+        t0 = statistics.median(times[0])
+        for zero in (0, 1, 2):
+            t = statistics.median(times[zero])
+            print(f"  zero {zero}: {t * 1e3:,.1f} ms/step" + (f"; speed {t0 / t:.3f}x zero 0 (target >= 0.95)"
+                                                             if zero else ""))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

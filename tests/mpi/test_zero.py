@@ -1,0 +1,152 @@
+"""ZeRO-1/2 (``parallel.zero``) equals one process on every layout, holds 1/dp of the optimizer state, and its
+checkpoints resume on any layout and any ``zero``.
+
+Run under ``mpiexec -n 1``, ``-n 2`` and ``-n 4`` by tests/test_suites.py: dp is the world size, or world / 2
+with pp = 2 or tp = 2 (at 4 ranks: dp 2 x pp 2 and dp 2 x tp 2). The reference is each rank training the
+same config alone on COMM_SELF (itself checked against PyTorch, tests/test_train.py and the golden tests).
+Small buckets (50 floats) make every bucket boundary fall inside some slice.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from helpers import config, gpt_config, train_params as train
+from hpctrain.parallel.mesh import Mesh
+from hpctrain.parallel.zero import zero_slices
+from hpctrain.train import Trainer
+
+SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01}
+SMALL_BUCKETS = {"bucket_mb": 0.0002}
+# AdamW on the GPT: the key bias of c_attn gets only rounding noise as its gradient (softmax ignores a shift
+# shared by a row's scores), which AdamW turns into lr-sized steps; every other tensor agrees to ~4e-7
+# (the same bound as tests/mpi/test_gpt_parallel.py)
+GPT_ADAMW_RTOL = 1e-4
+
+
+def alone(cfg):
+    p = dataclasses.replace(cfg.parallel, pp=1, tp=1, dp="auto", stages=(), zero=0)
+    return train(dataclasses.replace(cfg, parallel=p), MPI.COMM_SELF)
+
+
+def max_error(got, want) -> float:
+    """The largest difference of any tensor relative to that tensor's largest value."""
+    assert set(got) == set(want)
+    return max(float(np.abs(got[n] - want[n]).max() / max(np.abs(want[n]).max(), 1e-30)) for n in want)
+
+
+def layouts(comm):
+    """(pp, tp) pairs this world size can run with dp >= 2 where it can."""
+    out = [(1, 1)]
+    if comm.size % 4 == 0:
+        out += [(2, 1), (1, 2)]
+    return out
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("optim", [SGD, ADAMW], ids=["sgd", "adamw"])
+@pytest.mark.parametrize("micro", [1, 2], ids=["1-micro", "2-micro"])
+def test_zero_mlp_equals_one_process_on_every_layout(comm, data, zero, optim, micro):
+    for pp, tp in layouts(comm):
+        dp = comm.size // (pp * tp)
+        cfg = config(data, optim=optim, train={"steps": 5, "batch_size": 8 * dp, "micro_batches": micro,
+                                               "grad_clip": 0.5},
+                     data={"shuffle": True}, parallel={"zero": zero, "pp": pp, "tp": tp, **SMALL_BUCKETS})
+        worst = max_error(train(cfg, comm), alone(cfg))
+        assert worst < (1e-5 if optim is ADAMW else 1e-6), (pp, tp, worst)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_gpt_equals_one_process_on_every_layout(comm, tokens, zero):
+    """pp = 2 puts the tied embedding on both ends: its two ends are summed before the reduce-scatter."""
+    for pp, tp in layouts(comm):
+        dp = comm.size // (pp * tp)
+        cfg = gpt_config(tokens, optim=SGD, train={"batch_size": 4 * dp, "micro_batches": 2, "grad_clip": 1.0},
+                         parallel={"zero": zero, "pp": pp, "tp": tp, **SMALL_BUCKETS})
+        worst = max_error(train(cfg, comm), alone(cfg))
+        assert worst < 1e-6, (pp, tp, worst)
+
+
+def test_zero_equals_zero_0_on_the_same_layout(comm, tokens):
+    """The same reductions in another shape: the two runs agree at the float32 noise floor."""
+    cfg = gpt_config(tokens, optim=ADAMW, train={"batch_size": 4 * comm.size}, parallel=SMALL_BUCKETS)
+    plain = train(cfg, comm)
+    for zero in (1, 2):
+        sharded = train(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=zero)), comm)
+        assert max_error(sharded, plain) < GPT_ADAMW_RTOL
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_optimizer_state_is_one_slice_of_the_buffer(comm, data, zero):
+    cfg = config(data, hidden=32, optim=ADAMW, train={"steps": 1, "batch_size": 8 * comm.size},
+                 parallel={"zero": zero})
+    mesh = Mesh(comm=comm)
+    t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    try:
+        n = t.part.layout.size
+        lo, hi = t.optim.owned
+        if comm.size == 1:
+            assert (lo, hi) == (0, n) and t.zero == 0 and t.slices is None  # nothing to shard over
+        else:
+            assert (lo, hi) == zero_slices(n, comm.size)[comm.rank]
+            assert hi - lo <= -(-n // comm.size) + 16  # one alignment pad at most
+        assert t.optim.slot_bytes == 8 * (hi - lo)  # Adam: exp_avg and exp_avg_sq, float32
+        t.run()
+    finally:
+        t.close()
+        mesh.free()
+
+
+def test_zero_2_hands_gradient_pages_back(comm, data):
+    if comm.size < 2:
+        pytest.skip("needs two ranks: with one there is nothing to shard")
+    # 64 x 512 + 512 x 512 + ... floats: several 4 KiB pages outside every rank's slice
+    cfg = config(data, hidden=512, optim=SGD, train={"steps": 2, "batch_size": 8 * comm.size},
+                 parallel={"zero": 2, "bucket_mb": 0.5})
+    mesh = Mesh(comm=comm)
+    t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    try:
+        t.run()
+        lo, hi = t.optim.owned
+        outside = t.part.layout.size - (hi - lo)
+        kept = 2 * 1024 * (len(t.sync.buckets) + 1)  # pages a bucket or slice boundary cuts stay whole
+        assert outside > 4 * kept  # the test means something
+        assert t.sync.released_bytes >= 4 * (outside - kept)
+        g = t.grads.data  # released pages read as zeros
+        assert np.count_nonzero(g[:lo]) + np.count_nonzero(g[hi:]) <= kept
+    finally:
+        t.close()
+        mesh.free()
+
+
+def test_zero_checkpoints_resume_across_zero_and_layouts(comm, tokens, shared_dir):
+    """zero = 2 on the world -> zero = 0 on one process, and zero = 0 on one process -> zero = 1 on the world
+    (dp 2 x tp 2 at four ranks): each equals four straight steps on one process."""
+    ck = f"{shared_dir}/ck"
+    base = gpt_config(tokens, optim=ADAMW, train={"batch_size": 4 * comm.size, "steps": 2},
+                      checkpoint={"dir": ck}, parallel={"zero": 2, **SMALL_BUCKETS})
+    train(base, comm)
+    four = dataclasses.replace(base.train, steps=4)
+    worst = np.zeros(1)
+    if comm.rank == 0:  # every rank learns the outcome: one failing alone would leave the others in a collective
+        resumed = train(dataclasses.replace(base, train=four, parallel=dataclasses.replace(base.parallel, zero=0)),
+                        MPI.COMM_SELF)
+        straight = alone(dataclasses.replace(base, train=four, checkpoint=dataclasses.replace(base.checkpoint,
+                                                                                              dir="")))
+        worst[0] = max_error(resumed, straight)
+    comm.Bcast(worst, root=0)
+    assert worst[0] < GPT_ADAMW_RTOL
+
+    ck2 = f"{shared_dir}/ck2"
+    if comm.rank == 0:
+        alone(dataclasses.replace(base, checkpoint=dataclasses.replace(base.checkpoint, dir=ck2)))
+    comm.Barrier()
+    tp = 2 if comm.size % 4 == 0 else 1
+    on_world = dataclasses.replace(base, train=four, checkpoint=dataclasses.replace(base.checkpoint, dir=ck2),
+                                   parallel=dataclasses.replace(base.parallel, zero=1, tp=tp))
+    resumed = train(on_world, comm)
+    straight = alone(dataclasses.replace(base, train=four, checkpoint=dataclasses.replace(base.checkpoint, dir="")))
+    assert max_error(resumed, straight) < GPT_ADAMW_RTOL

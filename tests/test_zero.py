@@ -1,0 +1,87 @@
+"""ZeRO's pieces without MPI: the slices of the flat buffer, releasable gradient memory, the config key."""
+
+import mmap
+
+import numpy as np
+import pytest
+
+from helpers import config
+from hpctrain.errors import ConfigError
+from hpctrain.parallel.zero import ALIGN, ReleasableHost, overlap, zero_slices
+
+
+@pytest.mark.parametrize("size", [0, 1, 15, 16, 17, 1000, 26_122, 1 << 20])
+@pytest.mark.parametrize("dp", [1, 2, 3, 4, 7, 64])
+def test_slices_cover_the_buffer_in_order_balanced_and_aligned(size, dp):
+    slices = zero_slices(size, dp)
+    assert len(slices) == dp and slices[0][0] == 0 and slices[-1][1] == size
+    assert all(a[1] == b[0] for a, b in zip(slices, slices[1:]))  # contiguous, in rank order
+    assert all(lo % ALIGN == 0 or lo == size for lo, _ in slices)
+    assert max(hi - lo for lo, hi in slices) <= -(-size // dp) + ALIGN - 1  # 1/dp, plus one alignment pad
+
+
+def test_overlap_of_ranges():
+    assert overlap((0, 10), (5, 20)) == (5, 10)
+    assert overlap((0, 10), (10, 20)) == (10, 10)
+    lo, hi = overlap((30, 40), (0, 10))
+    assert hi == lo  # empty
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_released_pages_read_as_zeros_and_leave_memory():
+    n = 64 << 20 >> 2  # 64 MiB of float32
+    buf = ReleasableHost(n)
+    if not buf.releasable:
+        pytest.skip("madvise(MADV_DONTNEED) is not available here")
+    before = _rss_kb()
+    buf.array[:] = 1.0
+    touched = _rss_kb()
+    assert touched - before > 60_000
+    page = mmap.PAGESIZE // 4
+    released = buf.release(page // 2, n - 10)  # partial pages at either end stay
+    assert released == (n - 10) // page * page * 4 - page * 4
+    assert _rss_kb() < touched - 60_000
+    assert buf.array[: page].all() and not buf.array[page : (n - 10) // page * page].any()
+    assert buf.array[-10:].all()
+    buf.array[page] = 2.0  # writable again: one page back
+    assert buf.array[page] == 2.0
+
+
+@pytest.mark.parametrize("value, message", [(3, "must be 0, 1 or 2"), (-1, "must be 0, 1 or 2"),
+                                            ("1", "expected int"), (True, "")])
+def test_bad_zero_is_one_line_naming_the_key(tmp_path, value, message):
+    with pytest.raises(ConfigError, match=f"parallel.zero.*{message}"):
+        config(tmp_path / "d.h5", parallel={"zero": value})
+
+
+def test_zero_with_the_parameter_server_names_both_keys(tmp_path):
+    with pytest.raises(ConfigError, match='parallel.zero: zero = 1 with parallel.mode = "async_ps" is not supported'):
+        config(tmp_path / "d.h5", parallel={"zero": 1, "mode": "async_ps"})
+
+
+def test_zero_alone_on_one_rank_says_it_has_no_effect(tmp_path):
+    from helpers import make_classification, train_params
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+    from mpi4py import MPI
+
+    make_classification(tmp_path / "d.h5", n=64)
+    cfg = config(tmp_path / "d.h5", parallel={"zero": 2}, train={"steps": 2})
+    lines = []
+    mesh = Mesh(comm=MPI.COMM_SELF)
+    t = Trainer(cfg, mesh=mesh, log=lines.append)
+    try:
+        t.run()
+        assert t.zero == 0 and t.grad_memory is None
+    finally:
+        t.close()
+        mesh.free()
+    said = [line for line in lines if "parallel.zero" in line]
+    assert said == ["parallel.zero = 2 has no effect with one data-parallel rank (dp = 1): nothing to shard the "
+                    "optimizer state or gradients over"]
+    assert np.allclose(train_params(cfg, MPI.COMM_SELF)["0.weight"],
+                       train_params(config(tmp_path / "d.h5", train={"steps": 2}), MPI.COMM_SELF)["0.weight"])

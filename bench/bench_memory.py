@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import shutil
 import statistics
@@ -84,7 +85,7 @@ def peak_rss(folder, config, ranks):
     hpctrain = os.path.join(os.path.dirname(sys.executable), "hpctrain")
     proc = run([mpiexec(), "-n", str(ranks), "/usr/bin/time", "-f", "peak-rss-kb %M", hpctrain, "train", config],
                folder)
-    peaks = [int(line.split()[1]) * 1024 / 1e6 for line in proc.stderr.splitlines() if line.startswith("peak-rss-kb")]
+    peaks = [int(kb) * 1024 / 1e6 for kb in re.findall(r"peak-rss-kb (\d+)", proc.stderr)]
     said = [line for line in proc.stdout.splitlines() if line.startswith("zero ")]
     return sorted(peaks), said
 

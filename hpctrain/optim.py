@@ -19,22 +19,24 @@ __all__ = ["Optimizer", "make_optimizer", "lr_at", "clip_coefficient"]
 class Optimizer:
     """Holds the optimizer slots and the step count; ``step(lr)`` updates params in place.
 
-    ``owned`` (ZeRO, parallel/zero.py): the [lo, hi) slice of the flat buffers this rank updates; the
-    slots then exist for the slice only (one tensor named ``"slice"``), and ``step`` reads the gradients
-    and writes the parameters of the slice alone. Default: the whole buffer, slots in its layout.
+    ``pieces`` (ZeRO, parallel/zero.py): the [a, b) ranges of the flat buffers this rank updates; the
+    slots then hold those ranges only, one after another (one tensor named ``"shard"``), and ``step``
+    reads the gradients and writes the parameters of those ranges alone. Default: the whole buffer, the
+    slots in its layout.
     """
 
-    def __init__(self, cfg, backend, params: FlatBuffer, grads: FlatBuffer, *, owned=None):
+    def __init__(self, cfg, backend, params: FlatBuffer, grads: FlatBuffer, *, pieces=None):
         self.cfg, self.backend, self.params, self.grads = cfg, backend, params, grads
         self.name = cfg.name
         self.weight_decay = cfg.weight_decay
         self.step_count = 0
-        self.owned = (0, params.layout.size) if owned is None else tuple(owned)
+        self.pieces = [(0, params.layout.size)] if pieces is None else [tuple(p) for p in pieces]
         if cfg.name == "sgd":
             slots = ("momentum_buffer",) if cfg.momentum != 0 else ()
         else:
             slots = ("exp_avg", "exp_avg_sq")
-        layout = params.layout if owned is None else ParamLayout([("slice", (self.owned[1] - self.owned[0],))])
+        size = sum(b - a for a, b in self.pieces)
+        layout = params.layout if pieces is None else ParamLayout([("shard", (size,))])
         self.slots = {name: FlatBuffer(backend, layout) for name in slots}
 
     @property
@@ -44,18 +46,23 @@ class Optimizer:
 
     def step(self, lr: float) -> None:
         self.step_count += 1
+        at = 0
+        for a, b in self.pieces:
+            if b > a:  # a ZeRO chunk can be empty (more data-parallel ranks than aligned pieces of a bucket)
+                self._update(lr, slice(a, b), slice(at, at + b - a))
+            at += b - a
+
+    def _update(self, lr: float, where: slice, state: slice) -> None:
+        """One fused kernel over the parameters ``where`` and the slots' values ``state``."""
         be, c = self.backend, self.cfg
-        lo, hi = self.owned
-        if hi == lo:
-            return  # a ZeRO slice with nothing in it (more data-parallel ranks than aligned pieces)
-        p, g = self.params.data[lo:hi], self.grads.data[lo:hi]
+        p, g = self.params.data[where], self.grads.data[where]
         if self.name == "sgd":
-            buf = self.slots["momentum_buffer"].data if self.slots else p  # unused without momentum
+            buf = self.slots["momentum_buffer"].data[state] if self.slots else p  # unused without momentum
             be.sgd_update(p, g, buf, lr=lr, momentum=c.momentum, weight_decay=self.weight_decay, nesterov=c.nesterov)
         else:
-            be.adam_update(p, g, self.slots["exp_avg"].data, self.slots["exp_avg_sq"].data, lr=lr, beta1=c.betas[0],
-                           beta2=c.betas[1], eps=c.eps, weight_decay=self.weight_decay, step=self.step_count,
-                           decoupled=self.name == "adamw")
+            be.adam_update(p, g, self.slots["exp_avg"].data[state], self.slots["exp_avg_sq"].data[state], lr=lr,
+                           beta1=c.betas[0], beta2=c.betas[1], eps=c.eps, weight_decay=self.weight_decay,
+                           step=self.step_count, decoupled=self.name == "adamw")
 
     def warm_up(self) -> None:
         """Compile the update kernel now (or load it from numba's disk cache), with one step on one-element
@@ -65,8 +72,8 @@ class Optimizer:
         Optimizer(self.cfg, be, FlatBuffer(be, layout), FlatBuffer(be, layout)).step(0.0)
 
 
-def make_optimizer(cfg, backend, params, grads, *, owned=None) -> Optimizer:
-    return Optimizer(cfg, backend, params, grads, owned=owned)
+def make_optimizer(cfg, backend, params, grads, *, pieces=None) -> Optimizer:
+    return Optimizer(cfg, backend, params, grads, pieces=pieces)
 
 
 def lr_at(cfg, step: int, total_steps: int) -> float:

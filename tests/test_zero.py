@@ -7,17 +7,32 @@ import pytest
 
 from helpers import config
 from hpctrain.errors import ConfigError
-from hpctrain.parallel.zero import ALIGN, ReleasableHost, overlap, zero_slices
+from hpctrain.parallel.zero import ALIGN, ReleasableHost, ZeroShard, overlap, split_range
 
 
 @pytest.mark.parametrize("size", [0, 1, 15, 16, 17, 1000, 26_122, 1 << 20])
-@pytest.mark.parametrize("dp", [1, 2, 3, 4, 7, 64])
-def test_slices_cover_the_buffer_in_order_balanced_and_aligned(size, dp):
-    slices = zero_slices(size, dp)
-    assert len(slices) == dp and slices[0][0] == 0 and slices[-1][1] == size
-    assert all(a[1] == b[0] for a, b in zip(slices, slices[1:]))  # contiguous, in rank order
-    assert all(lo % ALIGN == 0 or lo == size for lo, _ in slices)
-    assert max(hi - lo for lo, hi in slices) <= -(-size // dp) + ALIGN - 1  # 1/dp, plus one alignment pad
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 7, 64])
+def test_a_range_splits_in_order_balanced_and_aligned(size, parts):
+    pieces = split_range(5, 5 + size, parts)
+    assert len(pieces) == parts and pieces[0][0] == 5 and pieces[-1][1] == 5 + size
+    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))  # contiguous, in rank order
+    assert all((lo - 5) % ALIGN == 0 or lo == 5 + size for lo, _ in pieces)
+    assert max(hi - lo for lo, hi in pieces) <= -(-size // parts) + ALIGN - 1  # 1/parts, plus one alignment pad
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 4])
+def test_every_value_has_one_owner_and_round_trips(dp):
+    from hpctrain.parallel.data_parallel import make_buckets
+
+    size = 10_007
+    shards = [ZeroShard(make_buckets(size, 1000), dp, r) for r in range(dp)]
+    assert sum(s.size for s in shards) == size and shards[0].sizes() == [s.size for s in shards]
+    full = np.arange(size, dtype=np.float32)
+    back = np.full(size, -1, dtype=np.float32)
+    for r, s in enumerate(shards):
+        assert s.take(full).size == s.size
+        s.place(back, r, s.take(full))
+    assert np.array_equal(back, full)
 
 
 def test_overlap_of_ranges():

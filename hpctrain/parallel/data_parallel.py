@@ -26,10 +26,9 @@ Device buffers go to MPI directly when MPI is CUDA-aware; otherwise each
 bucket is staged through a host buffer. parallel/transport.py decides which.
 
 With ``parallel.zero >= 1`` (parallel/zero.py) each bucket is reduce-scattered instead:
-``Reduce_scatter`` with per-rank counts leaves the sum of the bucket's part of rank r's
-slice on rank r alone, written into the gradient buffer at the slice's place; the rest of
-the bucket keeps this rank's own, unreduced gradients (zero = 2 hands those pages back to
-the kernel at once). After the optimizer has stepped the slice, ``gather_params``
+each bucket is cut into dp chunks, and ``Reduce_scatter`` leaves the sum of chunk r on rank
+r alone, written into the gradient buffer at the chunk's place; the rest of the bucket keeps
+this rank's own, unreduced gradients (zero = 2 hands those pages back to the kernel at once). After the optimizer has stepped the slice, ``gather_params``
 all-gathers the parameters bucket by bucket (``Allgatherv`` in place). Buckets holding a
 tensor tied across pipeline stages (the GPT's token embedding) wait until ``wait()``: the
 two ends first sum their local gradients of it over ``ends_comm`` (``presum``), since after
@@ -71,14 +70,14 @@ class GradSync:
     bucket by bucket: on MPICH's shared memory 25 MB pieces ran at 2.3-2.5x the
     bandwidth of one 100 MB Allreduce (bench/bench_allreduce_patterns.py).
 
-    ZeRO (``slices``: every data-parallel rank's [lo, hi) of the buffer, parallel/zero.py): each
-    bucket is reduce-scattered into the slices; ``owned`` is this rank's. ``release``: the
-    gradient buffer's ReleasableHost (zero = 2), whose pages outside ``owned`` go back to the
-    kernel once their bucket is scattered. ``tied``: (local ranges, presum) of tensors tied across
+    ZeRO (``shard``: a ZeroShard, parallel/zero.py, whose buckets these are): each bucket is
+    reduce-scattered into its dp chunks, chunk r to rank r. ``release``: the gradient buffer's
+    ReleasableHost (zero = 2), whose pages outside this rank's chunk go back to the kernel once
+    their bucket is scattered. ``tied``: (local ranges, presum) of tensors tied across
     pipeline stages; their buckets are scattered in ``wait()`` after ``presum()``.
     """
 
-    def __init__(self, *, comm, transport, grads, bucket_mb: float, overlap: bool, diag=None, slices=None,
+    def __init__(self, *, comm, transport, grads, bucket_mb: float, overlap: bool, diag=None, shard=None,
                  release=None, tied=None):
         from mpi4py import MPI
 
@@ -92,20 +91,21 @@ class GradSync:
         self.direct = transport.direct
         self.host = transport.host_buffer((size,))
         self.active = comm.Get_size() > 1
-        self.slices = slices if self.active else None
-        self.owned = slices[comm.Get_rank()] if self.slices else (0, size)
-        self.release = release if self.slices else None
+        self.shard = shard if self.active else None
+        if self.shard is not None and self.shard.buckets != self.buckets:
+            raise ValueError("the ZeRO shard was cut from other buckets than this sync's")
+        self.release = release if self.shard else None
         self.wait_seconds = 0.0
         self.released_bytes = 0  # zero = 2: gradient pages handed back to the kernel this step
         self._ready = 0  # buckets [0, _ready) have all their gradients written
         self._launched = 0  # buckets [0, _launched) have their reduction started (or are held)
         self._requests = []
         self._held, self._presum = [], None
-        if self.slices:
+        if self.shard:
             ranges, self._presum = tied if tied else ((), None)
             self._held = [i for i, b in enumerate(self.buckets) if any(_overlap(b, r)[1] > _overlap(b, r)[0]
                                                                       for r in ranges)]
-            biggest = max((_overlap(b, self.owned)[1] - _overlap(b, self.owned)[0] for b in self.buckets), default=0)
+            biggest = max((b - a for a, b in self.shard.pieces), default=0)
             # Reduce_scatter may not write into the buffer it reads: each bucket's sum lands here first
             self._scatter_out = (self.backend.empty((biggest,)) if self.direct else transport.host_buffer((biggest,)))
         # Host buffers with MPI_THREAD_MULTIPLE: a communication thread runs blocking collectives while
@@ -124,13 +124,13 @@ class GradSync:
         return self.transport.outgoing(self.grads.data[lo:hi], None if self.direct else self.host[lo:hi])
 
     def _reduce(self, i) -> None:
-        """Bucket i's blocking collective: an Allreduce in place, or the reduce-scatter into the slices."""
+        """Bucket i's blocking collective: an Allreduce in place, or the reduce-scatter into its chunks."""
         lo, hi = self.buckets[i]
-        if not self.slices:
+        if not self.shard:
             self.comm.Allreduce(self.MPI.IN_PLACE, self._buffer(lo, hi), op=self.MPI.SUM)
             return
-        parts = [_overlap((lo, hi), s) for s in self.slices]
-        a, b = _overlap((lo, hi), self.owned)
+        parts = self.shard.parts[i]
+        a, b = self.shard.pieces[i]
         out = self._scatter_out[: b - a]
         self.comm.Reduce_scatter(self._buffer(lo, hi), out, [y - x for x, y in parts], op=self.MPI.SUM)
         if b > a:
@@ -156,7 +156,7 @@ class GradSync:
                     self._worker.submit(lambda i=self._launched: self._reduce(i))
                 self._launched += 1
             return
-        if self.slices:
+        if self.shard:
             return  # no overlap for reduce-scatters on this path: wait() runs them
         if self._launched < self._ready:
             lo, hi = self.buckets[self._launched]
@@ -167,7 +167,7 @@ class GradSync:
 
     def wait(self) -> None:
         """Complete the sum of every bucket (collective); afterwards every rank holds the same gradients
-        (under ZeRO: the summed gradients of its own slice)."""
+        (under ZeRO: the summed gradients of its own chunks)."""
         if not self.active:
             return
         t0 = time.perf_counter()
@@ -184,7 +184,7 @@ class GradSync:
                     self._reduce(i)
             self._wait_requests()
             self._launched = len(self.buckets)
-            if not self.slices:
+            if not self.shard:
                 self.transport.incoming(self.host, self.grads.data)
         if self._held:
             self._presum()  # the tied tensors' two ends, before their buckets leave the full buffer
@@ -204,12 +204,11 @@ class GradSync:
         self._requests = []
 
     def gather_params(self, params) -> None:
-        """ZeRO: every rank's updated slice of ``params`` (a backend array, this part's layout) to every rank,
+        """ZeRO: every rank's updated chunks of ``params`` (a backend array, this part's layout) to every rank,
         bucket by bucket with ``Allgatherv`` in place (collective over ``comm``)."""
-        if not self.slices:
+        if not self.shard:
             return
-        for lo, hi in reversed(self.buckets):  # first layers first: the next forward needs them first
-            parts = [_overlap((lo, hi), s) for s in self.slices]
+        for (lo, hi), parts in zip(reversed(self.buckets), reversed(self.shard.parts)):  # first layers first
             buf = self.transport.outgoing(params[lo:hi], None if self.direct else self.host[lo:hi])
             self.comm.Allgatherv(self.MPI.IN_PLACE, [buf, [y - x for x, y in parts], [x - lo for x, _ in parts],
                                                      self.MPI.FLOAT])

@@ -25,7 +25,7 @@ import numpy as np
 
 from .tensor import shard, unshard
 
-__all__ = ["gather_flat", "scatter_flat", "gather_slices"]
+__all__ = ["gather_flat", "scatter_flat", "gather_shards"]
 
 
 def _counts(ranges):
@@ -85,13 +85,13 @@ def gather_flat(mesh, local: np.ndarray, ranges, total: int, part) -> np.ndarray
     return None
 
 
-def scatter_flat(mesh, full: np.ndarray | None, ranges, part) -> np.ndarray:
+def scatter_flat(mesh, full: np.ndarray | None, ranges, part, *, out=None) -> np.ndarray:
     """This rank's owned part (``part.owned_size`` values) of ``full`` (given on world rank 0 only), on every
-    rank (collective over the mesh)."""
+    rank, in ``out`` when given (collective over the mesh)."""
     from mpi4py import MPI
 
     lo, hi = ranges[mesh.pp_rank]
-    local = np.empty(part.owned_size, dtype=np.float32)
+    local = np.empty(part.owned_size, dtype=np.float32) if out is None else out
     if mesh.dp_rank == 0:
         stage = np.empty(hi - lo, dtype=np.float32) if mesh.tp > 1 else local
         if mesh.tp_rank == 0:
@@ -107,16 +107,21 @@ def scatter_flat(mesh, full: np.ndarray | None, ranges, part) -> np.ndarray:
     return local
 
 
-def gather_slices(comm, local: np.ndarray, slices) -> np.ndarray | None:
-    """ZeRO: the whole buffer from every data-parallel rank's slice (``slices[r]`` on rank r of ``comm``),
-    on rank 0 of ``comm``, None elsewhere (collective over ``comm``)."""
+def gather_shards(comm, local: np.ndarray, shard) -> np.ndarray | None:
+    """ZeRO: the whole buffer from every data-parallel rank's chunks (``local``: this rank's, one after
+    another), on rank 0 of ``comm``, None elsewhere (collective over ``comm``)."""
     from mpi4py import MPI
 
     local = np.ascontiguousarray(local, dtype=np.float32)
-    counts, displs = _counts(slices)
-    if comm.Get_rank() == 0:
-        out = np.empty(slices[-1][1], dtype=np.float32)
-        comm.Gatherv(local, [out, counts, displs, MPI.FLOAT], root=0)
-        return out
-    comm.Gatherv(local, None, root=0)
-    return None
+    sizes = shard.sizes()
+    if comm.Get_rank() != 0:
+        comm.Gatherv(local, None, root=0)
+        return None
+    packed = np.empty(sum(sizes), dtype=np.float32)
+    comm.Gatherv(local, [packed, sizes, list(np.cumsum([0] + sizes[:-1])), MPI.FLOAT], root=0)
+    out = np.empty(shard.buckets[0][1] if shard.buckets else 0, dtype=np.float32)  # buckets are cut from the end
+    at = 0
+    for rank, n in enumerate(sizes):
+        shard.place(out, rank, packed[at : at + n])
+        at += n
+    return out

@@ -5,20 +5,24 @@
     zero = 1      # optimizer state sharded over dp: Adam's 8 bytes per parameter become 8/dp
     zero = 2      # and gradients: a bucket, once reduce-scattered, keeps only this rank's slice in memory
 
-With ``parallel.zero >= 1`` each data-parallel rank of a stage owns one contiguous, balanced
-slice ``[lo, hi)`` of the part's flat buffer (``zero_slices``: every rank computes the same cut
-from the buffer size alone, so nothing needs agreeing at run time beyond the layout hash that
-start-up already compares). The gradient sync reduce-scatters each bucket into the owners'
-slices (parallel/data_parallel.py: ``Reduce_scatter`` with per-rank counts, the reduce half of
-an Allreduce), the optimizer steps its slots for the slice only, and the parameters are
-all-gathered back bucket by bucket (the other half): the same bytes on the wire as an
-Allreduce, as in DeepSpeed ZeRO-1/2, Megatron-core's distributed optimizer and llm.c.
+With ``parallel.zero >= 1`` the gradient buffer's buckets (parallel/data_parallel.py) are each
+cut into ``dp`` balanced, aligned chunks, and data-parallel rank r owns chunk r of every bucket
+(``ZeroShard``; every rank computes every rank's chunks from the buffer size and bucket size
+alone, so nothing needs agreeing beyond the layout hash start-up already compares). Each bucket
+is reduce-scattered into its owners' chunks (``Reduce_scatter``, the reduce half of an
+Allreduce), the optimizer steps its slots for the rank's chunks only, and the parameters are
+all-gathered back bucket by bucket (``Allgatherv``, the other half): the same bytes on the
+wire as an Allreduce, as in DeepSpeed ZeRO-1/2 and Megatron-core's distributed optimizer,
+whose buffers are split per bucket the same way. A contiguous 1/dp slice of the whole buffer
+per rank (llm.c's) would send each bucket to one rank: MPICH's Reduce_scatter of a 25 MB
+bucket then took 10.5 ms against 6.6 ms split evenly at dp 2, and 50 ms against 13.8 ms at dp 4
+(docs/performance.md).
 
 zero = 2 releases gradient memory: on the CPU the gradient buffer is an anonymous private
-mapping (``ReleasableHost``) whose pages outside this rank's slice are handed back to the
+mapping (``ReleasableHost``) whose pages outside this rank's chunks are handed back to the
 kernel (``madvise(MADV_DONTNEED)``) as soon as a bucket is reduce-scattered; they read as
 zeros afterwards and are faulted in again by the next backward pass. Between steps and during
-the forward pass the gradients then hold this rank's slice, 4N/dp bytes, plus the buckets not
+the forward pass the gradients then hold this rank's chunks, 4N/dp bytes, plus the buckets not
 yet reduced.
 """
 
@@ -28,22 +32,55 @@ import mmap
 
 import numpy as np
 
-__all__ = ["ALIGN", "zero_slices", "overlap", "ReleasableHost"]
+__all__ = ["ALIGN", "ZeroShard", "split_range", "overlap", "ReleasableHost"]
 
 ALIGN = 16  # elements: 64 bytes, a cache line, so slices start aligned for the vector units
 
 
-def zero_slices(size: int, dp: int, align: int = ALIGN) -> list[tuple[int, int]]:
-    """``dp`` contiguous [lo, hi) slices covering ``range(size)``, balanced, every inner cut a multiple of ``align``.
-
-    Slice r holds ``ceil(size / dp)`` elements rounded up to ``align`` (the last ones fewer, possibly none):
-    every rank's optimizer state is at most one alignment pad above 1/dp of the buffer.
-    """
-    if dp < 1:
-        raise ValueError(f"dp must be >= 1, got {dp}")
-    per = -(-size // dp)
+def split_range(lo: int, hi: int, parts: int, align: int = ALIGN) -> list[tuple[int, int]]:
+    """``parts`` contiguous [a, b) pieces covering [lo, hi) in order, balanced, each inner cut ``align``-aligned
+    relative to ``lo``: every piece holds at most ``ceil((hi - lo) / parts)`` rounded up to ``align``."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    per = -(-(hi - lo) // parts)
     per = -(-per // align) * align
-    return [(min(size, r * per), min(size, (r + 1) * per)) for r in range(dp)]
+    return [(min(hi, lo + r * per), min(hi, lo + (r + 1) * per)) for r in range(parts)]
+
+
+class ZeroShard:
+    """What one data-parallel rank owns under ZeRO: chunk ``rank`` of each of ``buckets``.
+
+    ``parts[i]``: every rank's [a, b) chunk of bucket i (rank order); ``pieces[i]``: this rank's. Its
+    optimizer slots are one array of ``size`` values, the pieces one after another (``offsets[i]``).
+    """
+
+    def __init__(self, buckets, dp: int, rank: int, align: int = ALIGN):
+        self.buckets, self.dp, self.rank = list(buckets), dp, rank
+        self.parts = [split_range(lo, hi, dp, align) for lo, hi in self.buckets]
+        self.pieces = [parts[rank] for parts in self.parts]
+        self.offsets, at = [], 0
+        for a, b in self.pieces:
+            self.offsets.append(at)
+            at += b - a
+        self.size = at
+
+    def sizes(self) -> list[int]:
+        """How many values each rank owns (rank order)."""
+        return [sum(parts[r][1] - parts[r][0] for parts in self.parts) for r in range(self.dp)]
+
+    def take(self, full):
+        """This rank's pieces of ``full`` (a host array in the flat layout), one after another."""
+        import numpy as np
+
+        return np.concatenate([full[a:b] for a, b in self.pieces]) if self.pieces else full[:0].copy()
+
+    def place(self, out, rank: int, values) -> None:
+        """Rank ``rank``'s pieces (``values``, one after another) into their places in ``out``."""
+        at = 0
+        for parts in self.parts:
+            a, b = parts[rank]
+            out[a:b] = values[at : at + b - a]
+            at += b - a
 
 
 def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from .._memory import keep_freed_memory
 from ..errors import NonFiniteError
 from ..parallel.agree import QuietExit, check_same_everywhere, run_everywhere
 from ..parallel.data_parallel import GradSync
-from ..parallel.sharding import gather_flat, gather_slices
+from ..parallel.sharding import gather_flat, gather_shards
 from ..parallel.tied import sum_tied_grads
 from ..parallel.transport import PointToPoint
 from ..parallel.watch import Diagnostics, enabled_by_env
@@ -111,12 +111,12 @@ class Trainer:
         start = run_everywhere(mesh.world, (lambda: startup.read_start(self)) if self.rank0 else lambda: (None, None))
         startup.scatter_start(self, *start)
         tied = None  # ZeRO: tensors tied across stages are summed over their two ends before the scatter
-        if self.slices and self.part.shared:
+        if self.shard and self.part.shared:
             tied = ([(self.part.layout[n].offset, self.part.layout[n].end) for n in self.part.shared],
                     lambda: sum_tied_grads(mesh, self.transport, self.part, self.grads))
         self.sync = run_everywhere(mesh.world, lambda: GradSync(  # staging buffers: a device may run out
             comm=mesh.dp_comm, transport=self.transport, grads=self.grads, bucket_mb=cfg.parallel.bucket_mb,
-            overlap=cfg.parallel.overlap, diag=self.diag, slices=self.slices, release=self.grad_memory, tied=tied))
+            overlap=cfg.parallel.overlap, diag=self.diag, shard=self.shard, release=self.grad_memory, tied=tied))
         self.tracer = Tracer(mesh) if cfg.train.trace else None
         self._p2p = p2p = PointToPoint(comm=mesh.pp_comm, transport=self.transport, diag=self.diag) \
             if mesh.pp > 1 else None
@@ -134,10 +134,10 @@ class Trainer:
             self.log(f"parallel.zero = {cfg.parallel.zero} has no effect with one data-parallel rank (dp = 1): "
                      "nothing to shard the optimizer state or gradients over")
         elif self.zero:
-            lo, hi = self.optim.owned
-            self.log(f"zero {self.zero}: this rank updates {hi - lo:,} of its part's {self.part.layout.size:,} "
-                     f"parameters and holds {self.optim.slot_bytes / 1e6:,.1f} MB of optimizer state"
-                     + (f"; gradients outside its slice go back to the kernel once reduced" if self.grad_memory
+            self.log(f"zero {self.zero}: this rank updates {self.shard.size:,} of its part's "
+                     f"{self.part.layout.size:,} parameters (its chunk of each of {len(self.shard.buckets)} "
+                     f"bucket(s)) and holds {self.optim.slot_bytes / 1e6:,.1f} MB of optimizer state"
+                     + ("; gradients outside its chunks go back to the kernel once reduced" if self.grad_memory
                         else "; the full gradient buffer stays (a device backend)" if self.zero == 2 else ""))
         if mesh.tp > 1:
             split = [f"{lo}..{hi}" for lo, hi in self.model.tp_pairs] if self.model.tp_pairs else \
@@ -164,8 +164,8 @@ class Trainer:
         out = []
         for buf in [self.params] + list(self.optim.slots.values()):  # a tied tensor's replica stays behind
             local = self.be.to_host(buf.data)
-            if buf is not self.params and self.slices:  # ZeRO: the slices to data-parallel rank 0
-                local = gather_slices(self.mesh.dp_comm, local, self.slices)
+            if buf is not self.params and self.shard:  # ZeRO: every rank's chunks to data-parallel rank 0
+                local = gather_shards(self.mesh.dp_comm, local, self.shard)
                 if local is None:  # gather_flat would return None here too: only dp rank 0 speaks for a stage
                     out.append(None)
                     continue

@@ -33,7 +33,8 @@ from ..parallel.sharding import scatter_flat
 from ..parallel.tensor import TensorParallel
 from ..parallel.tied import broadcast_tied
 from ..parallel.transport import Transport
-from ..parallel.zero import ReleasableHost, zero_slices
+from ..parallel.data_parallel import make_buckets
+from ..parallel.zero import ReleasableHost, ZeroShard
 from ..params import FlatBuffer
 
 __all__ = ["prepare_data", "build", "lock_checkpoint_dir", "make_state", "read_start", "scatter_start"]
@@ -132,13 +133,13 @@ def lock_checkpoint_dir(t):
 def make_state(t) -> None:
     """This stage's parameter and gradient buffers and the optimizer with its slots (run on every rank).
 
-    Sets ``t.zero`` (the ZeRO stage in effect: none with one data-parallel rank) and ``t.slices`` (every
-    data-parallel rank's [lo, hi) of the part's flat buffer under ZeRO, else None; parallel/zero.py).
+    Sets ``t.zero`` (the ZeRO stage in effect: none with one data-parallel rank) and ``t.shard`` (under
+    ZeRO, the chunk of every gradient bucket this data-parallel rank owns, parallel/zero.py; else None).
     """
-    size, dp = t.part.layout.size, t.mesh.dp
-    t.zero = t.cfg.parallel.zero if dp > 1 else 0
-    t.slices = zero_slices(size, dp) if t.zero else None
-    t.grad_memory = None  # zero = 2 on the CPU: pages outside this rank's slice go back to the kernel
+    size, dp, p = t.part.layout.size, t.mesh.dp, t.cfg.parallel
+    t.zero = p.zero if dp > 1 else 0
+    t.shard = ZeroShard(make_buckets(size, p.bucket_mb * 1e6 / 4), dp, t.mesh.dp_rank) if t.zero else None
+    t.grad_memory = None  # zero = 2 on the CPU: pages outside this rank's chunks go back to the kernel
     t.params = FlatBuffer(t.be, t.part.layout)
     if t.zero == 2 and not t.be.is_device:
         t.grad_memory = ReleasableHost(size)
@@ -146,8 +147,7 @@ def make_state(t) -> None:
     else:
         t.grads = FlatBuffer(t.be, t.part.layout)
     t.part.bind(t.params, t.grads)
-    t.optim = make_optimizer(t.cfg.optim, t.be, t.params, t.grads,
-                             owned=t.slices[t.mesh.dp_rank] if t.slices else None)
+    t.optim = make_optimizer(t.cfg.optim, t.be, t.params, t.grads, pieces=t.shard.pieces if t.shard else None)
 
 
 def read_start(t):
@@ -192,14 +192,15 @@ def _warn_about_resume(t, state) -> None:
 def scatter_start(t, state, weights) -> None:
     """Rank 0's starting point (a checkpoint, a weights file or a fresh init) into every stage's buffers.
 
-    Collective over the mesh. Each buffer goes through host memory, one at a time: rank 0 packs the
-    full tensors, ``scatter_flat`` hands each stage its slice, then the copy into the backend's buffer
-    runs inside an agreement, as a device may run out of memory on one rank alone.
+    Collective over the mesh. One buffer at a time: rank 0 packs the full tensors, ``scatter_flat`` hands
+    each stage its slice (on the CPU straight into the buffer; on a device through host memory, the copy
+    inside an agreement, as a device may run out of memory on one rank alone). A fresh start sends no
+    optimizer state: its slots are the zeros they were made with.
     """
     cfg, mesh, rank0 = t.cfg, t.mesh, t.mesh.rank == 0
-    header = np.zeros(2, dtype=np.int64)  # step, optimizer step
+    header = np.zeros(3, dtype=np.int64)  # step, optimizer step, whether there is optimizer state to send
     if state is not None:
-        header[:] = state.step, state.optim_step
+        header[:] = state.step, state.optim_step, 1
         weights = state.params
         t.log(f"resuming from {state.path} at step {state.step}"
               + (f" (checkpoint.init {cfg.checkpoint.init} ignored)" if cfg.checkpoint.init else ""))
@@ -210,18 +211,29 @@ def scatter_start(t, state, weights) -> None:
     mesh.world.Bcast(header, root=0)
     t.step, t.optim.step_count = int(header[0]), int(header[1])
     ranges = [t.model.part(lo, hi).global_range for lo, hi in t.stages]
-    targets = [(t.params, weights)]
-    targets += [(buf, state.slots[slot] if state is not None else None) for slot, buf in t.optim.slots.items()]
-    for buf, arrays in targets:  # arrays None: zeros
-        full = t.model.layout.pack(arrays) if rank0 else None
-        host = np.zeros(t.part.layout.size, dtype=np.float32)
-        host[: t.part.owned_size] = scatter_flat(mesh, full, ranges, t.part)
-        del full
-        broadcast_tied(mesh, t.part, host)  # a tied tensor's replica on the last stage, from the first
-        if buf is not t.params and t.slices:  # ZeRO: optimizer state for this rank's slice only
-            lo, hi = t.slices[mesh.dp_rank]
-            host = host[lo:hi]
-        run_everywhere(mesh.world, lambda: t.be.copy_(buf.data, t.be.asarray(host)))  # noqa: B023
+    full = t.model.layout.pack(weights) if rank0 else None  # one full buffer at a time, on rank 0 only
+    weights = None  # a fresh start's named arrays: dropped once packed
+    _scatter_buffer(t, ranges, full, t.params)
+    del full
+    for slot, buf in t.optim.slots.items():  # a fresh start's optimizer state is the zeros it was made with
+        if header[2]:
+            _scatter_buffer(t, ranges, t.model.layout.pack(state.slots[slot]) if rank0 else None, buf)
+
+
+def _scatter_buffer(t, ranges, full, buf) -> None:
+    """Rank 0's ``full`` buffer (global layout) into every rank's ``buf``: its part, its tp shards, its ZeRO
+    chunks (collective over the mesh)."""
+    mesh = t.mesh
+    sliced = buf is not t.params and t.shard is not None  # ZeRO: optimizer state for this rank's chunks only
+    direct = not t.be.is_device and not sliced  # host memory: straight into the buffer, no staging copy
+    host = buf.data if direct else np.zeros(t.part.layout.size, dtype=np.float32)
+    scatter_flat(mesh, full, ranges, t.part, out=host[: t.part.owned_size])
+    broadcast_tied(mesh, t.part, host)  # a tied tensor's replica on the last stage, from the first
+    if direct:
+        return
+    if sliced:
+        host = t.shard.take(host)
+    run_everywhere(mesh.world, lambda: t.be.copy_(buf.data, t.be.asarray(host)))
 
 
 def _check_writable(key, path, *, folder):

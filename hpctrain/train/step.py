@@ -8,8 +8,8 @@ the step (``OptimizerStep``) reduces over the right groups:
 * a tensor two stages share (the GPT's tied embedding) has its gradient summed over
   the first and last stage (``ends_comm``);
 * under ZeRO (parallel/zero.py) each data-parallel rank holds the reduced gradients of its own
-  slice only: the norm² is first summed over the data-parallel group, clipping and the
-  optimizer touch the slice, and the updated parameters are all-gathered afterwards;
+  chunks only: the norm² is first summed over the data-parallel group, clipping and the
+  optimizer touch the chunks, and the updated parameters are all-gathered afterwards;
 * the gradient norm² is summed over the tensor-parallel ranks, then the pipeline stages:
   each tensor counted once (a shard on every tp rank, a replicated tensor on tp rank
   0, a tied tensor on its owner; data-parallel replicas hold the same reduced
@@ -73,10 +73,11 @@ class StepRunner:
                                       max_rows=max(1, sampler.local) * part.positions,
                                       tracer=tracer)
         self.tracer = tracer
-        self.owned = sync.owned if sync.slices else None  # ZeRO: the slice this rank reduces and updates
+        self.shard = sync.shard  # ZeRO: the chunks this rank reduces and updates (None: every gradient)
         self._norm_ranges = part.norm_ranges()
-        if self.owned is not None:  # each parameter counted once over dp too: by the owner of its slice
-            self._norm_ranges = [r for r in (overlap(r, self.owned) for r in self._norm_ranges) if r[1] > r[0]]
+        if self.shard is not None:  # each parameter counted once over dp too: by the owner of its chunk
+            self._norm_ranges = [r for r in (overlap(n, p) for n in self._norm_ranges for p in self.shard.pieces)
+                                 if r[1] > r[0]]
         self._eval_schedules = {}
         # whose loss sums count: the last stage's (one tensor-parallel rank of it)
         self.holds_loss = part.is_last and mesh.tp_rank == 0
@@ -110,7 +111,7 @@ class StepRunner:
 
         cfg, be, part = self.cfg, self.be, self.part
         t0 = time.perf_counter()
-        if part.shared and self.owned is None:  # a tied tensor: the first and the last stage sum their gradients
+        if part.shared and self.shard is None:  # a tied tensor: the first and the last stage sum their gradients
             sum_tied_grads(self.mesh, self.transport, part, self.grads)  # (both ends wait here; ZeRO: in the sync)
         wait = time.perf_counter() - t0
         # each tensor counted once: a shard on every tensor-parallel rank, a replicated tensor on one
@@ -118,7 +119,7 @@ class StepRunner:
         norm2 = np.array([sum(be.sum_squares(data if (lo, hi) == (0, data.size) else data[lo:hi])
                               for lo, hi in self._norm_ranges)], dtype=np.float64)
         t0 = time.perf_counter()
-        if self.owned is not None:  # ZeRO: each data-parallel rank holds the reduced gradients of its slice
+        if self.shard is not None:  # ZeRO: each data-parallel rank holds the reduced gradients of its chunks
             self.mesh.dp_comm.Allreduce(MPI.IN_PLACE, norm2, op=MPI.SUM)
         if self.mesh.tp > 1:
             self.mesh.tp_comm.Allreduce(MPI.IN_PLACE, norm2, op=MPI.SUM)
@@ -138,11 +139,12 @@ class StepRunner:
             self.log(f"step {step + 1}: non-finite gradients, step skipped")
         else:
             coef = clip_coefficient(norm, cfg.train.grad_clip)
-            lo, hi = self.optim.owned
-            if coef < 1.0 and hi > lo:
-                be.scale_(self.grads.data[lo:hi], coef)
+            if coef < 1.0:
+                for lo, hi in self.optim.pieces:  # ZeRO: this rank's chunks; else the whole buffer
+                    if hi > lo:
+                        be.scale_(self.grads.data[lo:hi], coef)
             self.optim.step(lr)
-            self.sync.gather_params(self.optim.params.data)  # ZeRO: every rank's updated slice to every rank
+            self.sync.gather_params(self.optim.params.data)  # ZeRO: every rank's updated chunks to every rank
             be.synchronize()
         return dict(grad_norm=norm, skipped=skipped, wait=wait)
 

@@ -15,7 +15,8 @@ from mpi4py import MPI
 
 from helpers import config, gpt_config, train_params as train
 from hpctrain.parallel.mesh import Mesh
-from hpctrain.parallel.zero import zero_slices
+from hpctrain.parallel.data_parallel import make_buckets
+from hpctrain.parallel.zero import ZeroShard
 from hpctrain.train import Trainer
 
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
@@ -82,18 +83,21 @@ def test_zero_equals_zero_0_on_the_same_layout(comm, tokens):
 @pytest.mark.parametrize("zero", [1, 2])
 def test_optimizer_state_is_one_slice_of_the_buffer(comm, data, zero):
     cfg = config(data, hidden=32, optim=ADAMW, train={"steps": 1, "batch_size": 8 * comm.size},
-                 parallel={"zero": zero})
+                 parallel={"zero": zero, "bucket_mb": 0.001})
     mesh = Mesh(comm=comm)
     t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
     try:
         n = t.part.layout.size
-        lo, hi = t.optim.owned
         if comm.size == 1:
-            assert (lo, hi) == (0, n) and t.zero == 0 and t.slices is None  # nothing to shard over
+            assert t.optim.pieces == [(0, n)] and t.zero == 0 and t.shard is None  # nothing to shard over
+            mine = n
         else:
-            assert (lo, hi) == zero_slices(n, comm.size)[comm.rank]
-            assert hi - lo <= -(-n // comm.size) + 16  # one alignment pad at most
-        assert t.optim.slot_bytes == 8 * (hi - lo)  # Adam: exp_avg and exp_avg_sq, float32
+            want = ZeroShard(make_buckets(n, cfg.parallel.bucket_mb * 1e6 / 4), comm.size, comm.rank)
+            assert t.optim.pieces == want.pieces
+            mine = t.shard.size
+            assert mine <= n / comm.size + 16 * len(t.shard.buckets)  # one alignment pad per bucket at most
+            assert sum(want.sizes()) == n  # every value owned by exactly one rank
+        assert t.optim.slot_bytes == 8 * mine  # Adam: exp_avg and exp_avg_sq, float32
         t.run()
     finally:
         t.close()
@@ -110,13 +114,14 @@ def test_zero_2_hands_gradient_pages_back(comm, data):
     t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
     try:
         t.run()
-        lo, hi = t.optim.owned
-        outside = t.part.layout.size - (hi - lo)
-        kept = 2 * 1024 * (len(t.sync.buckets) + 1)  # pages a bucket or slice boundary cuts stay whole
+        outside = t.part.layout.size - t.shard.size
+        kept = 2 * 1024 * 2 * len(t.sync.buckets)  # pages a bucket or chunk boundary cuts stay whole
         assert outside > 4 * kept  # the test means something
         assert t.sync.released_bytes >= 4 * (outside - kept)
-        g = t.grads.data  # released pages read as zeros
-        assert np.count_nonzero(g[:lo]) + np.count_nonzero(g[hi:]) <= kept
+        g = t.grads.data.copy()  # released pages read as zeros
+        for a, b in t.shard.pieces:
+            g[a:b] = 0
+        assert np.count_nonzero(g) <= kept
     finally:
         t.close()
         mesh.free()

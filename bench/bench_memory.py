@@ -9,8 +9,8 @@ Against zero = 0, zero = 1 saves 8N(1 - 1/dp) bytes of optimizer state (6N at dp
 4N(1 - 1/dp) of gradients (9N in all at dp 4). Targets: each rank's peak RSS falls by at least 75% of
 that; step time with zero 1 and 2 at least 0.95x zero = 0 at dp 2.
 
-1. Memory: ``mpiexec -n 4 /usr/bin/time -f %M hpctrain train ...`` once per zero setting; /usr/bin/time
-   gives each rank's peak RSS (kB), the log line gives what hpctrain says each rank holds.
+1. Memory: ``mpiexec -n 4 sh -c '/usr/bin/time -f %M -o rss.$PMI_RANK hpctrain train ...'`` once per zero
+   setting: each rank's peak RSS (kB); the log line gives what hpctrain says each rank holds.
 2. Speed: ``mpiexec -n 2 hpctrain train ...`` per zero setting, alternated over ``--repeat`` rounds so
    drift in the machine's load hits each alike; the median of the mean step time (compute + comm +
    optim, from the metrics file, the first step left out).
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import os
 import shutil
 import statistics
@@ -81,11 +80,17 @@ def run(cmd, folder):
 
 
 def peak_rss(folder, config, ranks):
-    """Every rank's peak RSS in MB, from /usr/bin/time -f %M (kB) printed last by each rank."""
+    """Every rank's peak RSS in MB, from /usr/bin/time -f %M (kB), each rank's into its own file."""
     hpctrain = os.path.join(os.path.dirname(sys.executable), "hpctrain")
-    proc = run([mpiexec(), "-n", str(ranks), "/usr/bin/time", "-f", "peak-rss-kb %M", hpctrain, "train", config],
-               folder)
-    peaks = [int(kb) * 1024 / 1e6 for kb in re.findall(r"peak-rss-kb (\d+)", proc.stderr)]
+    for name in os.listdir(folder):
+        if name.startswith("rss."):
+            os.remove(os.path.join(folder, name))
+    timed = f'exec /usr/bin/time -f %M -o "rss.${{PMI_RANK:-$OMPI_COMM_WORLD_RANK}}" "{hpctrain}" train "{config}"'
+    proc = run([mpiexec(), "-n", str(ranks), "sh", "-c", timed], folder)
+    peaks = []
+    for rank in range(ranks):
+        with open(os.path.join(folder, f"rss.{rank}")) as f:
+            peaks.append(int(f.read().split()[-1]) * 1024 / 1e6)
     said = [line for line in proc.stdout.splitlines() if line.startswith("zero ")]
     return sorted(peaks), said
 
@@ -98,8 +103,9 @@ def step_seconds(folder, config, zero, ranks):
     run([mpiexec(), "-n", str(ranks), hpctrain, "train", config], folder)
     with open(metrics) as f:
         lines = [json.loads(line) for line in f if '"loss"' in line]
-    steps = [r["compute_s"] + r["comm_s"] + r["optim_s"] for r in lines[1:]]  # the first: compiles and faults
-    return statistics.mean(steps)
+    rows = lines[1:]  # the first: compiles and faults
+    parts = {k: statistics.mean(r[f"{k}_s"] for r in rows) for k in ("compute", "comm", "optim")}
+    return sum(parts.values()), parts
 
 
 def main():
@@ -137,16 +143,20 @@ def main():
             for s in said[:1]:
                 print(f"    rank 0 says: {s}")
         print(f"step time at dp {args.speed_ranks} ({args.speed_steps} steps, median of {args.repeat} rounds):")
-        times = {0: [], 1: [], 2: []}
+        times, split = {0: [], 1: [], 2: []}, {0: [], 1: [], 2: []}
         for _ in range(args.repeat):
             for zero in (0, 1, 2):
                 config = write_config(folder, args.width, args.batch, args.speed_steps, zero, args.bucket_mb)
-                times[zero].append(step_seconds(folder, config, zero, args.speed_ranks))
+                total, parts = step_seconds(folder, config, zero, args.speed_ranks)
+                times[zero].append(total)
+                split[zero].append(parts)
         t0 = statistics.median(times[0])
         for zero in (0, 1, 2):
             t = statistics.median(times[zero])
-            print(f"  zero {zero}: {t * 1e3:,.1f} ms/step" + (f"; speed {t0 / t:.3f}x zero 0 (target >= 0.95)"
-                                                             if zero else ""))
+            parts = ", ".join(f"{k} {statistics.median(p[k] for p in split[zero]) * 1e3:.0f}"
+                              for k in ("compute", "comm", "optim"))
+            print(f"  zero {zero}: {t * 1e3:,.1f} ms/step ({parts} ms)"
+                  + (f"; speed {t0 / t:.3f}x zero 0 (target >= 0.95)" if zero else ""))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

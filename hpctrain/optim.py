@@ -44,12 +44,16 @@ class Optimizer:
         """Bytes of optimizer state this rank holds."""
         return 4 * sum(buf.layout.size for buf in self.slots.values())
 
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, after=None) -> None:
+        """One update of every piece; ``after(i)``, when given, runs once piece i is updated (ZeRO's
+        all-gather of that bucket starts there, while the next piece updates)."""
         self.step_count += 1
         at = 0
-        for a, b in self.pieces:
+        for i, (a, b) in enumerate(self.pieces):
             if b > a:  # a ZeRO chunk can be empty (more data-parallel ranks than aligned pieces of a bucket)
                 self._update(lr, slice(a, b), slice(at, at + b - a))
+            if after is not None:
+                after(i)
             at += b - a
 
     def _update(self, lr: float, where: slice, state: slice) -> None:

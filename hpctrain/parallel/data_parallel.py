@@ -26,14 +26,16 @@ Device buffers go to MPI directly when MPI is CUDA-aware; otherwise each
 bucket is staged through a host buffer. parallel/transport.py decides which.
 
 With ``parallel.zero >= 1`` (parallel/zero.py) each bucket is reduce-scattered instead:
-each bucket is cut into dp chunks, and ``Reduce_scatter`` leaves the sum of chunk r on rank
-r alone, written into the gradient buffer at the chunk's place; the rest of the bucket keeps
-this rank's own, unreduced gradients (zero = 2 hands those pages back to the kernel at once). After the optimizer has stepped the slice, ``gather_params``
-all-gathers the parameters bucket by bucket (``Allgatherv`` in place). Buckets holding a
-tensor tied across pipeline stages (the GPT's token embedding) wait until ``wait()``: the
-two ends first sum their local gradients of it over ``ends_comm`` (``presum``), since after
-the scatter no rank holds the whole reduced tensor. On a device, or without
-MPI_THREAD_MULTIPLE, the buckets are reduce-scattered in ``wait()``, after backward.
+it is cut into dp chunks, and ``Reduce_scatter`` leaves the sum of chunk r on rank r
+alone, written into the gradient buffer at the chunk's place; the rest of the bucket keeps
+this rank's own, unreduced gradients (zero = 2 hands those pages back to the kernel at
+once). As the optimizer finishes each bucket's chunk, ``gather_bucket`` all-gathers that
+bucket's parameters (``Allgatherv`` in place, on the communication thread while the next
+chunk updates); ``finish_gather`` waits for them. Buckets holding a tensor tied across
+pipeline stages (the GPT's token embedding) wait until ``wait()``: the two ends first sum
+their local gradients of it over ``ends_comm`` (``presum``), since after the scatter no
+rank holds the whole reduced tensor. On a device, or without MPI_THREAD_MULTIPLE, the
+buckets are reduce-scattered in ``wait()``, after backward, and gathered one by one.
 """
 
 from __future__ import annotations
@@ -203,16 +205,28 @@ class GradSync:
                 self.diag.end()
         self._requests = []
 
-    def gather_params(self, params) -> None:
-        """ZeRO: every rank's updated chunks of ``params`` (a backend array, this part's layout) to every rank,
-        bucket by bucket with ``Allgatherv`` in place (collective over ``comm``)."""
+    def gather_bucket(self, i: int, params) -> None:
+        """ZeRO: every rank's updated chunk of bucket i of ``params`` (a backend array, this part's layout) to
+        every rank with ``Allgatherv`` in place; on the communication thread when there is one, so the
+        optimizer updates the next bucket meanwhile (collective over ``comm``; ``finish_gather`` completes)."""
         if not self.shard:
             return
-        for (lo, hi), parts in zip(reversed(self.buckets), reversed(self.shard.parts)):  # first layers first
-            buf = self.transport.outgoing(params[lo:hi], None if self.direct else self.host[lo:hi])
-            self.comm.Allgatherv(self.MPI.IN_PLACE, [buf, [y - x for x, y in parts], [x - lo for x, _ in parts],
-                                                     self.MPI.FLOAT])
-            self.transport.incoming(buf, params[lo:hi])
+        if self._worker is not None:
+            self._worker.submit(lambda: self._gather(i, params))
+        else:
+            self._gather(i, params)
+
+    def _gather(self, i: int, params) -> None:
+        (lo, hi), parts = self.buckets[i], self.shard.parts[i]
+        buf = self.transport.outgoing(params[lo:hi], None if self.direct else self.host[lo:hi])
+        self.comm.Allgatherv(self.MPI.IN_PLACE, [buf, [b - a for a, b in parts], [a - lo for a, _ in parts],
+                                                 self.MPI.FLOAT])
+        self.transport.incoming(buf, params[lo:hi])
+
+    def finish_gather(self) -> None:
+        """Wait for the all-gathers ``gather_bucket`` started; afterwards every rank holds the same parameters."""
+        if self.shard and self._worker is not None:
+            self._worker.join()
 
     def close(self) -> None:
         """Stop the communication thread, if any (not collective)."""

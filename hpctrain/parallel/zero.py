@@ -103,6 +103,13 @@ class ReleasableHost:
         self._map = mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
         self.array = np.frombuffer(self._map, dtype=np.float32, count=self.n)
         self.releasable = hasattr(self._map, "madvise") and hasattr(mmap, "MADV_DONTNEED")
+        if self.releasable and hasattr(mmap, "MADV_HUGEPAGE"):
+            # transparent huge pages where the kernel allows them: a released bucket is faulted in again by
+            # the next backward pass, 2 MiB at a time instead of 4 KiB
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
 
     def release(self, lo: int, hi: int) -> int:
         """Hand back the whole pages inside elements [lo, hi); returns the bytes released."""

@@ -143,8 +143,12 @@ class StepRunner:
                 for lo, hi in self.optim.pieces:  # ZeRO: this rank's chunks; else the whole buffer
                     if hi > lo:
                         be.scale_(self.grads.data[lo:hi], coef)
-            self.optim.step(lr)
-            self.sync.gather_params(self.optim.params.data)  # ZeRO: every rank's updated chunks to every rank
+            if self.shard is None:
+                self.optim.step(lr)
+            else:  # ZeRO: each bucket's updated chunks to every rank, as soon as this rank's chunk is updated
+                params = self.optim.params.data
+                self.optim.step(lr, after=lambda i: self.sync.gather_bucket(i, params))
+                self.sync.finish_gather()
             be.synchronize()
         return dict(grad_norm=norm, skipped=skipped, wait=wait)
 

@@ -90,6 +90,7 @@ class TrainConfig:
     micro_batches: int = 1
     skip_nonfinite: bool = False
     max_skipped_steps: int = 10  # skip_nonfinite: this many non-finite steps in a row stop the run
+    recompute: str = "none"  # "blocks": keep each partition unit's input only, recompute its forward in backward
     trace: str = ""
     debug_collectives: bool = False  # fingerprint every collective across its ranks (parallel/watch.py)
     collective_timeout: float = 0.0  # seconds in one MPI call (or silent) before the job is ended; 0 = off
@@ -165,6 +166,7 @@ CHOICES = {
     ("model", "kind"): ("mlp", "gpt"),
     ("data", "corpus"): ("", "pydoc"),
     ("train", "loss"): ("cross_entropy", "mse"),
+    ("train", "recompute"): ("none", "blocks"),
     ("train", "backend"): ("auto", "cpu", "cuda"),
     ("optim", "name"): ("sgd", "adam", "adamw"),
     ("optim", "schedule"): ("constant", "cosine", "linear"),

@@ -32,7 +32,7 @@ from ..errors import ConfigError, LayoutError
 from ..params import FlatBuffer, ParamLayout
 from .layers import LayerNorm, Linear, make_layer
 
-__all__ = ["ModelSpec", "ModelPart"]
+__all__ = ["ModelSpec", "ModelPart", "UnitInputs"]
 
 
 class ModelSpec:
@@ -241,6 +241,10 @@ class ModelPart:
                              else (0, 0))  # this part's slice of the global flat buffer
         # the local offset from which each layer's backward leaves every gradient final; None: it writes none
         # of its own (a tie to a tensor another layer of this part owns and writes later)
+        # the partition units inside this part, as local layer ranges: what recompute = "blocks" keeps
+        units = spec.tp_units() if split else spec.units
+        self.units = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in units if a <= hi and b >= lo]
+        self.recompute = False  # train.recompute = "blocks": keep each unit's input only, recompute in backward
         self._first_offset = []
         for layer, prefix in zip(self.layers, self.prefixes):
             mine = [prefix + n for n, _ in layer.params] + [prefix + n for n, _ in layer.ties
@@ -288,7 +292,15 @@ class ModelPart:
             written.update(prefix + n for n in names)
 
     def forward(self, be, x):
-        """Return (output, saved): ``saved`` holds what each layer's backward needs."""
+        """Return (output, saved): ``saved`` holds what each layer's backward needs, or, with ``recompute``,
+        each unit's input only (a ``UnitInputs``)."""
+        if self.recompute:
+            inputs = []
+            for a, b in self.units:
+                inputs.append(x)
+                for layer in self.layers[a : b + 1]:
+                    x, _ = layer.forward(be, x)  # what the layer saved is dropped here and rebuilt in backward
+            return x, UnitInputs(inputs)
         saved = []
         for layer in self.layers:
             x, s = layer.forward(be, x)
@@ -300,10 +312,36 @@ class ModelPart:
 
         ``on_final(lo)``, when given, runs as soon as every gradient from local flat offset ``lo``
         to the end of the buffer has its final value for this step (the data-parallel sync's cue).
+        Under recompute each unit's forward runs again from its saved input just before its backward:
+        the same kernels on the same values, so the gradients are bitwise those of a stored forward.
         """
-        for k in range(len(self.layers) - 1, -1, -1):
-            last = k == 0 and not need_dinp
-            dout = self.layers[k].backward(be, dout, saved[k], accumulate=accumulate, need_dinp=not last)
-            if on_final is not None and self._first_offset[k] is not None:
-                on_final(self._first_offset[k])
+        for u in range(len(self.units) - 1, -1, -1):
+            a, b = self.units[u]
+            if isinstance(saved, UnitInputs):
+                x, mine = saved.inputs[u], []
+                for layer in self.layers[a : b + 1]:
+                    x, s = layer.forward(be, x)
+                    mine.append(s)
+                del x
+            else:
+                mine = saved[a : b + 1]
+            for k in range(b, a - 1, -1):
+                last = k == 0 and not need_dinp
+                dout = self.layers[k].backward(be, dout, mine[k - a], accumulate=accumulate, need_dinp=not last)
+                mine[k - a] = None  # this layer's activations can go now
+                if on_final is not None and self._first_offset[k] is not None:
+                    on_final(self._first_offset[k])
         return dout
+
+
+class UnitInputs:
+    """What a forward under ``recompute = "blocks"`` keeps: each partition unit's input (one array each)."""
+
+    __slots__ = ("inputs",)
+
+    def __init__(self, inputs):
+        self.inputs = inputs
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(getattr(x, "nbytes", 0)) for x in self.inputs)

@@ -71,6 +71,7 @@ def build(t) -> None:
     t.stages = t.model.partition(mesh.pp, cfg.parallel.stages, tp=mesh.tp)
     t.tensor = TensorParallel(mesh.tp_comm, t.transport) if mesh.tp > 1 else None
     t.part = t.model.part(*t.stages[mesh.pp_rank], tp=t.tensor)
+    t.part.recompute = cfg.train.recompute == "blocks"
     t.loss = make_loss(cfg.train.loss)
     t.data = open_dataset(cfg, t.loss, t.model)
     t.sampler = Sampler(t.data.n_train, cfg.train.batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,

@@ -155,3 +155,14 @@ def test_zero_checkpoints_resume_across_zero_and_layouts(comm, tokens, shared_di
     resumed = train(on_world, comm)
     straight = alone(dataclasses.replace(base, train=four, checkpoint=dataclasses.replace(base.checkpoint, dir="")))
     assert max_error(resumed, straight) < GPT_ADAMW_RTOL
+
+
+def test_recompute_on_every_layout_is_bitwise_the_same(comm, tokens):
+    """train.recompute = "blocks" with zero 2, pp and tp: the same bits as storing every activation."""
+    for pp, tp in layouts(comm):
+        dp = comm.size // (pp * tp)
+        cfg = gpt_config(tokens, optim=ADAMW, train={"batch_size": 4 * dp, "micro_batches": 2},
+                         parallel={"zero": 2, "pp": pp, "tp": tp, **SMALL_BUCKETS})
+        stored = train(cfg, comm)
+        recomputed = train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="blocks")), comm)
+        assert all(np.array_equal(stored[n], recomputed[n]) for n in stored), (pp, tp)

@@ -1,4 +1,4 @@
-"""Command line: ``hpctrain train | config | env | inspect | sample | data | plot``, ``hpctrain --version``.
+"""Command line: ``hpctrain train | config | env | plan | inspect | sample | data | plot``, ``hpctrain --version``.
 
     hpctrain train jobs/configs/digits.toml
     mpiexec -n 2 hpctrain train jobs/configs/digits.toml --set train.steps=100
@@ -8,6 +8,7 @@
     hpctrain data text2h5 INPUT.txt OUT.h5
     hpctrain config jobs/configs/gpt-char.toml --set parallel.tp=2   # the resolved config, every default
     hpctrain env                                                    # versions, MPI, GPUs, BLAS threads
+    hpctrain plan jobs/configs/gpt-char.toml -n 4 --mem-per-rank 2GB  # every rank's memory, before a job
     hpctrain plot runs/digits/metrics.jsonl -o loss.png             # needs matplotlib (hpctrain[plot])
 
 Errors a user can cause print one line, ``hpctrain: error: ...`` (with the
@@ -44,6 +45,21 @@ def _parser():
     c.add_argument("config", help="path to the TOML config")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, as for train")
+    pn = sub.add_parser("plan", help="every rank's memory for a config and a world size, without starting ranks",
+                        description="Parameters, gradients, optimizer state, activations at the schedule's peak,\n"
+                                    "communication buffers and the runtime's baseline of every rank of the layout,\n"
+                                    "worked out from the config alone (no MPI, no data). MB = 10^6 bytes.",
+                        epilog="examples:\n  hpctrain plan jobs/configs/gpt-char.toml -n 4 --set parallel.zero=1\n"
+                               "  hpctrain plan my.toml -n 8 --mem-per-rank 40GB\n"
+                               "exit status: 0, or 1 when --mem-per-rank is given and a rank does not fit",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    pn.add_argument("config", help="path to the TOML config")
+    pn.add_argument("-n", dest="ranks", type=int, default=1, help="the world size (default 1)")
+    pn.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a config value, as for train")
+    pn.add_argument("--json", action="store_true", help='print {"ranks": [{"rank": 0, ..., "total_bytes": ...}]}')
+    pn.add_argument("--mem-per-rank", metavar="SIZE", help="say which ranks do not fit in SIZE (5.5GB, 40GiB, "
+                                                           "512MB) and which change would make them fit")
     sub.add_parser("env", help="versions, the MPI library, CUDA-awareness, GPUs and BLAS threads of this machine")
     i = sub.add_parser("inspect", help="describe a checkpoint and verify its checksums")
     i.add_argument("path")
@@ -191,6 +207,41 @@ def _config(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from .config import load_config
+    from .errors import ConfigError
+    from .plan import advice, parse_size, plan, plan_json, plan_table
+
+    if args.ranks < 1:
+        raise ConfigError(f"-n: must be at least 1, got {args.ranks}")
+    limit = None
+    if args.mem_per_rank is not None:
+        try:
+            limit = parse_size(args.mem_per_rank)
+        except ValueError as e:
+            raise ConfigError(f"--mem-per-rank: {e}") from None
+    cfg = load_config(args.config, args.overrides)
+    if cfg.parallel.mode != "sync":
+        raise ConfigError(f'parallel.mode = "{cfg.parallel.mode}": hpctrain plan covers synchronous training only')
+    device = cfg.train.backend == "cuda"
+    ranks = plan(cfg, args.ranks, device=device)
+    over = [m.rank for m in ranks if limit is not None and m.total_bytes > limit]
+    if args.json:
+        print(plan_json(ranks))
+    else:
+        print(plan_table(ranks, limit))
+        if limit is not None and over:
+            print(f"ranks {', '.join(map(str, over))} do not fit in {limit / 1e6:,.0f} MB (largest "
+                  f"{max(m.total_bytes for m in ranks) / 1e6:,.0f} MB)")
+            fixes = advice(cfg, args.ranks, limit, device=device)
+            print("each of these would fit:\n  " + "\n  ".join(fixes) if fixes else
+                  "no single change of parallel.zero, train.recompute, parallel.pp or parallel.tp on "
+                  f"{args.ranks} rank(s) fits; use more ranks or a smaller train.batch_size")
+        elif limit is not None:
+            print(f"every rank fits in {limit / 1e6:,.0f} MB")
+    return 1 if over else 0
+
+
 def _env(args) -> int:
     from .envinfo import report
 
@@ -200,7 +251,7 @@ def _env(args) -> int:
 
 COMMANDS = {"train": lambda a: _train(a), "inspect": lambda a: _inspect(a), "sample": lambda a: _sample(a),
             "data": lambda a: _data(a), "config": lambda a: _config(a), "env": lambda a: _env(a),
-            "plot": lambda a: _plot(a)}
+            "plot": lambda a: _plot(a), "plan": lambda a: _plan(a)}
 
 
 def _say(line: str) -> None:

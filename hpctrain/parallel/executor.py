@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from .schedule import (Backward, Exchange, Forward, LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad,
                        ReduceGrads, SendActivation, SendGrad)
 
-__all__ = ["StageExecutor", "StepResult", "bubble_share"]
+__all__ = ["StageExecutor", "StepResult", "bubble_share", "nbytes_of"]
 
 ACTIVATION, GRAD = 0, 1  # message kinds; the tag of micro-batch i's message is 2·i + kind
 
@@ -229,7 +229,7 @@ class StageExecutor:
             self._saved[mb] = saved
             rows = self.batch.rows(mb)
             if rows not in self._saved_bytes:
-                self._saved_bytes[rows] = _nbytes(saved)
+                self._saved_bytes[rows] = nbytes_of(saved)
             self._live_bytes[mb] = self._saved_bytes[rows]
             self.result.peak_live = max(self.result.peak_live, len(self._saved))
             self.result.peak_bytes = max(self.result.peak_bytes, sum(self._live_bytes.values()))
@@ -273,7 +273,7 @@ class StageExecutor:
         self._trace("optimizer", -1, t0, t1)
 
 
-def _nbytes(saved) -> int:
+def nbytes_of(saved) -> int:
     """Bytes of the distinct arrays in a (nested) saved structure."""
     seen, total, todo = set(), 0, [saved]
     while todo:

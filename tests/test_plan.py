@@ -1,0 +1,143 @@
+"""hpctrain plan: every rank's bytes from a config and a world size, without MPI or the data.
+
+The planner and a run share one description (hpctrain/plan.py: RankMemory); the figures here are checked
+against what the parts and the optimizer really allocate, built the same way a Trainer builds them.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import config, gpt_config
+from hpctrain.errors import ConfigError, LayoutError
+from hpctrain.plan import RankMemory, advice, parse_size, plan, plan_table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_zero_divides_the_optimizer_state_and_zero_2_the_gradients():
+    cfg = config("x.h5", hidden=512, optim={"name": "adam", "lr": 1e-3}, train={"batch_size": 16},
+                 parallel={"bucket_mb": 0.1})
+    n = 6 * 512 + 512 + 512 * 2 + 512 * 512 + 512 + 512 * 3 + 3
+    plain = plan(cfg, 4)
+    assert [m.rank for m in plain] == [0, 1, 2, 3]
+    assert all(m.params_bytes == m.grads_bytes == 4 * n and m.optimizer_bytes == 8 * n for m in plain)
+    for zero in (1, 2):
+        ranks = plan(config("x.h5", hidden=512, optim={"name": "adam", "lr": 1e-3}, train={"batch_size": 16},
+                            parallel={"bucket_mb": 0.1, "zero": zero}), 4)
+        assert sum(m.optimizer_bytes for m in ranks) == 8 * n  # each value's state on one rank
+        assert all(m.optimizer_bytes <= 8 * (n / 4 + 16 * 11) for m in ranks)
+        bucket = int(0.1e6 / 4)
+        assert all(m.grads_bytes == (4 * n if zero == 1 else min(4 * n, m.optimizer_bytes // 2 + 8 * bucket))
+                   for m in ranks)
+
+
+def test_pipeline_and_tensor_parallel_split_the_parameters():
+    cfg = gpt_config("t.h5", train={"batch_size": 8})
+    whole = plan(cfg, 1)[0].params_bytes
+    four = plan(gpt_config("t.h5", train={"batch_size": 8}, parallel={"pp": 2, "tp": 2}), 4)
+    assert [(m.stage, m.tp_rank) for m in four] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(m.params_bytes < whole for m in four)
+    assert all(m.buffer_bytes > 0 for m in four)  # the pipeline's receive rings
+
+
+def test_recompute_plans_less_activation_memory():
+    base = dict(train={"batch_size": 8, "micro_batches": 2})
+    stored = plan(gpt_config("t.h5", **base), 1)[0]
+    kept = plan(gpt_config("t.h5", train={**base["train"], "recompute": "blocks"}), 1)[0]
+    assert kept.activation_bytes < stored.activation_bytes
+
+
+def test_the_planned_state_is_what_a_trainer_allocates(tmp_path):
+    """The planner's parameter, gradient and optimizer bytes against a Trainer's buffers (one rank)."""
+    from mpi4py import MPI
+
+    from helpers import make_tokens
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+
+    make_tokens(tmp_path / "t.h5")
+    cfg = gpt_config(tmp_path / "t.h5", train={"steps": 1})
+    planned = plan(cfg, 1)[0]
+    mesh = Mesh(comm=MPI.COMM_SELF)
+    t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    try:
+        r = t.train_step(0, 0.01)
+        assert planned.params_bytes == t.params.data.nbytes and planned.grads_bytes == t.grads.data.nbytes
+        assert planned.optimizer_bytes == t.optim.slot_bytes
+        # the executor's count of the saved activations is the planner's, less the one backward's working set
+        assert r["peak_bytes"] <= planned.activation_bytes < r["peak_bytes"] * 1.5
+    finally:
+        t.close()
+        mesh.free()
+
+
+def test_a_layout_the_world_cannot_hold_is_an_error():
+    with pytest.raises(LayoutError):
+        plan(gpt_config("t.h5", parallel={"pp": 2}), 3)
+    with pytest.raises(ConfigError):
+        plan(gpt_config("t.h5", parallel={"tp": 4}), 4)  # n_head 2
+
+
+def test_advice_names_what_makes_every_rank_fit():
+    cfg = config("x.h5", hidden=2048, optim={"name": "adam", "lr": 1e-3}, train={"batch_size": 16})
+    ranks = plan(cfg, 4)
+    worst = max(m.total_bytes for m in ranks)
+    zero2 = max(m.total_bytes for m in plan(config("x.h5", hidden=2048, optim={"name": "adam", "lr": 1e-3},
+                                                   train={"batch_size": 16}, parallel={"zero": 2}), 4))
+    limit = (worst + zero2) // 2
+    said = advice(cfg, 4, limit)
+    assert any(line.startswith("--set parallel.zero=2") for line in said)
+    assert not any(line.startswith("--set parallel.zero=1:") for line in said) or \
+        max(m.total_bytes for m in plan(config("x.h5", hidden=2048, optim={"name": "adam", "lr": 1e-3},
+                                               train={"batch_size": 16}, parallel={"zero": 1}), 4)) <= limit
+    assert "DOES NOT FIT" in plan_table(ranks, limit)
+
+
+@pytest.mark.parametrize("text, want", [("5.5GB", 5_500_000_000), ("40GiB", 40 * 2**30), ("512MB", 512_000_000),
+                                        ("1e9", 1_000_000_000), ("3 g", 3_000_000_000)])
+def test_sizes(text, want):
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "GB", "-1GB", "5.5XB", "lots"])
+def test_bad_sizes(text):
+    with pytest.raises(ValueError, match="is not a memory size"):
+        parse_size(text)
+
+
+def _plan(*args):
+    return subprocess.run([sys.executable, "-m", "hpctrain", "plan", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_command_prints_a_table_and_json():
+    r = _plan("jobs/configs/gpt-char.toml", "-n", "4", "--set", "parallel.zero=1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].split()[:4] == ["rank", "stage", "dp", "tp"]
+    r = _plan("jobs/configs/digits-pp2.toml", "-n", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    ranks = json.loads(r.stdout)["ranks"]
+    assert [m["stage"] for m in ranks] == [0, 0, 1, 1]
+    assert set(ranks[0]) == {f.name for f in RankMemory.__dataclass_fields__.values()} | {"total_bytes"}
+
+
+def test_the_command_says_what_does_not_fit():
+    r = _plan("jobs/configs/gpt-char.toml", "-n", "2", "--mem-per-rank", "150MB")
+    assert r.returncode == 1 and "DOES NOT FIT" in r.stdout
+    assert "ranks 0, 1 do not fit in 150 MB" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["jobs/configs/gpt-char.toml", "-n", "3", "--set", "parallel.pp=2"], "hpctrain: error: world size 3"),
+    (["jobs/configs/gpt-char.toml", "--set", "parallel.zero=5"], "parallel.zero"),
+    (["jobs/configs/gpt-char.toml", "-n", "0"], "-n: must be at least 1"),
+    (["jobs/configs/gpt-char.toml", "--mem-per-rank", "lots"], "--mem-per-rank: 'lots' is not a memory size"),
+    (["no/such.toml"], "hpctrain: error:"),
+])
+def test_bad_input_is_one_line_exit_2(args, message):
+    r = _plan(*args)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr

@@ -141,3 +141,33 @@ def test_the_command_says_what_does_not_fit():
 def test_bad_input_is_one_line_exit_2(args, message):
     r = _plan(*args)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
+def test_a_run_reports_the_planned_fields_measured(tmp_path):
+    """The metrics file's memory lines (after step 1 and at the end) against the plan of the same config."""
+    from mpi4py import MPI
+
+    from helpers import make_tokens
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+
+    make_tokens(tmp_path / "t.h5")
+    cfg = gpt_config(tmp_path / "t.h5", train={"steps": 3, "metrics": str(tmp_path / "m.jsonl")})
+    lines = []
+    mesh = Mesh(comm=MPI.COMM_SELF)
+    t = Trainer(cfg, mesh=mesh, log=lines.append)
+    try:
+        t.run()
+    finally:
+        t.close()
+        mesh.free()
+    with open(tmp_path / "m.jsonl") as f:
+        memory = [json.loads(line) for line in f if '"memory"' in line]
+    assert [m["step"] for m in memory] == [1, 3]
+    got, want = memory[-1]["memory"][0], plan(cfg, 1)[0].as_dict()
+    for key in ("rank", "stage", "params_bytes", "grads_bytes", "optimizer_bytes", "buffer_bytes", "runtime_bytes"):
+        assert got[key] == want[key], key
+    assert 0 < got["activation_bytes"] <= want["activation_bytes"]
+    assert got["peak_rss_bytes"] > 50e6
+    said = [line for line in lines if line.startswith("memory: peak RSS")]
+    assert len(said) == 1 and "on rank 0 (largest of 1)" in said[0]

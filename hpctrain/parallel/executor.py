@@ -92,6 +92,10 @@ class StageExecutor:
         self._plans = {}  # id(instruction list) -> (the list, its receives, its last Backward)
         self._saved_bytes = {}  # rows -> bytes a forward pass keeps for backward (the same for every step)
 
+    def rings(self) -> list:
+        """The receive rings made so far (each with ``arrays`` and their host staging twins ``hosts``)."""
+        return list(self._rings.values())
+
     # ------------------------------------------------------------------ running a list
 
     def run(self, instructions, batch, *, grad_scale: float = 0.0, on_optimizer_step=None) -> StepResult:

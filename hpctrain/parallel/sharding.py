@@ -109,19 +109,17 @@ def scatter_flat(mesh, full: np.ndarray | None, ranges, part, *, out=None) -> np
 
 def gather_shards(comm, local: np.ndarray, shard) -> np.ndarray | None:
     """ZeRO: the whole buffer from every data-parallel rank's chunks (``local``: this rank's, one after
-    another), on rank 0 of ``comm``, None elsewhere (collective over ``comm``)."""
+    another), on rank 0 of ``comm``, None elsewhere; one ``Gatherv`` per bucket, straight into place
+    (collective over ``comm``)."""
     from mpi4py import MPI
 
     local = np.ascontiguousarray(local, dtype=np.float32)
-    sizes = shard.sizes()
-    if comm.Get_rank() != 0:
-        comm.Gatherv(local, None, root=0)
-        return None
-    packed = np.empty(sum(sizes), dtype=np.float32)
-    comm.Gatherv(local, [packed, sizes, list(np.cumsum([0] + sizes[:-1])), MPI.FLOAT], root=0)
-    out = np.empty(shard.buckets[0][1] if shard.buckets else 0, dtype=np.float32)  # buckets are cut from the end
+    root = comm.Get_rank() == 0
+    out = np.empty(shard.buckets[0][1] if shard.buckets else 0, dtype=np.float32) if root else None  # cut from the end
     at = 0
-    for rank, n in enumerate(sizes):
-        shard.place(out, rank, packed[at : at + n])
-        at += n
+    for (lo, hi), parts, (a, b) in zip(shard.buckets, shard.parts, shard.pieces):
+        piece = local[at : at + b - a]
+        at += b - a
+        recv = [out[lo:hi], [y - x for x, y in parts], [x - lo for x, _ in parts], MPI.FLOAT] if root else None
+        comm.Gatherv(piece, recv, root=0)
     return out

@@ -39,6 +39,7 @@ from ..parallel.watch import Diagnostics, enabled_by_env
 from ..optim import lr_at
 from . import startup
 from .progress import Progress
+from .memory import gather_memory, rank_memory, summary as memory_summary
 from .metrics import MetricsFile, Window
 from .step import StepRunner
 from .stop import StopFlag
@@ -229,6 +230,7 @@ class Trainer:
         last = {}
         stop = self._stop
         saved_at = -1
+        first_step, peak_activations = self.step, 0
         skipped = 0  # non-finite steps skipped in a row (every rank sees the same skip decision)
         deferred = False  # a checkpoint fell due while steps were being skipped
         try:
@@ -242,6 +244,9 @@ class Trainer:
                 timing = self.train_step(self.step, lr)
                 self.step += 1
                 self.progress.advance(self.step)
+                peak_activations = max(peak_activations, timing["peak_bytes"])
+                if self.step == first_step + 1:  # what each rank holds, once the first step has allocated it
+                    self._log_memory(metrics, peak_activations, say=True)
                 skipped = skipped + 1 if timing["skipped"] else 0
                 window.add(timing)
                 if self.step % t.log_every == 0 or self.step == t.steps:
@@ -262,6 +267,8 @@ class Trainer:
                 if stop.any_rank(self.mesh.world):
                     self.log(f"signal {stop.name} received: stopping at step {self.step}")
                     break
+            if self.step > first_step + 1:
+                self._log_memory(metrics, peak_activations, say=False)
         finally:
             metrics.close()
             self.progress.clear()  # an error line on its way must not land on the status line
@@ -279,6 +286,15 @@ class Trainer:
             self.progress.clear()
             self.log = plain_log
         return last
+
+    def _log_memory(self, metrics, peak_activations: int, *, say: bool) -> None:
+        """Every rank's figures (train/memory.py) into the metrics file; one log line when ``say`` (collective)."""
+        records = gather_memory(self.mesh.world, rank_memory(self, peak_activations))
+        if records is None:
+            return
+        metrics.write(dict(step=self.step, memory=records))
+        if say:
+            self.log(memory_summary(records))
 
     def _diverged(self, skipped: int):
         """``train.max_skipped_steps`` in a row: raise on rank 0, leave quietly elsewhere; no checkpoint is written."""

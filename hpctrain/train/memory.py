@@ -1,0 +1,76 @@
+"""What each rank of a running job holds: the planner's figures (hpctrain/plan.py), filled from live buffers.
+
+After the first step and at the end of ``run()`` every rank describes itself as a ``RankMemory``: its
+parameter, gradient and optimizer bytes from the same function the planner uses (so the two agree by
+construction on the model state), the saved-activation peak the stage executor measured, the
+communication buffers it really allocated, and the process's peak RSS (``getrusage``), which is what
+``/usr/bin/time -f %M`` reports. World rank 0 gathers them into one metrics line::
+
+    {"step": 1, "memory": [{"rank": 0, "stage": 0, ..., "total_bytes": ..., "peak_rss_bytes": ...}, ...]}
+
+Collective over the world communicator.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import numpy as np
+
+from ..plan import RUNTIME_BYTES, RankMemory, checkpoint_bytes, state_bytes
+
+__all__ = ["rank_memory", "gather_memory", "peak_rss_bytes"]
+
+FIELDS = ("rank", "stage", "dp_rank", "tp_rank", "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes",
+          "buffer_bytes", "runtime_bytes")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports kB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def _nbytes(*arrays) -> int:
+    return sum(int(a.nbytes) for a in arrays if a is not None)
+
+
+def rank_memory(t, activation_bytes: int) -> RankMemory:
+    """This rank's RankMemory from the Trainer ``t``'s live state (``activation_bytes``: the executor's peak)."""
+    cfg, mesh = t.cfg, t.mesh
+    state = state_bytes(part_size=t.part.layout.size, shard=t.shard, zero=t.zero, device=t.be.is_device,
+                        slots=len(t.optim.slots), bucket_elems=max(1, int(cfg.parallel.bucket_mb * 1e6 / 4)))
+    state["optimizer_bytes"] = t.optim.slot_bytes  # what the slots really hold
+    buffers = _nbytes(getattr(t.sync, "_scatter_out", None), t.sync.host)
+    for ring in t.runner.executor.rings():
+        buffers += _nbytes(*ring.arrays, *ring.hosts)
+    if mesh.rank == 0 and cfg.checkpoint.dir:  # an unsharded checkpoint gathers every buffer here (transient)
+        buffers += checkpoint_bytes(t.model.layout.size, t.part.layout.size, len(t.optim.slots), t.zero)
+    return RankMemory(rank=mesh.rank, stage=mesh.pp_rank, dp_rank=mesh.dp_rank, tp_rank=mesh.tp_rank,
+                      activation_bytes=int(activation_bytes), buffer_bytes=buffers,
+                      runtime_bytes=RUNTIME_BYTES["gpt" if cfg.model.kind == "gpt" else "mlp"], **state)
+
+
+def gather_memory(comm, mine: RankMemory) -> list[dict] | None:
+    """Every rank's figures and peak RSS on rank 0 of ``comm`` (None elsewhere; collective)."""
+    row = np.array([getattr(mine, f) for f in FIELDS] + [peak_rss_bytes()], dtype=np.int64)
+    rows = np.empty((comm.Get_size(), row.size), dtype=np.int64) if comm.Get_rank() == 0 else None
+    comm.Gather(row, rows, root=0)
+    if rows is None:
+        return None
+    out = []
+    for r in rows:
+        m = RankMemory(**{f: int(v) for f, v in zip(FIELDS, r[:-1])})
+        out.append({**m.as_dict(), "peak_rss_bytes": int(r[-1])})
+    return out
+
+
+def summary(records: list[dict]) -> str:
+    """One log line: the rank with the highest peak RSS, its tracked figures in MB."""
+    top = max(records, key=lambda m: m["peak_rss_bytes"])
+    mb = lambda key: f"{top[key] / 1e6:,.0f}"  # noqa: E731
+    return (f"memory: peak RSS {mb('peak_rss_bytes')} MB on rank {top['rank']} (largest of {len(records)}); it holds "
+            f"params {mb('params_bytes')}, grads {mb('grads_bytes')}, optimizer {mb('optimizer_bytes')}, activations "
+            f"{mb('activation_bytes')}, buffers {mb('buffer_bytes')} MB + runtime ~{mb('runtime_bytes')} MB "
+            f"= {mb('total_bytes')} MB (hpctrain plan's fields)")

@@ -231,8 +231,9 @@ def advice(cfg, world_size: int, limit: int, *, device: bool = False) -> list[st
         while n * 2 <= world_size:
             n *= 2
             tries.append((f"parallel.{key}={n}", dict(parallel={key: n, "stages": ()} if key == "pp" else {key: n})))
-    tries.append(("parallel.zero=2 with train.recompute=blocks",
-                  dict(parallel=dict(zero=2), train=dict(recompute="blocks"))))
+    if p.zero < 2 and t.recompute != "blocks":
+        tries.append(("parallel.zero=2 with train.recompute=blocks",
+                      dict(parallel=dict(zero=2), train=dict(recompute="blocks"))))
     out = []
     for label, change in tries:
         sections = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in change.items()}

@@ -30,6 +30,7 @@ import numpy as np
 from ..errors import ConfigError
 from .layers import GELU, Layer, LayerNorm, Linear
 from .model import ModelSpec
+from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["GPTSpec", "Embedding", "Block", "Head", "CausalSelfAttention"]
 
@@ -104,8 +105,6 @@ class Block(Layer):
         """This block as tensor-parallel rank ``tp.rank`` of ``tp.size`` runs it (Megatron's split): c_attn
         column parallel by heads (its q, k and v rows of this rank's heads), attention over those heads,
         c_proj row parallel; c_fc column and mlp.c_proj row parallel; LayerNorms replicated."""
-        from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear
-
         local = copy.copy(self)  # its own LayerNorms too: they are bound to this part's views
         local._assemble((("ln_1.", copy.copy(self.ln_1)),
                          ("attn.c_attn.", ColumnParallelLinear(self.c_attn, tp, groups=3)),

@@ -29,8 +29,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ConfigError, LayoutError
+from ..parallel.tensor import shard
 from ..params import FlatBuffer, ParamLayout
 from .layers import LayerNorm, Linear, make_layer
+from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["ModelSpec", "ModelPart", "UnitInputs"]
 
@@ -82,8 +84,6 @@ class ModelSpec:
 
     def tp_layer(self, i: int, tp):
         """Layer ``i`` as tensor-parallel rank ``tp.rank`` of ``tp.size`` runs it (the layer itself when whole)."""
-        from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear
-
         for col, row in self.tp_pairs:
             if i == col:
                 return ColumnParallelLinear(self.layers[i], tp)
@@ -147,13 +147,22 @@ class ModelSpec:
     unit_text = "a linear or layernorm layer with the activations after it"
 
     def init_params(self, seed: int) -> dict[str, np.ndarray]:
-        """Every initial parameter from a numpy generator seeded with ``seed``, drawn layer by layer."""
-        rng = np.random.default_rng(seed)
+        """Every initial parameter: layer i's from its own stream (``init_layer``)."""
         out = {}
-        for layer, prefix in zip(self.layers, self.prefixes):
-            for name, arr in layer.init(rng).items():
-                out[prefix + name] = arr
+        for i in range(len(self.layers)):
+            out.update(self.init_layer(i, seed))
         return out
+
+    def init_layer(self, i: int, seed: int) -> dict[str, np.ndarray]:
+        """Layer i's initial tensors by global name, from a numpy generator seeded with (``seed``, i): one
+        stream per layer, so a rank draws only the layers it holds and every layout starts alike."""
+        rng = np.random.default_rng([seed, i])
+        return {self.prefixes[i] + name: arr for name, arr in self.layers[i].init(rng).items()}
+
+    def owner_of(self, name: str) -> int:
+        """The index of the layer that owns global tensor ``name``."""
+        return next(i for i, (layer, prefix) in enumerate(zip(self.layers, self.prefixes))
+                    if any(prefix + n == name for n, _ in layer.params))
 
     def part(self, lo: int = 0, hi: int | None = None, tp=None) -> "ModelPart":
         """The part running layers lo..hi (inclusive; the whole model by default), as tensor-parallel
@@ -233,6 +242,7 @@ class ModelPart:
         self.shared = [name for name in owned_names if any(i not in here for i in spec.tied_by.get(name, ()))]
         self.shared = sorted(self.shared) + sorted(self.replicas)  # the same order on the owner and the replica
         self.global_names = {name: name for name in self.layout.names}  # local -> global
+        self._by_global = set(self.global_names.values())
         # how each tensor-parallel tensor is cut (parallel/tensor.py: shard); absent: whole, replicated
         self.shards = {prefix + name: kind for layer, prefix in zip(self.layers, self.prefixes)
                        for name, kind in getattr(layer, "shards", {}).items()}
@@ -255,16 +265,23 @@ class ModelPart:
         return f"layers {self.lo}..{self.hi}: {self.layout.size:,} parameters"
 
     def init_params(self, seed: int) -> dict[str, np.ndarray]:
-        """This part's initial tensors: the whole model is drawn from the seed and this rank's shards cut from
-        it, so every layout starts alike."""
-        return self.local_tensors(self.spec.init_params(seed))
+        """This part's initial tensors (this rank's shards), drawn here: each layer it holds a tensor of comes
+        from that layer's own stream (``ModelSpec.init_layer``), whole, and the shard is cut from it, so every
+        layout starts from the single-process model and no rank draws more than its own layers (and the
+        owner of a tied replica)."""
+        out = {}
+        for i in sorted({self.spec.owner_of(name) for name in self.global_names.values()}):
+            full = self.spec.init_layer(i, seed)
+            out.update(self.local_tensors({n: a for n, a in full.items() if n in self._by_global}, partial=True))
+        return out
 
-    def local_tensors(self, full: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """This part's tensors (this rank's shards) from the full tensors by global name."""
-        from ..parallel.tensor import shard
-
+    def local_tensors(self, full: dict[str, np.ndarray], partial: bool = False) -> dict[str, np.ndarray]:
+        """This part's tensors (this rank's shards) from the full tensors by global name (``partial``: those
+        of ``full`` only)."""
         out = {}
         for local, name in self.global_names.items():
+            if partial and name not in full:
+                continue
             kind = self.shards.get(local)
             out[local] = full[name] if kind is None else shard(full[name], kind, self.tp.rank, self.tp.size)
         return out

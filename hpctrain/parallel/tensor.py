@@ -1,4 +1,4 @@
-"""Tensor parallelism, Megatron-style: the collective pairs and the column- and row-parallel Linear layers.
+"""Tensor parallelism, Megatron-style: the group, the collective pairs, and how tensors are cut.
 
 A pair of Linear layers (the MLP's Linear → activation → Linear, the GPT's c_fc → GELU →
 c_proj and c_attn → attention → c_proj) is split over the ``tp`` ranks of the mesh's
@@ -12,7 +12,9 @@ partial product, summed). One Allreduce in the forward pass, one in the backward
 * ``ReduceFromTensorParallel``: forward Allreduce of the partial outputs, backward identity.
 
 (Megatron-core's ``copy_to_tensor_model_parallel_region`` and
-``reduce_from_tensor_model_parallel_region``.) Collective: every rank of a tensor-parallel
+``reduce_from_tensor_model_parallel_region``.) The layers that use them, ``ColumnParallelLinear``
+and ``RowParallelLinear``, live beside the other layers (nn/tensor_parallel.py) and take the
+group (``TensorParallel``, built over the mesh's ``tp_comm``) when a part is built. Collective: every rank of a tensor-parallel
 group runs the same layers on the same (replicated) input, so each calls these in the
 same order, in the forward and in the backward pass alike.
 
@@ -26,10 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..nn.layers import Linear
-
-__all__ = ["TensorParallel", "CopyToTensorParallel", "ReduceFromTensorParallel", "ColumnParallelLinear",
-           "RowParallelLinear", "shard", "unshard", "SHARD_KINDS"]
+__all__ = ["TensorParallel", "CopyToTensorParallel", "ReduceFromTensorParallel", "shard", "unshard", "SHARD_KINDS"]
 
 # how a full tensor is cut across the T ranks; rank r keeps piece r
 SHARD_KINDS = ("rows", "rows3", "cols")  # rows3: q, k, v blocks of rows, each cut (attention heads stay whole)
@@ -107,46 +106,3 @@ class ReduceFromTensorParallel:
 
     def backward(self, be, dy):
         return dy
-
-
-class ColumnParallelLinear(Linear):
-    """This rank's slice of a Linear's output features: weight (out/T, in) and bias (out/T).
-
-    ``groups = 3`` for a fused q/k/v projection: each of its three row blocks is cut separately,
-    so a rank keeps whole heads of q, k and v (``shard`` kind ``rows3``).
-    """
-
-    def __init__(self, full: Linear, tp: TensorParallel, groups: int = 1):
-        out = full.out_features // tp.size
-        super().__init__(full.in_features, out, full.has_bias)
-        self.full, self.copy = full, CopyToTensorParallel(tp)
-        kind = "rows3" if groups == 3 else "rows"
-        self.shards = {"weight": kind, **({"bias": kind} if full.has_bias else {})}
-
-    def forward(self, be, x):
-        return super().forward(be, self.copy.forward(be, x))
-
-    def backward(self, be, dout, x, accumulate=False, need_dinp=True):
-        dinp = super().backward(be, dout, x, accumulate=accumulate, need_dinp=need_dinp)
-        return None if dinp is None else self.copy.backward(be, dinp)
-
-
-class RowParallelLinear(Linear):
-    """This rank's slice of a Linear's input features: weight (out, in/T); the bias (out) is replicated.
-
-    The partial products are summed over the group (``ReduceFromTensorParallel``); tensor-parallel
-    rank 0 adds the bias to its partial before the sum, so it is added once.
-    """
-
-    def __init__(self, full: Linear, tp: TensorParallel):
-        super().__init__(full.in_features // tp.size, full.out_features, full.has_bias)
-        self.full, self.tp, self.reduce = full, tp, ReduceFromTensorParallel(tp)
-        self.shards = {"weight": "cols"}
-
-    def forward(self, be, x):
-        out = be.empty((x.shape[0], self.out_features))
-        be.matmul_nt(x, self.w["weight"], out, bias=self.w.get("bias") if self.tp.rank == 0 else None)
-        return self.reduce.forward(be, out), x
-
-    def backward(self, be, dout, x, accumulate=False, need_dinp=True):
-        return super().backward(be, self.reduce.backward(be, dout), x, accumulate=accumulate, need_dinp=need_dinp)

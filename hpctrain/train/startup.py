@@ -193,24 +193,29 @@ def _warn_about_resume(t, state) -> None:
 def scatter_start(t, state, weights) -> None:
     """Rank 0's starting point (a checkpoint, a weights file or a fresh init) into every stage's buffers.
 
-    Collective over the mesh. One buffer at a time: rank 0 packs the full tensors, ``scatter_flat`` hands
+    Collective over the mesh. A fresh start sends nothing: each rank draws its own part from the seed. A
+    checkpoint or weights file goes one buffer at a time: rank 0 packs the full tensors, ``scatter_flat`` hands
     each stage its slice (on the CPU straight into the buffer; on a device through host memory, the copy
     inside an agreement, as a device may run out of memory on one rank alone). A fresh start sends no
     optimizer state: its slots are the zeros they were made with.
     """
     cfg, mesh, rank0 = t.cfg, t.mesh, t.mesh.rank == 0
-    header = np.zeros(3, dtype=np.int64)  # step, optimizer step, whether there is optimizer state to send
+    header = np.zeros(4, dtype=np.int64)  # step, optimizer step, optimizer state to send, a fresh start
     if state is not None:
-        header[:] = state.step, state.optim_step, 1
+        header[:] = state.step, state.optim_step, 1, 0
         weights = state.params
         t.log(f"resuming from {state.path} at step {state.step}"
               + (f" (checkpoint.init {cfg.checkpoint.init} ignored)" if cfg.checkpoint.init else ""))
     elif weights is not None:
         t.log(f"initial weights from {cfg.checkpoint.init}")
-    elif rank0:
-        weights = t.model.init_params(cfg.train.seed)
+    else:
+        header[3] = 1
     mesh.world.Bcast(header, root=0)
     t.step, t.optim.step_count = int(header[0]), int(header[1])
+    if header[3]:  # a fresh start: every rank draws its own part (nn/model.py: one stream per layer), nothing sent
+        host = t.part.layout.pack(t.part.init_params(cfg.train.seed))
+        run_everywhere(mesh.world, lambda: t.be.copy_(t.params.data, t.be.asarray(host)))
+        return
     ranges = [t.model.part(lo, hi).global_range for lo, hi in t.stages]
     full = t.model.layout.pack(weights) if rank0 else None  # one full buffer at a time, on rank 0 only
     weights = None  # a fresh start's named arrays: dropped once packed

@@ -1,6 +1,7 @@
 """``hpctrain plot``: a metrics file drawn as curves, or a trace drawn as a timeline, saved as PNG, PDF or SVG.
 
-    hpctrain plot runs/digits/metrics.jsonl -o loss.png            # loss, val_loss, val_accuracy, throughput
+    hpctrain plot runs/digits/metrics.jsonl -o loss.png            # loss, val_loss, val_accuracy, throughput,
+                                                                   # and each rank's memory
     hpctrain plot runs/digits-pp2/trace.json -o timeline.png --steps 10:12
 
 One process, no MPI. Which kind of file it is comes from its content: a JSON object
@@ -23,7 +24,7 @@ import stat
 from ._files import read_capped, replaced_atomically
 from .errors import DataError, HpctrainError
 
-__all__ = ["FORMATS", "MAX_BYTES", "plot", "read_metrics", "read_text", "read_trace", "trace_events"]
+__all__ = ["FORMATS", "MAX_BYTES", "plot", "read_memory", "read_metrics", "read_text", "read_trace", "trace_events"]
 
 MAX_BYTES = 1 << 30  # metrics of a few million logged steps; hpctrain's own traces stay near 0.3 GB
 FORMATS = (".png", ".pdf", ".svg")
@@ -46,9 +47,10 @@ def plot(path: str, output: str, *, steps: str | None = None) -> str:
         what = f"{sum(len(spans) for _, spans in rows):,} spans on {len(rows)} track(s)"
     else:
         series, note = read_metrics(path, text, first=first, last=last)
-        figure = _draw_metrics(series, title=os.path.basename(path))
+        memory = read_memory(path, text)
+        figure = _draw_metrics(series, title=os.path.basename(path), memory=memory)
         what = (f"{len(series['loss'][0]):,} training and {len(series['val_loss'][0]):,} validation records"
-                + note)
+                + (f", the memory of {len(memory[1])} rank(s) at step {memory[0]}" if memory else "") + note)
     _save(figure, output, out_format)
     return f"{output}: {what}"
 
@@ -162,6 +164,33 @@ def read_metrics(path: str, text: str, *, first=None, last=None):
     return series, note
 
 
+MEMORY_PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer"),
+                ("activation_bytes", "activations"), ("buffer_bytes", "buffers"), ("runtime_bytes", "runtime"))
+
+
+def read_memory(path: str, text: str):
+    """(step, ranks) of the last ``"memory"`` record a run wrote (train/memory.py), or None when there is none."""
+    found = None
+    for number, line in enumerate(text.split("\n"), 1):
+        if '"memory"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            continue  # read_metrics has named a broken line already, or it is the one still being written
+        ranks = record.get("memory") if isinstance(record, dict) else None
+        if ranks is None:
+            continue
+        keys = [key for key, _ in MEMORY_PARTS] + ["peak_rss_bytes"]
+        if not isinstance(ranks, list) or not ranks or not all(
+                isinstance(r, dict) and all(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)
+                                            and r[k] >= 0 for k in keys) for r in ranks):
+            raise DataError(f"{path}: line {number}: \"memory\" is not a list of ranks' byte counts "
+                            f"({', '.join(keys)})")
+        found = (record.get("step"), ranks)
+    return found
+
+
 def read_trace(path: str, events, *, first=None, last=None):
     """Tracks ``[(label, [(category, start_ms, duration_ms), ...]), ...]`` from complete ("X") events."""
     if not isinstance(events, list):
@@ -207,13 +236,18 @@ def _matplotlib():
     return Figure, FigureCanvasAgg
 
 
-def _draw_metrics(series, *, title):
+def _draw_metrics(series, *, title, memory=None):
     Figure, Canvas = _matplotlib()
     rate = next(((key, label) for key, label in THROUGHPUT if series[key][0]), None)
     panels = ["loss"] + (["accuracy"] if series["val_accuracy"][0] else []) + (["rate"] if rate else [])
-    fig = Figure(figsize=(8, 2.6 * len(panels) + 0.6), layout="constrained")
+    fig = Figure(figsize=(8, 2.6 * (len(panels) + bool(memory)) + 0.6), layout="constrained")
     Canvas(fig)
-    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    grid = fig.subplots(len(panels) + bool(memory), 1, squeeze=False)[:, 0]
+    axes = grid[: len(panels)]
+    for ax in axes[1:]:
+        ax.sharex(axes[0])
+    if memory:
+        _draw_memory(grid[-1], *memory)
     fig.suptitle(title)
     ax = axes[0]
     for key, label, style in (("loss", "training loss", "-"), ("val_loss", "validation loss", "o-")):
@@ -237,6 +271,24 @@ def _draw_metrics(series, *, title):
         ax.grid(True, alpha=0.3)
     axes[-1].set_xlabel("step")
     return fig
+
+
+def _draw_memory(ax, step, ranks):
+    """Each rank's tracked bytes stacked by kind (hpctrain plan's fields), its peak RSS as a marker."""
+    x = list(range(len(ranks)))
+    bottom = [0.0] * len(ranks)
+    for key, label in MEMORY_PARTS:
+        heights = [r[key] / 1e6 for r in ranks]
+        ax.bar(x, heights, bottom=bottom, label=label, width=0.7)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.plot(x, [r["peak_rss_bytes"] / 1e6 for r in ranks], "k_", markersize=24, markeredgewidth=2,
+            label="peak RSS")
+    ax.set_xticks(x, [str(r.get("rank", i)) for i, r in enumerate(ranks)])
+    ax.set_xlabel("rank")
+    ax.set_ylabel("MB")
+    ax.set_title(f"memory at step {step}", fontsize="medium")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    ax.grid(True, axis="y", alpha=0.3)
 
 
 def _draw_timeline(rows, *, title):

@@ -34,7 +34,8 @@ def test_a_real_runs_metrics_become_a_png(run, tmp_path):
     pytest.importorskip("matplotlib")
     r = hpctrain("plot", str(run / "metrics.jsonl"), "-o", str(tmp_path / "loss.png"))
     assert r.returncode == 0 and r.stderr == "", r.stderr
-    assert r.stdout == f"{tmp_path / 'loss.png'}: 3 training and 2 validation records\n"
+    assert r.stdout == (f"{tmp_path / 'loss.png'}: 3 training and 2 validation records, the memory of 1 rank(s) at "
+                        "step 6\n")
     image = (tmp_path / "loss.png").read_bytes()
     assert image.startswith(b"\x89PNG\r\n\x1a\n") and len(image) > 10_000
     assert os.listdir(tmp_path) == ["loss.png"], "no temporary file is left behind"
@@ -214,3 +215,33 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, name, make, message):
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("hpctrain: error: "), r.stderr
     assert message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "x.png").exists()
+
+
+def test_a_run_s_memory_is_drawn_per_rank(tmp_path):
+    """The last "memory" record (train/memory.py) becomes a panel of stacked bars per rank."""
+    import json
+
+    ranks = [{"rank": r, "params_bytes": 4e6, "grads_bytes": 4e6, "optimizer_bytes": 8e6 / 2, "activation_bytes": 1e6,
+              "buffer_bytes": 0, "runtime_bytes": 220e6, "total_bytes": 233e6, "peak_rss_bytes": 240e6}
+             for r in range(2)]
+    lines = [{"step": 1, "loss": 2.0, "samples_per_s": 10.0}, {"step": 1, "memory": ranks},
+             {"step": 2, "loss": 1.5, "samples_per_s": 11.0}, {"step": 2, "memory": ranks}]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    from hpctrain.plot import plot, read_memory
+
+    assert read_memory(str(path), path.read_text()) == (2, ranks)
+    said = plot(str(path), str(tmp_path / "m.png"))
+    assert "the memory of 2 rank(s) at step 2" in said and (tmp_path / "m.png").stat().st_size > 1000
+
+
+def test_a_broken_memory_record_is_one_line(tmp_path):
+    import json
+
+    from hpctrain.errors import DataError
+    from hpctrain.plot import plot
+
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n" + json.dumps({"step": 1, "memory": [{"rank": 0}]}) + "\n")
+    with pytest.raises(DataError, match='line 2: "memory" is not a list of ranks'):
+        plot(str(path), str(tmp_path / "m.png"))

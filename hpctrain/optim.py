@@ -19,10 +19,10 @@ __all__ = ["Optimizer", "make_optimizer", "lr_at", "clip_coefficient"]
 class Optimizer:
     """Holds the optimizer slots and the step count; ``step(lr)`` updates params in place.
 
-    ``pieces`` (ZeRO, parallel/zero.py): the [a, b) ranges of the flat buffers this rank updates; the
-    slots then hold those ranges only, one after another (one tensor named ``"shard"``), and ``step``
-    reads the gradients and writes the parameters of those ranges alone. Default: the whole buffer, the
-    slots in its layout.
+    ``pieces``: the [a, b) ranges of the flat buffers this rank updates (ZeRO's chunks, parallel/zero.py;
+    or everything but a tied tensor's replica, which its owner updates); the slots then hold those ranges
+    only, one after another (one tensor named ``"shard"``), and ``step`` reads the gradients and writes
+    the parameters of those ranges alone. Default: the whole buffer, the slots in its layout.
     """
 
     def __init__(self, cfg, backend, params: FlatBuffer, grads: FlatBuffer, *, pieces=None):
@@ -38,6 +38,15 @@ class Optimizer:
         size = sum(b - a for a, b in self.pieces)
         layout = params.layout if pieces is None else ParamLayout([("shard", (size,))])
         self.slots = {name: FlatBuffer(backend, layout) for name in slots}
+
+    def take(self, full):
+        """This optimizer's pieces of ``full`` (a host array in the parameters' layout), one after another: what
+        its slots hold of a slot in that layout (``full`` itself when the pieces are the whole buffer)."""
+        import numpy as np
+
+        if self.pieces == [(0, self.params.layout.size)]:
+            return full
+        return np.concatenate([full[a:b] for a, b in self.pieces]) if self.pieces else full[:0].copy()
 
     @property
     def slot_bytes(self) -> int:

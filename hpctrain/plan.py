@@ -57,13 +57,14 @@ class RankMemory:
         return {**dataclasses.asdict(self), "total_bytes": self.total_bytes}
 
 
-def state_bytes(*, part_size: int, shard, zero: int, device: bool, slots: int, bucket_elems: int) -> dict:
+def state_bytes(*, part_size: int, owned_size: int, shard, zero: int, device: bool, slots: int,
+                bucket_elems: int) -> dict:
     """Parameters, gradients and optimizer state of one rank's part (``shard``: its ZeroShard, or None).
 
     zero = 2 on the CPU: the gradients resident between and during steps are this rank's chunks plus the
     buckets written but not yet reduced, at most two (the backward pass writes one while the
     communication thread scatters the other)."""
-    owned = shard.size if shard is not None else part_size
+    owned = shard.size if shard is not None else owned_size  # a tied replica (beyond owned_size) has no slots
     grads = part_size
     if shard is not None and zero == 2 and not device:
         grads = min(part_size, owned + 2 * bucket_elems)
@@ -114,10 +115,11 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
                 if not part.is_last:
                     rings += 2 * rows * part.out_features * 4
             for d in range(dp):
-                shard = ZeroShard(make_buckets(part.layout.size, bucket_elems), dp, d) if zero else None
-                state = state_bytes(part_size=part.layout.size, shard=shard, zero=zero, device=device, slots=slots,
-                                    bucket_elems=bucket_elems)
-                buffers = rings + (4 * max((b - a for a, b in shard.pieces), default=0) if shard else 0)
+                shard = ZeroShard(make_buckets(part.layout.size, bucket_elems), dp, d, limit=part.owned_size) \
+                    if zero else None
+                state = state_bytes(part_size=part.layout.size, owned_size=part.owned_size, shard=shard, zero=zero,
+                                    device=device, slots=slots, bucket_elems=bucket_elems)
+                buffers = rings + (4 * max((p[d][1] - p[d][0] for p in shard.parts), default=0) if shard else 0)
                 rank = s * dp * tp + d * tp + r  # parallel/mesh.py's order
                 if rank == 0 and cfg.checkpoint.dir:  # the unsharded checkpoint gathers every buffer here
                     buffers += checkpoint_bytes(model.layout.size, part.layout.size, slots, zero)

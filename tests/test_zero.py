@@ -21,18 +21,23 @@ def test_a_range_splits_in_order_balanced_and_aligned(size, parts):
 
 
 @pytest.mark.parametrize("dp", [1, 2, 3, 4])
-def test_every_value_has_one_owner_and_round_trips(dp):
+@pytest.mark.parametrize("limit", [None, 9_000])
+def test_every_value_has_one_owner_and_round_trips(dp, limit):
+    """Every value below ``limit`` (a tied replica lies beyond it) is updated by exactly one rank."""
     from hpctrain.parallel.data_parallel import make_buckets
 
     size = 10_007
-    shards = [ZeroShard(make_buckets(size, 1000), dp, r) for r in range(dp)]
-    assert sum(s.size for s in shards) == size and shards[0].sizes() == [s.size for s in shards]
+    shards = [ZeroShard(make_buckets(size, 1000), dp, r, limit=limit) for r in range(dp)]
+    end = size if limit is None else limit
+    assert sum(s.size for s in shards) == end and shards[0].sizes() == [s.size for s in shards]
     full = np.arange(size, dtype=np.float32)
     back = np.full(size, -1, dtype=np.float32)
     for r, s in enumerate(shards):
-        assert s.take(full).size == s.size
-        s.place(back, r, s.take(full))
-    assert np.array_equal(back, full)
+        mine = np.concatenate([full[a:b] for a, b in s.pieces])
+        assert mine.size == s.size and all(b <= end or a == b for a, b in s.pieces)
+        s.place(back, r, mine)
+    assert np.array_equal(back[:end], full[:end]) and (back[end:] == -1).all()
+    assert shards[-1].parts == ZeroShard(make_buckets(size, 1000), dp, dp - 1).parts  # what the collectives move
 
 
 def test_overlap_of_ranges():

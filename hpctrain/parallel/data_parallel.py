@@ -107,7 +107,8 @@ class GradSync:
             ranges, self._presum = tied if tied else ((), None)
             self._held = [i for i, b in enumerate(self.buckets) if any(_overlap(b, r)[1] > _overlap(b, r)[0]
                                                                       for r in ranges)]
-            biggest = max((b - a for a, b in self.shard.pieces), default=0)
+            biggest = max((parts[self.shard.rank][1] - parts[self.shard.rank][0] for parts in self.shard.parts),
+                          default=0)
             # Reduce_scatter may not write into the buffer it reads: each bucket's sum lands here first
             self._scatter_out = (self.backend.empty((biggest,)) if self.direct else transport.host_buffer((biggest,)))
         # Host buffers with MPI_THREAD_MULTIPLE: a communication thread runs blocking collectives while
@@ -132,7 +133,7 @@ class GradSync:
             self.comm.Allreduce(self.MPI.IN_PLACE, self._buffer(lo, hi), op=self.MPI.SUM)
             return
         parts = self.shard.parts[i]
-        a, b = self.shard.pieces[i]
+        a, b = parts[self.shard.rank]  # the whole chunk, a tied replica's values too (the optimizer skips those)
         out = self._scatter_out[: b - a]
         self.comm.Reduce_scatter(self._buffer(lo, hi), out, [y - x for x, y in parts], op=self.MPI.SUM)
         if b > a:

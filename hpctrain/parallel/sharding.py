@@ -108,16 +108,16 @@ def scatter_flat(mesh, full: np.ndarray | None, ranges, part, *, out=None) -> np
 
 
 def gather_shards(comm, local: np.ndarray, shard) -> np.ndarray | None:
-    """ZeRO: the whole buffer from every data-parallel rank's chunks (``local``: this rank's, one after
+    """ZeRO: the buffer from every data-parallel rank's chunks (``local``: this rank's optimizer pieces, one after
     another), on rank 0 of ``comm``, None elsewhere; one ``Gatherv`` per bucket, straight into place
-    (collective over ``comm``)."""
+    (collective over ``comm``). Beyond the shard's ``limit`` (a tied replica) ``out`` holds nothing."""
     from mpi4py import MPI
 
     local = np.ascontiguousarray(local, dtype=np.float32)
     root = comm.Get_rank() == 0
     out = np.empty(shard.buckets[0][1] if shard.buckets else 0, dtype=np.float32) if root else None  # cut from the end
     at = 0
-    for (lo, hi), parts, (a, b) in zip(shard.buckets, shard.parts, shard.pieces):
+    for (lo, hi), parts, (a, b) in zip(shard.buckets, shard.updated, shard.pieces):
         piece = local[at : at + b - a]
         at += b - a
         recv = [out[lo:hi], [y - x for x, y in parts], [x - lo for x, _ in parts], MPI.FLOAT] if root else None

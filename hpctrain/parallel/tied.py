@@ -4,8 +4,9 @@ The first stage owns ``transformer.wte.weight``; the last holds a replica for it
 (nn/model.py: ``ModelPart.shared``). Both live on the mesh's ``ends_comm`` (the first and
 last stage of one data-parallel/tensor-parallel position, COMM_NULL on the stages between),
 where the first stage is rank 0. As in Megatron, the replica starts equal to the owner
-(``broadcast_tied``), the two sum their gradients after the data-parallel reduction
-(``sum_tied_grads``) and then apply the same update, so they stay equal.
+(``broadcast_tied``) and the two sum their gradients after the data-parallel reduction
+(``sum_tied_grads``); the owner alone then updates the tensor, with its optimizer state, and
+sends the new values to the replica (``refresh_replicas``), which holds no optimizer state.
 
 Collective over ``ends_comm``: both ends call these with the same ``part.shared`` names (the
 same order on both, by construction); a stage between them has none and calls nothing.
@@ -13,7 +14,7 @@ same order on both, by construction); a stage between them has none and calls no
 
 from __future__ import annotations
 
-__all__ = ["broadcast_tied", "sum_tied_grads"]
+__all__ = ["broadcast_tied", "sum_tied_grads", "refresh_replicas"]
 
 
 def broadcast_tied(mesh, part, local) -> None:
@@ -27,3 +28,14 @@ def sum_tied_grads(mesh, transport, part, grads) -> None:
     """Sum each shared tensor's gradient over the two ends, in place in ``grads`` (a FlatBuffer)."""
     for name in part.shared:
         transport.allreduce_(mesh.ends_comm, grads[name])
+
+
+def refresh_replicas(mesh, transport, part, params) -> None:
+    """The owner's updated values of each shared tensor into the replica (``Bcast`` over ``ends_comm`` from the
+    first stage; ``params``: a FlatBuffer), after the optimizer step."""
+    for name in part.shared:
+        arr = params[name]
+        buf = transport.outgoing(arr)  # the array itself (host, or CUDA-aware MPI), or a host copy of it
+        mesh.ends_comm.Bcast(buf, root=0)
+        if buf is not arr:
+            transport.backend.copy_(arr, transport.backend.asarray(buf).reshape(arr.shape))

@@ -50,14 +50,19 @@ def split_range(lo: int, hi: int, parts: int, align: int = ALIGN) -> list[tuple[
 class ZeroShard:
     """What one data-parallel rank owns under ZeRO: chunk ``rank`` of each of ``buckets``.
 
-    ``parts[i]``: every rank's [a, b) chunk of bucket i (rank order); ``pieces[i]``: this rank's. Its
+    ``parts[i]``: every rank's [a, b) chunk of bucket i (rank order), what the collectives move;
+    ``updated[i]``: the same less anything from ``limit`` on, what the ranks' optimizers update and
+    checkpoints gather; ``pieces[i]``: this rank's of those. Its
     optimizer slots are one array of ``size`` values, the pieces one after another (``offsets[i]``).
     """
 
-    def __init__(self, buckets, dp: int, rank: int, align: int = ALIGN):
+    def __init__(self, buckets, dp: int, rank: int, align: int = ALIGN, *, limit: int | None = None):
         self.buckets, self.dp, self.rank = list(buckets), dp, rank
         self.parts = [split_range(lo, hi, dp, align) for lo, hi in self.buckets]
-        self.pieces = [parts[rank] for parts in self.parts]
+        # ``limit``: what lies beyond it (a tied tensor's replica, updated by its owner) has no optimizer state
+        end = limit if limit is not None else (self.buckets[0][1] if self.buckets else 0)
+        self.updated = [[(a, max(a, min(b, end))) for a, b in parts] for parts in self.parts]
+        self.pieces = [updated[rank] for updated in self.updated]
         self.offsets, at = [], 0
         for a, b in self.pieces:
             self.offsets.append(at)
@@ -65,20 +70,13 @@ class ZeroShard:
         self.size = at
 
     def sizes(self) -> list[int]:
-        """How many values each rank owns (rank order)."""
-        return [sum(parts[r][1] - parts[r][0] for parts in self.parts) for r in range(self.dp)]
-
-    def take(self, full):
-        """This rank's pieces of ``full`` (a host array in the flat layout), one after another."""
-        import numpy as np
-
-        return np.concatenate([full[a:b] for a, b in self.pieces]) if self.pieces else full[:0].copy()
+        """How many values each rank updates (rank order)."""
+        return [sum(updated[r][1] - updated[r][0] for updated in self.updated) for r in range(self.dp)]
 
     def place(self, out, rank: int, values) -> None:
         """Rank ``rank``'s pieces (``values``, one after another) into their places in ``out``."""
         at = 0
-        for parts in self.parts:
-            a, b = parts[rank]
+        for a, b in (updated[rank] for updated in self.updated):
             out[a:b] = values[at : at + b - a]
             at += b - a
 

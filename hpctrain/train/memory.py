@@ -39,8 +39,9 @@ def _nbytes(*arrays) -> int:
 def rank_memory(t, activation_bytes: int) -> RankMemory:
     """This rank's RankMemory from the Trainer ``t``'s live state (``activation_bytes``: the executor's peak)."""
     cfg, mesh = t.cfg, t.mesh
-    state = state_bytes(part_size=t.part.layout.size, shard=t.shard, zero=t.zero, device=t.be.is_device,
-                        slots=len(t.optim.slots), bucket_elems=max(1, int(cfg.parallel.bucket_mb * 1e6 / 4)))
+    state = state_bytes(part_size=t.part.layout.size, owned_size=t.part.owned_size, shard=t.shard, zero=t.zero,
+                        device=t.be.is_device, slots=len(t.optim.slots),
+                        bucket_elems=max(1, int(cfg.parallel.bucket_mb * 1e6 / 4)))
     state["optimizer_bytes"] = t.optim.slot_bytes  # what the slots really hold
     buffers = _nbytes(getattr(t.sync, "_scatter_out", None), t.sync.host)
     for ring in t.runner.executor.rings():

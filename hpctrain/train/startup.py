@@ -139,7 +139,9 @@ def make_state(t) -> None:
     """
     size, dp, p = t.part.layout.size, t.mesh.dp, t.cfg.parallel
     t.zero = p.zero if dp > 1 else 0
-    t.shard = ZeroShard(make_buckets(size, p.bucket_mb * 1e6 / 4), dp, t.mesh.dp_rank) if t.zero else None
+    owned = t.part.owned_size  # a tied tensor's replica beyond it is updated by its owner: no optimizer state
+    t.shard = ZeroShard(make_buckets(size, p.bucket_mb * 1e6 / 4), dp, t.mesh.dp_rank, limit=owned) if t.zero \
+        else None
     t.grad_memory = None  # zero = 2 on the CPU: pages outside this rank's chunks go back to the kernel
     t.params = FlatBuffer(t.be, t.part.layout)
     if t.zero == 2 and not t.be.is_device:
@@ -148,7 +150,8 @@ def make_state(t) -> None:
     else:
         t.grads = FlatBuffer(t.be, t.part.layout)
     t.part.bind(t.params, t.grads)
-    t.optim = make_optimizer(t.cfg.optim, t.be, t.params, t.grads, pieces=t.shard.pieces if t.shard else None)
+    pieces = t.shard.pieces if t.shard else [(0, owned)] if owned < size else None
+    t.optim = make_optimizer(t.cfg.optim, t.be, t.params, t.grads, pieces=pieces)
 
 
 def read_start(t):
@@ -230,16 +233,17 @@ def _scatter_buffer(t, ranges, full, buf) -> None:
     """Rank 0's ``full`` buffer (global layout) into every rank's ``buf``: its part, its tp shards, its ZeRO
     chunks (collective over the mesh)."""
     mesh = t.mesh
-    sliced = buf is not t.params and t.shard is not None  # ZeRO: optimizer state for this rank's chunks only
+    # optimizer state for the pieces this rank updates only (ZeRO's chunks; no tied replica)
+    sliced = buf is not t.params and buf.layout.size != t.part.layout.size
     direct = not t.be.is_device and not sliced  # host memory: straight into the buffer, no staging copy
     host = buf.data if direct else np.zeros(t.part.layout.size, dtype=np.float32)
     scatter_flat(mesh, full, ranges, t.part, out=host[: t.part.owned_size])
     broadcast_tied(mesh, t.part, host)  # a tied tensor's replica on the last stage, from the first
-    if direct:
-        return
     if sliced:
-        host = t.shard.take(host)
-    run_everywhere(mesh.world, lambda: t.be.copy_(buf.data, t.be.asarray(host)))
+        host = t.optim.take(host)
+    # an agreement on every rank alike (whether this one copies or not: a stage without a replica scatters
+    # its slots straight into place), as a device may run out of memory on one rank alone
+    run_everywhere(mesh.world, (lambda: None) if direct else lambda: t.be.copy_(buf.data, t.be.asarray(host)))
 
 
 def _check_writable(key, path, *, folder):

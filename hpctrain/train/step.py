@@ -15,7 +15,8 @@ the step (``OptimizerStep``) reduces over the right groups:
   0, a tied tensor on its owner; data-parallel replicas hold the same reduced
   gradients), so every rank sees the same norm;
 * the non-finite decision follows from that same norm on every rank;
-* then clipping and the optimizer run on each stage's own part.
+* then clipping and the optimizer run on each stage's own part; a tied tensor's owner sends its
+  updated values to the replica, which keeps no optimizer state of its own.
 
 Collective: ``train_step`` over the whole mesh (point-to-point within the pipeline
 group, Allreduce within the data-parallel group, the tensor-parallel Allreduces of the
@@ -36,7 +37,7 @@ from ..optim import clip_coefficient
 from ..parallel.agree import QuietExit
 from ..parallel.executor import StageExecutor
 from ..parallel.schedule import check_schedule, forward_only, make_schedule
-from ..parallel.tied import sum_tied_grads
+from ..parallel.tied import refresh_replicas, sum_tied_grads
 from ..parallel.zero import overlap
 
 __all__ = ["StepRunner"]
@@ -149,6 +150,8 @@ class StepRunner:
                 params = self.optim.params.data
                 self.optim.step(lr, after=lambda i: self.sync.gather_bucket(i, params))
                 self.sync.finish_gather()
+            if part.shared:  # a tied tensor: its owner updated it; the replica on the other end receives it
+                refresh_replicas(self.mesh, self.transport, part, self.optim.params)
             be.synchronize()
         return dict(grad_norm=norm, skipped=skipped, wait=wait)
 

@@ -166,3 +166,25 @@ def test_recompute_on_every_layout_is_bitwise_the_same(comm, tokens):
         stored = train(cfg, comm)
         recomputed = train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="blocks")), comm)
         assert all(np.array_equal(stored[n], recomputed[n]) for n in stored), (pp, tp)
+
+
+def test_a_tied_replica_holds_no_optimizer_state(comm, tokens):
+    """pp = 2: the last stage's copy of the GPT's wte is updated by its owner and keeps no Adam slots."""
+    if comm.size % 2:
+        pytest.skip("a two-stage pipeline needs an even number of ranks")
+    for zero in (0, 1):
+        cfg = gpt_config(tokens, optim=ADAMW, train={"batch_size": 2 * comm.size, "steps": 1},
+                         parallel={"pp": 2, "zero": zero})
+        mesh = Mesh(comm=comm, pp=2)
+        t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+        try:
+            t.run()
+            updated = np.array([t.optim.slot_bytes // 8], dtype=np.int64)
+            if t.zero:  # each owned value's state on one data-parallel rank
+                mesh.dp_comm.Allreduce(MPI.IN_PLACE, updated, op=MPI.SUM)
+            assert updated[0] == t.part.owned_size  # the replica's values never have any
+            if t.part.is_last:
+                assert t.part.replicas == ["transformer.wte.weight"] and t.part.owned_size < t.part.layout.size
+        finally:
+            t.close()
+            mesh.free()

@@ -265,15 +265,16 @@ class ModelPart:
         return f"layers {self.lo}..{self.hi}: {self.layout.size:,} parameters"
 
     def init_params(self, seed: int) -> dict[str, np.ndarray]:
-        """This part's initial tensors (this rank's shards), drawn here: each layer it holds a tensor of comes
-        from that layer's own stream (``ModelSpec.init_layer``), whole, and the shard is cut from it, so every
-        layout starts from the single-process model and no rank draws more than its own layers (and the
-        owner of a tied replica)."""
-        out = {}
+        """This part's initial tensors (this rank's shards) by local name: ``init_tensors``, collected."""
+        return dict(self.init_tensors(seed))
+
+    def init_tensors(self, seed: int):
+        """(local name, initial tensor) of this part, one layer at a time: each layer it holds a tensor of is
+        drawn from that layer's own stream (``ModelSpec.init_layer``), whole, and this rank's shard cut from
+        it, so every layout starts from the single-process model and a rank holds one layer's draw at most."""
         for i in sorted({self.spec.owner_of(name) for name in self.global_names.values()}):
             full = self.spec.init_layer(i, seed)
-            out.update(self.local_tensors({n: a for n, a in full.items() if n in self._by_global}, partial=True))
-        return out
+            yield from self.local_tensors({n: a for n, a in full.items() if n in self._by_global}, partial=True).items()
 
     def local_tensors(self, full: dict[str, np.ndarray], partial: bool = False) -> dict[str, np.ndarray]:
         """This part's tensors (this rank's shards) from the full tensors by global name (``partial``: those

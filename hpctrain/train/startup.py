@@ -216,8 +216,11 @@ def scatter_start(t, state, weights) -> None:
     mesh.world.Bcast(header, root=0)
     t.step, t.optim.step_count = int(header[0]), int(header[1])
     if header[3]:  # a fresh start: every rank draws its own part (nn/model.py: one stream per layer), nothing sent
-        host = t.part.layout.pack(t.part.init_params(cfg.train.seed))
-        run_everywhere(mesh.world, lambda: t.be.copy_(t.params.data, t.be.asarray(host)))
+        def draw():
+            for name, arr in t.part.init_tensors(cfg.train.seed):  # one layer's tensors at a time
+                t.be.copy_(t.params[name], t.be.asarray(np.ascontiguousarray(arr, dtype=np.float32)))
+
+        run_everywhere(mesh.world, draw)
         return
     ranges = [t.model.part(lo, hi).global_range for lo, hi in t.stages]
     full = t.model.layout.pack(weights) if rank0 else None  # one full buffer at a time, on rank 0 only

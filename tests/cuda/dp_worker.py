@@ -2,10 +2,11 @@
 pipeline (its tied embedding summed across the stages) or tensor parallelism on the CUDA backend vs the CPU
 backend.
 
-    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|tp]
+    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|tp|zero]
 
 Under ``pp`` activations and gradients between the stages take the same host-staged path, as do the tied
-gradient (``gpt-pp``) and the tensor-parallel Allreduces (``tp``).
+gradient (``gpt-pp``) and the tensor-parallel Allreduces (``tp``); ``zero`` is data parallel with
+``parallel.zero = 2``: device gradients reduce-scattered through host staging, the parameters all-gathered.
 
 Gradients go through the non-CUDA-aware path (pinned host staging, several buckets,
 overlapped Iallreduce), which is the only one the simulator may take: simulated
@@ -44,7 +45,8 @@ def main(path, layout):
     comm.Barrier()
     results = {}
     for backend in ("cuda", "cpu"):
-        parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False, "pp": pp, "tp": tp}
+        parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False, "pp": pp, "tp": tp,
+                    "zero": 2 if layout == "zero" else 0}
         if layout == "gpt-pp":
             cfg = gpt_config(path, model={"block_size": 4, "n_embd": 4}, data={"val_fraction": 0.0},
                              train={"steps": 2, "batch_size": 2, "micro_batches": 2, "backend": backend},

@@ -34,7 +34,7 @@ import numpy as np
 
 __all__ = ["ALIGN", "ZeroShard", "split_range", "overlap", "ReleasableHost"]
 
-ALIGN = 16  # elements: 64 bytes, a cache line, so slices start aligned for the vector units
+ALIGN = 16  # elements: 64 bytes, a cache line, so chunks start aligned for the vector units
 
 
 def split_range(lo: int, hi: int, parts: int, align: int = ALIGN) -> list[tuple[int, int]]:
@@ -52,8 +52,8 @@ class ZeroShard:
 
     ``parts[i]``: every rank's [a, b) chunk of bucket i (rank order), what the collectives move;
     ``updated[i]``: the same less anything from ``limit`` on, what the ranks' optimizers update and
-    checkpoints gather; ``pieces[i]``: this rank's of those. Its
-    optimizer slots are one array of ``size`` values, the pieces one after another (``offsets[i]``).
+    checkpoints gather; ``pieces[i]``: this rank's of those. Its optimizer slots are one array of
+    ``size`` values, the pieces one after another.
     """
 
     def __init__(self, buckets, dp: int, rank: int, align: int = ALIGN, *, limit: int | None = None):
@@ -63,11 +63,7 @@ class ZeroShard:
         end = limit if limit is not None else (self.buckets[0][1] if self.buckets else 0)
         self.updated = [[(a, max(a, min(b, end))) for a, b in parts] for parts in self.parts]
         self.pieces = [updated[rank] for updated in self.updated]
-        self.offsets, at = [], 0
-        for a, b in self.pieces:
-            self.offsets.append(at)
-            at += b - a
-        self.size = at
+        self.size = sum(b - a for a, b in self.pieces)
 
     def sizes(self) -> list[int]:
         """How many values each rank updates (rank order)."""

@@ -21,10 +21,12 @@ Nothing here talks to MPI: only world rank 0 calls it, inside an agreement.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 
@@ -118,11 +120,24 @@ class FolderLock:
 
 
 def _open(path: str):
-    """The lock file opened for reading and writing, and whether this call created it."""
+    """The lock file opened for reading and writing, and whether this call created it.
+
+    Never through a symbolic link (O_EXCL creates no file at a link's target, O_NOFOLLOW opens none) and only a
+    regular file: the lock is written, and a link named hpctrain.lock would have the run overwrite whatever it
+    points to (as root, any file on the machine). CheckpointError otherwise."""
     try:
-        fd, new = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), True
+        fd, new = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666), True
     except FileExistsError:
-        fd, new = os.open(path, os.O_RDWR), False
+        try:
+            fd, new = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK), False
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CheckpointError(f"{path} is a symbolic link; hpctrain never writes through one: remove it "
+                                      "(no job is using the folder through it)") from None
+            raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path} is not a regular file (a FIFO, socket or device): remove it")
     return os.fdopen(fd, "r+", encoding="utf-8"), new
 
 

@@ -229,3 +229,24 @@ def test_the_lock_file_cannot_be_the_metrics_file(tmp_path, mesh):
         Trainer(config(tmp_path / "d.h5", train={"metrics": str(ck / LOCK_NAME)}, checkpoint={"dir": str(ck)}),
                 mesh=mesh, log=QUIET)
     assert not os.path.exists(ck)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "dangling symlink", "fifo"])
+def test_a_lock_file_that_is_a_link_or_a_fifo_is_refused_and_nothing_is_written_through_it(tmp_path, mesh, kind):
+    """A symbolic link named hpctrain.lock would have the run overwrite the file it points to."""
+    make_classification(tmp_path / "d.h5", n=64)
+    (tmp_path / "ck").mkdir()
+    victim = tmp_path / "victim.txt"
+    lock = tmp_path / "ck" / LOCK_NAME
+    if kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        if kind == "symlink":
+            victim.write_text("precious")
+        os.symlink(victim, lock)
+    with pytest.raises(CheckpointError, match="symbolic link|not a regular file"):
+        Trainer(config(tmp_path / "d.h5", checkpoint={"dir": str(tmp_path / "ck")}), mesh=mesh, log=QUIET)
+    if kind == "symlink":
+        assert victim.read_text() == "precious"
+    elif kind == "dangling symlink":
+        assert not victim.exists()  # nothing was created at the link's target

@@ -60,7 +60,7 @@ def main():
     args = ap.parse_args()
     folder = tempfile.mkdtemp(prefix="hpctrain-bench-plan-")
     out = lambda name: [f"checkpoint.dir={folder}/ck-{name}", "checkpoint.resume=never",  # noqa: E731
-                        f"train.metrics={folder}/m-{name}.jsonl", f"train.trace="]
+                        f"train.metrics={folder}/m-{name}.jsonl", "train.trace="]
     cases = [("digits", f"{ROOT}/jobs/configs/digits.toml", 1, ["train.steps=30"]),
              ("digits", f"{ROOT}/jobs/configs/digits.toml", 2, ["train.steps=30"]),
              ("digits-pp2", f"{ROOT}/jobs/configs/digits-pp2.toml", 2, ["train.steps=30"]),

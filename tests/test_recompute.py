@@ -9,7 +9,6 @@ that stores every activation; the executor's peak of saved activation bytes fall
 import dataclasses
 import hashlib
 
-import numpy as np
 import pytest
 from mpi4py import MPI
 

@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+from ..parallel.executor import nbytes_of
 from ..plan import RUNTIME_BYTES, RankMemory, checkpoint_bytes, state_bytes
 
 __all__ = ["rank_memory", "gather_memory", "peak_rss_bytes"]
@@ -32,10 +33,6 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def _nbytes(*arrays) -> int:
-    return sum(int(a.nbytes) for a in arrays if a is not None)
-
-
 def rank_memory(t, activation_bytes: int) -> RankMemory:
     """This rank's RankMemory from the Trainer ``t``'s live state (``activation_bytes``: the executor's peak)."""
     cfg, mesh = t.cfg, t.mesh
@@ -43,9 +40,9 @@ def rank_memory(t, activation_bytes: int) -> RankMemory:
                         device=t.be.is_device, slots=len(t.optim.slots),
                         bucket_elems=max(1, int(cfg.parallel.bucket_mb * 1e6 / 4)))
     state["optimizer_bytes"] = t.optim.slot_bytes  # what the slots really hold
-    buffers = _nbytes(getattr(t.sync, "_scatter_out", None), t.sync.host)
+    buffers = nbytes_of([getattr(t.sync, "_scatter_out", None), t.sync.host])  # None: not allocated
     for ring in t.runner.executor.rings():
-        buffers += _nbytes(*ring.arrays, *ring.hosts)
+        buffers += nbytes_of([ring.arrays, ring.hosts])
     if mesh.rank == 0 and cfg.checkpoint.dir:  # an unsharded checkpoint gathers every buffer here (transient)
         buffers += checkpoint_bytes(t.model.layout.size, t.part.layout.size, len(t.optim.slots), t.zero)
     return RankMemory(rank=mesh.rank, stage=mesh.pp_rank, dp_rank=mesh.dp_rank, tp_rank=mesh.tp_rank,

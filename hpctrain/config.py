@@ -120,7 +120,7 @@ class CheckpointConfig:
     every: int = 0
     keep: int = 3
     resume: str = "auto"
-    lock: bool = True  # world rank 0 holds <dir>/hpctrain.lock for the run (hpctrain/ckpt_lock.py)
+    lock: bool = True  # world rank 0 holds <dir>/hpctrain.lock for the run (hpctrain/checkpoint/lock.py)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class NonFiniteError(HpctrainError):
 
 
 class CheckpointInUseError(CheckpointError):
-    """Another live job holds the lock on ``checkpoint.dir`` (hpctrain/ckpt_lock.py)."""
+    """Another live job holds the lock on ``checkpoint.dir`` (hpctrain/checkpoint/lock.py)."""
 
 
 class NewerFormatError(CheckpointError):

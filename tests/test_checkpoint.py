@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hpctrain import checkpoint as ckpt
-from hpctrain import checkpoint_format as fmt
+from hpctrain.checkpoint import format as fmt
 from hpctrain.checkpoint import CheckpointState, find_resume, inspect, load_checkpoint, load_weights, save_checkpoint
 from hpctrain.errors import CheckpointError, NewerFormatError
 from hpctrain.params import ParamLayout
@@ -485,7 +485,8 @@ def test_find_resume_refuses_when_nothing_verifies(tmp_path, layout):
 _KILL_SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
-from hpctrain import checkpoint, checkpoint_format
+from hpctrain import checkpoint
+from hpctrain.checkpoint import format as checkpoint_format
 from test_checkpoint import make_state
 directory = sys.argv[1]
 checkpoint.save_checkpoint(directory, make_state(1), keep=3)

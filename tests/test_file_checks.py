@@ -13,7 +13,7 @@ import pytest
 from helpers import make_classification
 from test_checkpoint import SHAPES, make_state
 
-from hpctrain import checkpoint_format as fmt
+from hpctrain.checkpoint import format as fmt
 from hpctrain import data as data_module
 from hpctrain.checkpoint import inspect, load_checkpoint, load_weights, read_meta, save_checkpoint
 from hpctrain.config import load_config, parse_config
@@ -488,7 +488,7 @@ def test_absurd_bucket_sizes_nul_characters_and_overlong_paths_are_one_line(tmp_
 
 
 def test_a_checkpoint_folder_that_cannot_be_made_and_a_failing_metrics_write_are_one_line(tmp_path):
-    from hpctrain.ckpt_lock import FolderLock
+    from hpctrain.checkpoint.lock import FolderLock
     from hpctrain.train.metrics import MetricsFile
 
     (tmp_path / "file").write_text("")

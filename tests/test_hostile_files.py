@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_checkpoint import SHAPES, assert_same_state, make_state
 
-from hpctrain import checkpoint_format as fmt
+from hpctrain.checkpoint import format as fmt
 from hpctrain.checkpoint import inspect, load_checkpoint, load_weights, read_meta, save_checkpoint
 from hpctrain.config import Config, load_config
 from hpctrain.data import Dataset, TokenDataset

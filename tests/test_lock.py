@@ -15,7 +15,7 @@ import pytest
 
 from helpers import config, make_classification, toml_job
 from hpctrain.checkpoint import list_checkpoints
-from hpctrain.ckpt_lock import LOCK_NAME, FolderLock
+from hpctrain.checkpoint.lock import LOCK_NAME, FolderLock
 from hpctrain.errors import CheckpointError, CheckpointInUseError, NonFiniteError
 from hpctrain.parallel.mesh import Mesh
 from hpctrain.train import Trainer
@@ -185,7 +185,7 @@ def test_a_filesystem_without_flock_is_one_error_unless_the_lock_is_turned_off(t
 RANKS_SCRIPT = """
 import sys
 from mpi4py import MPI
-import hpctrain.ckpt_lock as ckpt_lock
+import hpctrain.checkpoint.lock as ckpt_lock
 from hpctrain.cli import main
 
 take = ckpt_lock.FolderLock.take.__func__

@@ -4,7 +4,7 @@
 
 The protocol is in parallel/param_server.py. Here: start-up (the same checks and data as
 a synchronous run; world rank 0, the first server, locks ``checkpoint.dir`` for the run
-(hpctrain/ckpt_lock.py) and reads the starting point, and the
+(hpctrain/checkpoint/lock.py) and reads the starting point, and the
 servers scatter it by range), the workers' loop (the one-stage schedule of the stage
 executor, then a push), the servers' updates (the optimizer on their range: with
 staleness 0 the summed gradient of the step, clipped by the global norm; with staleness

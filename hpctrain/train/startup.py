@@ -5,7 +5,7 @@ failure on one rank ends the job on all of them before any training message:
 
 * ``build``: backend, model spec and this stage's part, loss, data, sampler, outputs;
 * ``lock_checkpoint_dir`` (world rank 0 only): the lock on ``checkpoint.dir``, taken before
-  anything in it is read or written (one job per folder; hpctrain/ckpt_lock.py);
+  anything in it is read or written (one job per folder; hpctrain/checkpoint/lock.py);
 * ``make_state``: the part's parameter, gradient and optimizer buffers;
 * ``read_start`` (world rank 0 only): the checkpoint or weights file to start from,
   checked against this run, as full unsharded tensors;
@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import checkpoint as ckpt
 from ..backend import get_backend
-from ..ckpt_lock import LOCK_NAME, FolderLock
+from ..checkpoint.lock import LOCK_NAME, FolderLock
 from ..data import Sampler, open_dataset
 from ..errors import CheckpointError, ConfigError, DataError, LayoutError
 from ..nn import make_loss, make_model

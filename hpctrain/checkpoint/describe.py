@@ -2,7 +2,7 @@
 
     text, ok = inspect("runs/digits/ckpt-00000600.h5")   # ok: every checksum verifies, nothing refused
 
-The loaders (hpctrain/checkpoint.py) stop at the first problem; this reads on past it and
+The loaders (checkpoint/read.py) stop at the first problem; this reads on past it and
 lists them all, and it never raises on a bad file.
 """
 
@@ -14,11 +14,12 @@ import os
 import h5py
 import numpy as np
 
-from . import checkpoint_format as fmt
-from ._files import H5_ERRORS, member, shown, storage_problem
-from .checkpoint import _check_slot_names, _member, _read_meta, _value_problem  # the loaders' own checks
-from .errors import CheckpointError
-from .params import ParamLayout
+from . import format as fmt
+from .._files import H5_ERRORS, member, shown, storage_problem
+from .read import get_member, read_root
+from .state import check_slot_names, value_problem
+from ..errors import CheckpointError
+from ..params import ParamLayout
 
 __all__ = ["inspect"]
 
@@ -52,7 +53,7 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
         lines.append("  kind: weights-only file (/params, no format attribute)")
     else:
         try:
-            state = _read_meta(f, path)
+            state = read_root(f, path)
         except CheckpointError as e:
             problems.append(str(e))
             lines.append(f"  kind: format {shown(repr(fmt.decode_attr(f.attrs['format'])))}, "
@@ -70,7 +71,7 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
                   f"  root attributes verify ({fmt.ATTRS_DIGEST}); config: {len(state.config_text.splitlines())} "
                   "lines, shown at the end"]
     try:
-        params, optim = _member(f, "params", path), _member(f, "optim", path)
+        params, optim = get_member(f, "params", path), get_member(f, "optim", path)
     except CheckpointError as e:
         problems.append(str(e))
         return
@@ -95,7 +96,7 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
     if state is not None:
         slots = {s for s in optim.keys() if isinstance(s, str)} if isinstance(optim, h5py.Group) else set()
         try:
-            _check_slot_names(state.optim_name, slots, CheckpointError)
+            check_slot_names(state.optim_name, slots, CheckpointError)
         except CheckpointError as e:
             problems.append(str(e))
     if isinstance(optim, h5py.Group):
@@ -124,8 +125,8 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
         if problem:
             bad += 1
             problems.append(f"{label}: {problem}")
-        elif value_problem := _value_problem(_slot_of(label), arr):  # the loaders refuse it too
-            problems.append(f"{label}: {value_problem}")
+        elif bad_value := value_problem(_slot_of(label), arr):  # the loaders refuse it too
+            problems.append(f"{label}: {bad_value}")
     summary = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
     lines.append(f"checksums: {len(items) - bad} of {len(items)} datasets verify ({summary})"
                  + (" -- datasets without a checksum are only read, not verified" if "none" in kinds else ""))

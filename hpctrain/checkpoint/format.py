@@ -1,6 +1,6 @@
 """On-disk details of hpctrain checkpoints: file names, atomic writes, digests, attributes.
 
-docs/checkpoint-format.md is the reference for everything here; hpctrain/checkpoint.py
+docs/checkpoint-format.md is the reference for everything here; hpctrain/checkpoint/__init__.py
 builds the public API on top. Nothing in this module talks to MPI: only the rank
 that writes (rank 0) calls it.
 """
@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 import h5py
 import numpy as np
 
-from ._files import member, regular_file, shown, storage_problem
-from .config import INT64_MAX
-from .errors import CheckpointError
+from .._files import member, regular_file, shown, storage_problem
+from ..config import INT64_MAX
+from ..errors import CheckpointError
 
 FORMAT = "hpctrain-checkpoint"
 VERSION = 2  # bump only when an older reader would misread a newer file; 2: fixed-length strings

@@ -30,7 +30,7 @@ import stat
 import sys
 import time
 
-from .errors import CheckpointError, CheckpointInUseError
+from ..errors import CheckpointError, CheckpointInUseError
 
 __all__ = ["LOCK_NAME", "FolderLock"]
 

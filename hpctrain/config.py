@@ -12,6 +12,7 @@ resolve against the folder of the config file, including paths given with
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import math
 import os
 import tomllib
@@ -121,6 +122,7 @@ class CheckpointConfig:
     keep: int = 3
     resume: str = "auto"
     lock: bool = True  # world rank 0 holds <dir>/hpctrain.lock for the run (hpctrain/checkpoint/lock.py)
+    async_: bool = True  # TOML key ``async``: periodic checkpoints are written by a thread while training runs
 
 
 @dataclass(frozen=True)
@@ -383,6 +385,11 @@ def _check_stages(p: "ParallelConfig", n: int, has_params, what: str) -> None:
         raise ConfigError(f"parallel.stages end at layer {expect - 1} but the model has layers 0..{n - 1}")
 
 
+def _toml_key(field: str) -> str:
+    """The TOML key of a config field: a Python keyword ends in ``_`` as a field (``async_``), not in TOML."""
+    return field[:-1] if field.endswith("_") and keyword.iskeyword(field[:-1]) else field
+
+
 def parse_config(data: dict, base_dir: str = ".", source: str = "<config>") -> Config:
     """Build a Config from a parsed TOML document (a dict)."""
     sections = {}
@@ -396,8 +403,10 @@ def parse_config(data: dict, base_dir: str = ".", source: str = "<config>") -> C
         values = {}
         for key, value in table.items():
             full = f"{name}.{key}"
+            if keyword.iskeyword(key) and key + "_" in fields:  # ``async`` is the field ``async_``
+                key = key + "_"
             if key not in fields:
-                raise ConfigError(f"{full}: unknown key (known in [{name}]: {', '.join(fields)})")
+                raise ConfigError(f"{full}: unknown key (known in [{name}]: {', '.join(map(_toml_key, fields))})")
             if name == "model" and key == "layers":
                 values[key] = _parse_layers(value)
                 continue
@@ -496,6 +505,6 @@ def config_to_toml(cfg: Config) -> str:
             lines.append("]")
         else:
             for f in dataclasses.fields(section):
-                lines.append(f"{f.name} = {_toml_value(getattr(section, f.name))}")
+                lines.append(f"{_toml_key(f.name)} = {_toml_value(getattr(section, f.name))}")
         lines.append("")
     return "\n".join(lines)

@@ -114,3 +114,23 @@ def gpt_config(path, **sections):
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)
     return parse_config(data)
+
+
+def folder_listing(folder) -> list[str]:
+    """``sorted(os.listdir(folder))`` with each sharded checkpoint's folder of shards named ``ckpt-<step>.shards``
+    (its set id left out), so a test can say exactly what a checkpoint folder holds."""
+    import os
+    import re
+
+    return sorted(re.sub(r"^(ckpt-\d+)\.[0-9a-f]{16}\.shards$", r"\1.shards", n) for n in os.listdir(folder))
+
+
+def copy_checkpoint(index, folder) -> None:
+    """Copy a checkpoint into ``folder``: its index and, for a sharded one, the folder of shards beside it."""
+    import glob
+    import os
+    import shutil
+
+    shutil.copy(index, folder)
+    for shards in glob.glob(f"{str(index)[:-3]}.*.shards"):
+        shutil.copytree(shards, os.path.join(folder, os.path.basename(shards)))

@@ -260,8 +260,8 @@ def test_wrong_format_attribute(tmp_path, layout):
 
 def test_newer_version_is_refused(tmp_path, layout):
     path = save_checkpoint(str(tmp_path), make_state(2), keep=1)
-    _edit_attr(path, "version", np.int64(3))
-    with pytest.raises(CheckpointError, match=r"written by a newer hpctrain \(format version 3"):
+    _edit_attr(path, "version", np.int64(fmt.VERSION + 1))
+    with pytest.raises(CheckpointError, match=rf"written by a newer hpctrain \(format version {fmt.VERSION + 1}"):
         load_checkpoint(path, layout)
     with pytest.raises(CheckpointError, match="written by a newer hpctrain"):
         load_weights(path, layout)

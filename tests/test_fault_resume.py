@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from helpers import make_classification, toml_job
+from helpers import folder_listing, make_classification, toml_job
 from launch import launcher_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,7 +54,7 @@ def final_params(folder):
 @pytest.mark.parametrize("fault", ["kill", "exception"])
 def test_a_rank_dying_mid_run_loses_nothing_checkpointed(tmp_path, fault):
     job = toml_job(train={"steps": 12, "log_every": 4}, optim={"name": "adamw", "lr": 0.01},
-                   checkpoint={"dir": "ck", "every": 5, "keep": 5})
+                   checkpoint={"dir": "ck", "every": 5, "keep": 5, "async": False})  # committed before step 6
     for name in ("whole", "broken"):
         (tmp_path / name).mkdir()
         make_classification(tmp_path / name / "d.h5", n=64)
@@ -67,7 +67,7 @@ def test_a_rank_dying_mid_run_loses_nothing_checkpointed(tmp_path, fault):
     if fault == "exception":
         assert "hpctrain: error [rank 1/2]: RuntimeError: rank 1 fell over" in broken.stderr
     # the step-5 checkpoint, and the lock the aborted job could not remove (stale: its holder is gone)
-    assert sorted(os.listdir(tmp_path / "broken" / "ck")) == ["ckpt-00000005.h5", "hpctrain.lock"]
+    assert folder_listing(tmp_path / "broken" / "ck") == ["ckpt-00000005.h5", "ckpt-00000005.shards", "hpctrain.lock"]
 
     resumed, _ = launch(tmp_path / "broken", "none")  # resume = "auto" is the default
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout and "at step 5" in resumed.stdout, \

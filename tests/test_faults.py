@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import make_classification, toml_job
+from helpers import folder_listing, make_classification, toml_job
 from launch import launcher_env  # the user's MPI settings pass, a running launcher's rank does not
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -221,7 +221,7 @@ def test_signals_are_recorded_from_start_up_to_the_stop_checkpoint(tmp_path, whe
     assert proc.returncode == 0, proc.stdout + proc.stderr
     step = 0 if when == "start-up" else 3
     assert f"stopping at step {step}" in proc.stdout
-    assert os.listdir(tmp_path / "ck") == [f"ckpt-{step:08d}.h5"]
+    assert folder_listing(tmp_path / "ck") == [f"ckpt-{step:08d}.h5", f"ckpt-{step:08d}.shards"]
 
 
 PS_SCRIPT = """

@@ -17,16 +17,16 @@ import time
 
 import pytest
 
-from helpers import make_classification, toml_job
+from helpers import folder_listing, make_classification, toml_job
 from launch import launcher_env, mpi_command, open_mpi_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # each rank writes its pid once MPI is up, before the config is read and the Trainer built; world rank 0's
-# checkpoint write is slowed down so that the second signal lands inside it
+# checkpoint commit (its index) is slowed down so that the second signal lands inside it
 SCRIPT = """
 import os, sys, time
-import hpctrain.checkpoint as ckpt
+import hpctrain.checkpoint.sharded as sharded
 import hpctrain.cli as cli
 
 marks = sys.argv[2]
@@ -38,12 +38,12 @@ def load_mpi_and_say():  # MPI is up, nothing of the Trainer yet
     time.sleep(1.0)  # the start-up signal lands here
     return MPI
 cli._load_mpi = load_mpi_and_say
-save = ckpt.save_checkpoint
-def slow_save(*args, **kwargs):
+commit = sharded.write_index
+def slow_commit(*args, **kwargs):
     open(os.path.join(marks, "writing"), "w").close()
     time.sleep(2.0)
-    return save(*args, **kwargs)
-ckpt.save_checkpoint = slow_save
+    return commit(*args, **kwargs)
+sharded.write_index = slow_commit
 sys.exit(cli.main(["train", sys.argv[1]]))
 """
 
@@ -115,9 +115,8 @@ def test_a_second_signal_during_the_stop_checkpoint_loses_nothing(tmp_path, mpi,
         out = _finish(proc, lines)
     assert proc.returncode == 0, out[-3000:]
     assert "signal SIGTERM received: stopping at step" in out
-    assert [n for n in os.listdir(tmp_path / "ck") if n != "hpctrain.lock"] == \
-        [n for n in os.listdir(tmp_path / "ck") if n.startswith("ckpt-") and n.endswith(".h5")]
-    assert len(os.listdir(tmp_path / "ck")) == 1, os.listdir(tmp_path / "ck")  # the checkpoint; no temp, no lock
+    names = folder_listing(tmp_path / "ck")  # the checkpoint (its index and shards); no temp, no lock
+    assert len(names) == 2 and names[0].endswith(".h5") and names[1] == names[0][:-3] + ".shards", names
 
 
 @pytest.mark.parametrize("mpi", _launchers())
@@ -130,4 +129,4 @@ def test_a_signal_during_start_up_stops_the_job_at_step_0_with_a_checkpoint(tmp_
         out = _finish(proc, lines)
     assert proc.returncode == 0, out[-3000:]
     assert "received during start-up: stopping at step 0" in out
-    assert os.listdir(tmp_path / "ck") == ["ckpt-00000000.h5"]
+    assert folder_listing(tmp_path / "ck") == ["ckpt-00000000.h5", "ckpt-00000000.shards"]

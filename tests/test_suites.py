@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from helpers import folder_listing
 from launch import kind_of_version_text, launcher_env, launcher_flags, launcher_kind, mpi_command, open_mpi_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,7 +39,7 @@ def _run(cmd, env_extra, timeout):
 
 
 LAYOUT_TESTS = ["tests/mpi/test_pipeline.py", "tests/mpi/test_checkpoint_resharding.py", "tests/mpi/test_gpt_parallel.py",
-                "tests/mpi/test_tensor_parallel.py", "tests/mpi/test_zero.py"]
+                "tests/mpi/test_tensor_parallel.py", "tests/mpi/test_zero.py", "tests/mpi/test_sharded_checkpoint.py"]
 RUNS = [(1, ["tests/mpi"]), (2, ["tests/mpi"]), (3, ["tests/mpi/test_param_server.py"]),
         (4, LAYOUT_TESTS + ["tests/mpi/test_param_server.py"])]
 IDS = ["1-rank", "2-ranks", "3-ranks-parameter-server", "4-ranks-layouts"]
@@ -77,7 +78,7 @@ def test_the_readme_job_under_open_mpi(tmp_path):
                       "--set", f"train.metrics={tmp_path}/m.jsonl")
     output = _run_plain(cmd, {"PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}, timeout=300)
     assert "world 2 = dp 2 x pp 1 x tp 1" in output and "val_accuracy" in output, output[-3000:]
-    assert os.listdir(tmp_path / "ck") == ["ckpt-00000060.h5"]
+    assert folder_listing(tmp_path / "ck") == ["ckpt-00000060.h5", "ckpt-00000060.shards"]
 
 
 def _run_plain(cmd, env_extra, timeout):

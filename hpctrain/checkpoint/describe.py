@@ -16,7 +16,9 @@ import numpy as np
 
 from . import format as fmt
 from .._files import H5_ERRORS, member, shown, storage_problem
-from .read import get_member, read_root
+from . import sharded
+from .pieces import whole
+from .read import get_member, read_root, read_set
 from .state import check_slot_names, value_problem
 from ..errors import CheckpointError
 from ..params import ParamLayout
@@ -70,6 +72,9 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
                   "  rng: " + (", ".join(f"{k}={shown(repr(v))}" for k, v in state.rng.items()) or "none"),
                   f"  root attributes verify ({fmt.ATTRS_DIGEST}); config: {len(state.config_text.splitlines())} "
                   "lines, shown at the end"]
+    if state is not None and state.version >= sharded.VERSION:
+        _inspect_set(f, path, state, lines, problems)
+        return
     try:
         params, optim = get_member(f, "params", path), get_member(f, "optim", path)
     except CheckpointError as e:
@@ -133,6 +138,43 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
     if state is not None:
         lines.append("config:")
         lines += [f"  {shown(line)}" for line in state.config_text.splitlines()]
+
+
+def _inspect_set(f: h5py.File, path: str, state, lines: list, problems: list) -> None:
+    """A sharded checkpoint (format version 3): the tensors its index maps, its shards, every block verified."""
+    params = f.get("params")
+    if not isinstance(params, h5py.Group):
+        problems.append("no /params group")
+        return
+    specs = [(n, ds.shape) for n, ds in params.items() if isinstance(ds, h5py.Dataset)]
+    total = sum(math.prod(shape) for _, shape in specs)
+    lines.append(f"parameters: {len(specs)} tensors, {total:,} values ({_size(total * 4)} as float32)")
+    width = max([len(n) for n, _ in specs] + [4])
+    lines += [f"  {name:<{width}}  {'x'.join(map(str, shape)) or 'scalar'}" for name, shape in specs]
+    layout = ParamLayout(specs)
+    try:
+        index = sharded.open_set(path, f, state, layout)
+    except CheckpointError as e:
+        problems.append(str(e))
+        return
+    lines.append(f"optimizer slots: {', '.join(index.labels[1:]) or 'none'}")
+    lines.append(f"sharded: set {index.set_id}, {len(index.shards)} shard(s) in "
+                 f"{os.path.basename(os.path.dirname(index.shards[0])) if index.shards else '-'}")
+    opened, verified = {}, 0
+    try:
+        for label in index.labels:
+            try:
+                read_set(index, label, whole(layout), np.empty(layout.size, dtype=np.float32), opened=opened)
+                verified += 1
+            except CheckpointError as e:
+                problems.append(str(e))
+    finally:
+        for h in opened.values():
+            h.close()
+    lines.append(f"checksums: {verified} of {len(index.labels)} buffers (params, slots) verify, every 1 MiB block "
+                 "of every shard read")
+    lines.append("config:")
+    lines += [f"  {shown(line)}" for line in state.config_text.splitlines()]
 
 
 def _usable(group: h5py.Group, size: int, problems: list) -> list[tuple[str, h5py.Dataset]]:

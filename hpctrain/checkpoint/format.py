@@ -25,7 +25,8 @@ from ..config import INT64_MAX
 from ..errors import CheckpointError
 
 FORMAT = "hpctrain-checkpoint"
-VERSION = 2  # bump only when an older reader would misread a newer file; 2: fixed-length strings
+VERSION = 3  # the newest this hpctrain reads; bump only when an older reader would misread a newer file
+SINGLE_FILE_VERSION = 2  # one file holding every tensor (2: fixed-length strings); 3 is a sharded set
 DIGEST = "sha256"  # root attribute ``checksum`` and the per-dataset attribute name
 LIBVER = ("v108", "v108")  # superblock v2 and v2 object headers: HDF5 checksums the metadata too
 OPTIMIZERS = {  # optimizer name -> (slots it must have, slots it may have), torch.optim's names

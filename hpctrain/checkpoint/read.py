@@ -17,12 +17,15 @@ import h5py
 import numpy as np
 
 from . import format as fmt
+from . import sharded
 from .._files import H5_ERRORS, member, shown
 from ..errors import CheckpointError, ModelMismatchError, NewerFormatError
 from ..params import ParamLayout
+from .pieces import whole
 from .state import CheckpointState, check_slot_names, value_problem
 
-__all__ = ["load_checkpoint", "read_meta", "find_resume", "load_weights", "read_root", "check_format", "get_member"]
+__all__ = ["load_checkpoint", "read_meta", "find_resume", "load_weights", "read_root", "check_format", "get_member",
+           "open_sharded", "read_set", "set_aside"]
 
 
 def load_checkpoint(path: str, layout: ParamLayout, *, optim_name: str | None = None) -> CheckpointState:
@@ -33,12 +36,13 @@ def load_checkpoint(path: str, layout: ParamLayout, *, optim_name: str | None = 
     optimizer (and ``optim_name`` when given), and every dataset's sha256.
     Opens the file read-only.
     """
+    index = open_sharded(path, layout, optim_name=optim_name)
+    if index is not None:  # a sharded set: every tensor, whole, from the shards
+        return _read_whole_set(index, layout)
     with fmt.open_read(path, "checkpoint") as f:
         try:
             state = read_root(f, path)
-            if optim_name is not None and optim_name != state.optim_name:
-                raise CheckpointError(f"checkpoint {path} holds {state.optim_name} optimizer state but the optimizer is "
-                                      f"{optim_name}; to start {optim_name} from its weights, use it as checkpoint.init")
+            _check_optimizer(state, optim_name, path)
             groups = _groups(f, path, state.optim_name)
             _check_members(f"checkpoint {path}", groups, path, require_digest=True)
             _check_fit(f"checkpoint {path}", groups, layout, strict_dtype=True)
@@ -50,6 +54,55 @@ def load_checkpoint(path: str, layout: ParamLayout, *, optim_name: str | None = 
     state.params = tensors.pop("params")
     state.slots = tensors
     state.path = path
+    return state
+
+
+def _check_optimizer(state, optim_name, path) -> None:
+    if optim_name is not None and optim_name != state.optim_name:
+        raise CheckpointError(f"checkpoint {path} holds {state.optim_name} optimizer state but the optimizer is "
+                              f"{optim_name}; to start {optim_name} from its weights, use it as checkpoint.init")
+
+
+def open_sharded(path: str, layout: ParamLayout, *, optim_name: str | None = None):
+    """A sharded checkpoint's verified index (``sharded.SetIndex``; its ``state`` holds the root attributes, no
+    tensors) after checking it fits ``layout``; None for a single-file checkpoint (version 2 or older)."""
+    with fmt.open_read(path, "checkpoint") as f:
+        try:
+            state = read_root(f, path)
+            if state.version < sharded.VERSION:
+                return None
+            _check_optimizer(state, optim_name, path)
+            groups = _groups(f, path, state.optim_name)
+            _check_fit(f"checkpoint {path}", groups, layout, strict_dtype=True)
+            index = sharded.open_set(path, f, state, layout)
+        except H5_ERRORS as e:
+            raise CheckpointError(f"checkpoint {path} is damaged: {shown(e)}") from None
+    state.path = path
+    return index
+
+
+def read_set(index, label: str, wanted, out, *, opened=None) -> None:
+    """``sharded.read_pieces`` and the values check: parameters and slots finite, ``exp_avg_sq`` >= 0."""
+    sharded.read_pieces(index, label, wanted, out, opened=opened)
+    for w in wanted:
+        problem = value_problem(label, out[w.at : w.at + w.size])
+        if problem:
+            where = f"/params/{w.name}" if label == "params" else f"/optim/{label}/{w.name}"
+            raise CheckpointError(f"checkpoint {index.path} failed verification: {where}: {problem}")
+
+
+def _read_whole_set(index, layout: ParamLayout) -> CheckpointState:
+    state, tensors, opened = index.state, {}, {}
+    try:
+        for label in index.labels:
+            out = np.empty(layout.size, dtype=np.float32)
+            read_set(index, label, whole(layout), out, opened=opened)
+            tensors[label] = layout.unpack(out)
+    finally:
+        for f in opened.values():
+            f.close()
+    state.params = tensors.pop("params")
+    state.slots = tensors
     return state
 
 
@@ -94,7 +147,7 @@ def find_resume(directory: str, layout: ParamLayout, log, *, optim_name: str | N
             names = ", ".join(os.path.basename(p) for p in skipped)
             log(f"resume: using {os.path.basename(path)} (step {state.step}) in {directory} instead of the newer "
                 f"{names}, which failed verification; they are kept as <name>.skipped")
-            _set_aside(skipped)
+            set_aside(skipped)
         return state
     if skipped:
         raise CheckpointError(f"no checkpoint in {directory} verifies ({', '.join(map(os.path.basename, skipped))}; "
@@ -102,7 +155,7 @@ def find_resume(directory: str, layout: ParamLayout, log, *, optim_name: str | N
     return None
 
 
-def _set_aside(paths) -> None:
+def set_aside(paths) -> None:
     """Rename each path to ``<path>.skipped`` (never over an existing file), so no later save or pruning touches it."""
     for path in paths:
         target, n = path + ".skipped", 1
@@ -147,6 +200,7 @@ def read_root(f: h5py.File, path: str) -> CheckpointState:
     if fmt.str_attr(a, fmt.ATTRS_DIGEST, path) != fmt.attrs_digest(a):
         raise CheckpointError(f"checkpoint {path}: the root attributes fail their checksum ({fmt.ATTRS_DIGEST}); "
                               "the file is damaged")
+    state.version = fmt.int_attr(a, "version", path, minimum=1)
     _check_counters(state, path)
     if "vocabulary" in a:
         state.vocabulary = _vocabulary(fmt.str_attr(a, "vocabulary", path), path)
@@ -273,6 +327,16 @@ def load_weights(path: str, layout: ParamLayout) -> dict[str, np.ndarray]:
     with fmt.open_read(path, "weights file") as f:
         try:
             checkpoint = "format" in f.attrs
+            version = fmt.decode_attr(f.attrs.get("version")) if checkpoint else None
+        except H5_ERRORS as e:
+            raise CheckpointError(f"weights file {path} is damaged: {shown(e)}") from None
+    if isinstance(version, int) and version >= sharded.VERSION:  # a sharded checkpoint's parameters
+        index = open_sharded(path, layout)
+        out = np.empty(layout.size, dtype=np.float32)
+        read_set(index, "params", whole(layout), out)
+        return layout.unpack(out)
+    with fmt.open_read(path, "weights file") as f:
+        try:
             if checkpoint:
                 check_format(f.attrs, path, "weights file")
             group = get_member(f, "params", path)

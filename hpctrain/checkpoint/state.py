@@ -38,6 +38,7 @@ class CheckpointState:
     rng: dict = field(default_factory=dict)
     vocabulary: str = ""
     path: str = ""
+    version: int = fmt.SINGLE_FILE_VERSION  # 3: a sharded set (checkpoint/sharded.py)
 
 
 def check_slot_names(optim_name: str, have: set, error):

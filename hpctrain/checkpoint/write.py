@@ -9,16 +9,18 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import time
 
 import h5py
 import numpy as np
 
 from . import format as fmt
+from . import sharded
 from ..errors import CheckpointError
 from .state import CheckpointState, check_slot_names, nonfinite, value_problem
 
-__all__ = ["save_checkpoint", "save_weights", "retain"]
+__all__ = ["save_checkpoint", "save_weights", "retain", "write_root_attrs", "checked_arrays"]
 
 
 def save_checkpoint(directory: str, state: CheckpointState, *, keep: int) -> str:
@@ -31,7 +33,7 @@ def save_checkpoint(directory: str, state: CheckpointState, *, keep: int) -> str
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
-    arrays = _checked_arrays(state)
+    arrays = checked_arrays(state)
     final = os.path.join(directory, fmt.checkpoint_name(state.step))
     try:
         os.makedirs(directory, exist_ok=True)
@@ -41,14 +43,17 @@ def save_checkpoint(directory: str, state: CheckpointState, *, keep: int) -> str
     tmp = fmt.temp_path(directory, state.step)
     try:
         with h5py.File(tmp, "x", libver=fmt.LIBVER, locking=False) as f:
-            _write_root_attrs(f, state)
+            write_root_attrs(f, state)
             f.create_group("params", track_order=True)
             optim = f.create_group("optim")
             for slot in state.slots:
                 optim.create_group(slot, track_order=True)
             fmt.write_datasets(f, arrays)
         fmt.fsync_file(tmp)
+        replaced = sharded.set_dir_of(final) if os.path.exists(final) else None
         os.replace(tmp, final)
+        if replaced:  # a sharded set of the same step, now named by no index
+            shutil.rmtree(replaced, ignore_errors=True)
     except BaseException as e:
         try:
             os.unlink(tmp)
@@ -65,7 +70,7 @@ def save_checkpoint(directory: str, state: CheckpointState, *, keep: int) -> str
     return final
 
 
-def _checked_arrays(state: CheckpointState) -> list[tuple[str, np.ndarray]]:
+def checked_arrays(state: CheckpointState) -> list[tuple[str, np.ndarray]]:
     """Check a state before anything touches the disk; return ``(dataset path, array)`` in write order."""
     for key in ("step", "epoch", "data_position", "optim_step"):
         value = getattr(state, key)
@@ -116,11 +121,13 @@ def _float32(arr, label: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype="<f4")
 
 
-def _write_root_attrs(f: h5py.File, state: CheckpointState) -> None:
+def write_root_attrs(f: h5py.File, state: CheckpointState, version: int = fmt.SINGLE_FILE_VERSION, *,
+                     extra=None) -> None:
+    """The root attributes of a checkpoint (docs/checkpoint-format.md), ``extra`` among them, and their digest."""
     import hpctrain
 
     a = f.attrs
-    values = {"format": fmt.FORMAT, "version": fmt.VERSION, "checksum": fmt.DIGEST}
+    values = {"format": fmt.FORMAT, "version": version, "checksum": fmt.DIGEST}
     values.update({key: int(getattr(state, key)) for key in ("step", "epoch", "data_position")})
     values["config"] = state.config_text
     values.update({key: int(state.layout[key]) for key in fmt.LAYOUT_KEYS})
@@ -130,22 +137,20 @@ def _write_root_attrs(f: h5py.File, state: CheckpointState) -> None:
         values["vocabulary"] = json.dumps([ord(ch) for ch in state.vocabulary])
     values.update(hpctrain_version=str(getattr(hpctrain, "__version__", "")),
                   created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    values.update(extra or {})
     for key, value in values.items():
         fmt.set_attr(a, key, value)
     fmt.set_attr(a, fmt.ATTRS_DIGEST, fmt.attrs_digest(a))
 
 
 def retain(directory: str, keep: int, newest: str) -> None:
-    """Delete the oldest checkpoints below ``newest``'s step until ``keep`` remain; never a newer one."""
+    """Delete the oldest checkpoints below ``newest``'s step until ``keep`` remain, whole sets; never a newer one."""
     found = fmt.list_checkpoints(directory)
     step = next((s for s, p in found if os.path.abspath(p) == os.path.abspath(newest)), None)
     older = [p for s, p in found if step is not None and s < step]
     doomed = older[: max(0, len(older) - (keep - 1))]
     for path in doomed:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        sharded.remove_set(path)  # the index, then a sharded set's folder
     if doomed:
         fmt.fsync_dir(directory)
 

@@ -23,7 +23,6 @@ together (parallel/agree.py). Each rank holds its pipeline stage's part of the m
 from __future__ import annotations
 
 import copy
-import time
 
 import numpy as np
 
@@ -38,6 +37,7 @@ from ..parallel.transport import PointToPoint
 from ..parallel.watch import Diagnostics, enabled_by_env
 from ..optim import lr_at
 from . import startup
+from .checkpointing import Checkpointer
 from .progress import Progress
 from .memory import gather_memory, rank_memory, summary as memory_summary
 from .metrics import MetricsFile, Window
@@ -108,9 +108,7 @@ class Trainer:
                               lambda theirs: f"{self.be.name} here, {theirs} on rank 0 (train.backend = "
                                              f"{cfg.train.backend!r}; every rank must run the same backend)")
         run_everywhere(mesh.world, lambda: startup.make_state(self))
-        # rank 0 reads whatever file is involved; a bad file is reported before any broadcast
-        start = run_everywhere(mesh.world, (lambda: startup.read_start(self)) if self.rank0 else lambda: (None, None))
-        startup.scatter_start(self, *start)
+        startup.load_start(self)  # a checkpoint (each rank reads its own pieces), a weights file or a fresh init
         tied = None  # ZeRO: tensors tied across stages are summed over their two ends before the scatter
         if self.shard and self.part.shared:
             tied = ([(self.part.layout[n].offset, self.part.layout[n].end) for n in self.part.shared],
@@ -118,6 +116,7 @@ class Trainer:
         self.sync = run_everywhere(mesh.world, lambda: GradSync(  # staging buffers: a device may run out
             comm=mesh.dp_comm, transport=self.transport, grads=self.grads, bucket_mb=cfg.parallel.bucket_mb,
             overlap=cfg.parallel.overlap, diag=self.diag, shard=self.shard, release=self.grad_memory, tied=tied))
+        self.saver = Checkpointer(self)
         self.tracer = Tracer(mesh) if cfg.train.trace else None
         self._p2p = p2p = PointToPoint(comm=mesh.pp_comm, transport=self.transport, diag=self.diag) \
             if mesh.pp > 1 else None
@@ -176,26 +175,22 @@ class Trainer:
             return None
         return out[0], dict(zip(self.optim.slots, out[1:]))
 
-    def save_checkpoint(self) -> str:
-        """Gather the stages' buffers and write a checkpoint on rank 0 (collective); returns its path there."""
+    def save_checkpoint(self, *, background: bool = False) -> str:
+        """Write a sharded checkpoint: every rank its own pieces, world rank 0 the index that commits the set
+        (collective; train/checkpointing.py). ``background``: a thread writes this rank's shard while training
+        goes on, and a later step commits it. Returns the index path on rank 0 once committed, else ""."""
         if not self.cfg.checkpoint.dir:
             return ""
-        gathered = self.state_dict()
-        if not self.rank0:
-            return ""
         cfg, mesh = self.cfg, self.mesh
-        params, slots = gathered
         state = ckpt.CheckpointState(
             step=self.step, epoch=self.sampler.epoch_of(self.step),
             data_position=self.step % self.sampler.steps_per_epoch, config_text=cfg.to_toml(),
-            layout=dict(mesh.layout), params=params, optim_name=self.optim.name,
-            optim_step=self.optim.step_count, slots=slots,
+            layout=dict(mesh.layout), params={}, optim_name=self.optim.name,
+            optim_step=self.optim.step_count, slots={slot: {} for slot in self.optim.slots},
             rng={"data_seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "init_seed": cfg.train.seed},
             vocabulary=getattr(self.data, "vocabulary", ""))
-        t0 = time.perf_counter()
-        path = ckpt.save_checkpoint(cfg.checkpoint.dir, state, keep=cfg.checkpoint.keep)
-        self.log(f"checkpoint {path} written in {time.perf_counter() - t0:.2f} s")
-        return path
+        path = self.saver.save(state, background=background)
+        return path if self.rank0 else ""
 
     # ------------------------------------------------------------------ the loop
 
@@ -262,8 +257,9 @@ class Trainer:
                                      "in a row; it is written after the next finite step")
                         deferred = True
                     else:
-                        self.save_checkpoint()
+                        self.save_checkpoint(background=cfg.checkpoint.async_)
                         saved_at, deferred = self.step, False
+                self.saver.poll()  # a checkpoint written in the background is committed once every shard is
                 if stop.any_rank(self.mesh.world):
                     self.log(f"signal {stop.name} received: stopping at step {self.step}")
                     break
@@ -274,6 +270,7 @@ class Trainer:
             self.progress.clear()  # an error line on its way must not land on the status line
         stop.shield_interrupts()  # a second signal, or a Ctrl-C, during the stop checkpoint is recorded, never fatal
         try:
+            self.saver.finish()  # the last checkpoint and the stop checkpoint are written before run() returns
             if saved_at != self.step:
                 self.save_checkpoint()
             if self.tracer is not None:
@@ -297,7 +294,9 @@ class Trainer:
             self.log(memory_summary(records))
 
     def _diverged(self, skipped: int):
-        """``train.max_skipped_steps`` in a row: raise on rank 0, leave quietly elsewhere; no checkpoint is written."""
+        """``train.max_skipped_steps`` in a row: raise on rank 0, leave quietly elsewhere; no checkpoint is written
+        (one still in flight, of weights from before these steps, is committed first)."""
+        self.saver.finish()
         if not self.rank0:
             raise QuietExit(0)
         c = self.cfg.checkpoint

@@ -7,10 +7,11 @@ failure on one rank ends the job on all of them before any training message:
 * ``lock_checkpoint_dir`` (world rank 0 only): the lock on ``checkpoint.dir``, taken before
   anything in it is read or written (one job per folder; hpctrain/checkpoint/lock.py);
 * ``make_state``: the part's parameter, gradient and optimizer buffers;
-* ``read_start`` (world rank 0 only): the checkpoint or weights file to start from,
-  checked against this run, as full unsharded tensors;
-* ``scatter_start``: those tensors into every stage's buffers, one buffer at a time
-  (parallel/sharding.py), collective over the mesh.
+* ``load_start``: the starting point: each rank reads its own pieces of a sharded checkpoint
+  (train/checkpointing.py, collective); a single-file checkpoint or weights file is read whole on
+  world rank 0 and handed out by ``scatter_start``, one buffer at a time (parallel/sharding.py);
+* ``read_start`` (world rank 0 only; the asynchronous parameter server): the checkpoint or
+  weights file to start from, checked against this run, as full unsharded tensors.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from ..parallel.data_parallel import make_buckets
 from ..parallel.zero import ReleasableHost, ZeroShard
 from ..params import FlatBuffer
 
-__all__ = ["prepare_data", "build", "lock_checkpoint_dir", "make_state", "read_start", "scatter_start"]
+__all__ = ["prepare_data", "build", "lock_checkpoint_dir", "make_state", "load_start", "read_start",
+           "scatter_start"]
 
 
 def prepare_data(t) -> None:
@@ -152,6 +154,47 @@ def make_state(t) -> None:
     t.part.bind(t.params, t.grads)
     pieces = t.shard.pieces if t.shard else [(0, owned)] if owned < size else None
     t.optim = make_optimizer(t.cfg.optim, t.be, t.params, t.grads, pieces=pieces)
+
+
+def load_start(t) -> None:
+    """The run's starting point into every rank's buffers (collective over the mesh): the newest checkpoint
+    that verifies (``resume = "auto"``) or the one named, each rank reading its own pieces of a sharded one
+    (train/checkpointing.py); else ``checkpoint.init``'s weights or a fresh init (``scatter_start``)."""
+    from .checkpointing import resume
+
+    mesh = t.mesh
+    candidates, auto = run_everywhere(mesh.world, (lambda: _candidates(t)) if mesh.rank == 0 else lambda: ([], False))
+    flag = np.array([1 if auto else 0], dtype=np.int8)
+    mesh.world.Bcast(flag, root=0)
+    state, whole = resume(t, candidates, auto=bool(flag[0]))
+    if state is not None and not whole:  # every rank holds its pieces already
+        t.step, t.optim.step_count = state.step, state.optim_step
+        t.log(f"resuming from {state.path} at step {state.step}"
+              + (f" (checkpoint.init {t.cfg.checkpoint.init} ignored)" if t.cfg.checkpoint.init else ""))
+        if mesh.rank == 0:
+            _warn_about_resume(t, state)
+        return
+    if state is not None and mesh.rank == 0:
+        _warn_about_resume(t, state)
+    c = t.cfg.checkpoint
+    weights = run_everywhere(mesh.world, (lambda: ckpt.load_weights(c.init, t.model.layout))
+                             if mesh.rank == 0 and state is None and c.init else lambda: None)
+    scatter_start(t, state if whole else None, weights)
+
+
+def _candidates(t) -> tuple[list[str], bool]:
+    """On world rank 0: the checkpoints to try, newest first, and whether falling back past a bad one is allowed."""
+    c = t.cfg.checkpoint
+    if c.resume == "auto":
+        return ([path for _, path in reversed(ckpt.list_checkpoints(c.dir))] if c.dir else []), True
+    if c.resume != "never":
+        return [c.resume], False
+    if c.dir and ckpt.list_checkpoints(c.dir):
+        steps = ", ".join(str(step) for step, _ in ckpt.list_checkpoints(c.dir))
+        raise CheckpointError(f"checkpoint.dir {c.dir} already holds checkpoints (steps {steps}); with "
+                              "checkpoint.resume = \"never\" this run's checkpoints would mix with them (and "
+                              "retention could delete this run's): use a new checkpoint.dir or move them away")
+    return [], False
 
 
 def read_start(t):

@@ -4,13 +4,12 @@ Run under mpiexec -n 1 and -n 2 by tests/test_suites.py.
 """
 
 import os
-import shutil
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import config, train_params as train
+from helpers import config, copy_checkpoint, train_params as train
 
 
 @pytest.fixture
@@ -33,7 +32,7 @@ def test_world_checkpoint_resumes_on_one_process(comm, shared_dir, job):
     straight = train(job(dir=world_dir, every=5), comm)
     mine = f"{shared_dir}/alone-{comm.rank}"
     os.makedirs(mine)
-    shutil.copy(f"{world_dir}/ckpt-00000005.h5", mine)
+    copy_checkpoint(f"{world_dir}/ckpt-00000005.h5", mine)
     resumed = train(job(dir=mine), MPI.COMM_SELF)
     assert_close(straight, resumed)
 

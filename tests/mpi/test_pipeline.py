@@ -9,13 +9,12 @@ each rank training the same config alone on COMM_SELF with pp = 1.
 import dataclasses
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import config, train_params as train
+from helpers import config, copy_checkpoint, train_params as train
 
 quiet = dict(log=lambda *a: None)
 
@@ -156,7 +155,7 @@ def test_pipeline_checkpoint_resumes_on_one_process_and_back(comm, data, shared_
     # the pp = 2 checkpoint resumes on one process (pp = 1)
     mine = f"{shared_dir}/alone-{comm.rank}"
     os.makedirs(mine)
-    shutil.copy(f"{pipe_dir}/ckpt-00000005.h5", mine)
+    copy_checkpoint(f"{pipe_dir}/ckpt-00000005.h5", mine)
     single = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, pp=1))
     assert_close(train(with_checkpoint(single, dir=mine), MPI.COMM_SELF), straight)
     # a pp = 1 checkpoint resumes on the pipeline

@@ -1,0 +1,407 @@
+"""Sharded checkpoints (format version 3): every rank writes its own shard, one index names the set.
+
+On disk, for step 1500 (docs/checkpoint-format.md, "Sharded checkpoints"):
+
+    ckpt-00001500.h5                          the index: root attributes, /manifest, and /params/<name>,
+                                              /optim/<slot>/<name> as HDF5 virtual datasets over the shards
+    ckpt-00001500.<set id>.shards/rank-00003.h5   world rank 3's pieces (checkpoint/pieces.py), if it holds any
+
+The shards are written first, each by its rank (``write_shard``), into a folder no index names
+yet; world rank 0 then writes the index under a temp name and renames it into place
+(``write_index``): that rename commits the set. A set folder that no index names is a save that
+never finished, and the next save removes it (``clean_orphans``). Every shard dataset carries
+the SHA-256 of each 1 MiB block (``sha256_blocks``), so a rank that reads part of a piece verifies
+just the blocks it reads. The set id in every shard and in the index ties them together.
+
+    index = open_set(path)                                   # root attributes and manifest, verified
+    failures = read_pieces(index, "params", wanted, out)    # this rank's pieces of any layout, into ``out``
+
+Nothing here talks to MPI: train/checkpointing.py runs it on every rank and agrees on the outcome.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import stat
+from concurrent.futures import ThreadPoolExecutor
+
+import h5py
+import numpy as np
+
+from . import format as fmt
+from .._files import H5_ERRORS, shown, storage_problem
+from ..errors import CheckpointError
+from .pieces import Piece, matches, strided
+
+__all__ = ["SHARD_FORMAT", "BLOCK", "new_set_id", "set_dir_name", "shard_name", "write_shard", "write_index",
+           "open_set", "read_pieces", "set_dir_of", "remove_set", "clean_orphans", "SetIndex"]
+
+SHARD_FORMAT = "hpctrain-checkpoint-shard"
+VERSION = 3
+BLOCK = 1 << 18  # float32 values per digest block: 1 MiB
+INDEX_LIBVER = ("v110", "v110")  # virtual datasets need the HDF5 1.10 file format
+_SET_RE = re.compile(r"^ckpt-(\d{8,})\.([0-9a-f]{16})\.shards$")
+_SHARD_RE = re.compile(r"^rank-(\d{5,})\.h5$")
+_SET_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+def new_set_id() -> str:
+    return secrets.token_hex(8)
+
+
+def set_dir_name(step: int, set_id: str) -> str:
+    return f"{fmt.checkpoint_name(step)[:-3]}.{set_id}.shards"
+
+
+def shard_name(rank: int) -> str:
+    return f"rank-{rank:05d}.h5"
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _block_digests(values: np.ndarray) -> np.ndarray:
+    flat = values.reshape(-1).view(np.uint8)
+    step = BLOCK * 4
+    out = np.empty((max(1, -(-flat.size // step)), 32), dtype=np.uint8)
+    for i in range(out.shape[0]):
+        out[i] = np.frombuffer(hashlib.sha256(memoryview(flat[i * step : (i + 1) * step])).digest(), np.uint8)
+    return out
+
+
+def write_shard(path: str, *, set_id: str, rank: int, step: int, items) -> list[list]:
+    """Write ``items`` ``(label, piece, values)`` to a new HDF5 file at ``path`` and fsync it; returns the
+    manifest entries ``[label, name, kind, tp_rank, tp, lo, hi, dataset]``. Digests are computed in threads
+    while the data is written."""
+    entries = []
+    with ThreadPoolExecutor(fmt.workers()) as pool, h5py.File(path, "x", libver=fmt.LIBVER, locking=False) as f:
+        for key, value in (("format", SHARD_FORMAT), ("set_id", set_id), ("rank", rank), ("step", step)):
+            fmt.set_attr(f.attrs, key, value)
+        group = f.create_group("pieces", track_order=True)
+        digests = []
+        for k, (label, p, values) in enumerate(items):
+            values = np.ascontiguousarray(values, dtype="<f4").reshape(-1)
+            if values.size != p.size:
+                raise ValueError(f"{label} {p.name}: {values.size} values for a piece of {p.size}")
+            digests.append(pool.submit(_block_digests, values))
+            ds = group.create_dataset(str(k), data=values)
+            for key, value in (("label", label), ("name", p.name), ("lo", p.lo), ("hi", p.hi)):
+                fmt.set_attr(ds.attrs, key, value)
+            entries.append([label, p.name, p.kind, p.tp_rank, p.tp, p.lo, p.hi, str(k)])
+        for k, digest in enumerate(digests):
+            group[str(k)].attrs.create("sha256_blocks", digest.result())
+    fmt.fsync_file(path)
+    return entries
+
+
+def write_index(directory: str, state, *, set_id: str, shards: list[str], entries: list[list], layout,
+                write_attrs) -> str:
+    """Commit a set: write the index of ``shards`` (file names in the set folder, by position) and ``entries``
+    (manifest entries with their shard's position appended) under a temp name, fsync, rename it to
+    ``ckpt-<step>.h5`` and fsync the folder. ``write_attrs(f, state, version)`` writes the root attributes.
+    Returns the index path; the set folder was written and fsynced before."""
+    final = os.path.join(directory, fmt.checkpoint_name(state.step))
+    folder = set_dir_name(state.step, set_id)
+    manifest = {"set_id": set_id, "folder": folder, "shards": shards, "block": BLOCK,
+                "labels": ["params"] + list(state.slots), "pieces": entries}
+    text = np.frombuffer(json.dumps(manifest, separators=(",", ":")).encode("utf-8"), dtype=np.uint8)
+    fmt.fsync_dir(os.path.join(directory, folder))
+    tmp = fmt.temp_path(directory, state.step)
+    try:
+        with h5py.File(tmp, "x", libver=INDEX_LIBVER, locking=False) as f:
+            write_attrs(f, state, VERSION, extra={"set_id": set_id, "shards": len(shards)})
+            ds = f.create_dataset("manifest", data=text)
+            fmt.set_attr(ds.attrs, fmt.DIGEST, hashlib.sha256(text.tobytes()).hexdigest())
+            _write_virtual(f, folder, shards, entries, manifest["labels"], layout)
+        fmt.fsync_file(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fmt.fsync_dir(directory)
+    return final
+
+
+def _write_virtual(f, folder, shards, entries, labels, layout) -> None:
+    """``/params/<name>`` and ``/optim/<slot>/<name>``: full tensors mapped from the shards' pieces."""
+    from .pieces import segments
+
+    by_tensor = {}
+    for e in entries:
+        by_tensor.setdefault((e[0], e[1]), []).append(e)
+    f.create_group("params", track_order=True)
+    optim = f.create_group("optim")
+    for label in labels[1:]:
+        optim.create_group(label, track_order=True)
+    for label in labels:
+        group = f["params"] if label == "params" else optim[label]
+        for spec in layout:
+            vl = h5py.VirtualLayout(shape=spec.shape, dtype="<f4")
+            for _, name, kind, tp_rank, tp, lo, hi, key, shard in by_tensor.get((label, spec.name), []):
+                p = Piece(name, spec.shape, kind, tp_rank, tp, lo, hi)
+                src = h5py.VirtualSource(f"{folder}/{shards[shard]}", f"pieces/{key}", shape=(hi - lo,))
+                for r, c, h, w, off in segments(p):
+                    target = np.s_[r : r + h] if len(spec.shape) == 1 else np.s_[r : r + h, c : c + w]
+                    vl[target] = src[off : off + h * w]
+            group.create_virtual_dataset(spec.name, vl, fillvalue=np.float32(np.nan))
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class SetIndex:
+    """A sharded checkpoint's index, verified: ``state`` (root attributes, no tensors), ``labels``, ``shards``
+    (paths), ``pieces[(label, name)]`` -> [(Piece, shard position, dataset key)]."""
+
+    def __init__(self, path, state, set_id, labels, shards, pieces):
+        self.path, self.state, self.set_id, self.labels = path, state, set_id, labels
+        self.shards, self.pieces = shards, pieces
+
+
+def open_set(path: str, f: h5py.File, state, layout) -> SetIndex:
+    """Check the manifest of the open index ``f`` (its root attributes already read into ``state``) against
+    ``layout``: the shards lie in the set's folder beside the index, and the pieces of every tensor and label
+    cover it exactly once. Shard files themselves are checked when read."""
+    set_id = fmt.str_attr(f.attrs, "set_id", path)
+    if not _SET_ID_RE.match(set_id):
+        raise CheckpointError(f"checkpoint {path}: set_id {shown(set_id)!r} is not 16 hex digits")
+    ds = f.get("manifest")
+    if not isinstance(ds, h5py.Dataset) or ds.dtype != np.uint8 or ds.ndim != 1 or storage_problem(ds, os.path.getsize(path)):
+        raise CheckpointError(f"checkpoint {path}: /manifest is missing or not a byte dataset of this file")
+    raw = ds[()]
+    stored = ds.attrs.get(fmt.DIGEST)
+    stored = stored.decode("ascii", "replace") if isinstance(stored, bytes) else stored
+    if hashlib.sha256(raw.tobytes()).hexdigest() != stored:
+        raise CheckpointError(f"checkpoint {path}: /manifest fails its sha256; the index is damaged")
+    try:
+        m = json.loads(raw.tobytes().decode("utf-8"))
+        folder, shards, labels, entries = m["folder"], m["shards"], m["labels"], m["pieces"]
+        block = m["block"]
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"checkpoint {path}: /manifest is not the JSON hpctrain writes") from None
+    problem = _manifest_problem(m, folder, shards, labels, entries, block, set_id, state)
+    if problem:
+        raise CheckpointError(f"checkpoint {path}: {problem}")
+    base = os.path.dirname(os.path.abspath(path))
+    paths = [os.path.join(base, folder, s) for s in shards]
+    pieces = {}
+    for label, name, kind, tp_rank, tp, lo, hi, key, shard in entries:
+        if name not in layout:
+            continue  # the model check (fit) names unexpected tensors
+        pieces.setdefault((label, name), []).append(
+            (Piece(name, layout[name].shape, kind, tp_rank, tp, lo, hi), shard, key))
+    for label in labels:
+        for spec in layout:
+            problem = _coverage_problem(pieces.get((label, spec.name), []), spec)
+            if problem:
+                where = f"/params/{spec.name}" if label == "params" else f"/optim/{label}/{spec.name}"
+                raise CheckpointError(f"checkpoint {path}: {where} {problem}")
+    return SetIndex(path, state, set_id, labels, paths, pieces)
+
+
+def _manifest_problem(m, folder, shards, labels, entries, block, set_id, state) -> str:
+    if m.get("set_id") != set_id:
+        return "the manifest names another set than the index's set_id"
+    if block != BLOCK:
+        return f"digest blocks of {block!r} values; this hpctrain reads {BLOCK}"
+    if not isinstance(folder, str) or not _SET_RE.match(folder) or folder != set_dir_name(state.step, set_id):
+        return (f"the shards' folder {shown(repr(folder))} is not {set_dir_name(state.step, set_id)!r} beside the "
+                "index (a manifest may not point outside the checkpoint's folder)")
+    if not isinstance(shards, list) or not all(isinstance(s, str) and _SHARD_RE.match(s) for s in shards):
+        return "the manifest's shard names are not rank-<n>.h5 (a manifest may not point outside the set's folder)"
+    required, optional = fmt.OPTIMIZERS[state.optim_name]
+    if not isinstance(labels, list) or labels[:1] != ["params"] or not set(required) <= set(labels[1:]) \
+            or not set(labels[1:]) <= set(required + optional) or len(set(labels)) != len(labels):
+        return f"the manifest's labels {shown(repr(labels))} are not params and the {state.optim_name} optimizer's slots"
+    if not isinstance(entries, list):
+        return "the manifest's pieces are not a list"
+    for e in entries:
+        ok = (isinstance(e, list) and len(e) == 9 and e[0] in labels and isinstance(e[1], str)
+              and e[2] in (None, "rows", "cols", "rows3") and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                  for v in (e[3], e[4], e[5], e[6], e[8]))
+              and isinstance(e[7], str) and e[7].isdigit() and 0 <= e[8] < len(shards)
+              and 0 <= e[3] < e[4] and 0 <= e[5] <= e[6])
+        if not ok:
+            return f"manifest entry {shown(repr(e))[:200]} is malformed"
+    return ""
+
+
+def _coverage_problem(pieces, spec) -> str:
+    """'' when ``pieces`` cover the tensor exactly once, else why not."""
+    if not pieces:
+        return "is in no shard"
+    kinds = {(p.kind, p.tp) for p, _, _ in pieces}
+    if len(kinds) != 1:
+        return "is split two different ways across the shards"
+    (kind, tp), = kinds
+    size = int(np.prod(spec.shape))
+    if size % tp or (kind is None) != (tp == 1):
+        return f"is split {tp} ways ({kind}), which its shape {spec.shape} does not allow"
+    if kind is not None:
+        try:
+            from .pieces import local_matrix
+
+            rows, cols = local_matrix(pieces[0][0])
+            if rows * cols * tp != size or (kind == "rows3" and (spec.shape[0] // 3) % tp):
+                raise ValueError
+        except ValueError:
+            return f"is split {tp} ways ({kind}), which its shape {spec.shape} does not allow"
+    per = size // tp
+    for r in range(tp):
+        ranges = sorted((p.lo, p.hi) for p, _, _ in pieces if p.tp_rank == r)
+        at = 0
+        for lo, hi in ranges:
+            if lo != at:
+                return f"has {'overlapping' if lo < at else 'missing'} values in the shards (tensor-parallel rank {r})"
+            at = hi
+        if at != per:
+            return f"has missing or excess values in the shards (tensor-parallel rank {r})"
+    return ""
+
+
+def _open_shard(index: SetIndex, shard: int, opened: dict):
+    if shard in opened:
+        return opened[shard]
+    path = index.shards[shard]
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"shard {path} of checkpoint {index.path} does not exist") from None
+    except OSError as e:
+        raise CheckpointError(f"shard {path} cannot be read ({shown(e)})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointError(f"shard {path} is a symbolic link; a checkpoint's shards are its own regular files")
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"shard {path} is not a regular file (a FIFO, socket, device or folder)")
+    f = fmt.open_read(path, "checkpoint shard")
+    opened[shard] = f
+    try:
+        fmt_name = fmt.decode_attr(f.attrs.get("format"))
+        theirs = fmt.decode_attr(f.attrs.get("set_id"))
+    except H5_ERRORS as e:
+        raise CheckpointError(f"shard {path} is damaged: {shown(e)}") from None
+    if fmt_name != SHARD_FORMAT:
+        raise CheckpointError(f"shard {path} is not an hpctrain checkpoint shard")
+    if theirs != index.set_id:
+        raise CheckpointError(f"shard {path} belongs to another checkpoint (set {shown(theirs)}, the index names "
+                              f"set {index.set_id})")
+    return f
+
+
+def _dataset(f, path: str, key: str, p: Piece):
+    ds = f.get(f"pieces/{key}")
+    if not isinstance(ds, h5py.Dataset):
+        raise CheckpointError(f"shard {path}: /pieces/{key} ({p.name}) is missing")
+    problem = storage_problem(ds, os.path.getsize(path))
+    if problem:
+        raise CheckpointError(f"shard {path}: /pieces/{key} {problem}")
+    if ds.shape != (p.size,) or ds.dtype != np.dtype("<f4"):
+        raise CheckpointError(f"shard {path}: /pieces/{key} ({p.name}) has shape {ds.shape} of {ds.dtype}, "
+                              f"the manifest says ({p.size},) float32")
+    digests = ds.attrs.get("sha256_blocks")
+    if not isinstance(digests, np.ndarray) or digests.dtype != np.uint8 or \
+            digests.shape != (max(1, -(-p.size // BLOCK)), 32):
+        raise CheckpointError(f"shard {path}: /pieces/{key} ({p.name}) has no valid sha256_blocks attribute")
+    return ds, digests
+
+
+def read_pieces(index: SetIndex, label: str, wanted: list[Piece], out: np.ndarray, *, opened=None) -> None:
+    """Fill each wanted piece's values (at ``piece.at`` in the flat ``out``) from the set, reading only the
+    digest blocks that hold them and verifying each block read; raises CheckpointError naming the shard."""
+    opened = {} if opened is None else opened
+    plan = {}  # (shard, key) -> (stored piece, [(src, wanted piece, dst)])
+    for w in wanted:
+        for s, shard, key in index.pieces.get((label, w.name), []):
+            for src, dst in matches(w, s):
+                plan.setdefault((shard, key), (s, []))[1].append((src, w, dst))
+    with ThreadPoolExecutor(fmt.workers()) as pool:
+        for (shard, key), (s, moves) in plan.items():
+            f = _open_shard(index, shard, opened)
+            path = index.shards[shard]
+            ds, digests = _dataset(f, path, key, s)
+            first = min(src[0] for src, _, _ in moves)
+            last = max(src[0] + (src[1] - 1) * src[3] + src[2] for src, _, _ in moves)
+            b0, b1 = first // BLOCK, -(-last // BLOCK)
+            lo, hi = b0 * BLOCK, min(s.size, b1 * BLOCK)
+            direct = None
+            if len(moves) == 1:
+                src, w, dst = moves[0]
+                if (src[0], src[1] * src[2]) == (0, s.size) and (src[1] == 1 or src[2] == src[3]) \
+                        and (dst[1] == 1 or dst[2] == dst[3]):
+                    direct = out[w.at + dst[0] : w.at + dst[0] + s.size]  # same layout: straight into place
+            buf = direct if direct is not None else np.empty(hi - lo, dtype=np.float32)
+            try:
+                ds.read_direct(buf, np.s_[lo:hi])
+            except (OSError, ValueError, TypeError, RuntimeError) as e:
+                raise CheckpointError(f"shard {path}: /pieces/{key} ({s.name}) cannot be read ({shown(e)})") from None
+            checks = [(b, pool.submit(_digest, buf, (b - b0) * BLOCK, min(BLOCK, s.size - b * BLOCK)))
+                      for b in range(b0, b1)]
+            bad = [b for b, d in checks if d.result() != digests[b].tobytes()]
+            if bad:
+                raise CheckpointError(f"shard {path}: /pieces/{key} ({label} {s.name}) fails its sha256 in "
+                                      f"{len(bad)} block(s) of 1 MiB, the first at value {bad[0] * BLOCK:,}")
+            if direct is None:
+                for src, w, dst in moves:
+                    strided(out[w.at : w.at + w.size], dst)[...] = strided(buf, (src[0] - lo,) + src[1:])
+
+
+def _digest(buf: np.ndarray, at: int, n: int) -> bytes:
+    return hashlib.sha256(memoryview(buf[at : at + n].view(np.uint8))).digest()
+
+
+# --------------------------------------------------------------------------- sets in a folder
+
+
+def set_dir_of(index_path: str) -> str | None:
+    """The shards' folder the index names (from its ``set_id`` attribute), or None for a single-file checkpoint
+    or an index that cannot be read."""
+    try:
+        with h5py.File(index_path, "r", locking=False) as f:
+            set_id = fmt.decode_attr(f.attrs.get("set_id"))
+            step = fmt.decode_attr(f.attrs.get("step"))
+    except (OSError, *H5_ERRORS):
+        return None
+    if not isinstance(set_id, str) or not _SET_ID_RE.match(set_id) or not isinstance(step, int) or step < 0:
+        return None
+    return os.path.join(os.path.dirname(index_path), set_dir_name(step, set_id))
+
+
+def remove_set(index_path: str) -> None:
+    """Remove a checkpoint: its index first (the set is gone at once), then its shards' folder if any."""
+    folder = set_dir_of(index_path)
+    try:
+        os.unlink(index_path)
+    except FileNotFoundError:
+        pass
+    if folder and os.path.isdir(folder) and not os.path.islink(folder):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def clean_orphans(directory: str, keep: str = "") -> list[str]:
+    """Remove set folders that no file of their step names (``ckpt-<step>.h5``, or one set aside as
+    ``.skipped``): saves that never committed. ``keep``: the folder of a save in progress."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for name in names:
+        m = _SET_RE.match(name)
+        if not m or name == keep:
+            continue
+        index = fmt.checkpoint_name(int(m.group(1)))
+        if any(n == index or n.startswith(index + ".skipped") for n in names):
+            continue
+        path = os.path.join(directory, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

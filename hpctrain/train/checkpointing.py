@@ -1,0 +1,332 @@
+"""Sharded checkpoints of a synchronous run: every rank writes what it alone holds, any layout reads them back.
+
+    saver = Checkpointer(trainer)
+    saver.save(state, background=True)    # collective: snapshot, then a thread writes this rank's shard
+    saver.poll()                          # collective, each step: commits the set once every shard is written
+    saver.finish()                        # collective: wait for a save in flight and commit it
+    state = resume(trainer, path)         # collective: this rank's pieces of any checkpoint, into its buffers
+
+What a rank writes is its pieces (checkpoint/pieces.py): data-parallel rank 0 of each pipeline
+stage and tensor-parallel rank writes the parameters it owns (a replicated tensor: tensor-parallel
+rank 0 only); the optimizer slots are written by whoever updates them (every data-parallel rank's
+ZeRO chunk, else data-parallel rank 0). World rank 0 gathers the manifest (buffer calls, JSON
+text) and commits the set by renaming its index into place once every rank reports its shard
+fsynced (checkpoint/sharded.py). At most one save is in flight; any rank's failure ends the run
+with one message, at the commit, on every rank alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import numpy as np
+
+from .. import checkpoint as ckpt
+from ..checkpoint import format as fmt
+from ..checkpoint import read as ckpt_read
+from ..checkpoint import sharded
+from ..checkpoint.pieces import held
+from ..checkpoint.state import value_problem
+from ..checkpoint.write import retain, write_root_attrs
+from ..errors import CheckpointError, HpctrainError, ModelMismatchError, NewerFormatError
+from ..parallel.agree import QuietExit, first_failing_rank, run_everywhere
+from ..parallel.tied import broadcast_tied
+
+__all__ = ["Checkpointer", "resume"]
+
+
+def _bcast_bytes(comm, data: bytes | None, root: int) -> bytes:
+    n = np.array([len(data) if comm.Get_rank() == root else 0], dtype=np.int64)
+    comm.Bcast(n, root=root)
+    buf = np.frombuffer(data, dtype=np.uint8).copy() if comm.Get_rank() == root else np.empty(int(n[0]), np.uint8)
+    comm.Bcast(buf, root=root)
+    return buf.tobytes()
+
+
+def _gather_text(comm, text: str) -> list[str] | None:
+    """Every rank's ``text`` on rank 0 (Gatherv of UTF-8 bytes), None elsewhere."""
+    from mpi4py import MPI
+
+    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    sizes = np.zeros(comm.Get_size(), dtype=np.int64) if comm.Get_rank() == 0 else None
+    comm.Gather(np.array([data.size], dtype=np.int64), sizes, root=0)
+    if comm.Get_rank() != 0:
+        comm.Gatherv(data, None, root=0)
+        return None
+    out = np.empty(int(sizes.sum()), dtype=np.uint8)
+    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    comm.Gatherv(data, [out, sizes, displs, MPI.BYTE], root=0)
+    return [out[a : a + n].tobytes().decode("utf-8") for a, n in zip(displs, sizes)]
+
+
+class OptimizerMismatchError(ModelMismatchError):
+    """The checkpoint holds another optimizer's state: an older one would not fit either."""
+
+
+_KINDS = (CheckpointError, NewerFormatError, ModelMismatchError, OptimizerMismatchError)
+
+
+def agree_error(comm, error: HpctrainError | None) -> tuple[int, HpctrainError | None]:
+    """Collective: (the lowest failing rank, its error rebuilt alike on every rank: class and message), or
+    (-1, None) when no rank failed."""
+    bad = first_failing_rank(comm, error is not None)
+    if bad < 0:
+        return -1, None
+    kind = next((i for i, k in reversed(list(enumerate(_KINDS))) if isinstance(error, k)), 0) if error else 0
+    text = _bcast_bytes(comm, f"{kind}:{error}".encode("utf-8") if comm.Get_rank() == bad else None, bad).decode()
+    kind, _, message = text.partition(":")
+    return bad, _KINDS[int(kind)](message)
+
+
+def raise_agreed(comm, bad: int, error: HpctrainError):
+    """The failing rank raises the error (the command line prints it), the others leave quietly."""
+    if comm.Get_rank() == bad:
+        error.collective = True  # every rank knows: no need to abort the job
+        raise error
+    raise QuietExit(bad)
+
+
+class Checkpointer:
+    """A Trainer's sharded saves: what this rank writes, a reused snapshot for saves in the background."""
+
+    def __init__(self, t):
+        self.t, self.mesh = t, t.mesh
+        params, slots = held(t.part, t.optim.pieces)
+        first_tp = lambda p: p.kind is not None or t.mesh.tp_rank == 0  # noqa: E731 - a replicated tensor: once
+        self.params = [p for p in params if first_tp(p)] if t.mesh.dp_rank == 0 else []
+        self.slots = [p for p in slots if first_tp(p)] if (t.shard or t.mesh.dp_rank == 0) else []
+        self.labels = ["params"] + list(t.optim.slots)
+        self.items = [("params", p) for p in self.params] + [(label, p) for label in self.labels[1:] for p in self.slots]
+        self.nbytes = 4 * sum(p.size for _, p in self.items)
+        self._snapshot = None  # reused host copy of what this rank writes, for saves in the background
+        self._pending = None  # the save in flight: (state, set folder, thread, outcome dict, t0)
+
+    # ------------------------------------------------------------------ saving
+
+    def _values(self, label, p, host):
+        return host[label][p.at : p.at + p.size]
+
+    def save(self, state, *, background: bool) -> str:
+        """Write this rank's shard of a checkpoint of ``state`` (root attributes only; collective). In the
+        background the shard is written by a thread and committed by a later ``poll``/``finish``; else now.
+        Returns the index path on world rank 0 once committed, else ""."""
+        self.finish()
+        t, mesh, world = self.t, self.mesh, self.mesh.world
+        directory = t.cfg.checkpoint.dir
+        t0 = time.perf_counter()
+        set_id = _bcast_bytes(world, sharded.new_set_id().encode() if mesh.rank == 0 else None, 0).decode()
+        folder = os.path.join(directory, sharded.set_dir_name(state.step, set_id))
+
+        def prepare():
+            try:
+                os.makedirs(directory, exist_ok=True)
+                fmt.clean_stale_temps(directory)
+                sharded.clean_orphans(directory)
+                os.mkdir(folder)
+            except OSError as e:
+                raise CheckpointError(f"cannot write checkpoint {fmt.checkpoint_name(state.step)} in {directory}: "
+                                      f"{e}") from None
+
+        run_everywhere(world, prepare if mesh.rank == 0 else lambda: None)
+        host = {label: t.be.to_host(buf.data) for label, buf in [("params", t.params)] + list(t.optim.slots.items())}
+        run_everywhere(world, lambda: self._check_values(state.step, host))
+        if background:  # the snapshot: training may change the buffers as soon as this returns
+            if self._snapshot is None:
+                self._snapshot = np.empty(self.nbytes // 4, dtype=np.float32)
+            at, items = 0, []
+            for label, p in self.items:
+                view = self._snapshot[at : at + p.size]
+                view[...] = self._values(label, p, host)
+                items.append((label, p, view))
+                at += p.size
+        else:
+            items = [(label, p, self._values(label, p, host)) for label, p in self.items]
+        host = None
+        path = os.path.join(folder, sharded.shard_name(mesh.rank))
+        entries = [[label, p.name, p.kind, p.tp_rank, p.tp, p.lo, p.hi, str(k)] for k, (label, p) in
+                   enumerate(self.items)]
+        manifest = _gather_text(world, json.dumps(entries))
+        outcome = {}
+
+        def write():
+            try:
+                if items:
+                    sharded.write_shard(path, set_id=set_id, rank=mesh.rank, step=state.step, items=items)
+            except OSError as e:
+                outcome["error"] = CheckpointError(f"rank {mesh.rank}: cannot write checkpoint shard {path}: {e}")
+            except BaseException as e:  # noqa: BLE001 - reported at the commit, on every rank alike
+                outcome["error"] = CheckpointError(f"rank {mesh.rank}: writing checkpoint shard {path} failed: "
+                                                   f"{type(e).__name__}: {e}")
+            outcome["done"] = True
+
+        snap = time.perf_counter() - t0
+        pending = (state, set_id, manifest, outcome, t0, snap)
+        if background:
+            thread = threading.Thread(target=write, name="hpctrain-checkpoint", daemon=True)
+            thread.start()
+            self._pending = pending + (thread,)
+            return ""
+        write()
+        return self._commit(pending)
+
+    def _check_values(self, step, host) -> None:
+        for label, p in self.items:
+            problem = value_problem(label, self._values(label, p, host))
+            if problem:  # the loaders refuse it: never write one over good checkpoints
+                what = "parameter" if label == "params" else f"optimizer slot {label} of"
+                raise CheckpointError(f"step {step}: {what} {p.name} has {problem}; no checkpoint written"
+                                      + (" (the run diverged: lower optim.lr or set train.grad_clip)"
+                                         if label == "params" else ""))
+
+    def poll(self) -> None:
+        """Collective, once a step: commit the save in flight once every rank's shard is written."""
+        if self._pending is None:
+            return
+        from mpi4py import MPI
+
+        done = np.array([1 if self._pending[3].get("done") else 0], dtype=np.int32)
+        self.mesh.world.Allreduce(MPI.IN_PLACE, done, op=MPI.MIN)
+        if done[0]:
+            self.finish()
+
+    def finish(self) -> str:
+        """Collective: wait for the save in flight, if any, and commit it; its index path on rank 0."""
+        if self._pending is None:
+            return ""
+        pending, self._pending = self._pending[:-1], None
+        return self._commit(pending, wait=True)
+
+    def _commit(self, pending, *, wait=False) -> str:
+        state, set_id, manifest, outcome, t0, snap = pending
+        while wait and not outcome.get("done"):
+            time.sleep(0.001)
+        t, mesh, world = self.t, self.mesh, self.mesh.world
+        bad, error = agree_error(world, outcome.get("error"))
+        if error is not None:
+            raise_agreed(world, bad, error)
+        path = ""
+
+        def commit():
+            nonlocal path
+            shards, entries = [], []
+            for rank, text in enumerate(manifest):
+                mine = json.loads(text)
+                if mine:
+                    entries += [e + [len(shards)] for e in mine]
+                    shards.append(sharded.shard_name(rank))
+            directory = t.cfg.checkpoint.dir
+            try:
+                final = os.path.join(directory, fmt.checkpoint_name(state.step))
+                replaced = sharded.set_dir_of(final) if os.path.exists(final) else None
+                path = sharded.write_index(directory, state, set_id=set_id, shards=shards, entries=entries,
+                                           layout=t.model.layout, write_attrs=write_root_attrs)
+                if replaced and os.path.basename(replaced) != sharded.set_dir_name(state.step, set_id):
+                    import shutil
+
+                    shutil.rmtree(replaced, ignore_errors=True)
+                retain(directory, t.cfg.checkpoint.keep, path)
+            except OSError as e:
+                raise CheckpointError(f"cannot commit checkpoint {fmt.checkpoint_name(state.step)} in {directory}: "
+                                      f"{e}") from None
+
+        run_everywhere(world, commit if mesh.rank == 0 else lambda: None)
+        total = time.perf_counter() - t0
+        t.log(f"checkpoint {path} written in {total:.2f} s" + (f" (training went on after a {snap:.2f} s snapshot)"
+                                                                 if wait else ""))
+        return path
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def resume(t, candidates: list[str], *, auto: bool):
+    """Collective: the first of ``candidates`` (checkpoint paths, given on world rank 0) that verifies
+    everywhere, loaded. Returns ``(state, whole)``: a sharded set is read into this rank's buffers and
+    ``state`` holds its root attributes (``whole`` False); a single-file checkpoint (version 2) is read
+    whole on world rank 0, ``state`` with its tensors there, for train/startup.py to scatter (``whole``
+    True); ``(None, False)`` when there is no candidate. With ``auto`` a failing one is logged, set aside
+    once an older one loads, and the next tried; one of a newer hpctrain or another model stops the search."""
+    mesh, world = t.mesh, t.mesh.world
+    listing = _bcast_bytes(world, "\n".join(candidates).encode("utf-8") if mesh.rank == 0 else None, 0).decode()
+    skipped = []
+    for path in filter(None, listing.split("\n")):
+        state, error, whole = None, None, False
+        try:
+            version = np.array([ckpt.read_meta(path).version if mesh.rank == 0 else 0], dtype=np.int64)
+        except HpctrainError as e:
+            error, version = e, np.zeros(1, dtype=np.int64)
+        world.Bcast(version, root=0)
+        try:
+            if error is None and version[0] < sharded.VERSION:  # a single file: rank 0 reads it whole
+                whole = True
+                state = ckpt.load_checkpoint(path, t.model.layout) if mesh.rank == 0 else None
+                if state is not None:
+                    _check_optimizer(t, path, state.optim_name, set(state.slots))
+            elif error is None:
+                state = _load_here(t, path)
+        except HpctrainError as e:
+            error = e
+        bad, error = agree_error(world, error)
+        if error is None:
+            if skipped:
+                t.log(f"resume: using {os.path.basename(path)} (step {state.step if state else '?'}) instead of the newer "
+                      f"{', '.join(map(os.path.basename, skipped))}, which failed verification; they are kept as "
+                      "<name>.skipped")
+                run_everywhere(world, (lambda: ckpt_read.set_aside(skipped)) if mesh.rank == 0 else lambda: None)
+            if not whole:
+                _place(t)
+            return state, whole
+        if not auto or isinstance(error, (NewerFormatError, ModelMismatchError)):
+            if auto and isinstance(error, NewerFormatError):
+                error = NewerFormatError(f"{error}; resume = \"auto\" does not fall back past it to an older "
+                                         "checkpoint")
+            elif auto and type(error) is ModelMismatchError:
+                error = ModelMismatchError(f"{error}; it was written for a different model (hpctrain inspect shows "
+                                           "its config): use a new checkpoint.dir for this model")
+            raise_agreed(world, bad, error)
+        t.log(f"resume: skipping {os.path.basename(path)}: {error}")
+        skipped.append(path)
+    if skipped:
+        raise CheckpointError(f"no checkpoint in {t.cfg.checkpoint.dir} verifies "
+                              f"({', '.join(map(os.path.basename, skipped))}; see the log); move them away or set "
+                              'checkpoint.resume = "never" to start afresh')
+    return None, False
+
+
+def _check_optimizer(t, path, name, slots) -> None:
+    if name != t.optim.name or not set(t.optim.slots) <= slots:
+        raise OptimizerMismatchError(f"{path}: written with optimizer {name!r} (slots {', '.join(sorted(slots)) or 'none'}"
+                                 f"), but optim.name is {t.optim.name!r} (slots "
+                                 f"{', '.join(sorted(t.optim.slots)) or 'none'}); to start from its weights, use it "
+                                 "as checkpoint.init")
+
+
+def _load_here(t, path):
+    """This rank's pieces of one sharded checkpoint into host buffers (``t._loaded``); its root attributes."""
+    index = ckpt_read.open_sharded(path, t.model.layout)
+    state = index.state
+    _check_optimizer(t, path, state.optim_name, set(index.labels[1:]))
+    params, slots = held(t.part, t.optim.pieces)
+    opened, t._loaded = {}, {}
+    try:
+        for label, buf in [("params", t.params)] + list(t.optim.slots.items()):
+            out = buf.data if not t.be.is_device else np.zeros(buf.layout.size, dtype=np.float32)
+            ckpt_read.read_set(index, label, params if label == "params" else slots, out, opened=opened)
+            t._loaded[label] = out
+    finally:
+        for f in opened.values():
+            f.close()
+    return state
+
+
+def _place(t) -> None:
+    """After every rank loaded its pieces: a tied tensor's replica from its owner, and on a device the copy into
+    its buffers (inside an agreement: a device may run out of memory on one rank alone)."""
+    loaded = t.__dict__.pop("_loaded")
+    broadcast_tied(t.mesh, t.part, loaded["params"])
+    if t.be.is_device:
+        bufs = dict([("params", t.params)] + list(t.optim.slots.items()))
+        run_everywhere(t.mesh.world, lambda: [t.be.copy_(bufs[k].data, t.be.asarray(v)) for k, v in loaded.items()])

@@ -1,0 +1,120 @@
+"""Sharded checkpoints on the world: every rank writes what it alone holds, the index reads as full tensors,
+and a failure on one rank (its writer, its shard) is one agreed outcome on every rank.
+
+Run under ``mpiexec -n 1``, ``-n 2`` and ``-n 4`` by tests/test_suites.py; the layouts and the ranks
+expected to write are computed from the world size. Resuming on other layouts is checked by
+tests/mpi/test_zero.py, test_tensor_parallel.py, test_pipeline.py and test_checkpoint_resharding.py.
+"""
+
+import errno
+import glob
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+from helpers import config
+from hpctrain.checkpoint import list_checkpoints
+from hpctrain.errors import CheckpointError
+from hpctrain.parallel.agree import QuietExit
+from hpctrain.train import Trainer
+
+ADAMW = {"name": "adamw", "lr": 0.01}
+
+
+def layouts(comm):
+    out = [(1, 1, 0), (1, 1, 1)]
+    if comm.size % 4 == 0:
+        out += [(2, 1, 1), (1, 2, 0), (1, 2, 1)]
+    return out
+
+
+def job(data, ck, comm, *, pp=1, tp=1, zero=0, steps=2, every=2):
+    dp = comm.size // (pp * tp)
+    return config(data, optim=ADAMW, hidden=16, train={"steps": steps, "batch_size": 8 * dp},
+                  parallel={"pp": pp, "tp": tp, "zero": zero, "bucket_mb": 0.0002},
+                  checkpoint={"dir": ck, "every": every})
+
+
+@pytest.mark.parametrize("pp,tp,zero", [(1, 1, 0), (1, 1, 1), (2, 1, 1), (1, 2, 0), (1, 2, 1)])
+def test_every_rank_writes_only_what_it_alone_holds_and_the_index_reads_as_full_tensors(comm, data, shared_dir,
+                                                                                         pp, tp, zero):
+    if (pp, tp, zero) not in layouts(comm):
+        pytest.skip(f"pp {pp} x tp {tp} needs 4 ranks")
+    ck = f"{shared_dir}/ck"
+    t = Trainer(job(data, ck, comm, pp=pp, tp=tp, zero=zero), log=lambda *a: None)
+    try:
+        t.run()
+        gathered = t.state_dict()  # the full tensors on rank 0, gathered the old way
+        writes = np.array([1 if (t.mesh.dp_rank == 0 or (zero and t.mesh.dp > 1)) else 0], dtype=np.int32)
+        everyone = np.zeros(comm.size, dtype=np.int32)
+        comm.Allgather(writes, everyone)
+    finally:
+        t.close()
+    if comm.rank == 0:
+        (folder,) = glob.glob(f"{ck}/ckpt-00000002.*.shards")
+        expected = [f"rank-{r:05d}.h5" for r in range(comm.size) if everyone[r]]
+        assert sorted(os.listdir(folder)) == expected
+        params, slots = gathered
+        with h5py.File(f"{ck}/ckpt-00000002.h5", "r") as f:
+            lay = {k: int(f.attrs[k]) for k in ("world_size", "dp", "pp", "tp")}
+            assert lay == {"world_size": comm.size, "dp": comm.size // (pp * tp), "pp": pp, "tp": tp}
+            for name, arr in params.items():
+                np.testing.assert_array_equal(f["params"][name][...], arr, err_msg=name)
+            for slot, tensors in slots.items():
+                for name, arr in tensors.items():
+                    np.testing.assert_array_equal(f["optim"][slot][name][...], arr, err_msg=f"{slot}/{name}")
+    comm.Barrier()
+
+
+def test_a_failing_writer_on_one_rank_ends_the_run_everywhere_and_keeps_the_previous_checkpoint(comm, data,
+                                                                                                  shared_dir,
+                                                                                                  monkeypatch):
+    from hpctrain.checkpoint import sharded
+
+    last = comm.size - 1
+    write = sharded.write_shard
+
+    def full_disk(path, **kw):
+        if kw["step"] == 4 and kw["rank"] == last:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(path, **kw)
+
+    monkeypatch.setattr(sharded, "write_shard", full_disk)
+    ck = f"{shared_dir}/ck"
+    t = Trainer(job(data, ck, comm, zero=1, steps=6), log=lambda *a: None)
+    try:
+        if comm.rank == last:
+            with pytest.raises(CheckpointError, match=rf"^rank {last}: cannot write checkpoint shard .*"
+                                                      rf"rank-{last:05d}.h5: \[Errno 28\] No space left on device"):
+                t.run()
+        else:
+            with pytest.raises(QuietExit):
+                t.run()
+    finally:
+        t.close()
+    assert [s for s, _ in list_checkpoints(ck)] == [2]
+    comm.Barrier()
+
+
+def test_a_damaged_shard_of_one_rank_makes_every_rank_fall_back_to_the_previous_set(comm, data, shared_dir):
+    ck = f"{shared_dir}/ck"
+    t = Trainer(job(data, ck, comm, zero=1, steps=4), log=lambda *a: None)
+    t.run()
+    t.close()
+    if comm.rank == 0:
+        (shard,) = glob.glob(f"{ck}/ckpt-00000004.*.shards/rank-{comm.size - 1:05d}.h5")
+        os.truncate(shard, os.path.getsize(shard) // 2)
+    comm.Barrier()
+    lines = []
+    t = Trainer(job(data, ck, comm, zero=1, steps=4), log=lines.append)
+    try:
+        assert t.step == 2  # every rank resumed the step-2 set, whichever rank's shard was damaged
+    finally:
+        t.close()
+    if comm.rank == 0:
+        assert any(line.startswith("resume: skipping ckpt-00000004.h5:") and "truncated" in line for line in lines)
+        assert os.path.exists(f"{ck}/ckpt-00000004.h5.skipped")
+    comm.Barrier()
+

@@ -102,7 +102,8 @@ class Checkpointer:
         self.items = [("params", p) for p in self.params] + [(label, p) for label in self.labels[1:] for p in self.slots]
         self.nbytes = 4 * sum(p.size for _, p in self.items)
         self._snapshot = None  # reused host copy of what this rank writes, for saves in the background
-        self._pending = None  # the save in flight: (state, set folder, thread, outcome dict, t0)
+        self._pending = None  # the save in flight: (state, set id, manifest, outcome, t0, snapshot s, thread)
+        self.last_path = ""  # on world rank 0: the index of the newest committed checkpoint
 
     # ------------------------------------------------------------------ saving
 
@@ -233,6 +234,7 @@ class Checkpointer:
                                       f"{e}") from None
 
         run_everywhere(world, commit if mesh.rank == 0 else lambda: None)
+        self.last_path = path
         total = time.perf_counter() - t0
         t.log(f"checkpoint {path} written in {total:.2f} s" + (f" (training went on after a {snap:.2f} s snapshot)"
                                                                  if wait else ""))

@@ -93,7 +93,7 @@ def _damage(kind, path):
         os.truncate(path, os.path.getsize(path) // 2)
     elif kind == "flipped byte":
         with h5py.File(path, "r") as f:
-            at = f["pieces/0"].id.get_offset() + 17
+            at = f["values"].id.get_offset() + 17
         with open(path, "r+b") as f:
             f.seek(at)
             byte = f.read(1)

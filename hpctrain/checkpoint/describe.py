@@ -169,8 +169,7 @@ def _inspect_set(f: h5py.File, path: str, state, lines: list, problems: list) ->
             except CheckpointError as e:
                 problems.append(str(e))
     finally:
-        for h in opened.values():
-            h.close()
+        sharded.close_all(opened)
     lines.append(f"checksums: {verified} of {len(index.labels)} buffers (params, slots) verify, every 1 MiB block "
                  "of every shard read")
     lines.append("config:")

@@ -166,12 +166,12 @@ def write_datasets(f: h5py.File, arrays: list[tuple[str, np.ndarray]]) -> None:
         digests = [(path, pool.submit(sha256_hex, arr)) for path, arr in arrays]
         for path, arr in arrays:
             write_dataset(f, path, arr)
-            _start_writeback(f, f[path])
+            start_writeback(f, f[path])
         for path, digest in digests:
             set_attr(f[path].attrs, DIGEST, digest.result())
 
 
-def _start_writeback(f: h5py.File, ds: h5py.Dataset) -> None:
+def start_writeback(f: h5py.File, ds: h5py.Dataset) -> None:
     """Ask the kernel to start writing a dataset's pages now, so the disk works while the CPU hashes and copies.
 
     POSIX_FADV_DONTNEED starts writeback of dirty pages on Linux (and drops clean ones); it is

@@ -99,8 +99,7 @@ def _read_whole_set(index, layout: ParamLayout) -> CheckpointState:
             read_set(index, label, whole(layout), out, opened=opened)
             tensors[label] = layout.unpack(out)
     finally:
-        for f in opened.values():
-            f.close()
+        sharded.close_all(opened)
     state.params = tensors.pop("params")
     state.slots = tensors
     return state

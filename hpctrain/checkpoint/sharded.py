@@ -39,7 +39,7 @@ from ..errors import CheckpointError
 from .pieces import Piece, matches, strided
 
 __all__ = ["SHARD_FORMAT", "BLOCK", "new_set_id", "set_dir_name", "shard_name", "write_shard", "write_index",
-           "open_set", "read_pieces", "set_dir_of", "remove_set", "clean_orphans", "SetIndex"]
+           "open_set", "read_pieces", "close_all", "shard_entries", "set_dir_of", "remove_set", "clean_orphans", "SetIndex"]
 
 SHARD_FORMAT = "hpctrain-checkpoint-shard"
 VERSION = 3
@@ -65,44 +65,96 @@ def shard_name(rank: int) -> str:
 # --------------------------------------------------------------------------- writing
 
 
-def _block_digests(values: np.ndarray) -> np.ndarray:
+def _blocks(n: int) -> int:
+    """Digest blocks of a piece of ``n`` values (at least one, so an empty piece still has its entry)."""
+    return max(1, -(-n // BLOCK))
+
+
+def _block_digests(values: np.ndarray, out: np.ndarray) -> None:
     flat = values.reshape(-1).view(np.uint8)
     step = BLOCK * 4
-    out = np.empty((max(1, -(-flat.size // step)), 32), dtype=np.uint8)
     for i in range(out.shape[0]):
         out[i] = np.frombuffer(hashlib.sha256(memoryview(flat[i * step : (i + 1) * step])).digest(), np.uint8)
-    return out
 
 
-def write_shard(path: str, *, set_id: str, rank: int, step: int, items) -> list[list]:
-    """Write ``items`` ``(label, piece, values)`` to a new HDF5 file at ``path`` and fsync it; returns the
-    manifest entries ``[label, name, kind, tp_rank, tp, lo, hi, dataset]``. Digests are computed in threads
-    while the data is written."""
-    entries = []
-    with ThreadPoolExecutor(fmt.workers()) as pool, h5py.File(path, "x", libver=fmt.LIBVER, locking=False) as f:
+def shard_entries(items) -> list[list]:
+    """Manifest entries ``[label, name, kind, tp_rank, tp, lo, hi, offset, first block]`` of ``items``
+    ``(label, piece)`` in one shard: the pieces one after another in its ``/values``, each with its own
+    digest blocks in ``/sha256_blocks``."""
+    entries, at, block = [], 0, 0
+    for label, p in items:
+        entries.append([label, p.name, p.kind, p.tp_rank, p.tp, p.lo, p.hi, at, block])
+        at, block = at + p.size, block + _blocks(p.size)
+    return entries
+
+
+def write_shard(path: str, *, set_id: str, rank: int, step: int, items, background: bool = False) -> None:
+    """Write ``items`` ``(label, piece, values)`` to a new HDF5 file at ``path`` as ``shard_entries`` lays them
+    out, and fsync it.
+
+    h5py lays out the file with both datasets allocated (contiguous, no fill); the values then go to their
+    offsets with ``os.pwrite``, which releases Python's GIL like the hashing does, one system call per piece
+    however many tensors there are. In the foreground the digests are computed in threads while the values are
+    written; in the ``background`` (training runs meanwhile) by the calling thread alone, one CPU's worth."""
+    entries = shard_entries([(label, p) for label, p, _ in items])
+    total = sum(p.size for _, p, _ in items)
+    digests = np.zeros((sum(_blocks(p.size) for _, p, _ in items), 32), dtype=np.uint8)
+    with h5py.File(path, "x", libver=fmt.LIBVER, locking=False) as f:
         for key, value in (("format", SHARD_FORMAT), ("set_id", set_id), ("rank", rank), ("step", step)):
             fmt.set_attr(f.attrs, key, value)
-        group = f.create_group("pieces", track_order=True)
-        digests = []
-        for k, (label, p, values) in enumerate(items):
-            values = np.ascontiguousarray(values, dtype="<f4").reshape(-1)
-            if values.size != p.size:
-                raise ValueError(f"{label} {p.name}: {values.size} values for a piece of {p.size}")
-            digests.append(pool.submit(_block_digests, values))
-            ds = group.create_dataset(str(k), data=values)
-            for key, value in (("label", label), ("name", p.name), ("lo", p.lo), ("hi", p.hi)):
-                fmt.set_attr(ds.attrs, key, value)
-            entries.append([label, p.name, p.kind, p.tp_rank, p.tp, p.lo, p.hi, str(k)])
-        for k, digest in enumerate(digests):
-            group[str(k)].attrs.create("sha256_blocks", digest.result())
-    fmt.fsync_file(path)
-    return entries
+        values_at = _allocate(f, "values", (total,), "<f4")
+        digests_at = _allocate(f, "sha256_blocks", digests.shape, np.uint8)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        with ThreadPoolExecutor(1 if background else fmt.workers()) as pool:
+            hashing = []
+            for (label, p, values), e in zip(items, entries):
+                values = np.ascontiguousarray(values, dtype="<f4").reshape(-1)
+                if values.size != p.size:
+                    raise ValueError(f"{label} {p.name}: {values.size} values for a piece of {p.size}")
+                mine = digests[e[8] : e[8] + _blocks(p.size)]
+                _pwrite(fd, values, values_at + 4 * e[7])
+                if background:
+                    _block_digests(values, mine)
+                else:
+                    hashing.append(pool.submit(_block_digests, values, mine))
+            for h in hashing:
+                h.result()
+        _pwrite(fd, digests, digests_at)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _allocate(f, name: str, shape, dtype) -> int:
+    """A contiguous dataset allocated at creation and never filled (its values come by ``_pwrite``); its offset."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    ds = h5py.h5d.create(f.id, name.encode(), h5py.h5t.py_create(np.dtype(dtype)), h5py.h5s.create_simple(shape),
+                         dcpl=dcpl)
+    return ds.get_offset() or 0
+
+
+def _pwrite(fd: int, arr: np.ndarray, offset: int) -> None:
+    """All of ``arr`` at ``offset``; then the kernel is asked to start writing it to disk now, so the disk works
+    while the CPU hashes and copies the next pieces (``POSIX_FADV_DONTNEED``, only a hint: where it is missing,
+    the final fsync does all the work)."""
+    view = memoryview(arr.reshape(-1).view(np.uint8))
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done : done + (1 << 26)], offset + done)
+    if len(view) >= (1 << 20) and hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
 
 
 def write_index(directory: str, state, *, set_id: str, shards: list[str], entries: list[list], layout,
                 write_attrs) -> str:
     """Commit a set: write the index of ``shards`` (file names in the set folder, by position) and ``entries``
-    (manifest entries with their shard's position appended) under a temp name, fsync, rename it to
+    (``shard_entries``, each with its shard's position appended) under a temp name, fsync, rename it to
     ``ckpt-<step>.h5`` and fsync the folder. ``write_attrs(f, state, version)`` writes the root attributes.
     Returns the index path; the set folder was written and fsynced before."""
     final = os.path.join(directory, fmt.checkpoint_name(state.step))
@@ -131,27 +183,38 @@ def write_index(directory: str, state, *, set_id: str, shards: list[str], entrie
 
 
 def _write_virtual(f, folder, shards, entries, labels, layout) -> None:
-    """``/params/<name>`` and ``/optim/<slot>/<name>``: full tensors mapped from the shards' pieces."""
+    """``/params/<name>`` and ``/optim/<slot>/<name>``: full tensors mapped from the shards' ``/values``
+    (h5py's low-level calls: the high-level VirtualLayout copies itself for every mapping)."""
     from .pieces import segments
 
     by_tensor = {}
     for e in entries:
         by_tensor.setdefault((e[0], e[1]), []).append(e)
+    sizes = {}
+    for e in entries:
+        sizes[e[9]] = max(sizes.get(e[9], 0), e[7] + e[6] - e[5])
     f.create_group("params", track_order=True)
     optim = f.create_group("optim")
     for label in labels[1:]:
         optim.create_group(label, track_order=True)
+    nan = np.array(np.nan, dtype="<f4")
     for label in labels:
         group = f["params"] if label == "params" else optim[label]
         for spec in layout:
-            vl = h5py.VirtualLayout(shape=spec.shape, dtype="<f4")
-            for _, name, kind, tp_rank, tp, lo, hi, key, shard in by_tensor.get((label, spec.name), []):
-                p = Piece(name, spec.shape, kind, tp_rank, tp, lo, hi)
-                src = h5py.VirtualSource(f"{folder}/{shards[shard]}", f"pieces/{key}", shape=(hi - lo,))
-                for r, c, h, w, off in segments(p):
-                    target = np.s_[r : r + h] if len(spec.shape) == 1 else np.s_[r : r + h, c : c + w]
-                    vl[target] = src[off : off + h * w]
-            group.create_virtual_dataset(spec.name, vl, fillvalue=np.float32(np.nan))
+            shape = spec.shape or (1,)
+            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            dcpl.set_fill_value(nan)
+            for _, name, kind, tp_rank, tp, lo, hi, at, _, shard in by_tensor.get((label, spec.name), []):
+                source = f"{folder}/{shards[shard]}".encode()
+                for r, c, h, w, off in segments(Piece(name, spec.shape, kind, tp_rank, tp, lo, hi)):
+                    vspace = h5py.h5s.create_simple(shape)
+                    start, count = ((r,), (h,)) if len(shape) == 1 else ((r, c), (h, w))
+                    vspace.select_hyperslab(start, count)
+                    src = h5py.h5s.create_simple((sizes[shard],))
+                    src.select_hyperslab((at + off,), (h * w,))
+                    dcpl.set_virtual(vspace, source, b"values", src)
+            h5py.h5d.create(group.id, spec.name.encode(), h5py.h5t.IEEE_F32LE, h5py.h5s.create_simple(shape),
+                            dcpl=dcpl)
 
 
 # --------------------------------------------------------------------------- reading
@@ -159,7 +222,7 @@ def _write_virtual(f, folder, shards, entries, labels, layout) -> None:
 
 class SetIndex:
     """A sharded checkpoint's index, verified: ``state`` (root attributes, no tensors), ``labels``, ``shards``
-    (paths), ``pieces[(label, name)]`` -> [(Piece, shard position, dataset key)]."""
+    (paths), ``pieces[(label, name)]`` -> [(Piece, shard position, offset, first block)]."""
 
     def __init__(self, path, state, set_id, labels, shards, pieces):
         self.path, self.state, self.set_id, self.labels = path, state, set_id, labels
@@ -193,11 +256,11 @@ def open_set(path: str, f: h5py.File, state, layout) -> SetIndex:
     base = os.path.dirname(os.path.abspath(path))
     paths = [os.path.join(base, folder, s) for s in shards]
     pieces = {}
-    for label, name, kind, tp_rank, tp, lo, hi, key, shard in entries:
+    for label, name, kind, tp_rank, tp, lo, hi, at, block, shard in entries:
         if name not in layout:
             continue  # the model check (fit) names unexpected tensors
         pieces.setdefault((label, name), []).append(
-            (Piece(name, layout[name].shape, kind, tp_rank, tp, lo, hi), shard, key))
+            (Piece(name, layout[name].shape, kind, tp_rank, tp, lo, hi), shard, at, block))
     for label in labels:
         for spec in layout:
             problem = _coverage_problem(pieces.get((label, spec.name), []), spec)
@@ -224,11 +287,10 @@ def _manifest_problem(m, folder, shards, labels, entries, block, set_id, state) 
     if not isinstance(entries, list):
         return "the manifest's pieces are not a list"
     for e in entries:
-        ok = (isinstance(e, list) and len(e) == 9 and e[0] in labels and isinstance(e[1], str)
+        ok = (isinstance(e, list) and len(e) == 10 and e[0] in labels and isinstance(e[1], str)
               and e[2] in (None, "rows", "cols", "rows3") and all(isinstance(v, int) and not isinstance(v, bool)
-                                                                  for v in (e[3], e[4], e[5], e[6], e[8]))
-              and isinstance(e[7], str) and e[7].isdigit() and 0 <= e[8] < len(shards)
-              and 0 <= e[3] < e[4] and 0 <= e[5] <= e[6])
+                                                                  for v in e[3:])
+              and 0 <= e[9] < len(shards) and 0 <= e[3] < e[4] and 0 <= e[5] <= e[6] and e[7] >= 0 and e[8] >= 0)
         if not ok:
             return f"manifest entry {shown(repr(e))[:200]} is malformed"
     return ""
@@ -238,7 +300,7 @@ def _coverage_problem(pieces, spec) -> str:
     """'' when ``pieces`` cover the tensor exactly once, else why not."""
     if not pieces:
         return "is in no shard"
-    kinds = {(p.kind, p.tp) for p, _, _ in pieces}
+    kinds = {(p.kind, p.tp) for p, *_ in pieces}
     if len(kinds) != 1:
         return "is split two different ways across the shards"
     (kind, tp), = kinds
@@ -256,7 +318,7 @@ def _coverage_problem(pieces, spec) -> str:
             return f"is split {tp} ways ({kind}), which its shape {spec.shape} does not allow"
     per = size // tp
     for r in range(tp):
-        ranges = sorted((p.lo, p.hi) for p, _, _ in pieces if p.tp_rank == r)
+        ranges = sorted((p.lo, p.hi) for p, *_ in pieces if p.tp_rank == r)
         at = 0
         for lo, hi in ranges:
             if lo != at:
@@ -268,8 +330,10 @@ def _coverage_problem(pieces, spec) -> str:
 
 
 def _open_shard(index: SetIndex, shard: int, opened: dict):
+    """(``/values``, the digests) of shard ``shard``, checked, opened once: ``opened`` maps shard -> (file,
+    values, digests) until ``close_all``."""
     if shard in opened:
-        return opened[shard]
+        return opened[shard][1:]
     path = index.shards[shard]
     try:
         st = os.lstat(path)
@@ -282,7 +346,7 @@ def _open_shard(index: SetIndex, shard: int, opened: dict):
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointError(f"shard {path} is not a regular file (a FIFO, socket, device or folder)")
     f = fmt.open_read(path, "checkpoint shard")
-    opened[shard] = f
+    opened[shard] = (f, None, None)
     try:
         fmt_name = fmt.decode_attr(f.attrs.get("format"))
         theirs = fmt.decode_attr(f.attrs.get("set_id"))
@@ -293,40 +357,52 @@ def _open_shard(index: SetIndex, shard: int, opened: dict):
     if theirs != index.set_id:
         raise CheckpointError(f"shard {path} belongs to another checkpoint (set {shown(theirs)}, the index names "
                               f"set {index.set_id})")
-    return f
+    try:
+        opened[shard] = (f,) + _shard_data(f, path)
+    except H5_ERRORS as e:
+        raise CheckpointError(f"shard {path} is damaged: {shown(e)}") from None
+    return opened[shard][1:]
 
 
-def _dataset(f, path: str, key: str, p: Piece):
-    ds = f.get(f"pieces/{key}")
-    if not isinstance(ds, h5py.Dataset):
-        raise CheckpointError(f"shard {path}: /pieces/{key} ({p.name}) is missing")
-    problem = storage_problem(ds, os.path.getsize(path))
-    if problem:
-        raise CheckpointError(f"shard {path}: /pieces/{key} {problem}")
-    if ds.shape != (p.size,) or ds.dtype != np.dtype("<f4"):
-        raise CheckpointError(f"shard {path}: /pieces/{key} ({p.name}) has shape {ds.shape} of {ds.dtype}, "
-                              f"the manifest says ({p.size},) float32")
-    digests = ds.attrs.get("sha256_blocks")
-    if not isinstance(digests, np.ndarray) or digests.dtype != np.uint8 or \
-            digests.shape != (max(1, -(-p.size // BLOCK)), 32):
-        raise CheckpointError(f"shard {path}: /pieces/{key} ({p.name}) has no valid sha256_blocks attribute")
-    return ds, digests
+def close_all(opened: dict) -> None:
+    for f, *_ in opened.values():
+        f.close()
+    opened.clear()
+
+
+def _shard_data(f, path: str):
+    """A shard's ``/values`` and its ``/sha256_blocks`` (read whole: 32 bytes a MiB), checked for storage."""
+    size = os.path.getsize(path)
+    out = []
+    for name, dtype, ndim in (("values", "<f4", 1), ("sha256_blocks", np.uint8, 2)):
+        ds = f.get(name)
+        if not isinstance(ds, h5py.Dataset):
+            raise CheckpointError(f"shard {path}: /{name} is missing")
+        problem = storage_problem(ds, size)
+        if problem:
+            raise CheckpointError(f"shard {path}: /{name} {problem}")
+        if ds.dtype != np.dtype(dtype) or ds.ndim != ndim or (ndim == 2 and ds.shape[1] != 32):
+            raise CheckpointError(f"shard {path}: /{name} has shape {ds.shape} of {ds.dtype}, not what hpctrain writes")
+        out.append(ds)
+    return out[0], out[1][()]
 
 
 def read_pieces(index: SetIndex, label: str, wanted: list[Piece], out: np.ndarray, *, opened=None) -> None:
     """Fill each wanted piece's values (at ``piece.at`` in the flat ``out``) from the set, reading only the
     digest blocks that hold them and verifying each block read; raises CheckpointError naming the shard."""
-    opened = {} if opened is None else opened
-    plan = {}  # (shard, key) -> (stored piece, [(src, wanted piece, dst)])
+    own, opened = opened is None, {} if opened is None else opened
+    plan = {}  # (shard, offset) -> (stored piece, first block, [(src, wanted piece, dst)])
     for w in wanted:
-        for s, shard, key in index.pieces.get((label, w.name), []):
+        for s, shard, at, block in index.pieces.get((label, w.name), []):
             for src, dst in matches(w, s):
-                plan.setdefault((shard, key), (s, []))[1].append((src, w, dst))
+                plan.setdefault((shard, at), (s, block, []))[2].append((src, w, dst))
     with ThreadPoolExecutor(fmt.workers()) as pool:
-        for (shard, key), (s, moves) in plan.items():
-            f = _open_shard(index, shard, opened)
+        for (shard, at), (s, block, moves) in plan.items():
+            ds, digests = _open_shard(index, shard, opened)
             path = index.shards[shard]
-            ds, digests = _dataset(f, path, key, s)
+            if ds.shape[0] < at + s.size or digests.shape[0] < block + _blocks(s.size):
+                raise CheckpointError(f"shard {path} holds {ds.shape[0]:,} values and {digests.shape[0]:,} digest "
+                                      f"blocks, fewer than the manifest places in it ({label} {s.name})")
             first = min(src[0] for src, _, _ in moves)
             last = max(src[0] + (src[1] - 1) * src[3] + src[2] for src, _, _ in moves)
             b0, b1 = first // BLOCK, -(-last // BLOCK)
@@ -339,18 +415,21 @@ def read_pieces(index: SetIndex, label: str, wanted: list[Piece], out: np.ndarra
                     direct = out[w.at + dst[0] : w.at + dst[0] + s.size]  # same layout: straight into place
             buf = direct if direct is not None else np.empty(hi - lo, dtype=np.float32)
             try:
-                ds.read_direct(buf, np.s_[lo:hi])
+                if hi > lo:
+                    ds.read_direct(buf, np.s_[at + lo : at + hi])
             except (OSError, ValueError, TypeError, RuntimeError) as e:
-                raise CheckpointError(f"shard {path}: /pieces/{key} ({s.name}) cannot be read ({shown(e)})") from None
+                raise CheckpointError(f"shard {path}: /values ({label} {s.name}) cannot be read ({shown(e)})") from None
             checks = [(b, pool.submit(_digest, buf, (b - b0) * BLOCK, min(BLOCK, s.size - b * BLOCK)))
                       for b in range(b0, b1)]
-            bad = [b for b, d in checks if d.result() != digests[b].tobytes()]
+            bad = [b for b, d in checks if d.result() != digests[block + b].tobytes()]
             if bad:
-                raise CheckpointError(f"shard {path}: /pieces/{key} ({label} {s.name}) fails its sha256 in "
-                                      f"{len(bad)} block(s) of 1 MiB, the first at value {bad[0] * BLOCK:,}")
+                raise CheckpointError(f"shard {path}: {label} {s.name} fails its sha256 in {len(bad)} block(s) of "
+                                      f"1 MiB, the first at value {bad[0] * BLOCK:,} of the piece")
             if direct is None:
                 for src, w, dst in moves:
                     strided(out[w.at : w.at + w.size], dst)[...] = strided(buf, (src[0] - lo,) + src[1:])
+    if own:
+        close_all(opened)
 
 
 def _digest(buf: np.ndarray, at: int, n: int) -> bytes:

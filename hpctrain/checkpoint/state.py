@@ -54,6 +54,9 @@ def check_slot_names(optim_name: str, have: set, error):
 
 def nonfinite(arr) -> str:
     """'' when every value of ``arr`` is finite, else how many are not (weights must be finite to load)."""
+    arr = np.asarray(arr)
+    if arr.size == 0 or np.isfinite(arr.min()) and np.isfinite(arr.max()):  # NaN propagates: two fast passes
+        return ""
     finite = np.isfinite(arr)
     return "" if finite.all() else f"{finite.size - int(finite.sum())} non-finite value(s) (NaN or Inf)"
 
@@ -61,6 +64,6 @@ def nonfinite(arr) -> str:
 def value_problem(label: str, arr) -> str:
     """'' when the values of a parameter (``label`` "params") or optimizer slot can be trained on, else why not."""
     problem = nonfinite(arr)
-    if not problem and label == "exp_avg_sq" and (arr < 0).any():  # a running mean of squared gradients
-        problem = f"{int((arr < 0).sum())} negative value(s) (exp_avg_sq is >= 0)"
+    if not problem and label == "exp_avg_sq" and np.size(arr) and np.min(arr) < 0:  # a running mean of squares
+        problem = f"{int((np.asarray(arr) < 0).sum())} negative value(s) (exp_avg_sq is >= 0)"
     return problem

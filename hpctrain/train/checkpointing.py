@@ -147,15 +147,14 @@ class Checkpointer:
             items = [(label, p, self._values(label, p, host)) for label, p in self.items]
         host = None
         path = os.path.join(folder, sharded.shard_name(mesh.rank))
-        entries = [[label, p.name, p.kind, p.tp_rank, p.tp, p.lo, p.hi, str(k)] for k, (label, p) in
-                   enumerate(self.items)]
-        manifest = _gather_text(world, json.dumps(entries))
+        manifest = _gather_text(world, json.dumps(sharded.shard_entries(self.items)))
         outcome = {}
 
         def write():
             try:
                 if items:
-                    sharded.write_shard(path, set_id=set_id, rank=mesh.rank, step=state.step, items=items)
+                    sharded.write_shard(path, set_id=set_id, rank=mesh.rank, step=state.step, items=items,
+                                        background=background)
             except OSError as e:
                 outcome["error"] = CheckpointError(f"rank {mesh.rank}: cannot write checkpoint shard {path}: {e}")
             except BaseException as e:  # noqa: BLE001 - reported at the commit, on every rank alike
@@ -319,8 +318,7 @@ def _load_here(t, path):
             ckpt_read.read_set(index, label, params if label == "params" else slots, out, opened=opened)
             t._loaded[label] = out
     finally:
-        for f in opened.values():
-            f.close()
+        sharded.close_all(opened)
     return state
 
 

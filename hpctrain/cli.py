@@ -63,6 +63,13 @@ def _parser():
     sub.add_parser("env", help="versions, the MPI library, CUDA-awareness, GPUs and BLAS threads of this machine")
     i = sub.add_parser("inspect", help="describe a checkpoint and verify its checksums")
     i.add_argument("path")
+    x = sub.add_parser("export", help="a checkpoint's parameters as safetensors, or the whole of it as one HDF5 file",
+                       description="Write a checkpoint's parameters (PyTorch names) as safetensors, or the whole "
+                                   "checkpoint as one self-contained HDF5 file. The checkpoint is verified first.")
+    x.add_argument("checkpoint", help="a checkpoint (ckpt-<step>.h5)")
+    x.add_argument("output", help="the file to write: .safetensors or .h5 (replaced if it exists)")
+    x.add_argument("--format", choices=("safetensors", "h5"), default="",
+                   help="default: from the output's extension; safetensors needs pip install 'hpctrain[export]'")
     s = sub.add_parser("sample", help="print text a GPT checkpoint writes after a prompt")
     s.add_argument("checkpoint")
     s.add_argument("--prompt", required=True, help="the text to continue (characters of the model's vocabulary)")
@@ -161,6 +168,13 @@ def _inspect(args) -> int:
     return 0 if ok else 1
 
 
+def _export(args) -> int:
+    from .export import export
+
+    print(export(args.checkpoint, args.output, args.format))
+    return 0
+
+
 def _sample(args) -> int:
     from .sample import sample
 
@@ -251,7 +265,7 @@ def _env(args) -> int:
 
 COMMANDS = {"train": lambda a: _train(a), "inspect": lambda a: _inspect(a), "sample": lambda a: _sample(a),
             "data": lambda a: _data(a), "config": lambda a: _config(a), "env": lambda a: _env(a),
-            "plot": lambda a: _plot(a), "plan": lambda a: _plan(a)}
+            "plot": lambda a: _plot(a), "plan": lambda a: _plan(a), "export": lambda a: _export(a)}
 
 
 def _say(line: str) -> None:

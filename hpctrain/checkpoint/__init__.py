@@ -27,10 +27,10 @@ from __future__ import annotations
 from .format import list_checkpoints
 from .read import find_resume, load_checkpoint, load_weights, read_meta
 from .state import CheckpointState
-from .write import save_checkpoint, save_weights
+from .write import save_checkpoint, save_weights, write_single_file
 
 __all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "read_meta", "find_resume", "list_checkpoints",
-           "inspect", "save_weights", "load_weights"]
+           "inspect", "save_weights", "load_weights", "write_single_file"]
 
 
 def inspect(path: str) -> tuple[str, bool]:

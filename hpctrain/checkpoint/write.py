@@ -20,7 +20,7 @@ from . import sharded
 from ..errors import CheckpointError
 from .state import CheckpointState, check_slot_names, nonfinite, value_problem
 
-__all__ = ["save_checkpoint", "save_weights", "retain", "write_root_attrs", "checked_arrays"]
+__all__ = ["save_checkpoint", "write_single_file", "save_weights", "retain", "write_root_attrs", "checked_arrays"]
 
 
 def save_checkpoint(directory: str, state: CheckpointState, *, keep: int) -> str:
@@ -40,7 +40,25 @@ def save_checkpoint(directory: str, state: CheckpointState, *, keep: int) -> str
         fmt.clean_stale_temps(directory)
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoint {final}: {e}") from None
-    tmp = fmt.temp_path(directory, state.step)
+    _write_file(final, state, arrays)
+    try:
+        fmt.fsync_dir(directory)
+        retain(directory, keep, final)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {final} was written, but pruning old checkpoints failed: {e}") from None
+    return final
+
+
+def write_single_file(path: str, state: CheckpointState) -> None:
+    """Write ``state`` as one self-contained checkpoint file at ``path`` (format version 2; ``hpctrain export
+    --format h5``): a temp file beside it, fsync, rename, fsync of the folder."""
+    arrays = checked_arrays(state)
+    _write_file(path, state, arrays)
+    fmt.fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _write_file(final: str, state: CheckpointState, arrays) -> None:
+    tmp = fmt.temp_path(os.path.dirname(os.path.abspath(final)), state.step)
     try:
         with h5py.File(tmp, "x", libver=fmt.LIBVER, locking=False) as f:
             write_root_attrs(f, state)
@@ -62,12 +80,6 @@ def save_checkpoint(directory: str, state: CheckpointState, *, keep: int) -> str
         if isinstance(e, OSError):
             raise CheckpointError(f"cannot write checkpoint {final}: {e}") from None
         raise
-    try:
-        fmt.fsync_dir(directory)
-        retain(directory, keep, final)
-    except OSError as e:
-        raise CheckpointError(f"checkpoint {final} was written, but pruning old checkpoints failed: {e}") from None
-    return final
 
 
 def checked_arrays(state: CheckpointState) -> list[tuple[str, np.ndarray]]:

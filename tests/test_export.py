@@ -1,0 +1,97 @@
+"""``hpctrain export``: a sharded checkpoint to safetensors (the parameters, PyTorch names) or one HDF5 file."""
+
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from helpers import make_classification, toml_job
+from hpctrain.checkpoint import inspect, list_checkpoints, load_checkpoint, read_meta
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def hpctrain(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "hpctrain", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("export")
+    make_classification(folder / "d.h5", n=64)
+    (folder / "job.toml").write_text(toml_job(train={"steps": 4}, optim={"name": "adamw", "lr": 0.01},
+                                              checkpoint={"dir": "ck"}))
+    proc = hpctrain("train", "job.toml", cwd=folder)
+    assert proc.returncode == 0, proc.stderr
+    (_, path), = list_checkpoints(str(folder / "ck"))
+    return path
+
+
+def _layout(path):
+    import tomllib
+
+    from hpctrain.config import parse_config
+    from hpctrain.nn import make_model
+
+    return make_model(parse_config(tomllib.loads(read_meta(path).config_text)).model).layout
+
+
+def test_export_h5_is_one_self_contained_checkpoint(checkpoint, tmp_path):
+    out = tmp_path / "whole.h5"
+    proc = hpctrain("export", checkpoint, str(out), cwd=tmp_path)
+    assert proc.returncode == 0 and "format version 2" in proc.stdout, proc.stderr
+    with h5py.File(out, "r") as f:
+        assert f.attrs["version"] == 2 and not f["params/0.weight"].is_virtual
+    layout = _layout(checkpoint)
+    a, b = load_checkpoint(checkpoint, layout), load_checkpoint(str(out), layout)
+    assert a.step == b.step == 4 and a.optim_step == b.optim_step
+    for name in a.params:
+        np.testing.assert_array_equal(a.params[name], b.params[name])
+        for slot in a.slots:
+            np.testing.assert_array_equal(a.slots[slot][name], b.slots[slot][name])
+    text, ok = inspect(str(out))
+    assert ok, text
+
+
+def test_export_safetensors_holds_the_parameters_under_their_pytorch_names(checkpoint, tmp_path):
+    pytest.importorskip("safetensors")
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "model.safetensors"
+    proc = hpctrain("export", checkpoint, str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    got = load_file(str(out))
+    want = load_checkpoint(checkpoint, _layout(checkpoint)).params
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == np.float32 and got[name].shape == want[name].shape
+        np.testing.assert_array_equal(got[name], want[name])
+    assert os.listdir(tmp_path) == ["model.safetensors"]  # no temp file left
+
+
+@pytest.mark.parametrize("args,message", [
+    (["model.bin"], "cannot tell the format of model.bin"),
+    (["x/model.h5"], "the folder of x/model.h5 does not exist"),
+], ids=["extension", "folder"])
+def test_export_refuses_bad_outputs_with_one_line_and_exit_2(checkpoint, tmp_path, args, message):
+    proc = hpctrain("export", checkpoint, *args, cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_export_of_a_damaged_checkpoint_is_refused(checkpoint, tmp_path):
+    import glob
+    import shutil
+
+    from helpers import copy_checkpoint
+
+    copy_checkpoint(checkpoint, str(tmp_path))
+    (shard,) = glob.glob(str(tmp_path / "*.shards" / "rank-00000.h5"))
+    os.truncate(shard, 100)
+    proc = hpctrain("export", str(tmp_path / os.path.basename(checkpoint)), "out.h5", cwd=tmp_path)
+    assert proc.returncode == 2 and "rank-00000.h5" in proc.stderr, proc.stderr
+    assert not os.path.exists(tmp_path / "out.h5")
+    shutil.rmtree(os.path.dirname(shard))

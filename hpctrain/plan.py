@@ -71,10 +71,18 @@ def state_bytes(*, part_size: int, owned_size: int, shard, zero: int, device: bo
     return dict(params_bytes=4 * part_size, grads_bytes=4 * grads, optimizer_bytes=4 * slots * owned)
 
 
-def checkpoint_bytes(model_size: int, part_size: int, slots: int, zero: int) -> int:
-    """World rank 0's transient while it writes an unsharded checkpoint: every full buffer (Trainer.state_dict),
-    and under ZeRO one slot's gathered chunks on their way to the stages' gather."""
-    return 4 * model_size * (1 + slots) + (4 * part_size if zero else 0)
+def checkpoint_bytes(part, shard, *, dp_rank: int, slots: int, background: bool, device: bool) -> int:
+    """What a rank holds beyond its state while it saves a checkpoint: the host snapshot of the pieces it writes
+    (checkpoint/pieces.py: written) when saves run in the background, and on a device the host copy of its
+    buffers the shard is written from. No rank gathers another's tensors."""
+    from .checkpoint.pieces import written
+
+    owned, size = part.owned_size, part.layout.size
+    pieces = shard.pieces if shard else [(0, owned)] if owned < size else None
+    mine = written(part, pieces, dp_rank=dp_rank, sharded_optimizer=shard is not None, slots=range(slots))
+    snapshot = 4 * sum(p.size for _, p in mine) if background else 0
+    slot_size = sum(b - a for a, b in pieces) if pieces else size
+    return snapshot + (4 * (size + slots * slot_size) if device else 0)
 
 
 def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
@@ -121,8 +129,9 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
                                     device=device, slots=slots, bucket_elems=bucket_elems)
                 buffers = rings + (4 * max((p[d][1] - p[d][0] for p in shard.parts), default=0) if shard else 0)
                 rank = s * dp * tp + d * tp + r  # parallel/mesh.py's order
-                if rank == 0 and cfg.checkpoint.dir:  # the unsharded checkpoint gathers every buffer here
-                    buffers += checkpoint_bytes(model.layout.size, part.layout.size, slots, zero)
+                if cfg.checkpoint.dir:  # each rank writes its own pieces of a checkpoint
+                    buffers += checkpoint_bytes(part, shard, dp_rank=d, slots=slots,
+                                                background=cfg.checkpoint.async_, device=device)
                 out.append(RankMemory(rank=rank, stage=s, dp_rank=d, tp_rank=r, activation_bytes=acts,
                                       buffer_bytes=buffers, runtime_bytes=runtime, **state))
     return sorted(out, key=lambda m: m.rank)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Piece", "held", "whole", "segments", "matches", "strided"]
+__all__ = ["Piece", "held", "written", "whole", "segments", "matches", "strided"]
 
 
 @dataclass(frozen=True)
@@ -158,3 +158,16 @@ def held(part, optim_pieces=None) -> tuple[list[Piece], list[Piece]]:
                 slots.append(Piece(p.name, p.shape, p.kind, p.tp_rank, p.tp, lo - p.at, hi - p.at, at + lo - a))
         at += b - a
     return params, slots
+
+
+def written(part, optim_pieces, *, dp_rank: int, sharded_optimizer: bool, slots) -> list[tuple[str, Piece]]:
+    """``(label, piece)`` a rank writes to a checkpoint: what no other rank writes. Parameters on data-parallel
+    rank 0 (a tensor every tensor-parallel rank holds whole: tensor-parallel rank 0's); each of ``slots``'
+    pieces on whoever updates them (``sharded_optimizer``: ZeRO, every data-parallel rank its chunks)."""
+    tp_rank = part.tp.rank if part.tp is not None else 0
+    params, mine = held(part, optim_pieces)
+    once = [p for p in params if p.kind is not None or tp_rank == 0]
+    out = [("params", p) for p in once] if dp_rank == 0 else []
+    if sharded_optimizer or dp_rank == 0:
+        out += [(label, p) for label in slots for p in mine if p.kind is not None or tp_rank == 0]
+    return out

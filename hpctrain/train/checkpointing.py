@@ -28,7 +28,7 @@ from .. import checkpoint as ckpt
 from ..checkpoint import format as fmt
 from ..checkpoint import read as ckpt_read
 from ..checkpoint import sharded
-from ..checkpoint.pieces import held
+from ..checkpoint.pieces import held, written
 from ..checkpoint.state import value_problem
 from ..checkpoint.write import retain, write_root_attrs
 from ..errors import CheckpointError, HpctrainError, ModelMismatchError, NewerFormatError
@@ -94,12 +94,8 @@ class Checkpointer:
 
     def __init__(self, t):
         self.t, self.mesh = t, t.mesh
-        params, slots = held(t.part, t.optim.pieces)
-        first_tp = lambda p: p.kind is not None or t.mesh.tp_rank == 0  # noqa: E731 - a replicated tensor: once
-        self.params = [p for p in params if first_tp(p)] if t.mesh.dp_rank == 0 else []
-        self.slots = [p for p in slots if first_tp(p)] if (t.shard or t.mesh.dp_rank == 0) else []
-        self.labels = ["params"] + list(t.optim.slots)
-        self.items = [("params", p) for p in self.params] + [(label, p) for label in self.labels[1:] for p in self.slots]
+        self.items = written(t.part, t.optim.pieces, dp_rank=t.mesh.dp_rank, sharded_optimizer=bool(t.shard),
+                             slots=list(t.optim.slots))
         self.nbytes = 4 * sum(p.size for _, p in self.items)
         self._snapshot = None  # reused host copy of what this rank writes, for saves in the background
         self._pending = None  # the save in flight: (state, set id, manifest, outcome, t0, snapshot s, thread)

@@ -43,8 +43,9 @@ def rank_memory(t, activation_bytes: int) -> RankMemory:
     buffers = nbytes_of([getattr(t.sync, "_scatter_out", None), t.sync.host])  # None: not allocated
     for ring in t.runner.executor.rings():
         buffers += nbytes_of([ring.arrays, ring.hosts])
-    if mesh.rank == 0 and cfg.checkpoint.dir:  # an unsharded checkpoint gathers every buffer here (transient)
-        buffers += checkpoint_bytes(t.model.layout.size, t.part.layout.size, len(t.optim.slots), t.zero)
+    if cfg.checkpoint.dir:  # a background save's snapshot of this rank's pieces (on a device, a host copy too)
+        buffers += checkpoint_bytes(t.part, t.shard, dp_rank=mesh.dp_rank, slots=len(t.optim.slots),
+                                    background=cfg.checkpoint.async_, device=t.be.is_device)
     return RankMemory(rank=mesh.rank, stage=mesh.pp_rank, dp_rank=mesh.dp_rank, tp_rank=mesh.tp_rank,
                       activation_bytes=int(activation_bytes), buffer_bytes=buffers,
                       runtime_bytes=RUNTIME_BYTES["gpt" if cfg.model.kind == "gpt" else "mlp"], **state)

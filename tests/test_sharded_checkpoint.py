@@ -269,3 +269,12 @@ def test_the_documented_sharded_snippet_runs(tmp_path, mesh):
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("verified ['0.bias', '0.weight']"), proc.stdout
+
+
+def test_a_shards_folder_that_is_a_symlink_is_refused(tmp_path, mesh):
+    t = run(job(tmp_path, steps=3), mesh)
+    folder = os.path.dirname(shard_of(tmp_path, 3))
+    os.rename(folder, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", folder)
+    with pytest.raises(CheckpointError, match=r"the shards' folder .* is a symbolic link"):
+        load_checkpoint(str(tmp_path / "ck" / "ckpt-00000003.h5"), t.model.layout)

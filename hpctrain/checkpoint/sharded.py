@@ -335,6 +335,10 @@ def _open_shard(index: SetIndex, shard: int, opened: dict):
     if shard in opened:
         return opened[shard][1:]
     path = index.shards[shard]
+    folder = os.path.dirname(path)
+    if os.path.islink(folder):
+        raise CheckpointError(f"the shards' folder {folder} of checkpoint {index.path} is a symbolic link; a "
+                              "checkpoint's shards live in its own folder beside the index")
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -396,40 +400,47 @@ def read_pieces(index: SetIndex, label: str, wanted: list[Piece], out: np.ndarra
         for s, shard, at, block in index.pieces.get((label, w.name), []):
             for src, dst in matches(w, s):
                 plan.setdefault((shard, at), (s, block, []))[2].append((src, w, dst))
-    with ThreadPoolExecutor(fmt.workers()) as pool:
-        for (shard, at), (s, block, moves) in plan.items():
-            ds, digests = _open_shard(index, shard, opened)
-            path = index.shards[shard]
-            if ds.shape[0] < at + s.size or digests.shape[0] < block + _blocks(s.size):
-                raise CheckpointError(f"shard {path} holds {ds.shape[0]:,} values and {digests.shape[0]:,} digest "
-                                      f"blocks, fewer than the manifest places in it ({label} {s.name})")
-            first = min(src[0] for src, _, _ in moves)
-            last = max(src[0] + (src[1] - 1) * src[3] + src[2] for src, _, _ in moves)
-            b0, b1 = first // BLOCK, -(-last // BLOCK)
-            lo, hi = b0 * BLOCK, min(s.size, b1 * BLOCK)
-            direct = None
-            if len(moves) == 1:
-                src, w, dst = moves[0]
-                if (src[0], src[1] * src[2]) == (0, s.size) and (src[1] == 1 or src[2] == src[3]) \
-                        and (dst[1] == 1 or dst[2] == dst[3]):
-                    direct = out[w.at + dst[0] : w.at + dst[0] + s.size]  # same layout: straight into place
-            buf = direct if direct is not None else np.empty(hi - lo, dtype=np.float32)
-            try:
-                if hi > lo:
-                    ds.read_direct(buf, np.s_[at + lo : at + hi])
-            except (OSError, ValueError, TypeError, RuntimeError) as e:
-                raise CheckpointError(f"shard {path}: /values ({label} {s.name}) cannot be read ({shown(e)})") from None
-            checks = [(b, pool.submit(_digest, buf, (b - b0) * BLOCK, min(BLOCK, s.size - b * BLOCK)))
-                      for b in range(b0, b1)]
-            bad = [b for b, d in checks if d.result() != digests[block + b].tobytes()]
-            if bad:
-                raise CheckpointError(f"shard {path}: {label} {s.name} fails its sha256 in {len(bad)} block(s) of "
-                                      f"1 MiB, the first at value {bad[0] * BLOCK:,} of the piece")
-            if direct is None:
-                for src, w, dst in moves:
-                    strided(out[w.at : w.at + w.size], dst)[...] = strided(buf, (src[0] - lo,) + src[1:])
-    if own:
-        close_all(opened)
+    try:
+        with ThreadPoolExecutor(fmt.workers()) as pool:
+            for (shard, at), (s, block, moves) in plan.items():
+                _read_stored(index, label, out, opened, pool, shard, at, s, block, moves)
+    finally:
+        if own:
+            close_all(opened)
+
+
+def _read_stored(index, label, out, opened, pool, shard, at, s, block, moves) -> None:
+    """One stored piece's blocks that ``moves`` need: read, verified, copied into the wanted pieces."""
+    ds, digests = _open_shard(index, shard, opened)
+    path = index.shards[shard]
+    if ds.shape[0] < at + s.size or digests.shape[0] < block + _blocks(s.size):
+        raise CheckpointError(f"shard {path} holds {ds.shape[0]:,} values and {digests.shape[0]:,} digest "
+                              f"blocks, fewer than the manifest places in it ({label} {s.name})")
+    first = min(src[0] for src, _, _ in moves)
+    last = max(src[0] + (src[1] - 1) * src[3] + src[2] for src, _, _ in moves)
+    b0, b1 = first // BLOCK, -(-last // BLOCK)
+    lo, hi = b0 * BLOCK, min(s.size, b1 * BLOCK)
+    direct = None
+    if len(moves) == 1:
+        src, w, dst = moves[0]
+        if (src[0], src[1] * src[2]) == (0, s.size) and (src[1] == 1 or src[2] == src[3]) \
+                and (dst[1] == 1 or dst[2] == dst[3]):
+            direct = out[w.at + dst[0] : w.at + dst[0] + s.size]  # same layout: straight into place
+    buf = direct if direct is not None else np.empty(hi - lo, dtype=np.float32)
+    try:
+        if hi > lo:
+            ds.read_direct(buf, np.s_[at + lo : at + hi])
+    except (OSError, ValueError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"shard {path}: /values ({label} {s.name}) cannot be read ({shown(e)})") from None
+    checks = [(b, pool.submit(_digest, buf, (b - b0) * BLOCK, min(BLOCK, s.size - b * BLOCK)))
+              for b in range(b0, b1)]
+    bad = [b for b, d in checks if d.result() != digests[block + b].tobytes()]
+    if bad:
+        raise CheckpointError(f"shard {path}: {label} {s.name} fails its sha256 in {len(bad)} block(s) of "
+                              f"1 MiB, the first at value {bad[0] * BLOCK:,} of the piece")
+    if direct is None:
+        for src, w, dst in moves:
+            strided(out[w.at : w.at + w.size], dst)[...] = strided(buf, (src[0] - lo,) + src[1:])
 
 
 def _digest(buf: np.ndarray, at: int, n: int) -> bytes:

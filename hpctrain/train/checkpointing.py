@@ -128,7 +128,8 @@ class Checkpointer:
                                       f"{e}") from None
 
         run_everywhere(world, prepare if mesh.rank == 0 else lambda: None)
-        host = {label: t.be.to_host(buf.data) for label, buf in [("params", t.params)] + list(t.optim.slots.items())}
+        host = {label: t.be.to_host(buf.data) for label, buf in [("params", t.params)] + list(t.optim.slots.items())} \
+            if self.items else {}  # a rank that writes nothing copies nothing off a device
         run_everywhere(world, lambda: self._check_values(state.step, host))
         if background:  # the snapshot: training may change the buffers as soon as this returns
             if self._snapshot is None:
@@ -159,14 +160,13 @@ class Checkpointer:
             outcome["done"] = True
 
         snap = time.perf_counter() - t0
-        pending = (state, set_id, manifest, outcome, t0, snap)
         if background:
             thread = threading.Thread(target=write, name="hpctrain-checkpoint", daemon=True)
             thread.start()
-            self._pending = pending + (thread,)
+            self._pending = (state, set_id, manifest, outcome, t0, snap, thread)
             return ""
         write()
-        return self._commit(pending)
+        return self._commit((state, set_id, manifest, outcome, t0, snap, None))
 
     def _check_values(self, step, host) -> None:
         for label, p in self.items:
@@ -192,13 +192,13 @@ class Checkpointer:
         """Collective: wait for the save in flight, if any, and commit it; its index path on rank 0."""
         if self._pending is None:
             return ""
-        pending, self._pending = self._pending[:-1], None
-        return self._commit(pending, wait=True)
+        pending, self._pending = self._pending, None
+        return self._commit(pending)
 
-    def _commit(self, pending, *, wait=False) -> str:
-        state, set_id, manifest, outcome, t0, snap = pending
-        while wait and not outcome.get("done"):
-            time.sleep(0.001)
+    def _commit(self, pending) -> str:
+        state, set_id, manifest, outcome, t0, snap, thread = pending
+        if thread is not None:
+            thread.join()
         t, mesh, world = self.t, self.mesh, self.mesh.world
         bad, error = agree_error(world, outcome.get("error"))
         if error is not None:
@@ -232,7 +232,7 @@ class Checkpointer:
         self.last_path = path
         total = time.perf_counter() - t0
         t.log(f"checkpoint {path} written in {total:.2f} s" + (f" (training went on after a {snap:.2f} s snapshot)"
-                                                                 if wait else ""))
+                                                                 if thread is not None else ""))
         return path
 
 

@@ -77,7 +77,7 @@ def bench_layouts(args, comm):
         mine = a.saver.nbytes
         total = np.zeros(1)
         comm.Allreduce(np.array([mine], dtype=np.float64), total)
-        say(f"command: mpiexec -n {n} python {' '.join(sys.argv)}")
+        say(f"command: python {' '.join(sys.argv)}, on {n} ranks")
         say(f"{n} ranks, pp {n}: {args.layers} x Linear({args.width}, {args.width}) with Adam; "
             f"{total[0] / 1e6:,.0f} MB per checkpoint, {mine / 1e6:,.0f} MB from rank 0")
         before = peak_mb()

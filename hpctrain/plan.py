@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["RankMemory", "plan", "plan_table", "parse_size", "advice", "state_bytes", "checkpoint_bytes"]
+__all__ = ["RankMemory", "plan", "plan_table", "parse_size", "advice", "state_bytes", "checkpoint_bytes",
+           "background_saves"]
 
 RUNTIME_BYTES = {"mlp": 220_000_000, "gpt": 235_000_000}  # measured: see the module docstring
 
@@ -69,6 +70,13 @@ def state_bytes(*, part_size: int, owned_size: int, shard, zero: int, device: bo
     if shard is not None and zero == 2 and not device:
         grads = min(part_size, owned + 2 * bucket_elems)
     return dict(params_bytes=4 * part_size, grads_bytes=4 * grads, optimizer_bytes=4 * slots * owned)
+
+
+def background_saves(cfg) -> bool:
+    """Whether a run keeps a snapshot for checkpoints written in the background: periodic saves before the end
+    with ``checkpoint.async`` (the final and stop checkpoints are written in the foreground)."""
+    c = cfg.checkpoint
+    return bool(c.dir and c.async_ and 0 < c.every < cfg.train.steps)
 
 
 def checkpoint_bytes(part, shard, *, dp_rank: int, slots: int, background: bool, device: bool) -> int:
@@ -131,7 +139,7 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
                 rank = s * dp * tp + d * tp + r  # parallel/mesh.py's order
                 if cfg.checkpoint.dir:  # each rank writes its own pieces of a checkpoint
                     buffers += checkpoint_bytes(part, shard, dp_rank=d, slots=slots,
-                                                background=cfg.checkpoint.async_, device=device)
+                                                background=background_saves(cfg), device=device)
                 out.append(RankMemory(rank=rank, stage=s, dp_rank=d, tp_rank=r, activation_bytes=acts,
                                       buffer_bytes=buffers, runtime_bytes=runtime, **state))
     return sorted(out, key=lambda m: m.rank)

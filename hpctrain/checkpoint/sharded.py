@@ -410,37 +410,45 @@ def read_pieces(index: SetIndex, label: str, wanted: list[Piece], out: np.ndarra
 
 
 def _read_stored(index, label, out, opened, pool, shard, at, s, block, moves) -> None:
-    """One stored piece's blocks that ``moves`` need: read, verified, copied into the wanted pieces."""
+    """One stored piece's blocks that ``moves`` need: read run by run (the blocks between two ZeRO chunks
+    are not read), verified, copied into the wanted pieces."""
     ds, digests = _open_shard(index, shard, opened)
     path = index.shards[shard]
     if ds.shape[0] < at + s.size or digests.shape[0] < block + _blocks(s.size):
         raise CheckpointError(f"shard {path} holds {ds.shape[0]:,} values and {digests.shape[0]:,} digest "
                               f"blocks, fewer than the manifest places in it ({label} {s.name})")
-    first = min(src[0] for src, _, _ in moves)
-    last = max(src[0] + (src[1] - 1) * src[3] + src[2] for src, _, _ in moves)
-    b0, b1 = first // BLOCK, -(-last // BLOCK)
-    lo, hi = b0 * BLOCK, min(s.size, b1 * BLOCK)
-    direct = None
-    if len(moves) == 1:
-        src, w, dst = moves[0]
-        if (src[0], src[1] * src[2]) == (0, s.size) and (src[1] == 1 or src[2] == src[3]) \
-                and (dst[1] == 1 or dst[2] == dst[3]):
-            direct = out[w.at + dst[0] : w.at + dst[0] + s.size]  # same layout: straight into place
-    buf = direct if direct is not None else np.empty(hi - lo, dtype=np.float32)
-    try:
-        if hi > lo:
-            ds.read_direct(buf, np.s_[at + lo : at + hi])
-    except (OSError, ValueError, TypeError, RuntimeError) as e:
-        raise CheckpointError(f"shard {path}: /values ({label} {s.name}) cannot be read ({shown(e)})") from None
-    checks = [(b, pool.submit(_digest, buf, (b - b0) * BLOCK, min(BLOCK, s.size - b * BLOCK)))
-              for b in range(b0, b1)]
-    bad = [b for b, d in checks if d.result() != digests[block + b].tobytes()]
-    if bad:
-        raise CheckpointError(f"shard {path}: {label} {s.name} fails its sha256 in {len(bad)} block(s) of "
-                              f"1 MiB, the first at value {bad[0] * BLOCK:,} of the piece")
-    if direct is None:
-        for src, w, dst in moves:
-            strided(out[w.at : w.at + w.size], dst)[...] = strided(buf, (src[0] - lo,) + src[1:])
+    runs = []  # [first block, end block, moves], in order, merged where they touch
+    for move in sorted(moves, key=lambda m: m[0][0]):
+        src = move[0]
+        b0, b1 = src[0] // BLOCK, -(-(src[0] + (src[1] - 1) * src[3] + src[2]) // BLOCK)
+        if runs and b0 <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], b1)
+            runs[-1][2].append(move)
+        else:
+            runs.append([b0, b1, [move]])
+    for b0, b1, run in runs:
+        lo, hi = b0 * BLOCK, min(s.size, b1 * BLOCK)
+        direct = None
+        if len(run) == 1:
+            src, w, dst = run[0]
+            if (src[0], src[1] * src[2]) == (lo, hi - lo) and (src[1] == 1 or src[2] == src[3]) \
+                    and (dst[1] == 1 or dst[2] == dst[3]):
+                direct = out[w.at + dst[0] : w.at + dst[0] + hi - lo]  # whole blocks: straight into place
+        buf = direct if direct is not None else np.empty(hi - lo, dtype=np.float32)
+        try:
+            if hi > lo:
+                ds.read_direct(buf, np.s_[at + lo : at + hi])
+        except (OSError, ValueError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"shard {path}: /values ({label} {s.name}) cannot be read ({shown(e)})") from None
+        checks = [(b, pool.submit(_digest, buf, (b - b0) * BLOCK, min(BLOCK, s.size - b * BLOCK)))
+                  for b in range(b0, b1)]
+        bad = [b for b, d in checks if d.result() != digests[block + b].tobytes()]
+        if bad:
+            raise CheckpointError(f"shard {path}: {label} {s.name} fails its sha256 in {len(bad)} block(s) of "
+                                  f"1 MiB, the first at value {bad[0] * BLOCK:,} of the piece")
+        if direct is None:
+            for src, w, dst in run:
+                strided(out[w.at : w.at + w.size], dst)[...] = strided(buf, (src[0] - lo,) + src[1:])
 
 
 def _digest(buf: np.ndarray, at: int, n: int) -> bytes:

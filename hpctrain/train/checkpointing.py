@@ -17,6 +17,7 @@ with one message, at the commit, on every rank alike.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -34,6 +35,7 @@ from ..checkpoint.write import retain, write_root_attrs
 from ..errors import CheckpointError, HpctrainError, ModelMismatchError, NewerFormatError
 from ..parallel.agree import QuietExit, first_failing_rank, run_everywhere
 from ..parallel.tied import broadcast_tied
+from ..parallel.zero import split_range
 
 __all__ = ["Checkpointer", "resume"]
 
@@ -302,7 +304,11 @@ def _check_optimizer(t, path, name, slots) -> None:
 
 
 def _load_here(t, path):
-    """This rank's pieces of one sharded checkpoint into host buffers (``t._loaded``); its root attributes."""
+    """This rank's pieces of one sharded checkpoint into host buffers (``t._loaded``); its root attributes.
+
+    What every data-parallel rank holds alike (the parameters; the optimizer state without ZeRO) is read and
+    verified a 1/dp slice per data-parallel rank and all-gathered afterwards (``_place``): the disk and the
+    hashing see it once per stage and tensor-parallel rank, spread evenly over its replicas."""
     index = ckpt_read.open_sharded(path, t.model.layout)
     state = index.state
     _check_optimizer(t, path, state.optim_name, set(index.labels[1:]))
@@ -311,18 +317,40 @@ def _load_here(t, path):
     try:
         for label, buf in [("params", t.params)] + list(t.optim.slots.items()):
             out = buf.data if not t.be.is_device else np.zeros(buf.layout.size, dtype=np.float32)
-            ckpt_read.read_set(index, label, params if label == "params" else slots, out, opened=opened)
-            t._loaded[label] = out
+            wanted = params if label == "params" else slots
+            parts = None
+            if t.mesh.dp > 1 and (label == "params" or not t.shard):  # replicated over data parallelism
+                parts = split_range(0, max((p.at + p.size for p in wanted), default=0), t.mesh.dp)
+                wanted = _clip(wanted, *parts[t.mesh.dp_rank])
+            ckpt_read.read_set(index, label, wanted, out, opened=opened)
+            t._loaded[label] = (out, parts)
     finally:
         sharded.close_all(opened)
     return state
 
 
+def _clip(pieces, a: int, b: int):
+    """The parts of ``pieces`` that lie in [a, b) of the holder's flat buffer."""
+    out = []
+    for p in pieces:
+        lo, hi = max(a, p.at), min(b, p.at + p.size)
+        if lo < hi:
+            out.append(dataclasses.replace(p, lo=p.lo + lo - p.at, hi=p.lo + hi - p.at, at=lo))
+    return out
+
+
 def _place(t) -> None:
-    """After every rank loaded its pieces: a tied tensor's replica from its owner, and on a device the copy into
-    its buffers (inside an agreement: a device may run out of memory on one rank alone)."""
+    """After every rank loaded its pieces: the replicated buffers' slices to every data-parallel rank
+    (``Allgatherv`` in place), a tied tensor's replica from its owner, and on a device the copy into its
+    buffers (inside an agreement: a device may run out of memory on one rank alone)."""
+    from mpi4py import MPI
+
     loaded = t.__dict__.pop("_loaded")
-    broadcast_tied(t.mesh, t.part, loaded["params"])
+    for out, parts in loaded.values():
+        if parts is not None:
+            t.mesh.dp_comm.Allgatherv(MPI.IN_PLACE, [out, [b - a for a, b in parts], [a for a, _ in parts], MPI.FLOAT])
+    broadcast_tied(t.mesh, t.part, loaded["params"][0])
     if t.be.is_device:
         bufs = dict([("params", t.params)] + list(t.optim.slots.items()))
-        run_everywhere(t.mesh.world, lambda: [t.be.copy_(bufs[k].data, t.be.asarray(v)) for k, v in loaded.items()])
+        run_everywhere(t.mesh.world, lambda: [t.be.copy_(bufs[k].data, t.be.asarray(v)) for k, (v, _) in
+                                              loaded.items()])

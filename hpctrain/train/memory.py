@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 from ..parallel.executor import nbytes_of
-from ..plan import RUNTIME_BYTES, RankMemory, checkpoint_bytes, state_bytes
+from ..plan import RUNTIME_BYTES, RankMemory, background_saves, checkpoint_bytes, state_bytes
 
 __all__ = ["rank_memory", "gather_memory", "peak_rss_bytes"]
 
@@ -45,7 +45,7 @@ def rank_memory(t, activation_bytes: int) -> RankMemory:
         buffers += nbytes_of([ring.arrays, ring.hosts])
     if cfg.checkpoint.dir:  # a background save's snapshot of this rank's pieces (on a device, a host copy too)
         buffers += checkpoint_bytes(t.part, t.shard, dp_rank=mesh.dp_rank, slots=len(t.optim.slots),
-                                    background=cfg.checkpoint.async_, device=t.be.is_device)
+                                    background=background_saves(cfg), device=t.be.is_device)
     return RankMemory(rank=mesh.rank, stage=mesh.pp_rank, dp_rank=mesh.dp_rank, tp_rank=mesh.tp_rank,
                       activation_bytes=int(activation_bytes), buffer_bytes=buffers,
                       runtime_bytes=RUNTIME_BYTES["gpt" if cfg.model.kind == "gpt" else "mlp"], **state)

@@ -10,8 +10,10 @@ read other local files, and storage never written reads as fill values. docs/rel
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
+import secrets
 import stat
 
 import h5py
@@ -48,12 +50,12 @@ def regular_file(path: str, label: str, error) -> os.stat_result:
     return st
 
 
-def _check_mode(st: os.stat_result, label: str, error) -> None:
+def _check_mode(st: os.stat_result, label: str, error, verb: str = "reads") -> None:
     if stat.S_ISDIR(st.st_mode):
         raise error(f"{label} is a directory, not a file")
     if not stat.S_ISREG(st.st_mode):
         kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
-        raise error(f"{label} is {kind}, not a regular file; hpctrain reads only regular files")
+        raise error(f"{label} is {kind}, not a regular file; hpctrain {verb} only regular files")
 
 
 def read_capped(path: str, label: str, error, cap: int) -> bytes:
@@ -78,16 +80,41 @@ def read_capped(path: str, label: str, error, cap: int) -> bytes:
 @contextlib.contextmanager
 def replaced_atomically(path: str, label: str, error):
     """Yield a temporary name beside ``path`` to write; then rename it over ``path``, so a half-written file
-    never stands under its name. An OSError on the way is ``error("{label}: reason")``; the temporary goes."""
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    never stands under its name. The temporary is created here, exclusively and never through a symbolic link,
+    under a name nobody can guess (a link planted at a predictable ``<path>.tmp`` would have the write land on
+    its target). An OSError on the way is ``error("{label}: reason")``; the temporary goes."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                       f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666))
         yield tmp
         os.replace(tmp, path)
     except OSError as e:
         raise error(f"{label}: {shown(e.strerror or e)}") from None
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
+
+
+def open_for_writing(path: str, label: str, error, *, append: bool = False):
+    """``path`` opened to write text (created 0666 less the umask; truncated unless ``append``), never through a
+    symbolic link and only as a regular file: one ``error`` line otherwise."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else 0)
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise error(f"{label}: {path} is a symbolic link; hpctrain writes only regular files it can name") from None
+        raise error(f"{label}: cannot write {path}: {shown(e.strerror or e)}") from None
+    try:
+        _check_mode(os.fstat(fd), f"{label}: {path}", error, "writes")
+        os.set_blocking(fd, True)
+        if not append:
+            os.ftruncate(fd, 0)
+        return os.fdopen(fd, "a" if append else "w", encoding="utf-8")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def member(group, name, *, allow_external: bool = False):

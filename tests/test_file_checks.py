@@ -10,7 +10,7 @@ import threading
 import h5py
 import numpy as np
 import pytest
-from helpers import make_classification
+from helpers import config, make_classification
 from test_checkpoint import SHAPES, make_state
 
 from hpctrain.checkpoint import format as fmt
@@ -494,15 +494,10 @@ def test_a_checkpoint_folder_that_cannot_be_made_and_a_failing_metrics_write_are
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match=r"checkpoint.dir .*/file/ck cannot be created: Not a directory"):
         FolderLock.take(str(tmp_path / "file" / "ck"), log=print)
-    metrics = MetricsFile("/dev/full")  # every write fails: a full disk
-    try:
-        with pytest.raises(ConfigError, match="train.metrics: cannot write /dev/full: No space left on device"):
-            metrics.write({"step": 1, "loss": 0.5})
-    finally:
-        try:
-            metrics.close()
-        except OSError:
-            pass
+    # a device is not a metrics file (a full disk is test_a_full_disk_under_the_metrics_file_is_one_line_...)
+    with pytest.raises(ConfigError, match="train.metrics: /dev/full is a character device, not a regular file; "
+                                          "hpctrain writes only regular files"):
+        MetricsFile("/dev/full")
 
 
 def test_an_error_line_is_one_write(monkeypatch):
@@ -522,3 +517,109 @@ def test_an_error_line_is_one_write(monkeypatch):
     monkeypatch.setattr(sys, "stderr", Recorder())
     cli._say("hpctrain: error [rank 1/2]: something")
     assert writes == ["hpctrain: error [rank 1/2]: something\n"]  # print() had written the newline apart
+
+
+# --------------------------------------------------------------------------- metrics and trace: links, full disks
+
+
+def _metrics_job(tmp_path, **train):
+    make_classification(tmp_path / "d.h5", n=64)
+    return config(tmp_path / "d.h5", train={"steps": 4, **train}, checkpoint={"dir": str(tmp_path / "ck"), "every": 2})
+
+
+def test_a_metrics_file_that_is_a_symlink_is_refused_and_its_target_untouched(tmp_path):
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    os.symlink(victim, tmp_path / "metrics.jsonl")
+    mesh = Mesh()
+    t = Trainer(_metrics_job(tmp_path, metrics=str(tmp_path / "metrics.jsonl")), mesh=mesh, log=lambda *a: None)
+    try:
+        with pytest.raises(ConfigError, match=r"^train.metrics: .*metrics.jsonl is a symbolic link"):
+            t.run()
+    finally:
+        t.close()
+        mesh.free()
+    assert victim.read_text() == "precious\n"
+
+
+def test_links_planted_at_the_old_temp_names_are_never_written_through(tmp_path):
+    """A resumed run rewrites its metrics file and writes its trace through temporaries: a link planted at
+    ``<metrics>.tmp`` or ``<trace>.tmp`` (the names they had) changes nothing it points to."""
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    metrics, trace = tmp_path / "metrics.jsonl", tmp_path / "trace.json"
+    mesh = Mesh()
+    try:
+        for steps in (4, 6):  # the second run resumes from step 4 after a kill at 5: metrics lines of step 5 go
+            cfg = _metrics_job(tmp_path, metrics=str(metrics), trace=str(trace), steps=steps)
+            t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+            t.run()
+            t.close()
+            if steps == 4:
+                with open(metrics, "a") as f:
+                    f.write('{"step": 5, "loss": 1.0}\n')
+                for name in (f"{metrics}.tmp", f"{trace}.tmp"):
+                    os.symlink(victim, name)
+    finally:
+        mesh.free()
+    assert victim.read_text() == "precious\n"
+    assert not os.path.islink(metrics) and not os.path.islink(trace)
+    assert '{"step": 5, "loss": 1.0}' not in metrics.read_text()  # the resume dropped it, through no link
+    assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".tmp")) == ["metrics.jsonl.tmp", "trace.json.tmp"]
+
+
+def test_a_full_disk_under_the_metrics_file_is_one_line_and_close_does_not_fail_again(tmp_path):
+    import errno
+
+    from hpctrain.train.metrics import MetricsFile
+
+    m = MetricsFile(str(tmp_path / "metrics.jsonl"))
+
+    class Full:
+        name = m.f.name
+
+        def write(self, text):
+            pass
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    m.f.close()
+    m.f = Full()
+    with pytest.raises(ConfigError) as e:
+        m.write({"step": 1, "loss": 0.5})
+    assert str(e.value) == f"train.metrics: cannot write {tmp_path / 'metrics.jsonl'}: No space left on device"
+    m.write({"step": 2})  # nothing more is tried once a write failed
+    m.close()  # the failed buffer is dropped: no second error
+
+
+def test_a_full_disk_under_the_trace_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch):
+    import errno
+
+    import hpctrain.train.trace as trace
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+
+    mesh = Mesh()
+    t = Trainer(_metrics_job(tmp_path, trace=str(tmp_path / "trace.json")), mesh=mesh, log=lambda *a: None)
+    monkeypatch.setattr(trace.json, "dump", full)
+    try:
+        with pytest.raises(ConfigError, match=r"^train.trace: cannot write .*trace.json: No space left on device$"):
+            t.run()
+    finally:
+        t.close()
+        mesh.free()
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]

@@ -7,6 +7,7 @@ import math
 import os
 import time
 
+from .._files import open_for_writing, replaced_atomically
 from ..errors import ConfigError
 from ..parallel.executor import bubble_share
 
@@ -21,27 +22,35 @@ class MetricsFile:
     """
 
     def __init__(self, path, resume_step=0):
-        self.f = None
+        self.f, self.path, self.failed = None, path, False
         if not path:
             return
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        if resume_step > 0 and os.path.exists(path):
+        if os.path.islink(path):  # before a resume rewrites it: nothing is read or written through a link
+            raise ConfigError(f"train.metrics: {path} is a symbolic link; hpctrain writes only regular files it can name")
+        resume = resume_step > 0 and os.path.lexists(path)
+        if resume:
             truncate_after(path, resume_step)
-            self.f = open(path, "a")
-        else:
-            self.f = open(path, "w")
+        self.f = open_for_writing(path, "train.metrics", ConfigError, append=resume)  # never through a link
 
     def write(self, record):
-        if self.f:
+        if self.f and not self.failed:
             try:
                 self.f.write(json.dumps(_finite(record), allow_nan=False) + "\n")
                 self.f.flush()
             except OSError as e:  # a full disk, a quota, a folder gone read-only
-                raise ConfigError(f"train.metrics: cannot write {self.f.name}: {e.strerror or e}") from None
+                self.failed = True
+                raise ConfigError(f"train.metrics: cannot write {self.path}: {e.strerror or e}") from None
 
     def close(self):
+        """Close the file; after a failed write the buffer that failed is dropped, not flushed (and failed) again."""
         if self.f:
-            self.f.close()
+            f, self.f = self.f, None
+            try:
+                f.close()
+            except OSError as e:
+                if not self.failed:
+                    raise ConfigError(f"train.metrics: cannot write {self.path}: {e.strerror or e}") from None
 
 
 def _finite(value):
@@ -80,10 +89,9 @@ def truncate_after(path, step):
 
     if all(keep for _, keep in kept_lines()):
         return
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
+    with replaced_atomically(path, f"train.metrics: cannot rewrite {path}", ConfigError) as tmp, \
+            open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
         f.writelines(line if line.endswith("\n") else line + "\n" for line, keep in kept_lines() if keep)
-    os.replace(tmp, path)
 
 
 class Window:

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from .._files import replaced_atomically
 from ..errors import ConfigError
 
 __all__ = ["Tracer", "KINDS"]
@@ -74,13 +75,13 @@ class Tracer:
                     name = f"{name} {int(mb)}"
                 events.append({"name": name, "cat": KINDS[int(kind)], "ph": "X", "pid": 0, "tid": r,
                                "ts": round(start * 1e6, 3), "dur": round(dur * 1e6, 3), "args": args})
-        tmp = f"{path}.tmp"
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(tmp, "w") as f:
-                json.dump({"traceEvents": events, "displayTimeUnit": "ms",
-                           "otherData": {"spans_dropped_on_rank_0": self.dropped}}, f)
-            os.replace(tmp, path)
-        except OSError as e:  # the checks at start-up cannot foresee everything (a full disk, /proc)
+        except OSError as e:
             raise ConfigError(f"train.trace: cannot write {path}: {e.strerror or e}") from None
+        # a temporary beside it, made exclusively under a name nobody can guess, then renamed (_files.py); a full
+        # disk or a folder gone read-only is one line and leaves nothing behind
+        with replaced_atomically(path, f"train.trace: cannot write {path}", ConfigError) as tmp, open(tmp, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms",
+                       "otherData": {"spans_dropped_on_rank_0": self.dropped}}, f)
         return len(events)

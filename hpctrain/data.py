@@ -31,6 +31,7 @@ __all__ = ["Dataset", "TokenDataset", "Sampler", "open_dataset"]
 
 SCAN_ROWS = 1 << 16
 SCAN_BYTES = 64 << 20  # the start-up scan holds at most about this much of the file at once
+SQRT_FLOAT32_MAX = float(np.sqrt(np.finfo(np.float32).max))  # 1.84e19
 
 
 def _open_h5(path) -> h5py.File:
@@ -159,6 +160,12 @@ class Dataset(_Unchanged):
             bad = ~np.isfinite(x).all(axis=1)
             if bad.any():
                 return self._nonfinite("inputs", lo, int(np.argmax(bad)), x_raw)
+            huge = (np.abs(x) >= SQRT_FLOAT32_MAX).any(axis=1)  # its square, in Adam's state, overflows float32
+            if huge.any():
+                i = int(np.argmax(huge))
+                value = x[i][np.argmax(np.abs(x[i]))]
+                return (f"{self.path}: inputs contain a value whose square overflows float32 ({value:.6g} in row "
+                        f"{lo + i}; the limit is {SQRT_FLOAT32_MAX:.3g}): rescale the data")
             if self.loss.classification:
                 bad = (y_raw < 0) | (y_raw >= self.out_features)  # on the file's integers: a cast could wrap
                 if bad.any():

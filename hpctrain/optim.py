@@ -77,6 +77,42 @@ class Optimizer:
                            beta1=c.betas[0], beta2=c.betas[1], eps=c.eps, weight_decay=self.weight_decay,
                            step=self.step_count, decoupled=self.name == "adamw")
 
+    # a gradient whose norm stays below this cannot overflow the float32 state in one update (checked exactly
+    # only above it: ``overflow``); Adam squares it, SGD's momentum adds it
+    SAFE_NORM = {"sgd": 1e37, "adam": 1.8e19, "adamw": 1.8e19}
+
+    def overflow(self) -> tuple[str, str, float]:
+        """Whether this rank's next update would overflow its float32 state: ``(tensor, slot, largest |g|)`` of
+        the first piece where it would (names from the parameters' layout), else ``("", "", 0.0)``. The update's
+        own arithmetic, in numpy on host copies, a block at a time; called only when the gradient norm passes
+        ``SAFE_NORM``, so it costs nothing on a healthy run."""
+        import numpy as np
+
+        c, f32 = self.cfg, np.float32
+        host = {k: self.backend.to_host(b.data) for k, b in self.slots.items()}
+        p_all, g_all = self.backend.to_host(self.params.data), self.backend.to_host(self.grads.data)
+        at = 0
+        with np.errstate(over="ignore", invalid="ignore"):
+            for a, b in self.pieces:
+                for lo in range(a, b, 1 << 20):
+                    hi = min(b, lo + (1 << 20))
+                    g, p = g_all[lo:hi], p_all[lo:hi]
+                    state = slice(at + lo - a, at + hi - a)
+                    if self.name == "sgd":
+                        d = g + f32(self.weight_decay) * p
+                        slot = "momentum_buffer"
+                        new = f32(c.momentum) * host[slot][state] + d if self.slots else d
+                    else:
+                        d = g + (f32(self.weight_decay) * p if self.name == "adam" else f32(0))
+                        slot = "exp_avg_sq"
+                        new = f32(c.betas[1]) * host[slot][state] + f32(1.0 - c.betas[1]) * d * d
+                    if not np.isfinite(new).all():
+                        i = lo + int(np.argmax(~np.isfinite(new)))
+                        name = next((s.name for s in self.params.layout if s.offset <= i < s.end), "?")
+                        return name, slot if self.slots else "update", float(np.abs(g).max())
+            at += b - a
+        return "", "", 0.0
+
     def warm_up(self) -> None:
         """Compile the update kernel now (or load it from numba's disk cache), with one step on one-element
         scratch buffers: a parameter server's first update would otherwise hold up every worker."""

@@ -131,3 +131,72 @@ def test_max_skipped_steps_is_checked(tmp_path):
                            (1.5, "train.max_skipped_steps: expected int, got float 1.5")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             config("x.h5", train={"max_skipped_steps": value})
+
+
+# --------------------------------------------------------------------------- finite gradients that overflow the state
+
+
+def test_the_optimizer_finds_an_update_that_would_overflow_its_float32_state():
+    from hpctrain.backend import get_backend
+    from hpctrain.config import load_config
+    from hpctrain.optim import make_optimizer
+    from hpctrain.params import FlatBuffer, ParamLayout
+
+    be = get_backend("cpu")
+    layout = ParamLayout([("a.weight", (3, 4)), ("b.weight", (5,))])
+    for name, slot in (("adamw", "exp_avg_sq"), ("adam", "exp_avg_sq"), ("sgd", "momentum_buffer")):
+        cfg = load_config("jobs/configs/digits.toml", [f'optim.name="{name}"', "optim.momentum=0.9"]
+                          if name == "sgd" else [f'optim.name="{name}"']).optim
+        params, grads = FlatBuffer(be, layout), FlatBuffer(be, layout)
+        optim = make_optimizer(cfg, be, params, grads)
+        grads.data[:] = 1e3
+        assert optim.overflow() == ("", "", 0.0)
+        grads.data[14] = 3e38 if name == "sgd" else 1e21  # in b.weight: Adam's (1 - beta2) d d overflows, SGD's 0.9 m + d
+        if name == "sgd":
+            optim.slots[slot].data[14] = 3e38
+        got = optim.overflow()
+        assert got[:2] == ("b.weight", slot) and got[2] >= 1e21, (name, got)
+
+
+def test_huge_inputs_are_refused_by_the_data_scan(tmp_path, mesh):
+    from hpctrain.errors import DataError
+
+    make_classification(tmp_path / "d.h5", n=64)
+    import h5py
+
+    with h5py.File(tmp_path / "d.h5", "r+") as f:
+        f["x"][17, 2] = 3e25  # finite in float32; its square is not
+    with pytest.raises(DataError, match=r"inputs contain a value whose square overflows float32 \(3e\+25 in row 17;"):
+        Trainer(config(tmp_path / "d.h5", train={"steps": 3}), mesh=mesh, log=lambda *a: None)
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["stop", "skip"])
+def test_a_gradient_that_would_overflow_adam_is_found_at_its_step(tmp_path, mesh, monkeypatch, skip):
+    """Before: the run trained on with exp_avg_sq = Inf and lost everything at the next checkpoint."""
+    make_classification(tmp_path / "d.h5", n=64)
+    real = StepRunner._finish
+
+    def huge_gradient_at_step_3(self, step, lr):
+        if step == 2:
+            self.grads.data[5] = 1e21
+        return real(self, step, lr)
+
+    monkeypatch.setattr(StepRunner, "_finish", huge_gradient_at_step_3)
+    ck, lines = str(tmp_path / "ck"), []
+    cfg = config(tmp_path / "d.h5", optim={"name": "adamw", "lr": 0.01},
+                 train={"steps": 5, "skip_nonfinite": skip}, checkpoint={"dir": ck, "every": 1, "async": False})
+    t = Trainer(cfg, mesh=mesh, log=lines.append)
+    try:
+        if skip:
+            t.run()
+            assert t.step == 5 and t.optim.step_count == 4
+            assert any(line.startswith("step 3: the gradient of 0.weight (|g| up to 1e+21) would overflow the "
+                                       "optimizer's exp_avg_sq in float32: step skipped") for line in lines), lines
+            assert [s for s, _ in list_checkpoints(ck)][-1] == 5  # every checkpoint verifies
+        else:
+            with pytest.raises(NonFiniteError, match=r"^step 3: the gradient of 0.weight \(\|g\| up to 1e\+21\) would "
+                                                     r"overflow the optimizer's exp_avg_sq in float32; lower optim.lr"):
+                t.run()
+            assert [s for s, _ in list_checkpoints(ck)] == [1, 2]  # the last good checkpoint is kept
+    finally:
+        t.close()

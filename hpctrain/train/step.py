@@ -144,6 +144,9 @@ class StepRunner:
                 for lo, hi in self.optim.pieces:  # ZeRO: this rank's chunks; else the whole buffer
                     if hi > lo:
                         be.scale_(self.grads.data[lo:hi], coef)
+            if norm * min(coef, 1.0) >= self.optim.SAFE_NORM[self.optim.name]:  # every rank sees the same norm
+                skipped = self._overflow(step)
+        if not skipped:
             if self.shard is None:
                 self.optim.step(lr)
             else:  # ZeRO: each bucket's updated chunks to every rank, as soon as this rank's chunk is updated
@@ -154,6 +157,26 @@ class StepRunner:
                 refresh_replicas(self.mesh, self.transport, part, self.optim.params)
             be.synchronize()
         return dict(grad_norm=norm, skipped=skipped, wait=wait)
+
+    def _overflow(self, step: int) -> bool:
+        """A finite gradient so large that the update would overflow the optimizer's float32 state (Adam squares
+        it): found now, at the step it appears, not at the next checkpoint. Every rank checks its pieces and
+        all agree; skipped with ``train.skip_nonfinite``, else the run stops naming the tensor (collective)."""
+        from .checkpointing import agree_error, raise_agreed
+
+        name, slot, gmax = self.optim.overflow()
+        problem = None
+        if name:
+            problem = NonFiniteError(
+                f"step {step + 1}: the gradient of {name} (|g| up to {gmax:.3g}) would overflow the optimizer's "
+                f"{slot} in float32; lower optim.lr, set train.grad_clip, or look for huge values in the inputs")
+        bad, error = agree_error(self.mesh.world, problem)
+        if error is None:
+            return False
+        if not self.cfg.train.skip_nonfinite:
+            raise_agreed(self.mesh.world, bad, NonFiniteError(str(error)))
+        self.log(f"{str(error).split('; lower')[0]}: step skipped")
+        return True
 
     def global_mean(self, local_sum: float, count: int) -> float:
         """The loss sum of the last stages' ranks over the world, divided by ``count`` (collective)."""

@@ -4,6 +4,7 @@ Each input must give one HpctrainError line, never a traceback, a hang, an unbou
 read outside the given file.
 """
 
+import json
 import os
 import threading
 
@@ -623,3 +624,24 @@ def test_a_full_disk_under_the_trace_is_one_line_and_leaves_no_temporary(tmp_pat
         t.close()
         mesh.free()
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+def test_a_metrics_file_another_live_run_writes_is_refused_untouched(tmp_path):
+    import fcntl
+
+    from hpctrain.train.metrics import MetricsFile
+
+    path = tmp_path / "metrics.jsonl"
+    first = MetricsFile(str(path))
+    first.write({"step": 1, "loss": 0.5})
+    for resume_step in (0, 1):  # a fresh run would truncate it, a resumed one rewrite it: neither gets that far
+        with pytest.raises(ConfigError, match=r"^train.metrics: .*metrics.jsonl is being written by another running "
+                                              r"job \(it holds the file's lock\); give each run its own"):
+            MetricsFile(str(path), resume_step=resume_step)
+    first.write({"step": 2, "loss": 0.4})
+    first.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    again = MetricsFile(str(path), resume_step=2)  # the first run ended: its lock went with it
+    again.close()
+    with open(path) as f:  # nothing of ours holds it now
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -15,7 +15,8 @@ __all__ = ["MetricsFile", "Window", "truncate_after"]
 
 
 class MetricsFile:
-    """JSONL metrics on rank 0: one object a line, flushed as written.
+    """JSONL metrics on rank 0: one object a line, flushed as written; the file is ``flock``-ed while it is
+    open, so a second job given the same ``train.metrics`` stops with one line instead of interleaving.
 
     A resumed run keeps the lines up to the step it resumes from and appends after them.
     NaN and Inf (a skipped non-finite step) are written as null, so every line is valid JSON.
@@ -28,10 +29,16 @@ class MetricsFile:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         if os.path.islink(path):  # before a resume rewrites it: nothing is read or written through a link
             raise ConfigError(f"train.metrics: {path} is a symbolic link; hpctrain writes only regular files it can name")
+        _claim(path)  # another live run's file is refused before anything in it is changed
         resume = resume_step > 0 and os.path.lexists(path)
         if resume:
             truncate_after(path, resume_step)
         self.f = open_for_writing(path, "train.metrics", ConfigError, append=resume)  # never through a link
+        try:
+            _lock(self.f.fileno(), path)  # held until close(): the kernel drops it when the process dies
+        except BaseException:
+            self.f.close()
+            raise
 
     def write(self, record):
         if self.f and not self.failed:
@@ -51,6 +58,34 @@ class MetricsFile:
             except OSError as e:
                 if not self.failed:
                     raise ConfigError(f"train.metrics: cannot write {self.path}: {e.strerror or e}") from None
+
+
+def _lock(fd: int, path: str) -> None:
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ConfigError(f"train.metrics: {path} is being written by another running job (it holds the file's "
+                          "lock); give each run its own train.metrics") from None
+    except OSError:
+        pass  # a file system without flock: the checkpoint folder's lock still keeps one job per run
+
+
+def _claim(path: str) -> None:
+    """Refuse ``path`` if another live run holds its lock (checked on the file as it is, before a resume rewrites
+    it or a new run truncates it)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return  # absent, or refused with one line by open_for_writing
+    try:
+        _lock(fd, path)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _finite(value):

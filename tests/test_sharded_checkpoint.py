@@ -7,6 +7,7 @@ tests/mpi/test_checkpoint_resharding.py and tests/mpi/test_zero.py.
 
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -278,3 +279,42 @@ def test_a_shards_folder_that_is_a_symlink_is_refused(tmp_path, mesh):
     os.symlink(tmp_path / "elsewhere", folder)
     with pytest.raises(CheckpointError, match=r"the shards' folder .* is a symbolic link"):
         load_checkpoint(str(tmp_path / "ck" / "ckpt-00000003.h5"), t.model.layout)
+
+
+RANK_KILL_SCRIPT = """
+import os, signal, sys
+from mpi4py import MPI
+import hpctrain.checkpoint.sharded as sharded
+from hpctrain.cli import main
+write = sharded.write_shard
+def write_then_die(path, **kw):
+    if kw["step"] == 6 and MPI.COMM_WORLD.rank == 1:  # rank 1 dies inside its shard; rank 0's may be written
+        with open(path, "wb") as f:
+            f.write(b"half")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return write(path, **kw)
+sharded.write_shard = write_then_die
+sys.exit(main(["train", sys.argv[1]]))
+"""
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+@pytest.mark.parametrize("background", [True, False], ids=["async", "sync"])
+def test_kill_9_of_one_rank_during_a_sharded_save_keeps_the_previous_set(tmp_path, background):
+    from launch import launcher_env
+
+    make_classification(tmp_path / "d.h5", n=96)
+    from helpers import toml_job
+
+    (tmp_path / "job.toml").write_text(toml_job(  # zero = 1: every rank writes a shard, rank 1 too
+        optim=ADAMW, train={"steps": 9}, parallel={"zero": 1},
+        checkpoint={"dir": "ck", "every": 3, "async": background}))
+    proc = subprocess.run([shutil.which("mpiexec"), "-n", "2", sys.executable, "-c", RANK_KILL_SCRIPT,
+                           str(tmp_path / "job.toml")], cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert [s for s, _ in list_checkpoints(str(tmp_path / "ck"))] == [3]
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", "train", str(tmp_path / "job.toml")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # any layout resumes it: here one process
+    assert proc.returncode == 0 and "ckpt-00000003.h5 at step 3" in proc.stdout, proc.stdout + proc.stderr
+    assert [s for s, _ in list_checkpoints(str(tmp_path / "ck"))] == [3, 6, 9]

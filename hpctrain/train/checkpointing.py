@@ -313,13 +313,21 @@ def _load_here(t, path):
     state = index.state
     _check_optimizer(t, path, state.optim_name, set(index.labels[1:]))
     params, slots = held(t.part, t.optim.pieces)
-    opened, t._loaded = {}, {}
+    opened, t._loaded, t._by_rows = {}, {}, []
     try:
         for label, buf in [("params", t.params)] + list(t.optim.slots.items()):
             out = buf.data if not t.be.is_device else np.zeros(buf.layout.size, dtype=np.float32)
             wanted = params if label == "params" else slots
+            whole_shards = label == "params" or not t.shard
+            if t.mesh.tp > 1 and whole_shards:  # column splits stored otherwise: by rows here, exchanged in _place
+                moved = _column_splits(index, label, wanted, t.mesh.tp_rank)
+                for w, rows in moved:
+                    scratch = np.empty(rows.size, dtype=np.float32)
+                    ckpt_read.read_set(index, label, [rows], scratch, opened=opened)
+                    t._by_rows.append((out, w, scratch))
+                wanted = [w for w in wanted if all(w is not m for m, _ in moved)]
             parts = None
-            if t.mesh.dp > 1 and (label == "params" or not t.shard):  # replicated over data parallelism
+            if t.mesh.dp > 1 and whole_shards:  # replicated over data parallelism
                 parts = split_range(0, max((p.at + p.size for p in wanted), default=0), t.mesh.dp)
                 wanted = _clip(wanted, *parts[t.mesh.dp_rank])
             ckpt_read.read_set(index, label, wanted, out, opened=opened)
@@ -327,6 +335,28 @@ def _load_here(t, path):
     finally:
         sharded.close_all(opened)
     return state
+
+
+def _column_splits(index, label, wanted, tp_rank):
+    """``(wanted piece, rows piece)`` for each whole column shard whose tensor the checkpoint stores split
+    otherwise. Read as it is, each tensor-parallel rank would read and hash the whole tensor for its columns
+    (rows are stored one after another); instead rank r reads rows ``_row_bounds`` r of it, whole (a flat
+    range of the full tensor), and ``_place`` trades the column blocks over the tp group (Alltoallv). The same
+    choice on every rank of the group: it depends on the index and the layout only."""
+    out = []
+    for w in wanted:
+        if w.kind != "cols" or len(w.shape) != 2 or (w.lo, w.hi) != (0, w.shape[0] * (w.shape[1] // w.tp)):
+            continue
+        stored = {(s.kind, s.tp) for s, *_ in index.pieces.get((label, w.name), [])}
+        if stored != {("cols", w.tp)}:
+            a, b = _row_bounds(w.shape[0], w.tp)[tp_rank]
+            out.append((w, dataclasses.replace(w, kind=None, tp_rank=0, tp=1, lo=a * w.shape[1], hi=b * w.shape[1],
+                                               at=0)))
+    return out
+
+
+def _row_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
+    return [(r * rows // parts, (r + 1) * rows // parts) for r in range(parts)]
 
 
 def _clip(pieces, a: int, b: int):
@@ -345,10 +375,22 @@ def _place(t) -> None:
     buffers (inside an agreement: a device may run out of memory on one rank alone)."""
     from mpi4py import MPI
 
-    loaded = t.__dict__.pop("_loaded")
+    loaded, by_rows = t.__dict__.pop("_loaded"), t.__dict__.pop("_by_rows")
     for out, parts in loaded.values():
         if parts is not None:
             t.mesh.dp_comm.Allgatherv(MPI.IN_PLACE, [out, [b - a for a, b in parts], [a for a, _ in parts], MPI.FLOAT])
+    tp = t.mesh.tp
+    for out, w, rows in by_rows:  # rank r holds a block of the tensor's rows: each rank's columns go to it
+        c = w.shape[1] // tp
+        counts = [(b - a) * c for a, b in _row_bounds(w.shape[0], tp)]
+        displs = [sum(counts[:r]) for r in range(tp)]
+        # to rank q: my rows, q's columns, as one strided datatype (no transposed copy)
+        columns = MPI.FLOAT.Create_vector(counts[t.mesh.tp_rank] // c if c else 0, c, w.shape[1]).Commit()
+        try:
+            t.mesh.tp_comm.Alltoallw([rows, [1] * tp, [4 * q * c for q in range(tp)], [columns] * tp],
+                                     [out[w.at : w.at + w.size], counts, [4 * d for d in displs], [MPI.FLOAT] * tp])
+        finally:
+            columns.Free()
     broadcast_tied(t.mesh, t.part, loaded["params"][0])
     if t.be.is_device:
         bufs = dict([("params", t.params)] + list(t.optim.slots.items()))

@@ -127,7 +127,7 @@ class Checkpointer:
                 os.mkdir(folder)
             except OSError as e:
                 raise CheckpointError(f"cannot write checkpoint {fmt.checkpoint_name(state.step)} in {directory}: "
-                                      f"{e}") from None
+                                      f"{' '.join(str(e).split())}") from None
 
         run_everywhere(world, prepare if mesh.rank == 0 else lambda: None)
         host = {label: t.be.to_host(buf.data) for label, buf in [("params", t.params)] + list(t.optim.slots.items())} \
@@ -154,11 +154,12 @@ class Checkpointer:
                 if items:
                     sharded.write_shard(path, set_id=set_id, rank=mesh.rank, step=state.step, items=items,
                                         background=background)
-            except OSError as e:
-                outcome["error"] = CheckpointError(f"rank {mesh.rank}: cannot write checkpoint shard {path}: {e}")
+            except OSError as e:  # one line, whatever the library's text holds (HDF5's can hold newlines)
+                outcome["error"] = CheckpointError(f"rank {mesh.rank}: cannot write checkpoint shard {path}: "
+                                                   f"{' '.join(str(e).split())}")
             except BaseException as e:  # noqa: BLE001 - reported at the commit, on every rank alike
                 outcome["error"] = CheckpointError(f"rank {mesh.rank}: writing checkpoint shard {path} failed: "
-                                                   f"{type(e).__name__}: {e}")
+                                                   f"{type(e).__name__}: {' '.join(str(e).split())}")
             outcome["done"] = True
 
         snap = time.perf_counter() - t0
@@ -228,7 +229,7 @@ class Checkpointer:
                 retain(directory, t.cfg.checkpoint.keep, path)
             except OSError as e:
                 raise CheckpointError(f"cannot commit checkpoint {fmt.checkpoint_name(state.step)} in {directory}: "
-                                      f"{e}") from None
+                                      f"{' '.join(str(e).split())}") from None
 
         run_everywhere(world, commit if mesh.rank == 0 else lambda: None)
         self.last_path = path

@@ -15,6 +15,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointInUseError",
     "NewerFormatError",
+    "ModelMismatchError",
+    "OptimizerMismatchError",
     "NonFiniteError",
 ]
 
@@ -57,3 +59,8 @@ class NewerFormatError(CheckpointError):
 
 class ModelMismatchError(CheckpointError):
     """A checkpoint that verifies but holds another model's tensors (names or shapes differ)."""
+
+
+
+class OptimizerMismatchError(ModelMismatchError):
+    """The checkpoint holds another optimizer's state: an older checkpoint would not fit either."""

@@ -12,7 +12,8 @@ import numpy as np
 
 from ..errors import HpctrainError, LayoutError
 
-__all__ = ["first_failing_rank", "run_everywhere", "check_same_everywhere", "QuietExit"]
+__all__ = ["first_failing_rank", "run_everywhere", "check_same_everywhere", "QuietExit", "bcast_text", "gather_text",
+           "agree_error", "raise_agreed"]
 
 
 class QuietExit(HpctrainError):
@@ -59,8 +60,10 @@ def run_everywhere(comm, fn):
     raise QuietExit(bad)
 
 
-def _bcast_text(comm, text: str, root: int) -> str:
-    data = np.frombuffer(text.encode(), dtype=np.uint8).copy()
+def bcast_text(comm, text: str | None, root: int) -> str:
+    """Collective: ``text`` as given on ``root``, on every rank (buffer calls)."""
+    text = text if comm.Get_rank() == root else ""
+    data = np.frombuffer(text.encode("utf-8", "backslashreplace"), dtype=np.uint8).copy()
     n = np.array([len(data)], dtype=np.int64)
     comm.Bcast(n, root=root)
     buf = data if comm.Get_rank() == root else np.empty(int(n[0]), dtype=np.uint8)
@@ -80,11 +83,53 @@ def check_same_everywhere(comm, what: str, text: str, describe_difference) -> No
     bad = first_failing_rank(comm, not np.array_equal(root, mine))
     if bad < 0:
         return
-    rank0_text = _bcast_text(comm, text, 0)
+    rank0_text = bcast_text(comm, text, 0)
     detail = describe_difference(rank0_text) if comm.Get_rank() == bad else ""
-    detail = _bcast_text(comm, detail, bad)
+    detail = bcast_text(comm, detail, bad)
     error = LayoutError(f"rank {bad} has a different {what} from rank 0: {detail}")
     if comm.Get_rank() == 0:
         error.collective = True
         raise error
     raise QuietExit(0)
+
+
+def gather_text(comm, text: str) -> list[str] | None:
+    """Collective: every rank's ``text`` on rank 0 (Gatherv of UTF-8 bytes), None elsewhere."""
+    from mpi4py import MPI
+
+    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    sizes = np.zeros(comm.Get_size(), dtype=np.int64) if comm.Get_rank() == 0 else None
+    comm.Gather(np.array([data.size], dtype=np.int64), sizes, root=0)
+    if comm.Get_rank() != 0:
+        comm.Gatherv(data, None, root=0)
+        return None
+    out = np.empty(int(sizes.sum()), dtype=np.uint8)
+    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    comm.Gatherv(data, [out, sizes, displs, MPI.BYTE], root=0)
+    return [out[a : a + n].tobytes().decode("utf-8") for a, n in zip(displs, sizes)]
+
+
+def agree_error(comm, error: HpctrainError | None) -> tuple[int, HpctrainError | None]:
+    """Collective: the lowest failing rank and its error rebuilt alike on every rank (the same class from
+    hpctrain.errors, looked up by name, and message), so every rank can decide the same way; (-1, None) when no
+    rank failed."""
+    from .. import errors
+
+    bad = first_failing_rank(comm, error is not None)
+    if bad < 0:
+        return -1, None
+    mine = f"{type(error).__name__}:{error}" if comm.Get_rank() == bad else None
+    name, _, message = bcast_text(comm, mine, bad).partition(":")
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, HpctrainError)):
+        cls = HpctrainError  # a class of its own (a test's): the message still says what happened
+    return bad, cls(message)
+
+
+def raise_agreed(comm, bad: int, error: HpctrainError):
+    """After ``agree_error``: the failing rank raises the error (the command line prints it), the others leave
+    quietly."""
+    if comm.Get_rank() == bad:
+        error.collective = True  # every rank knows: no need to abort the job
+        raise error
+    raise QuietExit(bad)

@@ -4,7 +4,8 @@
     saver.save(state, background=True)    # collective: snapshot, then a thread writes this rank's shard
     saver.poll()                          # collective, each step: commits the set once every shard is written
     saver.finish()                        # collective: wait for a save in flight and commit it
-    state = resume(trainer, path)         # collective: this rank's pieces of any checkpoint, into its buffers
+    state, whole = resume(trainer, paths, auto=True)   # collective: the first checkpoint that verifies everywhere,
+                                                       # each rank's pieces of it in its buffers
 
 What a rank writes is its pieces (checkpoint/pieces.py): data-parallel rank 0 of each pipeline
 stage and tensor-parallel rank writes the parameters it owns (a replicated tensor: tensor-parallel
@@ -32,63 +33,12 @@ from ..checkpoint import sharded
 from ..checkpoint.pieces import held, written
 from ..checkpoint.state import value_problem
 from ..checkpoint.write import retain, write_root_attrs
-from ..errors import CheckpointError, HpctrainError, ModelMismatchError, NewerFormatError
-from ..parallel.agree import QuietExit, first_failing_rank, run_everywhere
+from ..errors import CheckpointError, HpctrainError, ModelMismatchError, NewerFormatError, OptimizerMismatchError
+from ..parallel.agree import agree_error, bcast_text, gather_text, raise_agreed, run_everywhere
 from ..parallel.tied import broadcast_tied
 from ..parallel.zero import split_range
 
 __all__ = ["Checkpointer", "resume"]
-
-
-def _bcast_bytes(comm, data: bytes | None, root: int) -> bytes:
-    n = np.array([len(data) if comm.Get_rank() == root else 0], dtype=np.int64)
-    comm.Bcast(n, root=root)
-    buf = np.frombuffer(data, dtype=np.uint8).copy() if comm.Get_rank() == root else np.empty(int(n[0]), np.uint8)
-    comm.Bcast(buf, root=root)
-    return buf.tobytes()
-
-
-def _gather_text(comm, text: str) -> list[str] | None:
-    """Every rank's ``text`` on rank 0 (Gatherv of UTF-8 bytes), None elsewhere."""
-    from mpi4py import MPI
-
-    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-    sizes = np.zeros(comm.Get_size(), dtype=np.int64) if comm.Get_rank() == 0 else None
-    comm.Gather(np.array([data.size], dtype=np.int64), sizes, root=0)
-    if comm.Get_rank() != 0:
-        comm.Gatherv(data, None, root=0)
-        return None
-    out = np.empty(int(sizes.sum()), dtype=np.uint8)
-    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    comm.Gatherv(data, [out, sizes, displs, MPI.BYTE], root=0)
-    return [out[a : a + n].tobytes().decode("utf-8") for a, n in zip(displs, sizes)]
-
-
-class OptimizerMismatchError(ModelMismatchError):
-    """The checkpoint holds another optimizer's state: an older one would not fit either."""
-
-
-_KINDS = (CheckpointError, NewerFormatError, ModelMismatchError, OptimizerMismatchError)
-
-
-def agree_error(comm, error: HpctrainError | None) -> tuple[int, HpctrainError | None]:
-    """Collective: (the lowest failing rank, its error rebuilt alike on every rank: class and message), or
-    (-1, None) when no rank failed."""
-    bad = first_failing_rank(comm, error is not None)
-    if bad < 0:
-        return -1, None
-    kind = next((i for i, k in reversed(list(enumerate(_KINDS))) if isinstance(error, k)), 0) if error else 0
-    text = _bcast_bytes(comm, f"{kind}:{error}".encode("utf-8") if comm.Get_rank() == bad else None, bad).decode()
-    kind, _, message = text.partition(":")
-    return bad, _KINDS[int(kind)](message)
-
-
-def raise_agreed(comm, bad: int, error: HpctrainError):
-    """The failing rank raises the error (the command line prints it), the others leave quietly."""
-    if comm.Get_rank() == bad:
-        error.collective = True  # every rank knows: no need to abort the job
-        raise error
-    raise QuietExit(bad)
 
 
 class Checkpointer:
@@ -116,7 +66,7 @@ class Checkpointer:
         t, mesh, world = self.t, self.mesh, self.mesh.world
         directory = t.cfg.checkpoint.dir
         t0 = time.perf_counter()
-        set_id = _bcast_bytes(world, sharded.new_set_id().encode() if mesh.rank == 0 else None, 0).decode()
+        set_id = bcast_text(world, sharded.new_set_id() if mesh.rank == 0 else None, 0)
         folder = os.path.join(directory, sharded.set_dir_name(state.step, set_id))
 
         def prepare():
@@ -146,7 +96,7 @@ class Checkpointer:
             items = [(label, p, self._values(label, p, host)) for label, p in self.items]
         host = None
         path = os.path.join(folder, sharded.shard_name(mesh.rank))
-        manifest = _gather_text(world, json.dumps(sharded.shard_entries(self.items)))
+        manifest = gather_text(world, json.dumps(sharded.shard_entries(self.items)))
         outcome = {}
 
         def write():
@@ -250,7 +200,7 @@ def resume(t, candidates: list[str], *, auto: bool):
     True); ``(None, False)`` when there is no candidate. With ``auto`` a failing one is logged, set aside
     once an older one loads, and the next tried; one of a newer hpctrain or another model stops the search."""
     mesh, world = t.mesh, t.mesh.world
-    listing = _bcast_bytes(world, "\n".join(candidates).encode("utf-8") if mesh.rank == 0 else None, 0).decode()
+    listing = bcast_text(world, "\n".join(candidates) if mesh.rank == 0 else None, 0)
     skipped = []
     for path in filter(None, listing.split("\n")):
         state, error, whole = None, None, False

@@ -162,7 +162,7 @@ class StepRunner:
         """A finite gradient so large that the update would overflow the optimizer's float32 state (Adam squares
         it): found now, at the step it appears, not at the next checkpoint. Every rank checks its pieces and
         all agree; skipped with ``train.skip_nonfinite``, else the run stops naming the tensor (collective)."""
-        from .checkpointing import agree_error, raise_agreed
+        from ..parallel.agree import agree_error, raise_agreed
 
         name, slot, gmax = self.optim.overflow()
         problem = None
@@ -174,7 +174,7 @@ class StepRunner:
         if error is None:
             return False
         if not self.cfg.train.skip_nonfinite:
-            raise_agreed(self.mesh.world, bad, NonFiniteError(str(error)))
+            raise_agreed(self.mesh.world, bad, error)
         self.log(f"{str(error).split('; lower')[0]}: step skipped")
         return True
 

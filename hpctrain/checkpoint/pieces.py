@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Piece", "held", "written", "whole", "segments", "matches", "strided"]
+__all__ = ["Piece", "held", "written", "whole", "segments", "matches", "strided", "local_matrix"]
 
 
 @dataclass(frozen=True)

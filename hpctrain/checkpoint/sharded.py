@@ -9,12 +9,13 @@ On disk, for step 1500 (docs/checkpoint-format.md, "Sharded checkpoints"):
 The shards are written first, each by its rank (``write_shard``), into a folder no index names
 yet; world rank 0 then writes the index under a temp name and renames it into place
 (``write_index``): that rename commits the set. A set folder that no index names is a save that
-never finished, and the next save removes it (``clean_orphans``). Every shard dataset carries
-the SHA-256 of each 1 MiB block (``sha256_blocks``), so a rank that reads part of a piece verifies
-just the blocks it reads. The set id in every shard and in the index ties them together.
+never finished, and the next save removes it (``clean_orphans``). A shard is two datasets,
+``/values`` (its pieces one after another) and ``/sha256_blocks`` (the SHA-256 of each 1 MiB block
+of each piece), so a rank that reads part of a piece verifies just the blocks it reads. The set id
+in every shard and in the index ties them together.
 
-    index = open_set(path)                                   # root attributes and manifest, verified
-    failures = read_pieces(index, "params", wanted, out)    # this rank's pieces of any layout, into ``out``
+    index = open_set(path, f, state, layout)           # the open index's manifest, checked against the model
+    read_pieces(index, "params", wanted, out)          # this rank's pieces of any layout into ``out``, verified
 
 Nothing here talks to MPI: train/checkpointing.py runs it on every rank and agrees on the outcome.
 """
@@ -36,7 +37,7 @@ import numpy as np
 from . import format as fmt
 from .._files import H5_ERRORS, shown, storage_problem
 from ..errors import CheckpointError
-from .pieces import Piece, matches, strided
+from .pieces import Piece, local_matrix, matches, segments, strided
 
 __all__ = ["SHARD_FORMAT", "BLOCK", "new_set_id", "set_dir_name", "shard_name", "write_shard", "write_index",
            "open_set", "read_pieces", "close_all", "shard_entries", "set_dir_of", "remove_set", "clean_orphans", "SetIndex"]
@@ -185,8 +186,6 @@ def write_index(directory: str, state, *, set_id: str, shards: list[str], entrie
 def _write_virtual(f, folder, shards, entries, labels, layout) -> None:
     """``/params/<name>`` and ``/optim/<slot>/<name>``: full tensors mapped from the shards' ``/values``
     (h5py's low-level calls: the high-level VirtualLayout copies itself for every mapping)."""
-    from .pieces import segments
-
     by_tensor = {}
     for e in entries:
         by_tensor.setdefault((e[0], e[1]), []).append(e)
@@ -308,13 +307,10 @@ def _coverage_problem(pieces, spec) -> str:
     if size % tp or (kind is None) != (tp == 1):
         return f"is split {tp} ways ({kind}), which its shape {spec.shape} does not allow"
     if kind is not None:
-        try:
-            from .pieces import local_matrix
-
-            rows, cols = local_matrix(pieces[0][0])
-            if rows * cols * tp != size or (kind == "rows3" and (spec.shape[0] // 3) % tp):
-                raise ValueError
-        except ValueError:
+        if len(spec.shape) > 2:
+            return f"is split {tp} ways ({kind}), which its shape {spec.shape} does not allow"
+        rows, cols = local_matrix(pieces[0][0])
+        if rows * cols * tp != size or (kind == "rows3" and (spec.shape[0] // 3) % tp):
             return f"is split {tp} ways ({kind}), which its shape {spec.shape} does not allow"
     per = size // tp
     for r in range(tp):

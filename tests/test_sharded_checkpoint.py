@@ -73,6 +73,9 @@ def test_a_checkpoint_is_an_index_and_a_folder_of_shards_that_plain_h5py_reads_a
     np.testing.assert_array_equal(load_weights(index, t.model.layout)["0.weight"], params["0.weight"])
     text, ok = inspect(index)
     assert ok and "sharded: set" in text and "3 of 3 buffers" in text, text
+    n = sum(a.size for a in params.values())  # one rank wrote everything: each tensor, each slot of it
+    assert f"  rank-00000.h5: {3 * len(params)} piece(s), {4 * 3 * n / 1024:.1f} KiB (params, exp_avg, " \
+           "exp_avg_sq)" in text, text
 
 
 def test_keep_removes_whole_sets_and_a_save_that_never_committed_is_cleared(tmp_path, mesh):

@@ -160,6 +160,16 @@ def _inspect_set(f: h5py.File, path: str, state, lines: list, problems: list) ->
     lines.append(f"optimizer slots: {', '.join(index.labels[1:]) or 'none'}")
     lines.append(f"sharded: set {index.set_id}, {len(index.shards)} shard(s) in "
                  f"{os.path.basename(os.path.dirname(index.shards[0])) if index.shards else '-'}")
+    held = {}  # shard position -> [pieces, values, labels]
+    for (label, _), stored in index.pieces.items():
+        for piece, shard, *_ in stored:
+            entry = held.setdefault(shard, [0, 0, []])
+            entry[0], entry[1] = entry[0] + 1, entry[1] + piece.size
+            if label not in entry[2]:
+                entry[2].append(label)
+    for shard, path in enumerate(index.shards):
+        count, values, labels = held.get(shard, [0, 0, []])
+        lines.append(f"  {os.path.basename(path)}: {count} piece(s), {_size(4 * values)} ({', '.join(labels)})")
     opened, verified = {}, 0
     try:
         for label in index.labels:

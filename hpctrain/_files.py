@@ -35,17 +35,20 @@ def shown(text) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def regular_file(path: str, label: str, error) -> os.stat_result:
+def regular_file(path: str, label: str, error, *, follow: bool = True) -> os.stat_result:
     """``os.stat(path)`` when it is a regular file, else ``error`` saying what it is; never opens it.
 
-    ``label`` starts each message ("config file 'c.toml'", "data file d.h5").
+    ``label`` starts each message ("config file 'c.toml'", "data file d.h5"). ``follow=False``: ``path``
+    itself must be the file, not a symbolic link to one (a checkpoint's shards).
     """
     try:
-        st = os.stat(path)
+        st = os.stat(path) if follow else os.lstat(path)
     except FileNotFoundError:
         raise error(f"{label} does not exist") from None
     except OSError as e:
         raise error(f"{label} cannot be read: {shown(e.strerror or e)}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise error(f"{label} is a symbolic link; hpctrain reads it only as a regular file of its own")
     _check_mode(st, label, error)
     return st
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+from ._files import replaced_atomically
 from .errors import CheckpointError, ConfigError
 
 __all__ = ["export", "FORMATS"]
@@ -54,15 +55,8 @@ def export(path: str, out: str, fmt: str = "") -> str:
     except ImportError:
         raise ConfigError("export to safetensors needs the safetensors package: pip install 'hpctrain[export]'") \
             from None
-    tmp = os.path.join(folder, f".{os.path.basename(out)}.{os.getpid()}.tmp")
-    try:
-        save_file({name: arr for name, arr in state.params.items()}, tmp,
+    with replaced_atomically(out, f"export: cannot write {out}", CheckpointError) as tmp:
+        save_file(dict(state.params), tmp,
                   metadata={"format": "pt", "hpctrain_step": str(state.step), "hpctrain_config": state.config_text})
-        os.replace(tmp, out)
-    except OSError as e:
-        raise CheckpointError(f"export: cannot write {out}: {e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     n = sum(a.size for a in state.params.values())
     return f"{out}: {len(state.params)} tensors, {n:,} parameters (step {state.step}), safetensors"

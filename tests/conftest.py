@@ -18,6 +18,8 @@ they can be run by hand too:
 
 import os
 
+import pytest
+
 import hpctrain  # noqa: F401  before numpy: shares the cores between the ranks' BLAS threads (hpctrain/_threads.py)
 
 _subsuite = os.environ.get("HPCTRAIN_SUBSUITE", "")
@@ -35,3 +37,13 @@ def pytest_report_header(config):
     if _subsuite:
         lines.append(f"hpctrain sub-suite: {_subsuite}, CUDA simulator: {os.environ.get('NUMBA_ENABLE_CUDASIM', '0')}")
     return lines
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A one-process Mesh over COMM_WORLD for a test module's Trainers (freed after the module)."""
+    from hpctrain.parallel.mesh import Mesh
+
+    m = Mesh()
+    yield m
+    m.free()

@@ -134,3 +134,13 @@ def copy_checkpoint(index, folder) -> None:
     shutil.copy(index, folder)
     for shards in glob.glob(f"{str(index)[:-3]}.*.shards"):
         shutil.copytree(shards, os.path.join(folder, os.path.basename(shards)))
+
+
+def run_trainer(cfg, mesh, log=None):
+    """Build a Trainer on ``mesh``, run it to the end and close it; the Trainer (its buffers stay readable)."""
+    from hpctrain.train import Trainer
+
+    t = Trainer(cfg, mesh=mesh, log=log or (lambda *a: None))
+    t.run()
+    t.close()
+    return t

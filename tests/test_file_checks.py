@@ -528,47 +528,42 @@ def _metrics_job(tmp_path, **train):
     return config(tmp_path / "d.h5", train={"steps": 4, **train}, checkpoint={"dir": str(tmp_path / "ck"), "every": 2})
 
 
-def test_a_metrics_file_that_is_a_symlink_is_refused_and_its_target_untouched(tmp_path):
-    from hpctrain.parallel.mesh import Mesh
+def _run_raising(cfg, mesh, match):
+    """Build and run a Trainer that must end with a ConfigError matching ``match``; closed either way."""
     from hpctrain.train import Trainer
 
-    victim = tmp_path / "victim.txt"
-    victim.write_text("precious\n")
-    os.symlink(victim, tmp_path / "metrics.jsonl")
-    mesh = Mesh()
-    t = Trainer(_metrics_job(tmp_path, metrics=str(tmp_path / "metrics.jsonl")), mesh=mesh, log=lambda *a: None)
+    t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
     try:
-        with pytest.raises(ConfigError, match=r"^train.metrics: .*metrics.jsonl is a symbolic link"):
+        with pytest.raises(ConfigError, match=match):
             t.run()
     finally:
         t.close()
-        mesh.free()
+
+
+def test_a_metrics_file_that_is_a_symlink_is_refused_and_its_target_untouched(tmp_path, mesh):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    os.symlink(victim, tmp_path / "metrics.jsonl")
+    _run_raising(_metrics_job(tmp_path, metrics=str(tmp_path / "metrics.jsonl")), mesh,
+                 r"^train.metrics: .*metrics.jsonl is a symbolic link")
     assert victim.read_text() == "precious\n"
 
 
-def test_links_planted_at_the_old_temp_names_are_never_written_through(tmp_path):
+def test_links_planted_at_the_old_temp_names_are_never_written_through(tmp_path, mesh):
     """A resumed run rewrites its metrics file and writes its trace through temporaries: a link planted at
     ``<metrics>.tmp`` or ``<trace>.tmp`` (the names they had) changes nothing it points to."""
-    from hpctrain.parallel.mesh import Mesh
-    from hpctrain.train import Trainer
+    from helpers import run_trainer
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
     metrics, trace = tmp_path / "metrics.jsonl", tmp_path / "trace.json"
-    mesh = Mesh()
-    try:
-        for steps in (4, 6):  # the second run resumes from step 4 after a kill at 5: metrics lines of step 5 go
-            cfg = _metrics_job(tmp_path, metrics=str(metrics), trace=str(trace), steps=steps)
-            t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
-            t.run()
-            t.close()
-            if steps == 4:
-                with open(metrics, "a") as f:
-                    f.write('{"step": 5, "loss": 1.0}\n')
-                for name in (f"{metrics}.tmp", f"{trace}.tmp"):
-                    os.symlink(victim, name)
-    finally:
-        mesh.free()
+    for steps in (4, 6):  # the second run resumes from step 4 after a kill at 5: metrics lines of step 5 go
+        run_trainer(_metrics_job(tmp_path, metrics=str(metrics), trace=str(trace), steps=steps), mesh)
+        if steps == 4:
+            with open(metrics, "a") as f:
+                f.write('{"step": 5, "loss": 1.0}\n')
+            for name in (f"{metrics}.tmp", f"{trace}.tmp"):
+                os.symlink(victim, name)
     assert victim.read_text() == "precious\n"
     assert not os.path.islink(metrics) and not os.path.islink(trace)
     assert '{"step": 5, "loss": 1.0}' not in metrics.read_text()  # the resume dropped it, through no link
@@ -603,7 +598,7 @@ def test_a_full_disk_under_the_metrics_file_is_one_line_and_close_does_not_fail_
     m.close()  # the failed buffer is dropped: no second error
 
 
-def test_a_full_disk_under_the_trace_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch):
+def test_a_full_disk_under_the_trace_is_one_line_and_leaves_no_temporary(tmp_path, mesh, monkeypatch):
     import errno
 
     import hpctrain.train.trace as trace
@@ -611,18 +606,9 @@ def test_a_full_disk_under_the_trace_is_one_line_and_leaves_no_temporary(tmp_pat
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    from hpctrain.parallel.mesh import Mesh
-    from hpctrain.train import Trainer
-
-    mesh = Mesh()
-    t = Trainer(_metrics_job(tmp_path, trace=str(tmp_path / "trace.json")), mesh=mesh, log=lambda *a: None)
     monkeypatch.setattr(trace.json, "dump", full)
-    try:
-        with pytest.raises(ConfigError, match=r"^train.trace: cannot write .*trace.json: No space left on device$"):
-            t.run()
-    finally:
-        t.close()
-        mesh.free()
+    _run_raising(_metrics_job(tmp_path, trace=str(tmp_path / "trace.json")), mesh,
+                 r"^train.trace: cannot write .*trace.json: No space left on device$")
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
 
 

@@ -17,20 +17,12 @@ from helpers import config, folder_listing, make_classification, toml_job
 from hpctrain.checkpoint import list_checkpoints
 from hpctrain.checkpoint.lock import LOCK_NAME, FolderLock
 from hpctrain.errors import CheckpointError, CheckpointInUseError, NonFiniteError
-from hpctrain.parallel.mesh import Mesh
 from hpctrain.train import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = shutil.which("mpiexec")
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")
 QUIET = lambda *a: None  # noqa: E731
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    m = Mesh()
-    yield m
-    m.free()
 
 
 def child_env(**extra):

@@ -9,27 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import config, make_classification, toml_job
+from helpers import config, make_classification, toml_job, run_trainer as run
 from hpctrain.checkpoint import list_checkpoints, load_checkpoint
-from hpctrain.parallel.mesh import Mesh
 from hpctrain.errors import CheckpointError
 from hpctrain.train import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    m = Mesh()
-    yield m
-    m.free()
-
-
-def run(cfg, mesh, log=None):
-    t = Trainer(cfg, mesh=mesh, log=log or (lambda *a: None))
-    t.run()
-    t.close()
-    return t
 
 
 @pytest.mark.parametrize("optim", [{"name": "sgd", "lr": 0.05, "momentum": 0.9}, {"name": "adamw", "lr": 0.01}],

@@ -16,29 +16,14 @@ import h5py
 import numpy as np
 import pytest
 
-from helpers import config, folder_listing, make_classification
+from helpers import config, folder_listing, make_classification, run_trainer as run
 from hpctrain.checkpoint import format as fmt
 from hpctrain.checkpoint import inspect, list_checkpoints, load_checkpoint, load_weights, save_checkpoint
 from hpctrain.errors import CheckpointError
-from hpctrain.parallel.mesh import Mesh
 from hpctrain.train import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADAMW = {"name": "adamw", "lr": 0.01}
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    m = Mesh()
-    yield m
-    m.free()
-
-
-def run(cfg, mesh, log=None):
-    t = Trainer(cfg, mesh=mesh, log=log or (lambda *a: None))
-    t.run()
-    t.close()
-    return t
 
 
 def job(tmp_path, steps=6, **checkpoint):
@@ -208,13 +193,13 @@ def test_older_single_file_checkpoints_still_resume(tmp_path, mesh):
 
 KILL_SCRIPT = """
 import os, signal, sys
-sys.path.insert(0, {tests!r})
+from mpi4py import MPI
 import hpctrain.checkpoint.sharded as sharded
-from hpctrain.config import load_config
 from hpctrain.cli import main
+victim = int(sys.argv[2])
 write = sharded.write_shard
 def write_then_die(path, **kw):
-    if kw["step"] == 6:  # the second checkpoint: its shard half written, no index yet
+    if kw["step"] == 6 and MPI.COMM_WORLD.rank == victim:  # the second checkpoint: its shard half written
         with open(path, "wb") as f:
             f.write(b"half")
         os.kill(os.getpid(), signal.SIGKILL)
@@ -227,8 +212,8 @@ sys.exit(main(["train", sys.argv[1]]))
 def test_kill_9_during_a_sharded_save_leaves_the_previous_set_newest_and_intact(tmp_path):
     make_classification(tmp_path / "d.h5", n=96)
     (tmp_path / "job.toml").write_text(job_toml(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT.format(tests=os.path.join(ROOT, "tests")),
-                           str(tmp_path / "job.toml")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "job.toml"), "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert [s for s, _ in list_checkpoints(str(tmp_path / "ck"))] == [3]
     assert folder_listing(tmp_path / "ck") == ["ckpt-00000003.h5", "ckpt-00000003.shards", "ckpt-00000006.shards",
@@ -284,27 +269,10 @@ def test_a_shards_folder_that_is_a_symlink_is_refused(tmp_path, mesh):
         load_checkpoint(str(tmp_path / "ck" / "ckpt-00000003.h5"), t.model.layout)
 
 
-RANK_KILL_SCRIPT = """
-import os, signal, sys
-from mpi4py import MPI
-import hpctrain.checkpoint.sharded as sharded
-from hpctrain.cli import main
-write = sharded.write_shard
-def write_then_die(path, **kw):
-    if kw["step"] == 6 and MPI.COMM_WORLD.rank == 1:  # rank 1 dies inside its shard; rank 0's may be written
-        with open(path, "wb") as f:
-            f.write(b"half")
-        os.kill(os.getpid(), signal.SIGKILL)
-    return write(path, **kw)
-sharded.write_shard = write_then_die
-sys.exit(main(["train", sys.argv[1]]))
-"""
-
-
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found (pip install hpctrain[mpich])")
 @pytest.mark.parametrize("background", [True, False], ids=["async", "sync"])
 def test_kill_9_of_one_rank_during_a_sharded_save_keeps_the_previous_set(tmp_path, background):
-    from launch import launcher_env
+    from launch import launcher_env, mpi_command
 
     make_classification(tmp_path / "d.h5", n=96)
     from helpers import toml_job
@@ -312,8 +280,8 @@ def test_kill_9_of_one_rank_during_a_sharded_save_keeps_the_previous_set(tmp_pat
     (tmp_path / "job.toml").write_text(toml_job(  # zero = 1: every rank writes a shard, rank 1 too
         optim=ADAMW, train={"steps": 9}, parallel={"zero": 1},
         checkpoint={"dir": "ck", "every": 3, "async": background}))
-    proc = subprocess.run([shutil.which("mpiexec"), "-n", "2", sys.executable, "-c", RANK_KILL_SCRIPT,
-                           str(tmp_path / "job.toml")], cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}),
+    proc = subprocess.run(mpi_command(shutil.which("mpiexec"), 2, sys.executable, "-c", KILL_SCRIPT,
+                                      str(tmp_path / "job.toml"), "1"), cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert [s for s, _ in list_checkpoints(str(tmp_path / "ck"))] == [3]

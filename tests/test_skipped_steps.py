@@ -14,19 +14,11 @@ import pytest
 from helpers import config, folder_listing, make_classification, toml_job
 from hpctrain.checkpoint import list_checkpoints
 from hpctrain.errors import ConfigError, NonFiniteError
-from hpctrain.parallel.mesh import Mesh
 from hpctrain.train import Trainer
 from hpctrain.train.step import StepRunner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = shutil.which("mpiexec")
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    m = Mesh()
-    yield m
-    m.free()
 
 
 def digest(path):

@@ -8,17 +8,9 @@ import pytest
 
 import reference as ref
 from helpers import config, make_classification, make_regression
-from hpctrain.parallel.mesh import Mesh
 from hpctrain.errors import ConfigError, NonFiniteError
 from hpctrain.train import Trainer
 from hpctrain.train.metrics import truncate_after as _truncate_after
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    m = Mesh()
-    yield m
-    m.free()
 
 
 def numpy_model_step(layers, params, x, y, loss):

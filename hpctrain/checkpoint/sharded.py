@@ -28,14 +28,13 @@ import os
 import re
 import secrets
 import shutil
-import stat
 from concurrent.futures import ThreadPoolExecutor
 
 import h5py
 import numpy as np
 
 from . import format as fmt
-from .._files import H5_ERRORS, shown, storage_problem
+from .._files import H5_ERRORS, regular_file, shown, storage_problem
 from ..errors import CheckpointError
 from .pieces import Piece, local_matrix, matches, segments, strided
 
@@ -335,16 +334,7 @@ def _open_shard(index: SetIndex, shard: int, opened: dict):
     if os.path.islink(folder):
         raise CheckpointError(f"the shards' folder {folder} of checkpoint {index.path} is a symbolic link; a "
                               "checkpoint's shards live in its own folder beside the index")
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"shard {path} of checkpoint {index.path} does not exist") from None
-    except OSError as e:
-        raise CheckpointError(f"shard {path} cannot be read ({shown(e)})") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise CheckpointError(f"shard {path} is a symbolic link; a checkpoint's shards are its own regular files")
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"shard {path} is not a regular file (a FIFO, socket, device or folder)")
+    regular_file(path, f"shard {path} of checkpoint {index.path}", CheckpointError, follow=False)  # never a FIFO
     f = fmt.open_read(path, "checkpoint shard")
     opened[shard] = (f, None, None)
     try:

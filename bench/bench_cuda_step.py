@@ -91,7 +91,7 @@ class TorchStep:
             self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         else:
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                         weight_decay=cfg.decay)
+                                         weight_decay=cfg.weight_decay)
 
     def __call__(self, x_host, y_host):
         torch = self.torch

@@ -71,7 +71,7 @@ def torch_gpt(torch, V, T, L, H, C):
 
         def forward(self, idx):
             t = self.transformer
-            x = t.wte(idx) + t.wpe(torch.arange(idx.shape[1]))
+            x = t.wte(idx) + t.wpe(torch.arange(idx.shape[1], device=idx.device))
             for block in t.h:
                 x = block(x)
             return self.lm_head(t.ln_f(x))
@@ -86,6 +86,8 @@ def torch_setup(torch, np, h5py, setup):
         rows, init = f["rows"], {k[2:]: torch.from_numpy(f[k]) for k in f.files if k.startswith("p:")}
     V, T = m["vocab_size"], m["block_size"]
     device = m.get("device", "cpu")
+    if device == "cuda":  # float32 products as written, unless --tf32 (NVIDIA_TF32_OVERRIDE=0 still forces them off)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(m.get("tf32"))
     model = torch_gpt(torch, V, T, m["n_layer"], m["n_head"], m["n_embd"])
     missing, unexpected = model.load_state_dict(init, strict=False)
     if missing != ["lm_head.weight"] or unexpected:  # lm_head.weight is wte.weight: loaded with it
@@ -208,6 +210,33 @@ def check(trainer, init, runs, peer, tmp):
           f"updates {du:.2e} ({du_name})")
 
 
+def profile_kernels(run, steps, top=30):
+    """GPU time per kernel over ``run()`` (``steps`` training steps), read through CUPTI by torch.profiler, which
+    sees every kernel of the process, numba's too; then the kernels' total against the wall-clock time."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        print("profile: this interpreter has no torch; skipped")
+        return
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        seconds = run()[0]
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(e, "self_cuda_time_total", 0)
+        rows.append((device_us, e.count, e.key, getattr(e, "cpu_time_total", 0)))
+    kernels = sorted((r for r in rows if r[0] > 0), reverse=True)
+    busy = sum(r[0] for r in kernels) / 1e6
+    print(f"profile over {steps} steps: wall {seconds / steps * 1e3:.2f} ms/step, GPU busy {busy / steps * 1e3:.2f} "
+          f"ms/step ({busy / seconds:.0%}), {sum(r[1] for r in kernels) / steps:.0f} kernels/step")
+    for us, count, name, _ in kernels[:top]:
+        print(f"  {us / steps / 1e3:8.3f} ms/step {us / 1e6 / busy:6.1%} {count / steps:6.1f}/step  {name[:90]}")
+    waits = [(count, name, cpu_us) for _, count, name, cpu_us in rows if "ynchronize" in name or "Memcpy" in name]
+    for count, name, cpu_us in sorted(waits, reverse=True)[:8]:
+        print(f"  host: {count / steps:6.1f}/step {cpu_us / steps / 1e3:8.3f} ms/step  {name[:70]}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=CONFIG, help="a kind = \"gpt\" config (default: jobs/configs/gpt-char.toml)")
@@ -219,6 +248,9 @@ def main():
     p.add_argument("--steps", type=int, default=10, help="steps per timed round")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds of each")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--tf32", action="store_true", help="PyTorch on a GPU may use TF32 for its float32 products")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="on a GPU: after timing, GPU time per kernel over STEPS of hpctrain's steps (torch.profiler)")
     p.add_argument("--torch-python", default=os.environ.get("HPCTRAIN_TORCH_PYTHON", "python"))
     p.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -251,7 +283,7 @@ def main():
             meta = {"vocab_size": m.vocab_size, "block_size": T, "n_layer": m.n_layer, "n_head": m.n_head,
                     "n_embd": m.n_embd, "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "path": cfg.data.path,
                     "weight_decay": o.weight_decay, "grad_clip": cfg.train.grad_clip, "tokens": cfg.data.tokens,
-                    "device": a.backend}
+                    "device": a.backend, "tf32": a.tf32}
             rows = np.stack([trainer.sampler.local_rows(s) for s in range(warm_end + a.repeats * a.steps)])
             np.savez(f"{tmp}/setup.npz", meta=json.dumps(meta), rows=rows, **{"p:" + k: v for k, v in init.items()})
             peer.ask(f"setup {tmp}/setup.npz")
@@ -264,6 +296,9 @@ def main():
             lo = warm_end + r * a.steps
             for who in list(runs)[:: 1 if r % 2 == 0 else -1]:
                 rates[who].append(a.steps * B * T / runs[who](lo, lo + a.steps)[0])
+        if a.profile and a.backend == "cuda":
+            lo = warm_end + a.repeats * a.steps
+            profile_kernels(lambda: hpctrain_run(lo, lo + a.profile), a.profile)
         trainer.close()
         mesh.free()
         peer.close()

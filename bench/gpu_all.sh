@@ -11,6 +11,8 @@
 # 6. the compile report of every kernel (bench/cuda_sass_report.py), beside the measured figures.
 # Each step's full output is kept in OUT_DIR/<step>.log; a failing step is marked in the table and
 # the others still run. Needs numba-cuda, PyTorch (or CuPy) with CUDA, mpi4py and h5py.
+# STEP_TIMEOUT (seconds, default 900) bounds each step, so one hung step cannot take a lease's
+# time from the others; a step stopped by it exits 124.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 out="${1:-runs/gpu-$(date +%Y%m%d-%H%M%S)}"
@@ -18,6 +20,7 @@ mkdir -p "$out"
 unset NUMBA_ENABLE_CUDASIM
 export CUPY_TF32=0 NVIDIA_TF32_OVERRIDE=0
 py="${PYTHON:-python}"
+step_timeout="${STEP_TIMEOUT:-900}"
 summary="$out/summary.md"
 status=0
 
@@ -25,7 +28,7 @@ step() {  # step NAME COMMAND...: run it, keep its log, remember its exit status
     local name="$1"
     shift
     echo "== $name: $*" | tee "$out/$name.log"
-    "$@" >>"$out/$name.log" 2>&1
+    timeout "$step_timeout" "$@" >>"$out/$name.log" 2>&1
     local rc=$?
     echo "   exit $rc" | tee -a "$out/$name.log"
     [ "$rc" -eq 0 ] || status=1

@@ -24,6 +24,13 @@ Launch shapes are fixed at construction: ``tile`` (the GEMM tiling, see
 cuda_gemm.py) and ``block`` (threads per block of the other kernels). The
 defaults are for real GPUs; under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``),
 which runs every GPU thread as a Python thread, they default to tiny ones.
+
+The GEMMs are shaped to fill the GPU: without an explicit ``tile`` the backend
+takes the 128×128 tiling where its grid makes one full wave (a block per SM) and
+the 64×64 one elsewhere; a weight gradient (``matmul_tn``, K = the batch's rows)
+whose grid is still under a wave is split along K into up to 2 waves of blocks
+(``cuda_gemm.k_splits``), the partial products summed in a fixed order. Attention runs its
+products as batched GEMMs over (batch, head) with the 64×64 tiling.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from numba import cuda
 
 from ..errors import BackendError
 from .base import Backend, check_array
-from .cuda_gemm import EPI_ACCUMULATE, EPI_BIAS, EPI_STORE, GPU_TILE, SIM_TILE, GemmTile, gemm_kernels, launch_config
+from .cuda_gemm import (EPI_ACCUMULATE, EPI_BIAS, EPI_STORE, GPU_SMALL_TILE, GPU_TILE, MAX_GRID_Z, MODE_CAUSAL_K_BELOW,
+                        MODE_CAUSAL_K_FROM, MODE_CAUSAL_UPPER, MODE_SPLIT_K, SIM_TILE, GemmTile,
+                        batched_gemm_kernels, choose_tile, gemm_kernels, k_splits, launch_config)
 from .cuda_mem import DevicePool, is_out_of_memory, out_of_memory_error
 from .cuda_ops import ops_kernels
 from .cuda_transformer import transformer_kernels
@@ -44,6 +53,8 @@ __all__ = ["CudaBackend", "simulator"]
 
 GPU_BLOCK, SIM_BLOCK = 256, 16
 SIM_MAX_BLOCKS = 4  # small, so that the simulator exercises the grid-stride loops
+SIM_WAVE = 4  # "SMs" under the simulator: small, so that tiny products take the split-K path there
+NT, NN, TN = 0, 1, 2  # the batched kernels' operand layouts, as cuda_gemm returns them
 
 
 def simulator() -> bool:
@@ -91,13 +102,16 @@ class CudaBackend(Backend):
             name = name.decode() if isinstance(name, bytes) else str(name)
             self.device_name = f"{name} (device {self.device_id})"
         self.tile = GemmTile(*(tile if tile is not None else (SIM_TILE if self.simulator else GPU_TILE))).check()
+        # the tilings to choose from, largest first; an explicit tile (tests, benchmarks) is used everywhere
+        self.tiles = (self.tile,) if tile is not None or self.simulator else (GPU_TILE, GPU_SMALL_TILE)
+        self.attention_tile = self.tiles[-1]
+        self.wave = SIM_WAVE if self.simulator else _multiprocessors()  # blocks in one wave of the GEMM grid
         self.block = int(block if block is not None else (SIM_BLOCK if self.simulator else GPU_BLOCK))
         if max_blocks is None:
             max_blocks = SIM_MAX_BLOCKS if self.simulator else 32 * _multiprocessors()
         self.max_blocks = int(max_blocks)
         if self.max_blocks < 1:
             raise BackendError(f"max_blocks must be >= 1, got {max_blocks}")
-        self._gemm_nt, self._gemm_nn, self._gemm_tn = gemm_kernels(self.tile)
         self._k = ops_kernels(self.block)
         self._tk = transformer_kernels(self.block)
         self.stream = cuda.stream()
@@ -200,7 +214,7 @@ class CudaBackend(Backend):
         self._check("matmul_nt", "out", out, shape=(a.shape[0], b.shape[0]))
         if bias is not None:
             self._check("matmul_nt", "bias", bias, shape=(b.shape[0],))
-        self._gemm(self._gemm_nt, a, b, out, a.shape[0], b.shape[0], a.shape[1],
+        self._gemm(NT, a, b, out, a.shape[0], b.shape[0], a.shape[1],
                    bias, EPI_STORE if bias is None else EPI_BIAS)
 
     def matmul_nn(self, a, b, out):
@@ -208,21 +222,44 @@ class CudaBackend(Backend):
         self._check("matmul_nn", "a", a, ndim=2)
         self._check("matmul_nn", "b", b, ndim=2, rows=a.shape[1])
         self._check("matmul_nn", "out", out, shape=(a.shape[0], b.shape[1]))
-        self._gemm(self._gemm_nn, a, b, out, a.shape[0], b.shape[1], a.shape[1], None, EPI_STORE)
+        self._gemm(NN, a, b, out, a.shape[0], b.shape[1], a.shape[1], None, EPI_STORE)
 
     def matmul_tn(self, a, b, out, accumulate=False):
         """out[M,N] (+)= a[K,M]ᵀ @ b[K,N]: the Linear weight gradient dYᵀ·X."""
         self._check("matmul_tn", "a", a, ndim=2)
         self._check("matmul_tn", "b", b, ndim=2, rows=a.shape[0])
         self._check("matmul_tn", "out", out, shape=(a.shape[1], b.shape[1]))
-        self._gemm(self._gemm_tn, a, b, out, a.shape[1], b.shape[1], a.shape[0],
+        self._gemm(TN, a, b, out, a.shape[1], b.shape[1], a.shape[0],
                    None, EPI_ACCUMULATE if accumulate else EPI_STORE)
 
-    def _gemm(self, kernel, a, b, out, M, N, K, bias, epilogue):
+    def _gemm(self, layout, a, b, out, M, N, K, bias, epilogue):
         if M == 0 or N == 0:
             return
-        grid, threads = launch_config(self.tile, M, N)
+        tile = choose_tile(self.tiles, self.wave, M, N)
+        splits = k_splits(tile, self.wave, M, N, K) if layout == TN else 1
+        if splits > 1:
+            self._split_k(tile, a, b, out, M, N, K, splits, epilogue == EPI_ACCUMULATE)
+            return
+        grid, threads = launch_config(tile, M, N)
+        kernel = gemm_kernels(tile)[layout]
         kernel[grid, threads, self.stream](a, b, out, self._no_bias if bias is None else bias, M, N, K, epilogue)
+
+    def _split_k(self, tile, a, b, out, M, N, K, splits, accumulate):
+        """out[M,N] (+)= a[K,M]ᵀ·b[K,N] as ``splits`` partial products over K slices into a workspace, then
+        summed slice by slice in order (deterministic)."""
+        ks = -(-K // splits)
+        ws = self._alloc("matmul_tn", (splits * M, N), np.float32)
+        self._batched(tile, TN, a, b, ws, M, N, ks, K, 1, splits, (ks, 0, 0, 0), (ks, 0, 0, 0), (M, 0, 0, 0),
+                      MODE_SPLIT_K)
+        sum_splits = batched_gemm_kernels(tile)[3]
+        self._launch(sum_splits, self._grid(M * N), self.block, _flat(ws), _flat(out), splits, bool(accumulate))
+
+    def _batched(self, tile, layout, a, b, c, M, N, K, k_total, H, Z, ao, bo, co, mode):
+        """Z batched products (cuda_gemm.batched_gemm_kernels), in launches of at most MAX_GRID_Z."""
+        kernel = batched_gemm_kernels(tile)[layout]
+        for z0 in range(0, Z, MAX_GRID_Z):
+            grid, threads = launch_config(tile, M, N, min(MAX_GRID_Z, Z - z0))
+            kernel[grid, threads, self.stream](a, b, c, M, N, K, k_total, H, z0, ao, bo, co, mode)
 
     def bias_grad(self, dout, dbias, accumulate=False):
         """dbias[C] (+)= Σ_rows dout[B,C]."""
@@ -371,9 +408,13 @@ class CudaBackend(Backend):
         self._check(op, "out", out, shape=(B * T, C))
         if B == 0:
             return
-        tk = self._tk
-        self._launch(tk.attention_softmax, self._rows_grid(B * H * T), self.block, qkv, T, H, scale, att)
-        self._elementwise(tk.attention_values, out.size, att, qkv, T, H, out)
+        hs, Z, tile = C // H, B * H, self.attention_tile
+        att2 = att.reshape(B * H * T, T)  # row (b·H + h)·T + i
+        q, k, v = (T, 0, 0, hs), (T, 0, C, hs), (T, 0, 2 * C, hs)  # a head's [T, hs] in qkv (cuda_gemm.py)
+        rows, heads = (H * T, T, 0, 0), (T, 0, 0, hs)  # a head's [T, T] in att2, its [T, hs] in out
+        self._batched(tile, NT, qkv, qkv, att2, T, T, hs, hs, H, Z, q, k, rows, MODE_CAUSAL_UPPER)
+        self._attention_rows(self._tk.attention_softmax_rows, B * H * T, att2, T, scale)
+        self._batched(tile, NN, att2, qkv, out, T, hs, T, T, H, Z, rows, v, heads, MODE_CAUSAL_K_BELOW)
 
     def attention_backward(self, dout, qkv, att, T, n_head, dqkv):
         """dqkv[B·T, 3C] from dout[B·T, C], the forward's qkv and att (overwritten, never accumulated)."""
@@ -383,11 +424,20 @@ class CudaBackend(Backend):
         self._check(op, "dqkv", dqkv, shape=(B * T, 3 * C))
         if B == 0:
             return
-        tk = self._tk
-        dscores = self._alloc(op, (B, H, T, T), np.float32)
-        self._launch(tk.attention_softmax_backward, self._rows_grid(B * H * T), self.block,
-                     dout, qkv, att, T, H, scale, dscores)
-        self._elementwise(tk.attention_backward_qkv, dqkv.size, dout, qkv, att, dscores, T, H, dqkv)
+        hs, Z, tile = C // H, B * H, self.attention_tile
+        att2 = att.reshape(B * H * T, T)
+        dscores = self._alloc(op, (B * H * T, T), np.float32)
+        q, k, v = (T, 0, 0, hs), (T, 0, C, hs), (T, 0, 2 * C, hs)
+        rows, dy = (H * T, T, 0, 0), (T, 0, 0, hs)
+        self._batched(tile, NT, dout, qkv, dscores, T, T, hs, hs, H, Z, dy, v, rows, MODE_CAUSAL_UPPER)  # dy·vᵀ
+        self._attention_rows(self._tk.attention_softmax_backward_rows, B * H * T, att2, dscores, T, scale)
+        self._batched(tile, NN, dscores, qkv, dqkv, T, hs, T, T, H, Z, rows, k, q, MODE_CAUSAL_K_BELOW)  # dq
+        self._batched(tile, TN, dscores, qkv, dqkv, T, hs, T, T, H, Z, rows, q, k, MODE_CAUSAL_K_FROM)  # dk
+        self._batched(tile, TN, att2, dout, dqkv, T, hs, T, T, H, Z, rows, dy, v, MODE_CAUSAL_K_FROM)  # dv
+
+    def _attention_rows(self, kernel, rows, *args):
+        per_block = self._tk.ROWS_PER_BLOCK
+        self._launch(kernel, self._rows_grid(-(-rows // per_block)), self.block, *args)
 
     # ------------------------------------------------------------------ losses (host scalars out)
 

@@ -48,18 +48,24 @@ def _types():
     f1, f2, f4 = types.float32[::1], types.float32[:, ::1], types.float32[:, :, :, ::1]
     return SimpleNamespace(F1=f1, F2=f2, F4=f4, D1=types.float64[::1], I1=types.int64[::1], I2=types.int64[:, ::1],
                            J1=types.int32[::1], i64=types.int64, f32=types.float32, f64=types.float64,
-                           b1=types.boolean)
+                           b1=types.boolean, U4=types.UniTuple(types.int64, 4))
 
 
 def signatures() -> dict[str, tuple[tuple, ...]]:
     """Kernel name -> the argument types of each way ``CudaBackend`` launches it."""
     t = _types()
-    F1, F2, F4, D1, I1, I2, J1 = t.F1, t.F2, t.F4, t.D1, t.I1, t.I2, t.J1
-    i64, f32, f64, b1 = t.i64, t.f32, t.f64, t.b1
+    F1, F2, D1, I1, I2, J1 = t.F1, t.F2, t.D1, t.I1, t.I2, t.J1
+    i64, f32, f64, b1, U4 = t.i64, t.f32, t.f64, t.b1, t.U4
     gemm = ((F2, F2, F2, F1, i64, i64, i64, i64),)
+    batched = ((F2, F2, F2) + (i64,) * 6 + (U4, U4, U4, i64),)
     return {
-        # cuda_gemm.py: c = a·b in three layouts, the epilogue a launch argument
+        # cuda_gemm.py: c = a·b in three layouts, the epilogue a launch argument, at the default tiling and the
+        # small one (_small); the batched kernels (attention, split-K: a GPU runs them at the small tiling only)
+        # and split-K's second stage
         "gemm_nt": gemm, "gemm_nn": gemm, "gemm_tn": gemm,
+        "gemm_small_nt": gemm, "gemm_small_nn": gemm, "gemm_small_tn": gemm,
+        "gemm_small_batched_nt": batched, "gemm_small_batched_nn": batched, "gemm_small_batched_tn": batched,
+        "sum_splits": ((F1, F1, i64, b1),),
         # cuda_ops.py
         "fill": ((F1, f32), (I1, i64), (D1, f64)),
         "scale": ((F1, f32),),
@@ -82,10 +88,8 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "embedding_forward": ((I2, F2, F2, F2, I1),),
         "embedding_backward_wte": ((F2, I1, I1, I1, F2),),
         "embedding_backward_wpe": ((F2, i64, i64, F2, b1),),
-        "attention_softmax": ((F2, i64, i64, f32, F4),),
-        "attention_values": ((F4, F2, i64, i64, F2),),
-        "attention_softmax_backward": ((F2, F2, F4, i64, i64, f32, F4),),
-        "attention_backward_qkv": ((F2, F2, F4, F4, i64, i64, F2),),
+        "attention_softmax_rows": ((F2, i64, f32),),
+        "attention_softmax_backward_rows": ((F2, F2, i64, f32),),
     }
 
 
@@ -104,7 +108,7 @@ def kernels(block: int = 256, tile=None) -> list[Kernel]:
     (or the reverse)."""
     from numba.cuda.dispatcher import CUDADispatcher
 
-    from .cuda_gemm import GPU_TILE, gemm_kernels
+    from .cuda_gemm import GPU_SMALL_TILE, GPU_TILE, batched_gemm_kernels, gemm_kernels
     from .cuda_ops import ops_kernels
     from .cuda_transformer import transformer_kernels
 
@@ -112,15 +116,20 @@ def kernels(block: int = 256, tile=None) -> list[Kernel]:
     found = {}
     for factory in (ops_kernels(block), transformer_kernels(block)):
         found.update({n: k for n, k in vars(factory).items() if isinstance(k, CUDADispatcher)})
-    nt, nn, tn = gemm_kernels(tile)
-    found.update(gemm_nt=nt, gemm_nn=nn, gemm_tn=tn)
+    threads = {}
+    small = GPU_SMALL_TILE
+    for layout, k, sk, bk in zip(("nt", "nn", "tn"), gemm_kernels(tile), gemm_kernels(small),
+                                 batched_gemm_kernels(small)):
+        found.update({"gemm_" + layout: k, "gemm_small_" + layout: sk, "gemm_small_batched_" + layout: bk})
+        threads["gemm_" + layout] = tile.threads[0] * tile.threads[1]
+        threads["gemm_small_" + layout] = threads["gemm_small_batched_" + layout] = small.threads[0] * small.threads[1]
+    found["sum_splits"] = batched_gemm_kernels(small)[3]
     table = signatures()
     unknown, missing = sorted(set(found) - set(table)), sorted(set(table) - set(found))
     if unknown or missing:
         raise LookupError(f"kernels without launch signatures in cuda_compile.signatures(): {unknown}; "
                           f"signatures of kernels that no longer exist: {missing}")
-    tile_threads = tile.threads[0] * tile.threads[1]
-    return [Kernel(name, found[name], sig, tile_threads if name.startswith("gemm_") else block)
+    return [Kernel(name, found[name], sig, threads.get(name, block))
             for name in sorted(found) for sig in table[name]]
 
 

@@ -7,11 +7,14 @@ softmax probabilities (0 above the diagonal). Forward and backward kernels sit
 side by side; each matches cpu.py's numba kernel, see there for the formulas.
 Launch shapes, ``NT`` threads per block (a power of two fixed at construction):
 
-* row kernels (an embedding row, a softmax row): one block per row, grid-stride
-  over rows, the threads stride over the row and combine with a shared-memory
-  tree (the scores of a softmax row are dot products of length hs, one per thread);
-* element kernels (att·v and the three parts of dqkv): grid-stride over the output,
-  one thread per element computing its dot product over the causal range.
+* embedding rows: one block per row, grid-stride over rows, the threads stride over
+  the row;
+* attention: q·kᵀ, att·v and the three products of the backward pass are batched
+  GEMMs over (batch, head) that read q, k, v in place from qkv (cuda_gemm.py,
+  ``CudaBackend.attention_forward/backward``); the causal softmax and its gradient
+  are row kernels here, one segment of 32 threads (a warp's worth) per row of
+  att[B·H·T, T], 8 rows per 256-thread block, combining through shared memory, the
+  scale and the causal mask fused in.
 
 No floating-point atomics, so every result is bit-identical run to run. The token
 gradient is a scatter-add: the host sorts the ids (stable), and one block per
@@ -50,7 +53,9 @@ def transformer_kernels(nt: int) -> SimpleNamespace:
     kernel = cuda_sim.kernel_jit(NT)  # every kernel here is launched with NT threads per block
 
     red = block_reducers(nt)
-    block_sum, block_max = red.block_sum, red.block_max
+    segment_sum, segment_max = red.segment_sum, red.segment_max
+    W = red.W  # threads per attention row
+    R = NT // W  # attention rows per block
 
     # ------------------------------------------------------------------ embedding
 
@@ -98,118 +103,57 @@ def transformer_kernels(nt: int) -> SimpleNamespace:
             elif not accumulate:
                 dwpe[t, c] = _ZERO
 
-    # ------------------------------------------------------------------ causal attention
+    # ------------------------------------------------------------------ causal attention: the row kernels
+    # The products (q·kᵀ, att·v and their gradients) are batched GEMMs (cuda_gemm.py, CudaBackend.attention_*);
+    # these kernels do what lies between them, one segment of W threads per row of att[B·H·T, T], R rows a block.
 
     @kernel
-    def attention_softmax(qkv, T, H, scale, att):
-        """att[b, h, i, j] = softmax_{j ≤ i}(scale · q_i·k_j), 0 for j > i: one block per row (b, h, i)."""
+    def attention_softmax_rows(att, T, scale):
+        """att[r, j] = softmax_{j ≤ i}(scale · att[r, j]) in place, 0 for j > i, where i = r % T."""
         sh = cuda.shared.array(NT, float32)
-        C = qkv.shape[1] // 3
-        hs = C // H
-        B = qkv.shape[0] // T
         tid = cuda.threadIdx.x
-        for row in range(cuda.blockIdx.x, B * H * T, cuda.gridDim.x):
-            i = row % T
-            h = (row // T) % H
-            b = row // (T * H)
-            qi = b * T + i
-            qc = h * hs
-            kc = C + h * hs
-            mx = _NEG_INF
-            for j in range(tid, i + 1, NT):
-                kj = b * T + j
-                s = _ZERO
-                for d in range(hs):
-                    s += qkv[qi, qc + d] * qkv[kj, kc + d]
-                s *= scale
-                att[b, h, i, j] = s
-                mx = max(mx, s)
-            mx = block_max(sh, mx)
-            z = _ZERO
-            for j in range(tid, i + 1, NT):  # each thread reads back only the scores it wrote
-                e = math.exp(att[b, h, i, j] - mx)
-                att[b, h, i, j] = e
-                z += e
-            inv = _ONE / block_sum(sh, z)
-            for j in range(tid, T, NT):
-                att[b, h, i, j] = att[b, h, i, j] * inv if j <= i else _ZERO
-
-    @kernel
-    def attention_values(att, qkv, T, H, out):
-        """out[b·T + i, h·hs + d] = Σ_{j ≤ i} att[b, h, i, j] · v[b·T + j, h·hs + d]: one thread per output."""
-        C = out.shape[1]
-        hs = C // H
-        for n in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-            r = n // C
-            col = n % C
-            b = r // T
+        lane = tid % W
+        rows = att.shape[0]
+        for r0 in range(cuda.blockIdx.x * R, rows, cuda.gridDim.x * R):  # the same r0 for the whole block
+            r = r0 + tid // W
             i = r % T
-            h = col // hs
-            vc = 2 * C + col
-            acc = _ZERO
-            for j in range(i + 1):
-                acc += att[b, h, i, j] * qkv[b * T + j, vc]
-            out[r, col] = acc
+            n = i + 1 if r < rows else 0  # a thread past the last row still takes part in the reductions
+            mx = _NEG_INF
+            for j in range(lane, n, W):
+                mx = max(mx, att[r, j] * scale)
+            mx = segment_max(sh, mx)
+            z = _ZERO
+            for j in range(lane, n, W):  # each thread reads back only the entries it wrote
+                e = math.exp(att[r, j] * scale - mx)
+                att[r, j] = e
+                z += e
+            z = segment_sum(sh, z)
+            if r < rows:
+                inv = _ONE / z
+                for j in range(lane, T, W):
+                    att[r, j] = att[r, j] * inv if j <= i else _ZERO
 
     @kernel
-    def attention_softmax_backward(dout, qkv, att, T, H, scale, dscores):
-        """dscores[b, h, i] = scale · att ⊙ (datt − Σ_j att·datt) with datt[j] = dy_i·v_j (0 for j > i):
-        one block per row (b, h, i)."""
+    def attention_softmax_backward_rows(att, dscores, T, scale):
+        """dscores[r, j] = scale · att ⊙ (datt − Σ_j att·datt) in place, where dscores holds datt = dy·vᵀ on
+        and below the diagonal; 0 for j > i."""
         sh = cuda.shared.array(NT, float32)
-        C = dout.shape[1]
-        hs = C // H
-        B = dout.shape[0] // T
         tid = cuda.threadIdx.x
-        for row in range(cuda.blockIdx.x, B * H * T, cuda.gridDim.x):
-            i = row % T
-            h = (row // T) % H
-            b = row // (T * H)
-            yi = b * T + i
-            yc = h * hs
-            vc = 2 * C + h * hs
+        lane = tid % W
+        rows = att.shape[0]
+        for r0 in range(cuda.blockIdx.x * R, rows, cuda.gridDim.x * R):
+            r = r0 + tid // W
+            i = r % T
+            n = i + 1 if r < rows else 0
             dot = _ZERO
-            for j in range(tid, i + 1, NT):
-                vj = b * T + j
-                s = _ZERO
-                for d in range(hs):
-                    s += dout[yi, yc + d] * qkv[vj, vc + d]
-                dscores[b, h, i, j] = s  # datt for now; each thread reads back only its own
-                dot += att[b, h, i, j] * s
-            dot = block_sum(sh, dot)
-            for j in range(tid, T, NT):
-                if j <= i:
-                    dscores[b, h, i, j] = scale * att[b, h, i, j] * (dscores[b, h, i, j] - dot)
-                else:
-                    dscores[b, h, i, j] = _ZERO
-
-    @kernel
-    def attention_backward_qkv(dout, qkv, att, dscores, T, H, dqkv):
-        """dqkv[B·T, 3C], one thread per element: dq = dscores·k, dk = dscoresᵀ·q, dv = attᵀ·dy, per head."""
-        C = dout.shape[1]
-        hs = C // H
-        width = 3 * C
-        for n in range(cuda.grid(1), dqkv.size, cuda.gridsize(1)):
-            r = n // width
-            col = n % width
-            part = col // C  # 0: q, 1: k, 2: v
-            hc = col % C  # column within the part: h·hs + d
-            h = hc // hs
-            b = r // T
-            t = r % T
-            acc = _ZERO
-            if part == 0:  # dq[t] = Σ_{j ≤ t} dscores[t, j] · k[j]
-                for j in range(t + 1):
-                    acc += dscores[b, h, t, j] * qkv[b * T + j, C + hc]
-            elif part == 1:  # dk[t] = Σ_{i ≥ t} dscores[i, t] · q[i]
-                for i in range(t, T):
-                    acc += dscores[b, h, i, t] * qkv[b * T + i, hc]
-            else:  # dv[t] = Σ_{i ≥ t} att[i, t] · dy[i]
-                for i in range(t, T):
-                    acc += att[b, h, i, t] * dout[b * T + i, hc]
-            dqkv[r, col] = acc
+            for j in range(lane, n, W):
+                dot += att[r, j] * dscores[r, j]
+            dot = segment_sum(sh, dot)
+            if r < rows:
+                for j in range(lane, T, W):
+                    dscores[r, j] = scale * att[r, j] * (dscores[r, j] - dot) if j <= i else _ZERO
 
     return SimpleNamespace(
         NT=NT, embedding_forward=embedding_forward, embedding_backward_wte=embedding_backward_wte,
-        embedding_backward_wpe=embedding_backward_wpe, attention_softmax=attention_softmax,
-        attention_values=attention_values, attention_softmax_backward=attention_softmax_backward,
-        attention_backward_qkv=attention_backward_qkv)
+        embedding_backward_wpe=embedding_backward_wpe, attention_softmax_rows=attention_softmax_rows,
+        attention_softmax_backward_rows=attention_softmax_backward_rows, ROWS_PER_BLOCK=R)

@@ -11,7 +11,7 @@ import pytest
 import reference as ref
 from cudatest import AGREE, F32, needs_gpu, rand
 from hpctrain.backend.cuda import CudaBackend
-from hpctrain.backend.cuda_gemm import GPU_TILE, SIM_TILE, GemmTile
+from hpctrain.backend.cuda_gemm import GPU_SMALL_TILE, GPU_TILE, SIM_TILE, GemmTile, choose_tile, grid_blocks, k_splits
 from hpctrain.errors import BackendError
 
 SHAPES = [(1, 1, 1), (5, 9, 7), (13, 11, 6)]  # (M, K, N)
@@ -66,6 +66,39 @@ def test_matmul_tn_matches_reference_and_cpu(tiled, cpu, rng, M, K, N, accumulat
     want = start.copy()
     cpu.matmul_tn(dout, x, want, accumulate=accumulate)
     np.testing.assert_allclose(got, want, **AGREE)
+
+
+@pytest.mark.parametrize("rows,splits", [(40, 2), (301, 8)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_split_k_weight_gradient(be, cpu, rng, rows, splits, accumulate):
+    """A weight gradient whose grid is under one wave is summed over K slices, then the slices in order:
+    the same result as one pass (to float32 rounding), bit-identical run to run, accumulate honoured."""
+    n_out, n_in = 5, 7  # one tile: under the simulator's wave of 4 blocks
+    assert k_splits(SIM_TILE, be.wave, n_out, n_in, rows) == splits
+    dout, x, start = rand(rng, rows, n_out), rand(rng, rows, n_in), rand(rng, n_out, n_in)
+    runs = []
+    for _ in range(2):
+        got = be.asarray(start.copy())
+        be.matmul_tn(be.asarray(dout), be.asarray(x), got, accumulate=accumulate)
+        runs.append(be.to_host(got))
+    expected = dout.astype(np.float64).T @ x + (start if accumulate else 0)
+    np.testing.assert_allclose(runs[0], expected, rtol=1e-5, atol=1e-5 * np.sqrt(rows))
+    want = start.copy()
+    cpu.matmul_tn(dout, x, want, accumulate=accumulate)
+    np.testing.assert_allclose(runs[0], want, rtol=1e-5, atol=1e-5 * np.sqrt(rows))
+    assert runs[0].tobytes() == runs[1].tobytes()
+
+
+def test_tile_and_split_choice_fill_an_h100():
+    """The shape table: the 128×128 tiling where it fills 132 SMs, 64×64 elsewhere, split-K under a wave."""
+    tiles, sms = (GPU_TILE, GPU_SMALL_TILE), 132
+    assert choose_tile(tiles, sms, 4096, 4096) == GPU_TILE  # 1024 blocks
+    assert choose_tile(tiles, sms, 2048, 512) == GPU_SMALL_TILE  # 64 blocks of 128², 256 of 64²
+    assert choose_tile(tiles, sms, 128, 128) == GPU_SMALL_TILE  # neither fills a wave: the smaller
+    assert k_splits(GPU_SMALL_TILE, sms, 128, 128, 2048) == 64  # 4 blocks: 66 slices wanted, 64 of 32 allowed
+    assert k_splits(GPU_SMALL_TILE, sms, 128, 128, 50) == 1  # K too short to split
+    assert k_splits(GPU_SMALL_TILE, sms, 512, 2048, 4096) == 1  # 256 blocks: a wave already
+    assert grid_blocks(GPU_SMALL_TILE, 128, 128) * k_splits(GPU_SMALL_TILE, sms, 128, 128, 2048) >= sms
 
 
 def test_gemm_on_views_of_a_flat_buffer(be, rng):

@@ -173,6 +173,23 @@ def test_attention_forward_backward(be, cpu, rng, B, T, H, hs):
     assert be.to_host(dqkv).tobytes() == first.tobytes()  # no atomics: bit-identical run to run
 
 
+def test_attention_batch_longer_than_one_launch(be, rng, monkeypatch):
+    """B·H batched products beyond CUDA's grid limit go in several launches (here: limit 2, 6 products)."""
+    import hpctrain.backend.cuda as cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "MAX_GRID_Z", 2)
+    B, T, H, hs = 2, 5, 3, 2
+    C = H * hs
+    qkv, dout = rand(rng, B * T, 3 * C), rand(rng, B * T, C)
+    out, att, dqkv = be.empty((B * T, C)), be.empty((B, H, T, T)), be.empty((B * T, 3 * C))
+    be.attention_forward(be.asarray(qkv), T, H, out, att)
+    r_out, r_att = ref.attention(qkv, T, H)
+    np.testing.assert_allclose(be.to_host(out), r_out, **F32)
+    np.testing.assert_allclose(be.to_host(att), r_att, **F32)
+    be.attention_backward(be.asarray(dout), be.asarray(qkv), att, T, H, dqkv)
+    np.testing.assert_allclose(be.to_host(dqkv), ref.attention_backward(dout, qkv, T, H), rtol=1e-5, atol=1e-5)
+
+
 def test_attention_shape_errors_match_cpu(be, cpu, rng):
     B, T, H, hs = 2, 3, 2, 2
     C = H * hs

@@ -19,6 +19,13 @@ How an array keeps its block: the array is built with
 hold a reference to that owner, so the ``_Lease`` lives exactly as long as any
 array or view over the block, and its ``__del__`` hands the block back.
 
+The pool itself holds every block it owns (``_owned``), leased or cached, and each
+lease holds the pool. Without that, an array that ends in a reference cycle loses
+its block: CPython's cycle collector runs weak-reference callbacks (numba frees the
+device memory in one) and clears weak references inside the garbage before it
+calls ``__del__`` (seen on an H200 as "weakly-referenced object no longer exists"
+at a later allocation).
+
 When the device is full, the pool first releases every cached block to the
 driver and retries once; if that fails too the caller gets a ``BackendError``
 naming the operation, the shape and the bytes requested.
@@ -30,7 +37,6 @@ Under the CUDA simulator there are no device pointers: arrays are plain
 from __future__ import annotations
 
 import math
-import weakref
 
 import numpy as np
 
@@ -69,17 +75,18 @@ def rounded_bytes(nbytes: int) -> int:
 
 
 class _Lease:
-    """Held (through numba's view references) by every array over one block; returns the block when freed."""
+    """Held (through numba's view references) by every array over one block; returns the block when freed.
+
+    It holds the pool strongly: a weak reference that is itself part of a garbage cycle is cleared by the
+    cycle collector before ``__del__`` runs, and the block would then be lost to the pool."""
 
     __slots__ = ("pool", "size", "block")
 
     def __init__(self, pool, size, block):
-        self.pool, self.size, self.block = weakref.ref(pool), size, block
+        self.pool, self.size, self.block = pool, size, block
 
     def __del__(self):
-        pool = self.pool()
-        if pool is not None:  # at interpreter exit the pool may be gone first; the block is then simply dropped
-            pool._give_back(self.size, self.block)
+        self.pool._give_back(self.size, self.block)
 
 
 class DevicePool:
@@ -92,6 +99,7 @@ class DevicePool:
     def __init__(self, raw_alloc, wrap):
         self._raw_alloc, self._wrap = raw_alloc, wrap
         self._free: dict[int, list] = {}
+        self._owned: dict[int, object] = {}  # id -> block: every block the pool has not released
         self.hits = self.misses = 0
         self.cached_bytes = 0  # bytes on the free lists
         self.leased_bytes = 0  # bytes in arrays that are alive
@@ -113,6 +121,7 @@ class DevicePool:
                     raise
                 self.release_cached()  # other sizes may be sitting idle: give them back and retry once
                 block = self._raw_alloc(size)
+            self._owned[id(block)] = block
             self.misses += 1
         self.leased_bytes += size
         return self._wrap(block, shape, dtype, _Lease(self, size, block))
@@ -124,5 +133,8 @@ class DevicePool:
 
     def release_cached(self) -> None:
         """Drop every idle block (numba frees them); arrays in use are not affected."""
+        for blocks in self._free.values():
+            for block in blocks:
+                self._owned.pop(id(block), None)
         self._free.clear()
         self.cached_bytes = 0

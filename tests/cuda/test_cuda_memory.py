@@ -201,6 +201,40 @@ def test_pool_reuses_blocks_once_every_view_is_gone():
     assert pool.leased_bytes == 512 + 512 + 4096 and pool.cached_bytes == 0
 
 
+def test_pool_keeps_blocks_alive_through_a_garbage_cycle():
+    """An array in a reference cycle: the cycle collector runs weak-reference finalizers before ``__del__``,
+    so a block held only by its lease would be freed (numba's finalizer) and then handed back dead."""
+    import weakref
+
+    freed = []
+
+    class Block:  # numba's OwnedPointer frees the device memory from a weakref.finalize
+        def __init__(self, n):
+            self.n = n
+            weakref.finalize(self, freed.append, n)
+
+    made = []
+
+    def raw_alloc(nbytes):
+        made.append(Block(len(made)))
+        block = made[-1]
+        made[-1] = None  # the pool's reference is the only one
+        return block
+
+    pool = DevicePool(raw_alloc, lambda block, shape, dtype, owner: _FakeArray(block, shape, owner))
+    a = pool.alloc((100,), np.float32)
+    a.cycle = a
+    del a
+    gc.collect()
+    b = pool.alloc((100,), np.float32)  # the cached block, still allocated
+    assert b.block.n == 0 and freed == [] and pool.hits == 1
+    del b
+    gc.collect()
+    pool.release_cached()
+    gc.collect()
+    assert freed == [0]  # released: now numba may free it
+
+
 def test_pool_releases_its_cache_and_retries_once_on_out_of_memory():
     state = {"cached_dropped": False, "calls": 0}
 

@@ -7,7 +7,9 @@ Where torchrun sets OMP_NUM_THREADS=1, hpctrain gives each rank its share:
 OMP_NUM_THREADS / OPENBLAS_NUM_THREADS / MKL_NUM_THREADS = the cores this rank
 is bound to, or cores // ranks-on-this-node when it is not bound, when the
 launcher tells how many ranks share the node and the user has set none of them. This only works if it
-runs before numpy is first imported, so ``hpctrain/__init__.py`` calls it first.
+runs before numpy is first imported, so ``hpctrain/__init__.py`` calls it first. Once MPI runs,
+``parallel/slurm.share_node_cores`` applies the share again from MPI's own count of the
+ranks on the node (threadpoolctl), whatever the launcher and the import order.
 """
 
 import os
@@ -15,6 +17,9 @@ import sys
 
 _LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "PMI_LOCAL_SIZE")
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# the ones the user set (read when hpctrain is first imported, before this module sets any): their choice stands,
+# also when parallel/slurm.py applies the node's share at run time
+USER_THREAD_VARS = tuple(v for v in _THREAD_VARS if v in os.environ)
 
 
 def share_cores_between_local_ranks(environ=os.environ) -> None:

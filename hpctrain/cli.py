@@ -133,6 +133,14 @@ def _train(args) -> int:
     stop = StopFlag()
     MPI = _load_mpi()
 
+    from .errors import LaunchError
+    from .parallel.slurm import share_node_cores, singleton_world
+
+    problem = singleton_world(MPI.COMM_WORLD.Get_size())
+    if problem:
+        raise LaunchError(problem)
+    share_node_cores(MPI.COMM_WORLD)
+
     from .config import load_config
     from .parallel.agree import run_everywhere
     from .parallel.mesh import Mesh, resolve_layout

@@ -46,6 +46,18 @@ def _mpi() -> list[str]:
             f"CUDA-aware MPI: {'yes' if mpi_cuda_aware() else 'no (device arrays are staged through host memory)'}"]
 
 
+def _slurm() -> list[str]:
+    from mpi4py import MPI
+
+    from .parallel.slurm import node_local, singleton_world, slurm_view
+
+    lines = slurm_view()
+    rank, size = node_local(MPI.COMM_WORLD)
+    lines.append(f"node-local: rank {rank} of {size} on this node (MPI's shared-memory split)")
+    problem = singleton_world(MPI.COMM_WORLD.Get_size())
+    return lines + ([f"launch problem: {problem}"] if problem else [])
+
+
 def _gpus() -> list[str]:
     from .backend import cuda_available
 
@@ -85,7 +97,7 @@ def report() -> str:
              + f", numba-cuda {_numba_cuda()}",
              f"cores: {os.cpu_count()}, this process may use {len(os.sched_getaffinity(0))}"
              if hasattr(os, "sched_getaffinity") else f"cores: {os.cpu_count()}"]
-    for part in (_mpi, _gpus, _blas):
+    for part in (_mpi, _slurm, _gpus, _blas):
         try:
             lines += part()
         except Exception as e:  # one failing probe must not hide the others

@@ -37,6 +37,12 @@ class BackendError(HpctrainError):
     """A kernel got arrays it cannot work on, or the backend is unavailable."""
 
 
+class LaunchError(HpctrainError):
+    """The launcher and MPI disagree (e.g. srun started singleton worlds): each process is alone, nothing to abort."""
+
+    collective = True
+
+
 class LayoutError(HpctrainError):
     """World size, mesh or parameter layout disagree across ranks or with the config."""
 

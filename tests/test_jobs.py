@@ -124,7 +124,7 @@ def paths(tmp_path):
 @pytest.mark.parametrize("script", SLURM_SCRIPTS, ids=os.path.basename)
 def test_each_slurm_script_trains_and_checkpoints_under_a_fake_slurm(tmp_path, script, mpi):
     env, shim = fake_slurm(tmp_path, mpi=mpi)
-    env["HPCTRAIN_ARGS"] = "--set train.steps=4 --set train.log_every=2"  # split on spaces, before the arguments
+    env["HPCTRAIN_ARGS"] = "--set train.steps=4 --set 'train.log_every=2'"  # split as a shell would, before the arguments
     run, overrides = paths(tmp_path)
     rc, out, err = run_job([script, *overrides], env)
     assert rc == 0, out + err
@@ -132,7 +132,7 @@ def test_each_slurm_script_trains_and_checkpoints_under_a_fake_slurm(tmp_path, s
     assert folder_listing(run / "ck") == ["ckpt-00000004.h5"] + sharded, out + err
     assert "hpctrain: job 4242 (restart 0): 2 tasks on 1 node(s)" in out
     assert ("mpirun" in (shim / "srun").read_text()) == (mpi == "openmpi")
-    assert "--kill-on-bad-exit=1 hpctrain train" in (shim / "srun.log").read_text()
+    assert "--kill-on-bad-exit=1 --mpi=pmix hpctrain train" in (shim / "srun.log").read_text()
     assert not (shim / "scontrol.log").exists(), "a job that finished must not requeue itself"
     if "pp2" in script:
         assert "dp 1 x pp 2" in out and (run / "trace.json").is_file()
@@ -143,9 +143,12 @@ def test_each_slurm_script_trains_and_checkpoints_under_a_fake_slurm(tmp_path, s
 
 
 @needs_mpiexec
-def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path):
+@pytest.mark.parametrize("array", [False, True], ids=["job", "array-task"])
+def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path, array):
     script = os.path.join(ROOT, "jobs", "slurm", "digits.sbatch")
     env, shim = fake_slurm(tmp_path)
+    if array:  # task 3 of array 4242 is job 4245: it must requeue itself alone, never the whole array
+        env.update(SLURM_ARRAY_JOB_ID="4242", SLURM_ARRAY_TASK_ID="3", SLURM_JOB_ID="4245")
     run, overrides = paths(tmp_path)
     args = [script, "jobs/configs/digits.toml", *overrides, "--set", "train.log_every=20"]
     proc = subprocess.Popen(["bash", *args, "--set", "train.steps=100000000"], cwd=ROOT, env=env,
@@ -166,7 +169,7 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_re
     assert proc.returncode == 0, out
     assert "signal SIGUSR1 received: stopping at step" in out
     (saved,) = [n for n in os.listdir(run / "ck") if n.endswith(".h5")]  # the index; its shards beside it
-    assert (shim / "scontrol.log").read_text() == "requeue 4242\n"
+    assert (shim / "scontrol.log").read_text() == ("requeue 4242_3\n" if array else "requeue 4242\n")
     step = int(saved[len("ckpt-"):-len(".h5")])
     # the requeued job: same script, same arguments; checkpoint.resume = "auto" picks the checkpoint up
     env["SLURM_RESTART_COUNT"] = "1"
@@ -174,6 +177,34 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_re
     assert rc == 0, out + err
     assert f"resuming from {run}/ck/{saved} at step {step}" in out, out
     assert f"ckpt-{step + 2:08d}.h5" in os.listdir(run / "ck")
+
+
+def test_srun_without_a_common_pmi_is_one_line_per_task_not_n_separate_runs(tmp_path):
+    """srun starting each task as its own MPI world (no PMI in common): every task stops at once, naming --mpi."""
+    env, shim = fake_slurm(tmp_path)
+    (shim / "srun").write_text("#!/bin/bash\n"  # what srun does without a common PMI: N singletons
+                               f"echo \"$@\" >> {shim}/srun.log\n"
+                               "while [[ $# -gt 0 && $1 == -* ]]; do shift; done\n"
+                               "export SLURM_STEP_ID=0 SLURM_STEP_NUM_TASKS=$SLURM_NTASKS\n"
+                               "status=0\n"
+                               "for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i \"$@\" & done\n"
+                               "for ((i = 0; i < SLURM_NTASKS; i++)); do wait -n || status=$?; done\n"
+                               "exit $status\n")
+    run, overrides = paths(tmp_path)
+    rc, out, err = run_job([os.path.join(ROOT, "jobs", "slurm", "digits.sbatch"), *overrides], env, timeout=60)
+    lines = [line for line in err.splitlines() if line.startswith("hpctrain: error")]
+    assert rc == 2 and len(lines) == 2, out + err
+    assert all("Slurm started 2 tasks in job step 4242.0 but MPI gives this one a world of 1 rank" in line
+               and "srun --mpi=pmix" in line for line in lines), err
+    assert not (run / "ck").exists()
+
+
+def test_hpctrain_args_with_an_unclosed_quote_is_one_line_before_srun(tmp_path):
+    env, shim = fake_slurm(tmp_path)
+    env["HPCTRAIN_ARGS"] = "--set 'train.steps=4"
+    rc, _, err = run_job([os.path.join(ROOT, "jobs", "slurm", "digits.sbatch")], env, timeout=60)
+    assert rc == 2 and err.count("\n") == 1 and "HPCTRAIN_ARGS cannot be split" in err, err
+    assert not (shim / "srun.log").exists()
 
 
 @pytest.mark.parametrize("script", SLURM_SCRIPTS, ids=os.path.basename)

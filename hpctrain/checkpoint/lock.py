@@ -31,6 +31,7 @@ import sys
 import time
 
 from ..errors import CheckpointError, CheckpointInUseError
+from ..parallel.slurm import SRUN_MPI_HINT, same_step
 
 __all__ = ["LOCK_NAME", "FolderLock"]
 
@@ -70,8 +71,13 @@ class FolderLock:
             try:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                who = _read_holder(f, path)
+                record = _holder(f)
                 f.close()
+                who = _describe(record) if record else f"another process (its lock file {path} names none)"
+                if same_step(record):
+                    raise CheckpointInUseError(
+                        f"checkpoint.dir {folder} is in use by {who}, a task of this same job step: the step's tasks "
+                        f"are separate MPI worlds, not one job; {SRUN_MPI_HINT}") from None
                 raise CheckpointInUseError(f"checkpoint.dir {folder} is in use by {who}; only one job may use "
                                            "a checkpoint folder at a time: wait for that job to end, or give this "
                                            "one another checkpoint.dir") from None
@@ -161,7 +167,7 @@ def _same_file(f, path: str) -> bool:
 def _write_holder(f) -> None:
     record = {"what": "hpctrain checkpoint.dir lock", "host": socket.gethostname(), "pid": os.getpid(),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job": os.environ.get("SLURM_JOB_ID", ""),
-              "command": " ".join(sys.argv)}
+              "step": os.environ.get("SLURM_STEP_ID", ""), "command": " ".join(sys.argv)}
     f.seek(0)
     f.truncate()
     f.write(json.dumps(record, indent=1) + "\n")
@@ -185,14 +191,15 @@ def _parse(text: str) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def _read_holder(f, path: str) -> str:
-    """Who holds the lock, from its file (the holder writes it just after taking the lock: wait a little)."""
+def _holder(f) -> dict:
+    """The holder's record from the lock file ({} if it names none; the holder writes it just after taking the
+    lock: wait a little)."""
     for _ in range(_TRIES):
         record = _parse(_read(f))
         if record:
-            return _describe(record)
+            return record
         time.sleep(0.05)
-    return f"another process (its lock file {path} names none)"
+    return {}
 
 
 def _describe(record: dict) -> str:

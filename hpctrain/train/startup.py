@@ -30,6 +30,7 @@ from ..nn import make_loss, make_model
 from ..optim import make_optimizer
 from ..parallel.agree import run_everywhere
 from ..parallel.mesh import mpi_cuda_aware
+from ..parallel.slurm import node_local
 from ..parallel.sharding import scatter_flat
 from ..parallel.tensor import TensorParallel
 from ..parallel.tied import broadcast_tied
@@ -61,7 +62,7 @@ def build(t) -> None:
         if want != "auto" and getattr(mesh, key) != want:
             raise LayoutError(f"the mesh has {key} = {getattr(mesh, key)} but parallel.{key} = {want}: build it with "
                               "Mesh(dp=cfg.parallel.dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp)")
-    t.be = get_backend(cfg.train.backend, log=t.log, device_id=local_rank())
+    t.be = get_backend(cfg.train.backend, log=t.log, device_id=node_local(mesh.world)[0])
     ca = cfg.parallel.cuda_aware
     t.cuda_aware = bool(t.be.is_device and (mpi_cuda_aware() if ca == "auto" else ca))
     if t.cuda_aware and getattr(t.be, "simulator", False):
@@ -314,8 +315,3 @@ def _check_writable(key, path, *, folder):
         raise ConfigError(f"{key}: cannot create {path}: {parent} is not a writable folder")
 
 
-def local_rank() -> int:
-    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0

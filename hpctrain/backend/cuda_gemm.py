@@ -91,7 +91,20 @@ class GemmTile(NamedTuple):
         nx, ny = self.threads
         if nx * ny > 1024:
             raise BackendError(f"GEMM tile {tuple(self)}: {nx * ny} threads per block, at most 1024")
+        if self.shared_bytes > MAX_STATIC_SHARED:
+            raise BackendError(f"GEMM tile {tuple(self)}: {self.shared_bytes} bytes of shared memory for its two "
+                               f"stages, at most {MAX_STATIC_SHARED} (lower BK, BM or BN)")
         return self
+
+    @property
+    def shared_bytes(self) -> int:
+        """Static shared memory of the kernel: two stages of a BK×BM and a BK×BN slice, bank padding included
+        (the largest of the three layouts)."""
+        pad_a, pad_b = _bank_pad(self.BM, self.BK), _bank_pad(self.BN, self.BK)
+        return 2 * self.BK * (self.BM + pad_a + self.BN + pad_b) * 4
+
+
+MAX_STATIC_SHARED = 48 * 1024  # what a kernel may declare statically on every GPU since sm_50
 
 
 GPU_TILE = GemmTile(128, 128, 8, 8, 8)  # 256 threads, 64 accumulators each, 16.5 KiB of shared memory (2 stages)

@@ -159,7 +159,8 @@ def test_empty_product_is_a_no_op_and_k0_gives_bias(be):
 
 
 @pytest.mark.parametrize("tile,match", [((8, 8, 4, 3, 2), "multiple of TM"), ((8, 8, 0, 2, 2), ">= 1"),
-                                        ((128, 128, 8, 2, 2), "threads per block")])
+                                        ((128, 128, 8, 2, 2), "threads per block"),
+                                        ((256, 256, 32, 16, 16), "bytes of shared memory")])
 def test_bad_tile_is_rejected(tile, match):
     with pytest.raises(BackendError, match=match):
         CudaBackend(tile=tile)

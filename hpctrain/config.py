@@ -108,6 +108,8 @@ class OptimConfig:
     eps: float = 1e-8
     schedule: str = "constant"
     warmup_steps: int = 0
+    min_lr: float = 0.0  # where the cosine, linear and nanogpt schedules end
+    decay_min_ndim: int = 0  # weight decay only on tensors of at least this many dimensions (2: nanoGPT's rule)
 
     def __post_init__(self):
         if self.weight_decay < 0:  # torch.optim's defaults: AdamW 0.01, SGD and Adam 0
@@ -123,6 +125,7 @@ class CheckpointConfig:
     resume: str = "auto"
     lock: bool = True  # world rank 0 holds <dir>/hpctrain.lock for the run (hpctrain/checkpoint/lock.py)
     async_: bool = True  # TOML key ``async``: periodic checkpoints are written by a thread while training runs
+    allow_changed: tuple[str, ...] = ()  # resume = "auto": settings that may differ from the checkpoint's run
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,7 @@ CHOICES = {
     ("train", "recompute"): ("none", "blocks"),
     ("train", "backend"): ("auto", "cpu", "cuda"),
     ("optim", "name"): ("sgd", "adam", "adamw"),
-    ("optim", "schedule"): ("constant", "cosine", "linear"),
+    ("optim", "schedule"): ("constant", "cosine", "linear", "nanogpt"),
     ("parallel", "schedule"): ("1f1b", "gpipe"),
     ("parallel", "mode"): ("sync", "async_ps"),
 }
@@ -223,6 +226,10 @@ def _coerce(key: str, value, annotation: str):
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for v in value for i in v):
             raise ConfigError(form + " (indices are integers >= 0)")
         return tuple((int(a), int(b)) for a, b in value)
+    if annotation == "tuple[str, ...]":  # checkpoint.allow_changed
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f'{key}: expected an array of setting names like ["optim.lr"], got {value!r}')
+        return tuple(value)
     if annotation == "tuple[float, float]":
         if not isinstance(value, list) or len(value) != 2:
             raise ConfigError(f"{key}: expected an array of two floats, got {value!r}")
@@ -286,6 +293,11 @@ def _parse_layers(value) -> tuple[LayerSpec, ...]:
     return tuple(layers)
 
 
+def setting_names() -> tuple[str, ...]:
+    """Every setting as ``section.key`` (TOML spelling), e.g. "optim.lr", "checkpoint.async"."""
+    return tuple(f"{name}.{_toml_key(f.name)}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls))
+
+
 def _check_ranges(cfg: Config) -> None:
     def need(ok, key, what):
         if not ok:
@@ -312,6 +324,9 @@ def _check_ranges(cfg: Config) -> None:
         need(not d.tokens, "data.tokens", 'token datasets are for kind = "gpt"; an MLP reads data.inputs and '
              "data.targets")
     need(0.0 <= d.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
+    unknown = [k for k in cfg.checkpoint.allow_changed if k not in setting_names()]
+    need(not unknown, "checkpoint.allow_changed", f"{', '.join(map(repr, unknown))}: not a setting (names like "
+         '"optim.lr", "train.batch_size")')
     for section, key in SEED_KEYS:
         seed = getattr(getattr(cfg, section), key)
         need(seed >= 0, f"{section}.{key}", f"must be in [0, 2**63 - 1] (a numpy seed), got {seed}")
@@ -330,6 +345,11 @@ def _check_ranges(cfg: Config) -> None:
     need(all(0 <= b < 1 for b in o.betas), "optim.betas", f"each must be in [0, 1), got {list(o.betas)}")
     need(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
     need(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    need(0.0 <= o.min_lr <= o.lr, "optim.min_lr", f"must be in [0, optim.lr = {o.lr:g}], got {o.min_lr:g}")
+    need(0 <= o.decay_min_ndim <= 8, "optim.decay_min_ndim", f"must be in [0, 8] (2: decay only matrices, as "
+         f"nanoGPT does), got {o.decay_min_ndim}")
+    need(not (o.decay_min_ndim and p.mode == "async_ps"), "optim.decay_min_ndim",
+         'not supported with parallel.mode = "async_ps" yet (its servers update flat ranges, not tensors)')
     need(c.every >= 0, "checkpoint.every", f"must be >= 0 (0 = only at the end), got {c.every}")
     need(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
     need(p.dp == "auto" or p.dp >= 1, "parallel.dp", f'must be >= 1 or "auto", got {p.dp}')

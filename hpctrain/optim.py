@@ -31,6 +31,9 @@ class Optimizer:
         self.weight_decay = cfg.weight_decay
         self.step_count = 0
         self.pieces = [(0, params.layout.size)] if pieces is None else [tuple(p) for p in pieces]
+        # each piece as runs [a, b) with one weight decay: with optim.decay_min_ndim, tensors of fewer dimensions
+        # (biases, LayerNorm weights) take none; adjacent tensors alike share a run (one kernel launch)
+        self._runs = [decay_runs(params.layout, a, b, cfg.decay_min_ndim, cfg.weight_decay) for a, b in self.pieces]
         if cfg.name == "sgd":
             slots = ("momentum_buffer",) if cfg.momentum != 0 else ()
         else:
@@ -59,22 +62,22 @@ class Optimizer:
         self.step_count += 1
         at = 0
         for i, (a, b) in enumerate(self.pieces):
-            if b > a:  # a ZeRO chunk can be empty (more data-parallel ranks than aligned pieces of a bucket)
-                self._update(lr, slice(a, b), slice(at, at + b - a))
+            for lo, hi, decay in self._runs[i]:  # a ZeRO chunk can be empty: no runs
+                self._update(lr, slice(lo, hi), slice(at + lo - a, at + hi - a), decay)
             if after is not None:
                 after(i)
             at += b - a
 
-    def _update(self, lr: float, where: slice, state: slice) -> None:
+    def _update(self, lr: float, where: slice, state: slice, decay: float) -> None:
         """One fused kernel over the parameters ``where`` and the slots' values ``state``."""
         be, c = self.backend, self.cfg
         p, g = self.params.data[where], self.grads.data[where]
         if self.name == "sgd":
             buf = self.slots["momentum_buffer"].data[state] if self.slots else p  # unused without momentum
-            be.sgd_update(p, g, buf, lr=lr, momentum=c.momentum, weight_decay=self.weight_decay, nesterov=c.nesterov)
+            be.sgd_update(p, g, buf, lr=lr, momentum=c.momentum, weight_decay=decay, nesterov=c.nesterov)
         else:
             be.adam_update(p, g, self.slots["exp_avg"].data[state], self.slots["exp_avg_sq"].data[state], lr=lr,
-                           beta1=c.betas[0], beta2=c.betas[1], eps=c.eps, weight_decay=self.weight_decay,
+                           beta1=c.betas[0], beta2=c.betas[1], eps=c.eps, weight_decay=decay,
                            step=self.step_count, decoupled=self.name == "adamw")
 
     # a gradient whose norm stays below this cannot overflow the float32 state in one update (checked exactly
@@ -121,6 +124,27 @@ class Optimizer:
         Optimizer(self.cfg, be, FlatBuffer(be, layout), FlatBuffer(be, layout)).step(0.0)
 
 
+def decay_runs(layout: ParamLayout, a: int, b: int, min_ndim: int, weight_decay: float) -> list:
+    """[a, b) of the flat buffer as runs (lo, hi, weight decay): ``weight_decay`` on the tensors of at least
+    ``min_ndim`` dimensions, 0 on the others, adjacent runs with the same decay merged. Offsets outside every
+    tensor (none today) take the decay."""
+    if b <= a:
+        return []
+    if min_ndim <= 0 or weight_decay == 0:
+        return [(a, b, weight_decay)]
+    runs = []
+    for spec in layout:
+        lo, hi = max(a, spec.offset), min(b, spec.end)
+        if hi <= lo:
+            continue
+        decay = weight_decay if len(spec.shape) >= min_ndim else 0.0
+        if runs and runs[-1][1] == lo and runs[-1][2] == decay:
+            runs[-1] = (runs[-1][0], hi, decay)
+        else:
+            runs.append((lo, hi, decay))
+    return runs or [(a, b, weight_decay)]
+
+
 def make_optimizer(cfg, backend, params, grads, *, pieces=None) -> Optimizer:
     return Optimizer(cfg, backend, params, grads, pieces=pieces)
 
@@ -129,16 +153,25 @@ def lr_at(cfg, step: int, total_steps: int) -> float:
     """Learning rate for 0-based ``step``: linear warmup over ``warmup_steps``, then the schedule.
 
     Warmup: lr·(step+1)/warmup_steps. After it, with progress p = (step − warmup) /
-    max(1, total − warmup): constant lr; cosine lr·½(1 + cos πp); linear lr·(1 − p).
+    max(1, total − warmup): constant lr; cosine min_lr + (lr − min_lr)·½(1 + cos πp); linear
+    lr − (lr − min_lr)·p. ``"nanogpt"`` is nanoGPT's get_lr(it) with lr_decay_iters = total: warmup
+    lr·(step+1)/(warmup+1), then the cosine from lr to min_lr (min_lr past the end).
     """
-    w = cfg.warmup_steps
+    w, lo = cfg.warmup_steps, cfg.min_lr
+    if cfg.schedule == "nanogpt":
+        if step < w:
+            return cfg.lr * (step + 1) / (w + 1)
+        if step > total_steps:
+            return lo
+        ratio = (step - w) / max(1, total_steps - w)
+        return lo + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.lr - lo)
     if step < w:
         return cfg.lr * (step + 1) / w
     p = min(1.0, (step - w) / max(1, total_steps - w))
     if cfg.schedule == "cosine":
-        return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * p))
+        return lo + (cfg.lr - lo) * 0.5 * (1.0 + math.cos(math.pi * p))
     if cfg.schedule == "linear":
-        return cfg.lr * (1.0 - p)
+        return cfg.lr - (cfg.lr - lo) * p
     return cfg.lr
 
 

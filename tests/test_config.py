@@ -59,6 +59,12 @@ def test_round_trip_through_toml(tmp_path):
     ("[train]\nbatch_size = 0", "train.batch_size: must be >= 1"),
     ("[parallel]\ndp = 'many'", "parallel.dp: expected a positive integer or \"auto\""),
     ("[optim]\nweight_decay = -1.0", "optim.weight_decay: must be >= 0, got -1.0"),
+    ("[optim]\nlr = 0.1\nmin_lr = 0.2", r"optim.min_lr: must be in \[0, optim.lr = 0.1\], got 0.2"),
+    ("[optim]\ndecay_min_ndim = -1", r"optim.decay_min_ndim: must be in \[0, 8\]"),
+    ("[optim]\nschedule = 'nanoGPT'", "optim.schedule: expected one of 'constant', 'cosine', 'linear', 'nanogpt'"),
+    ("[optim]\ndecay_min_ndim = 2\n[parallel]\nmode = 'async_ps'", 'optim.decay_min_ndim: not supported with '
+     'parallel.mode = "async_ps"'),
+    ("[checkpoint]\nallow_changed = 'optim.lr'", r"checkpoint.allow_changed: expected an array of setting names"),
     ("[data]\nval_fraction = 1.0", r"data.val_fraction: must be in \[0, 1\)"),
     ("[train]\nseed = -1", r"train.seed: must be in \[0, 2\*\*63 - 1\]"),
     ("[data]\nseed = -1", r"data.seed: must be in \[0, 2\*\*63 - 1\]"),

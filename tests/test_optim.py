@@ -94,3 +94,50 @@ def test_clip_coefficient_follows_clip_grad_norm():
     assert clip_coefficient(0.5, 1.0) == 1.0
     assert clip_coefficient(4.0, 1.0) == pytest.approx(1.0 / (4.0 + 1e-6))
     assert math.isclose(clip_coefficient(2.0, 1.0) * 2.0, 1.0, rel_tol=1e-6)
+
+
+def _nanogpt_get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters):
+    """nanoGPT's train.py get_lr, as written there."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    assert 0 <= decay_ratio <= 1
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return min_lr + coeff * (learning_rate - min_lr)
+
+
+def test_nanogpt_schedule_is_get_lr_and_min_lr_ends_the_others():
+    c = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=100, schedule="nanogpt")
+    for it in [0, 1, 50, 99, 100, 101, 2500, 4999, 5000, 5001, 6000]:
+        assert lr_at(c, it, 5000) == pytest.approx(_nanogpt_get_lr(it, 1e-3, 1e-4, 100, 5000), rel=1e-12, abs=0)
+    cos = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, schedule="cosine")
+    assert lr_at(cos, 4, 14) == 1.0 and lr_at(cos, 14, 14) == pytest.approx(0.1)
+    assert lr_at(cos, 9, 14) == pytest.approx(0.55)
+    lin = OptimConfig(lr=1.0, min_lr=0.2, schedule="linear")
+    assert lr_at(lin, 10, 10) == pytest.approx(0.2) and lr_at(lin, 5, 10) == pytest.approx(0.6)
+
+
+def test_decay_min_ndim_decays_matrices_only():
+    """optim.decay_min_ndim = 2, nanoGPT's configure_optimizers: biases and LayerNorm weights take no decay.
+    With zero gradients AdamW's update is the decay alone: matrices shrink by 1 − lr·wd, vectors stay."""
+    from hpctrain.optim import decay_runs
+
+    layout = ParamLayout([("w1", (3, 4)), ("b1", (3,)), ("ln", (3,)), ("w2", (2, 3)), ("w3", (2, 2)), ("b3", (2,))])
+    assert decay_runs(layout, 0, layout.size, 2, 0.1) == [(0, 12, 0.1), (12, 18, 0.0), (18, 28, 0.1),
+                                                          (28, 30, 0.0)]
+    assert decay_runs(layout, 5, 20, 2, 0.1) == [(5, 12, 0.1), (12, 18, 0.0), (18, 20, 0.1)]  # a ZeRO chunk
+    assert decay_runs(layout, 0, layout.size, 0, 0.1) == [(0, 30, 0.1)]
+    assert decay_runs(layout, 7, 7, 2, 0.1) == []
+    be = CpuBackend()
+    for pieces in (None, [(0, 13), (13, 30)]):
+        params, grads = FlatBuffer(be, layout), FlatBuffer(be, layout)
+        start = np.arange(1, layout.size + 1, dtype=np.float32)
+        params.data[:] = start
+        grads.data[:] = 0
+        cfg = OptimConfig(name="adamw", lr=0.5, weight_decay=0.1, decay_min_ndim=2)
+        Optimizer(cfg, be, params, grads, pieces=pieces).step(0.5)
+        for spec in layout:
+            want = start[spec.offset:spec.end] * (np.float32(1 - 0.5 * 0.1) if len(spec.shape) >= 2 else 1)
+            np.testing.assert_allclose(params.data[spec.offset:spec.end], want, rtol=1e-6, err_msg=spec.name)

@@ -104,9 +104,63 @@ def test_finished_run_reports_instead_of_training_again(tmp_path, mesh):
     lines = []
     again = run(config(tmp_path / "d.h5", train={"steps": 3}, checkpoint={"dir": ckdir}), mesh, lines.append)
     assert again.step == 3
-    assert any(f"training already finished: {ckdir} holds step 3 of train.steps = 3; to train further, raise "
-               "train.steps (--set train.steps=6" in line for line in lines), lines
+    assert any(f"training already finished: {ckdir} holds step 3, and train.steps = 3; to train further, raise "
+               "train.steps past 3 (--set train.steps=6" in line for line in lines), lines
     assert [step for step, _ in list_checkpoints(ckdir)] == [3]
+    lines = []  # a shorter run over a folder that holds more: the hint goes past what the folder holds
+    run(config(tmp_path / "d.h5", train={"steps": 2}, checkpoint={"dir": ckdir}), mesh, lines.append)
+    assert any("holds step 3, and train.steps = 2; to train further, raise train.steps past 3 (--set "
+               "train.steps=5" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("changes, keys", [
+    ({"optim": {"lr": 0.5}}, ["optim.lr"]),
+    ({"train": {"batch_size": 16, "seed": 7}}, ["train.batch_size", "train.seed"]),
+    ({"data": {"val_fraction": 0.5}}, ["data.val_fraction"]),
+])
+def test_resume_auto_refuses_a_run_with_other_settings(tmp_path, mesh, changes, keys):
+    """The lr sweep that silently resumed (or found "already finished") the first run: refused, naming the keys."""
+    make_classification(tmp_path / "d.h5", n=96)
+    ckdir = str(tmp_path / "ck")
+    run(config(tmp_path / "d.h5", train={"steps": 3}, checkpoint={"dir": ckdir}), mesh)
+
+    def changed(**extra):
+        sections = {"train": {"steps": 6}, "checkpoint": {"dir": ckdir, **extra}}
+        for section, values in changes.items():
+            sections[section] = {**sections.get(section, {}), **values}
+        return config(tmp_path / "d.h5", **sections)
+
+    with pytest.raises(CheckpointError) as e:
+        run(changed(), mesh)
+    text = str(e.value)
+    assert "\n" not in text and "written by a run with other settings" in text and "a new checkpoint.dir" in text
+    for key in keys:
+        assert f"{key} " in text, text
+    assert "checkpoint.allow_changed=[" + ", ".join(f'"{k}"' for k in keys) + "]" in text, text
+    assert [step for step, _ in list_checkpoints(ckdir)] == [3]  # nothing trained, nothing written
+    resumed = run(changed(allow_changed=keys), mesh)  # listed: that run goes on with the new settings
+    assert resumed.step == 6
+
+
+def test_resume_auto_allows_settings_that_do_not_change_the_result(tmp_path, mesh):
+    make_classification(tmp_path / "d.h5", n=96)
+    ckdir = str(tmp_path / "ck")
+    run(config(tmp_path / "d.h5", train={"steps": 3}, checkpoint={"dir": ckdir}), mesh)
+    lines = []
+    resumed = run(config(tmp_path / "d.h5", train={"steps": 5, "log_every": 1, "micro_batches": 2},
+                         checkpoint={"dir": ckdir, "every": 1, "keep": 5}, parallel={"bucket_mb": 1.0}),
+                  mesh, lines.append)
+    assert resumed.step == 5 and any("resuming from" in line for line in lines), lines
+
+
+def test_allow_changed_names_settings_only(tmp_path):
+    from hpctrain.config import parse_config
+    from hpctrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"checkpoint.allow_changed: 'optim.learning_rate': not a setting"):
+        parse_config({"model": {"layers": [{"type": "linear", "in": 2, "out": 2}]},
+                      "data": {"path": "d.h5", "inputs": "x", "targets": "y"},
+                      "checkpoint": {"allow_changed": ["optim.learning_rate"]}})
 
 
 def test_resuming_an_older_checkpoint_warns_about_newer_ones(tmp_path, mesh):

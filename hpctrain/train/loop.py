@@ -212,10 +212,11 @@ class Trainer:
         """
         cfg, t = self.cfg, self.cfg.train
         if self.step >= t.steps > 0:
-            self.log(f"training already finished: {cfg.checkpoint.dir} holds step {self.step} of train.steps = "
-                     f"{t.steps}; to train further, raise train.steps (--set train.steps={2 * t.steps}: the learning-"
-                     "rate schedule then differs from a run that had it from the start); to start afresh, point "
-                     "checkpoint.dir at a new folder")
+            where = cfg.checkpoint.dir or cfg.checkpoint.resume  # the folder, or the checkpoint named
+            self.log(f"training already finished: {where} holds step {self.step}, and train.steps = {t.steps}; to "
+                     f"train further, raise train.steps past {self.step} (--set train.steps={self.step + t.steps}: "
+                     "the learning-rate schedule then differs from a run that had it from the start); to start "
+                     "afresh, point checkpoint.dir at a new folder")
             return self._log_eval(MetricsFile("")) if self.data.n_val else {}
         metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step)
         window = Window()

@@ -31,6 +31,7 @@ from ..optim import make_optimizer
 from ..parallel.agree import run_everywhere
 from ..parallel.mesh import mpi_cuda_aware
 from ..parallel.slurm import node_local
+from .resume_check import changed_settings, resume_problem
 from ..parallel.sharding import scatter_flat
 from ..parallel.tensor import TensorParallel
 from ..parallel.tied import broadcast_tied
@@ -168,6 +169,9 @@ def load_start(t) -> None:
     flag = np.array([1 if auto else 0], dtype=np.int8)
     mesh.world.Bcast(flag, root=0)
     state, whole = resume(t, candidates, auto=bool(flag[0]))
+    if flag[0]:  # the run found in checkpoint.dir must be this one (train/resume_check.py); rank 0 holds a state
+        run_everywhere(mesh.world, (lambda: _check_settings(t, state)) if mesh.rank == 0 and state is not None
+                       else lambda: None)
     if state is not None and not whole:  # every rank holds its pieces already
         t.step, t.optim.step_count = state.step, state.optim_step
         t.log(f"resuming from {state.path} at step {state.step}"
@@ -213,6 +217,8 @@ def read_start(t):
                               "retention could delete this run's): use a new checkpoint.dir or move them away")
     if state is None:
         return None, (ckpt.load_weights(c.init, layout) if c.init else None)
+    if c.resume == "auto":
+        _check_settings(t, state)
     _warn_about_resume(t, state)
     wanted = set(t.optim.slots)
     if state.optim_name != t.optim.name or not wanted <= set(state.slots):
@@ -220,6 +226,13 @@ def read_start(t):
                               f"{', '.join(sorted(state.slots)) or 'none'}), but optim.name is {t.optim.name!r} "
                               f"(slots {', '.join(sorted(wanted)) or 'none'})")
     return state, None
+
+
+def _check_settings(t, state) -> None:
+    """CheckpointError when the checkpoint that resume = "auto" found was written with other settings."""
+    problem = resume_problem(state.path, changed_settings(state.config_text, t.cfg))
+    if problem:
+        raise CheckpointError(problem)
 
 
 def _warn_about_resume(t, state) -> None:

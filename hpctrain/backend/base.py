@@ -4,9 +4,13 @@ A backend owns where arrays live (host memory or GPU memory) and runs every
 kernel of a training step on them. ``CpuBackend`` (numpy BLAS + numba.njit) and
 ``CudaBackend`` (numba.cuda) implement the same methods with the same
 signatures; layers, losses and optimizers call only these methods, so they run
-unchanged on either. Arguments are checked where they enter: a wrong dtype,
-a non-contiguous array or a shape that does not fit raises ``BackendError``
-naming the op, the argument and the shapes, never a silent wrong result.
+unchanged on either. Arguments are checked where they enter, by the contract
+methods below that both backends call first (``_matmul_args``, ``_layernorm_backward_args``,
+...): a wrong dtype, a non-contiguous array or a shape that does not fit raises
+``BackendError`` naming the op, the argument and the shapes, never a silent wrong
+result, and the same on either backend (a device backend's ``_arg`` also refuses a
+host array). tests/test_backend_contract.py and tests/cuda/test_cuda_contract.py break
+each argument of each op in turn.
 """
 
 from __future__ import annotations
@@ -69,21 +73,111 @@ class Backend:
     name = "base"
     is_device = False
 
+    def _arg(self, op, name, arr, **kw):
+        """One argument checked (``check_array``); a device backend also requires it to live on the device."""
+        return check_array(op, name, arr, **kw)
+
     def _check_same(self, op, **arrays):
         first_name, first = next(iter(arrays.items()))
-        shape = check_array(op, first_name, first).shape
+        shape = self._arg(op, first_name, first).shape
         for name, arr in arrays.items():
-            check_array(op, name, arr, shape=shape)
+            self._arg(op, name, arr, shape=shape)
 
     def _check_flat(self, op, **arrays):
         first_name, first = next(iter(arrays.items()))
-        n = check_array(op, first_name, first, ndim=1).shape[0]
+        n = self._arg(op, first_name, first, ndim=1).shape[0]
         for name, arr in arrays.items():
-            check_array(op, name, arr, shape=(n,))
+            self._arg(op, name, arr, shape=(n,))
+
+    # ------------------------------------------------------------------ the argument contract of each op
+    # Both backends call these first, so a wrongly sized, typed or placed argument is the same BackendError
+    # on either (tests/test_backend_contract.py); each returns the sizes its op needs.
+
+    def _matmul_args(self, op, a, b, out, bias=None):
+        """(M, N, K) of out[M,N] = a·b in the layout ``op`` names (nt: a[M,K], b[N,K]; nn: a[M,K], b[K,N];
+        tn: a[K,M], b[K,N])."""
+        self._arg(op, "a", a, ndim=2)
+        if op == "matmul_nt":
+            self._arg(op, "b", b, ndim=2, cols=a.shape[1])
+            M, N, K = a.shape[0], b.shape[0], a.shape[1]
+        elif op == "matmul_nn":
+            self._arg(op, "b", b, ndim=2, rows=a.shape[1])
+            M, N, K = a.shape[0], b.shape[1], a.shape[1]
+        else:
+            self._arg(op, "b", b, ndim=2, rows=a.shape[0])
+            M, N, K = a.shape[1], b.shape[1], a.shape[0]
+        self._arg(op, "out", out, shape=(M, N))
+        if bias is not None:
+            self._arg(op, "bias", bias, shape=(N,))
+        return M, N, K
+
+    def _bias_grad_args(self, dout, dbias):
+        C = self._arg("bias_grad", "dout", dout, ndim=2).shape[1]
+        self._arg("bias_grad", "dbias", dbias, shape=(C,))
+        return C
+
+    def _unary_args(self, op, x, out):
+        self._arg(op, "out", out, shape=self._arg(op, "x", x).shape)
+
+    def _layernorm_forward_args(self, x, weight, bias, out, mean, rstd):
+        op = "layernorm_forward"
+        B, C = self._arg(op, "x", x, ndim=2).shape
+        for name, arr in (("weight", weight), ("bias", bias)):
+            self._arg(op, name, arr, shape=(C,))
+        self._arg(op, "out", out, shape=(B, C))
+        for name, arr in (("mean", mean), ("rstd", rstd)):
+            self._arg(op, name, arr, shape=(B,))
+        return B, C
+
+    def _layernorm_backward_args(self, dout, x, weight, mean, rstd, dinp, dweight, dbias):
+        op = "layernorm_backward"
+        B, C = self._arg(op, "x", x, ndim=2).shape
+        for name, arr in (("dout", dout), ("dinp", dinp)):
+            self._arg(op, name, arr, shape=(B, C))
+        for name, arr in (("weight", weight), ("dweight", dweight), ("dbias", dbias)):
+            self._arg(op, name, arr, shape=(C,))
+        for name, arr in (("mean", mean), ("rstd", rstd)):
+            self._arg(op, name, arr, shape=(B,))
+        return B, C
+
+    def _cross_entropy_args(self, logits, targets, dlogits):
+        B, C = self._arg("cross_entropy", "logits", logits, ndim=2).shape
+        self._arg("cross_entropy", "targets", targets, shape=(B,), dtype=np.int64)
+        self._arg("cross_entropy", "dlogits", dlogits, shape=(B, C))
+        return B, C
+
+    def _mse_args(self, pred, target, dpred):
+        shape = self._arg("mse", "pred", pred, ndim=2).shape
+        self._arg("mse", "target", target, shape=shape)
+        self._arg("mse", "dpred", dpred, shape=shape)
+        return shape
+
+    def _embedding_args(self, op, idx, table, wpe, rows_out, out_name):
+        """(B, T, V, C) of an embedding op: idx[B, T] int64, table[V, C] (wte or dwte), wpe[≥T, C] (or dwpe),
+        ``rows_out``[B·T, C] (out or dout)."""
+        B, T = self._arg(op, "idx", idx, ndim=2, dtype=np.int64).shape
+        table_name, wpe_name, what = (("wte", "wpe", "position table") if op == "embedding_forward"
+                                      else ("dwte", "dwpe", "position gradient"))
+        V, C = self._arg(op, table_name, table, ndim=2).shape
+        self._arg(op, wpe_name, wpe, ndim=2, cols=C)
+        self._arg(op, out_name, rows_out, shape=(B * T, C))
+        if wpe.shape[0] < T:
+            raise BackendError(f"{op}: {T} positions but the {what} {wpe_name} has {wpe.shape[0]} rows")
+        return B, T, V, C
+
+    def _attention_args(self, op, qkv, T, n_head, att, **arrays):
+        """(B, H, C, hs, T) of an attention op, after checking qkv, att[B, H, T, T] and ``arrays``: out or dout
+        [B·T, C], dqkv[B·T, 3C]."""
+        B, H, C, hs = self._attention_shapes(op, qkv, T, n_head)
+        T = int(T)
+        self._arg(op, "att", att, shape=(B, H, T, T))
+        for name, arr in arrays.items():
+            self._arg(op, name, arr, shape=(B * T, 3 * C if name == "dqkv" else C))
+        return B, H, C, hs, T
 
     def _attention_shapes(self, op, qkv, T, n_head):
         """(B, H, C, hs) of a fused qkv[B·T, 3C] with ``n_head`` heads; BackendError if they do not fit."""
-        rows, width = check_array(op, "qkv", qkv, ndim=2).shape
+        rows, width = self._arg(op, "qkv", qkv, ndim=2).shape
         T, H = int(T), int(n_head)
         if T < 1 or rows % T:
             raise BackendError(f"{op}: qkv has {rows} rows, not a multiple of T = {T}")

@@ -15,7 +15,7 @@ import math
 import numba
 import numpy as np
 
-from .base import Backend, check_array
+from .base import Backend
 from .cpu_transformer import TransformerKernels
 
 __all__ = ["CpuBackend"]
@@ -322,39 +322,31 @@ class CpuBackend(TransformerKernels, Backend):
     # -- matrix products (X·Wᵀ, dY·W, dYᵀ·X)
     def matmul_nt(self, a, b, out, bias=None):
         """out[M,N] = a[M,K] @ b[N,K]ᵀ (+ bias[N]): the Linear forward."""
-        check_array("matmul_nt", "a", a, ndim=2)
-        check_array("matmul_nt", "b", b, ndim=2, cols=a.shape[1])
-        check_array("matmul_nt", "out", out, shape=(a.shape[0], b.shape[0]))
+        self._matmul_args("matmul_nt", a, b, out, bias)
         np.matmul(a, b.T, out=out)
         if bias is not None:
-            check_array("matmul_nt", "bias", bias, shape=(b.shape[0],))
             _bias_add(out, bias)
 
     def matmul_nn(self, a, b, out):
         """out[M,N] = a[M,K] @ b[K,N]: the Linear input gradient dY·W."""
-        check_array("matmul_nn", "a", a, ndim=2)
-        check_array("matmul_nn", "b", b, ndim=2, rows=a.shape[1])
-        check_array("matmul_nn", "out", out, shape=(a.shape[0], b.shape[1]))
+        self._matmul_args("matmul_nn", a, b, out)
         np.matmul(a, b, out=out)
 
     def matmul_tn(self, a, b, out, accumulate=False):
         """out[M,N] (+)= a[K,M]ᵀ @ b[K,N]: the Linear weight gradient dYᵀ·X."""
-        check_array("matmul_tn", "a", a, ndim=2)
-        check_array("matmul_tn", "b", b, ndim=2, rows=a.shape[0])
-        check_array("matmul_tn", "out", out, shape=(a.shape[1], b.shape[1]))
+        self._matmul_args("matmul_tn", a, b, out)
         if accumulate:
             _add_inplace(out, a.T @ b)
         else:
             np.matmul(a.T, b, out=out)
 
     def bias_grad(self, dout, dbias, accumulate=False):
-        check_array("bias_grad", "dout", dout, ndim=2)
-        check_array("bias_grad", "dbias", dbias, shape=(dout.shape[1],))
+        self._bias_grad_args(dout, dbias)
         _bias_grad(dout, dbias, accumulate)
 
     # -- activations
     def relu_forward(self, x, out):
-        check_array("relu_forward", "out", out, shape=check_array("relu_forward", "x", x).shape)
+        self._unary_args("relu_forward", x, out)
         _relu_forward(x, out)
 
     def relu_backward(self, x, dout, dinp):
@@ -362,7 +354,7 @@ class CpuBackend(TransformerKernels, Backend):
         _relu_backward(x, dout, dinp)
 
     def gelu_forward(self, x, out):
-        check_array("gelu_forward", "out", out, shape=check_array("gelu_forward", "x", x).shape)
+        self._unary_args("gelu_forward", x, out)
         _gelu_forward(x, out)
 
     def gelu_backward(self, x, dout, dinp):
@@ -370,7 +362,7 @@ class CpuBackend(TransformerKernels, Backend):
         _gelu_backward(x, dout, dinp)
 
     def tanh_forward(self, x, out):
-        check_array("tanh_forward", "out", out, shape=check_array("tanh_forward", "x", x).shape)
+        self._unary_args("tanh_forward", x, out)
         _tanh_forward(x, out)
 
     def tanh_backward(self, y, dout, dinp):
@@ -379,20 +371,11 @@ class CpuBackend(TransformerKernels, Backend):
 
     # -- layernorm
     def layernorm_forward(self, x, weight, bias, eps, out, mean, rstd):
-        B, C = check_array("layernorm_forward", "x", x, ndim=2).shape
-        check_array("layernorm_forward", "weight", weight, shape=(C,))
-        check_array("layernorm_forward", "bias", bias, shape=(C,))
-        check_array("layernorm_forward", "out", out, shape=(B, C))
-        check_array("layernorm_forward", "mean", mean, shape=(B,))
-        check_array("layernorm_forward", "rstd", rstd, shape=(B,))
+        self._layernorm_forward_args(x, weight, bias, out, mean, rstd)
         _layernorm_forward(x, weight, bias, float(eps), out, mean, rstd)
 
     def layernorm_backward(self, dout, x, weight, mean, rstd, dinp, dweight, dbias, accumulate=False):
-        B, C = check_array("layernorm_backward", "x", x, ndim=2).shape
-        for name, arr in (("dout", dout), ("dinp", dinp)):
-            check_array("layernorm_backward", name, arr, shape=(B, C))
-        for name, arr in (("weight", weight), ("dweight", dweight), ("dbias", dbias)):
-            check_array("layernorm_backward", name, arr, shape=(C,))
+        self._layernorm_backward_args(dout, x, weight, mean, rstd, dinp, dweight, dbias)
         _layernorm_backward(dout, x, weight, mean, rstd, dinp, dweight, dbias, accumulate)
 
     # -- residual connections
@@ -403,29 +386,25 @@ class CpuBackend(TransformerKernels, Backend):
 
     # -- losses
     def cross_entropy(self, logits, targets, dlogits, grad_scale):
-        B, C = check_array("cross_entropy", "logits", logits, ndim=2).shape
-        check_array("cross_entropy", "targets", targets, shape=(B,), dtype=np.int64)
-        check_array("cross_entropy", "dlogits", dlogits, shape=(B, C))
+        B, C = self._cross_entropy_args(logits, targets, dlogits)
         total, correct, bad = _cross_entropy(logits, targets, dlogits, float(grad_scale))
         if bad >= 0:
             self.bad_target(targets, bad, C)
         return float(total), int(correct)
 
     def mse(self, pred, target, dpred, grad_scale):
-        check_array("mse", "pred", pred, ndim=2)
-        check_array("mse", "target", target, shape=pred.shape)
-        check_array("mse", "dpred", dpred, shape=pred.shape)
+        self._mse_args(pred, target, dpred)
         return float(_mse(pred, target, dpred, float(grad_scale)))
 
     # -- flat buffers
     def sum_squares(self, x):
-        return float(_sum_squares(check_array("sum_squares", "x", x, ndim=1)))
+        return float(_sum_squares(self._arg("sum_squares", "x", x, ndim=1)))
 
     def scale_(self, x, s):
-        _scale(check_array("scale_", "x", x, ndim=1), np.float32(s))
+        _scale(self._arg("scale_", "x", x, ndim=1), np.float32(s))
 
     def fill_(self, x, value):
-        x.fill(value)
+        self._arg("fill_", "x", x, dtype=x.dtype).fill(value)
 
     def sgd_update(self, param, grad, momentum_buf, *, lr, momentum, weight_decay, nesterov):
         self._check_flat("sgd_update", param=param, grad=grad, momentum_buf=momentum_buf)

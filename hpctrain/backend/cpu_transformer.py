@@ -15,9 +15,6 @@ import math
 import numba
 import numpy as np
 
-from ..errors import BackendError
-from .base import check_array
-
 __all__ = ["TransformerKernels"]
 
 # as in cpu.py: numpy's error model lets LLVM vectorise; reductions may reassociate their sums
@@ -133,24 +130,14 @@ class TransformerKernels:
     # -- embedding: token and learned position
     def embedding_forward(self, idx, wte, wpe, out):
         """out[B·T, C] = wte[idx[b, t]] + wpe[t] for token ids idx[B, T] (int64), wte[V, C], wpe[≥T, C]."""
-        B, T = check_array("embedding_forward", "idx", idx, ndim=2, dtype=np.int64).shape
-        V, C = check_array("embedding_forward", "wte", wte, ndim=2).shape
-        check_array("embedding_forward", "wpe", wpe, ndim=2, cols=C)
-        if wpe.shape[0] < T:
-            raise BackendError(f"embedding_forward: {T} positions but the position table wpe has {wpe.shape[0]} rows")
-        check_array("embedding_forward", "out", out, shape=(B * T, C))
+        B, T, V, C = self._embedding_args("embedding_forward", idx, wte, wpe, out, "out")
         bad = _embedding_forward(idx, wte, wpe, out)
         if bad >= 0:
             self.bad_token(idx, bad, V, op="embedding_forward")
 
     def embedding_backward(self, dout, idx, dwte, dwpe, *, accumulate_wte=False, accumulate_wpe=False):
         """dwte[v] (+)= Σ dout rows with id v; dwpe[t] (+)= Σ_b dout[b·T + t] (rows ≥ T of dwpe: 0 or kept)."""
-        B, T = check_array("embedding_backward", "idx", idx, ndim=2, dtype=np.int64).shape
-        V, C = check_array("embedding_backward", "dwte", dwte, ndim=2).shape
-        check_array("embedding_backward", "dwpe", dwpe, ndim=2, cols=C)
-        check_array("embedding_backward", "dout", dout, shape=(B * T, C))
-        if dwpe.shape[0] < T:
-            raise BackendError(f"embedding_backward: {T} positions but dwpe has {dwpe.shape[0]} rows")
+        B, T, V, C = self._embedding_args("embedding_backward", idx, dwte, dwpe, dout, "dout")
         bad = _embedding_backward(dout, idx, dwte, dwpe, bool(accumulate_wte), bool(accumulate_wpe))
         if bad >= 0:
             self.bad_token(idx, bad, V, op="embedding_backward")
@@ -159,9 +146,7 @@ class TransformerKernels:
     def attention_forward(self, qkv, T, n_head, out, att):
         """out[B·T, C] = softmax(q·kᵀ/√hs, causal)·v per head, from qkv[B·T, 3C] (q, k, v, heads of hs = C/H);
         att[B, H, T, T] keeps the probabilities for the backward pass."""
-        B, H, C, hs = self._attention_shapes("attention_forward", qkv, T, n_head)
-        check_array("attention_forward", "out", out, shape=(B * T, C))
-        check_array("attention_forward", "att", att, shape=(B, H, T, T))
+        B, H, C, hs, T = self._attention_args("attention_forward", qkv, T, n_head, att, out=out)
         q, k, v = _heads(qkv, B, T, H, hs)
         scores = np.matmul(q, k.transpose(0, 1, 3, 2))  # (B, H, T, T), BLAS per head
         _causal_softmax(scores.reshape(B * H, T, T), 1.0 / math.sqrt(hs), att.reshape(B * H, T, T))
@@ -169,10 +154,7 @@ class TransformerKernels:
 
     def attention_backward(self, dout, qkv, att, T, n_head, dqkv):
         """dqkv[B·T, 3C] from dout[B·T, C], the forward's qkv and att (overwritten, never accumulated)."""
-        B, H, C, hs = self._attention_shapes("attention_backward", qkv, T, n_head)
-        check_array("attention_backward", "dout", dout, shape=(B * T, C))
-        check_array("attention_backward", "att", att, shape=(B, H, T, T))
-        check_array("attention_backward", "dqkv", dqkv, shape=(B * T, 3 * C))
+        B, H, C, hs, T = self._attention_args("attention_backward", qkv, T, n_head, att, dout=dout, dqkv=dqkv)
         q, k, v = _heads(qkv, B, T, H, hs)
         dq, dk, dv = _heads(dqkv, B, T, H, hs)
         dy = dout.reshape(B, T, H, hs).transpose(0, 2, 1, 3)

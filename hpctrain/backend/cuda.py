@@ -209,28 +209,18 @@ class CudaBackend(Backend):
 
     def matmul_nt(self, a, b, out, bias=None):
         """out[M,N] = a[M,K] @ b[N,K]ᵀ (+ bias[N]): the Linear forward, bias fused into the store."""
-        self._check("matmul_nt", "a", a, ndim=2)
-        self._check("matmul_nt", "b", b, ndim=2, cols=a.shape[1])
-        self._check("matmul_nt", "out", out, shape=(a.shape[0], b.shape[0]))
-        if bias is not None:
-            self._check("matmul_nt", "bias", bias, shape=(b.shape[0],))
-        self._gemm(NT, a, b, out, a.shape[0], b.shape[0], a.shape[1],
-                   bias, EPI_STORE if bias is None else EPI_BIAS)
+        M, N, K = self._matmul_args("matmul_nt", a, b, out, bias)
+        self._gemm(NT, a, b, out, M, N, K, bias, EPI_STORE if bias is None else EPI_BIAS)
 
     def matmul_nn(self, a, b, out):
         """out[M,N] = a[M,K] @ b[K,N]: the Linear input gradient dY·W."""
-        self._check("matmul_nn", "a", a, ndim=2)
-        self._check("matmul_nn", "b", b, ndim=2, rows=a.shape[1])
-        self._check("matmul_nn", "out", out, shape=(a.shape[0], b.shape[1]))
-        self._gemm(NN, a, b, out, a.shape[0], b.shape[1], a.shape[1], None, EPI_STORE)
+        M, N, K = self._matmul_args("matmul_nn", a, b, out)
+        self._gemm(NN, a, b, out, M, N, K, None, EPI_STORE)
 
     def matmul_tn(self, a, b, out, accumulate=False):
         """out[M,N] (+)= a[K,M]ᵀ @ b[K,N]: the Linear weight gradient dYᵀ·X."""
-        self._check("matmul_tn", "a", a, ndim=2)
-        self._check("matmul_tn", "b", b, ndim=2, rows=a.shape[0])
-        self._check("matmul_tn", "out", out, shape=(a.shape[1], b.shape[1]))
-        self._gemm(TN, a, b, out, a.shape[1], b.shape[1], a.shape[0],
-                   None, EPI_ACCUMULATE if accumulate else EPI_STORE)
+        M, N, K = self._matmul_args("matmul_tn", a, b, out)
+        self._gemm(TN, a, b, out, M, N, K, None, EPI_ACCUMULATE if accumulate else EPI_STORE)
 
     def _gemm(self, layout, a, b, out, M, N, K, bias, epilogue):
         if M == 0 or N == 0:
@@ -263,9 +253,7 @@ class CudaBackend(Backend):
 
     def bias_grad(self, dout, dbias, accumulate=False):
         """dbias[C] (+)= Σ_rows dout[B,C]."""
-        self._check("bias_grad", "dout", dout, ndim=2)
-        self._check("bias_grad", "dbias", dbias, shape=(dout.shape[1],))
-        C = dout.shape[1]
+        C = self._bias_grad_args(dout, dbias)
         if C:
             k = self._k
             self._launch(k.bias_grad, -(-C // k.RX), (k.RX, k.RY), dout, dbias, bool(accumulate))
@@ -291,13 +279,10 @@ class CudaBackend(Backend):
         self._binary("tanh_backward", self._k.tanh_backward, y=y, dout=dout, dinp=dinp)
 
     def _unary(self, op, kernel, *, x, out):
-        self._check(op, "x", x)
-        self._check(op, "out", out, shape=x.shape)
+        self._unary_args(op, x, out)
         self._elementwise(kernel, x.size, _flat(x), _flat(out))
 
     def _binary(self, op, kernel, **arrays):
-        for name, arr in arrays.items():
-            self._require_device(op, name, arr)
         self._check_same(op, **arrays)
         first = next(iter(arrays.values()))
         self._elementwise(kernel, first.size, *(_flat(a) for a in arrays.values()))
@@ -306,25 +291,14 @@ class CudaBackend(Backend):
 
     def layernorm_forward(self, x, weight, bias, eps, out, mean, rstd):
         """out[B,C] = (x − mean)·rstd·weight + bias; saves mean[B] and rstd[B] for the backward pass."""
-        B, C = self._check("layernorm_forward", "x", x, ndim=2).shape
-        self._check("layernorm_forward", "weight", weight, shape=(C,))
-        self._check("layernorm_forward", "bias", bias, shape=(C,))
-        self._check("layernorm_forward", "out", out, shape=(B, C))
-        self._check("layernorm_forward", "mean", mean, shape=(B,))
-        self._check("layernorm_forward", "rstd", rstd, shape=(B,))
+        B, C = self._layernorm_forward_args(x, weight, bias, out, mean, rstd)
         if B and C:
             self._launch(self._k.layernorm_forward, self._rows_grid(B), self.block,
                          x, weight, bias, np.float32(eps), out, mean, rstd)
 
     def layernorm_backward(self, dout, x, weight, mean, rstd, dinp, dweight, dbias, accumulate=False):
         """dinp[B,C]; dweight[C], dbias[C] (+)= their sums over the rows."""
-        B, C = self._check("layernorm_backward", "x", x, ndim=2).shape
-        for name, arr in (("dout", dout), ("dinp", dinp)):
-            self._check("layernorm_backward", name, arr, shape=(B, C))
-        for name, arr in (("weight", weight), ("dweight", dweight), ("dbias", dbias)):
-            self._check("layernorm_backward", name, arr, shape=(C,))
-        for name, arr in (("mean", mean), ("rstd", rstd)):
-            self._check("layernorm_backward", name, arr, shape=(B,))
+        B, C = self._layernorm_backward_args(dout, x, weight, mean, rstd, dinp, dweight, dbias)
         if not C:
             return
         k = self._k
@@ -344,12 +318,7 @@ class CudaBackend(Backend):
         An id outside [0, V) raises BackendError: the kernel leaves the first such position in one int64
         that is read back (synchronises)."""
         op = "embedding_forward"
-        B, T = self._check(op, "idx", idx, ndim=2, dtype=np.int64).shape
-        V, C = self._check(op, "wte", wte, ndim=2).shape
-        self._check(op, "wpe", wpe, ndim=2, cols=C)
-        if wpe.shape[0] < T:
-            raise BackendError(f"{op}: {T} positions but the position table wpe has {wpe.shape[0]} rows")
-        self._check(op, "out", out, shape=(B * T, C))
+        B, T, V, C = self._embedding_args(op, idx, wte, wpe, out, "out")
         n = B * T
         if n == 0:
             return
@@ -366,12 +335,7 @@ class CudaBackend(Backend):
         Deterministic, and bit-identical to the CPU backend: idx is read back (synchronises) and sorted on
         the host, then one block per distinct id adds its rows in batch order; no atomics."""
         op = "embedding_backward"
-        B, T = self._check(op, "idx", idx, ndim=2, dtype=np.int64).shape
-        V, C = self._check(op, "dwte", dwte, ndim=2).shape
-        self._check(op, "dwpe", dwpe, ndim=2, cols=C)
-        self._check(op, "dout", dout, shape=(B * T, C))
-        if dwpe.shape[0] < T:
-            raise BackendError(f"{op}: {T} positions but the position gradient dwpe has {dwpe.shape[0]} rows")
+        B, T, V, C = self._embedding_args(op, idx, dwte, dwpe, dout, "dout")
         ids = self.to_host(idx).reshape(-1) if B * T and C else None  # first: the wpe kernel overlaps the sort
         if not accumulate_wte:
             self.fill_(dwte, 0)
@@ -392,23 +356,13 @@ class CudaBackend(Backend):
         self._launch(self._tk.embedding_backward_wte, self._rows_grid(U), self.block,
                      dout, plan[:n], plan[n:n + U + 1], plan[n + U + 1:], dwte)
 
-    def _attention_args(self, op, qkv, T, n_head, att):
-        """(B, H, C, T, scale) of an attention call, after checking qkv and att."""
-        self._require_device(op, "qkv", qkv)
-        B, H, C, hs = self._attention_shapes(op, qkv, T, n_head)
-        T = int(T)
-        self._check(op, "att", att, shape=(B, H, T, T))
-        return B, H, C, T, np.float32(1.0 / math.sqrt(hs))
-
     def attention_forward(self, qkv, T, n_head, out, att):
         """out[B·T, C] = softmax(q·kᵀ/√hs, causal)·v per head, from qkv[B·T, 3C] (q, k, v, heads of hs = C/H);
         att[B, H, T, T] keeps the probabilities for the backward pass."""
-        op = "attention_forward"
-        B, H, C, T, scale = self._attention_args(op, qkv, T, n_head, att)
-        self._check(op, "out", out, shape=(B * T, C))
+        B, H, C, hs, T = self._attention_args("attention_forward", qkv, T, n_head, att, out=out)
         if B == 0:
             return
-        hs, Z, tile = C // H, B * H, self.attention_tile
+        scale, Z, tile = np.float32(1.0 / math.sqrt(hs)), B * H, self.attention_tile
         att2 = att.reshape(B * H * T, T)  # row (b·H + h)·T + i
         q, k, v = (T, 0, 0, hs), (T, 0, C, hs), (T, 0, 2 * C, hs)  # a head's [T, hs] in qkv (cuda_gemm.py)
         rows, heads = (H * T, T, 0, 0), (T, 0, 0, hs)  # a head's [T, T] in att2, its [T, hs] in out
@@ -419,12 +373,10 @@ class CudaBackend(Backend):
     def attention_backward(self, dout, qkv, att, T, n_head, dqkv):
         """dqkv[B·T, 3C] from dout[B·T, C], the forward's qkv and att (overwritten, never accumulated)."""
         op = "attention_backward"
-        B, H, C, T, scale = self._attention_args(op, qkv, T, n_head, att)
-        self._check(op, "dout", dout, shape=(B * T, C))
-        self._check(op, "dqkv", dqkv, shape=(B * T, 3 * C))
+        B, H, C, hs, T = self._attention_args(op, qkv, T, n_head, att, dout=dout, dqkv=dqkv)
         if B == 0:
             return
-        hs, Z, tile = C // H, B * H, self.attention_tile
+        scale, Z, tile = np.float32(1.0 / math.sqrt(hs)), B * H, self.attention_tile
         att2 = att.reshape(B * H * T, T)
         dscores = self._alloc(op, (B * H * T, T), np.float32)
         q, k, v = (T, 0, 0, hs), (T, 0, C, hs), (T, 0, 2 * C, hs)
@@ -444,9 +396,7 @@ class CudaBackend(Backend):
     def cross_entropy(self, logits, targets, dlogits, grad_scale):
         """Softmax cross-entropy of logits[B,C] against int64 targets[B]: returns (loss sum, correct);
         writes dlogits = (softmax − onehot)·grad_scale. A target outside [0, C) raises BackendError."""
-        B, C = self._check("cross_entropy", "logits", logits, ndim=2).shape
-        self._check("cross_entropy", "targets", targets, shape=(B,), dtype=np.int64)
-        self._check("cross_entropy", "dlogits", dlogits, shape=(B, C))
+        B, C = self._cross_entropy_args(logits, targets, dlogits)
         if B == 0:
             return 0.0, 0
         if C == 0:
@@ -464,9 +414,7 @@ class CudaBackend(Backend):
 
     def mse(self, pred, target, dpred, grad_scale):
         """Σ (pred − target)² over pred[B,C] (host float); writes dpred = 2·(pred − target)·grad_scale."""
-        self._check("mse", "pred", pred, ndim=2)
-        self._check("mse", "target", target, shape=pred.shape)
-        self._check("mse", "dpred", dpred, shape=pred.shape)
+        self._mse_args(pred, target, dpred)
         return self._sum_reduce("mse", self._k.mse_partial, pred.size, _flat(pred), _flat(target), _flat(dpred),
                                 np.float32(grad_scale))
 
@@ -474,24 +422,21 @@ class CudaBackend(Backend):
 
     def sum_squares(self, x):
         """Σ x² over a flat x[n] as a host float (the global gradient norm²), float64 accumulation."""
-        self._check("sum_squares", "x", x, ndim=1)
+        self._arg("sum_squares", "x", x, ndim=1)
         return self._sum_reduce("sum_squares", self._k.sum_squares_partial, x.size, x)
 
     def scale_(self, x, s):
         """x[n] *= s."""
-        self._check("scale_", "x", x, ndim=1)
+        self._arg("scale_", "x", x, ndim=1)
         self._elementwise(self._k.scale, x.size, x, np.float32(s))
 
     def fill_(self, x, value):
         """x[...] = value, any dtype."""
-        self._require_device("fill_", "x", x)
-        check_array("fill_", "x", x, dtype=x.dtype)
+        self._arg("fill_", "x", x, dtype=x.dtype)
         self._elementwise(self._k.fill, x.size, _flat(x), x.dtype.type(value))
 
     def sgd_update(self, param, grad, momentum_buf, *, lr, momentum, weight_decay, nesterov):
         """torch.optim.SGD step over the flat buffers, one fused kernel (momentum_buf unused if momentum = 0)."""
-        for name, arr in (("param", param), ("grad", grad), ("momentum_buf", momentum_buf)):
-            self._require_device("sgd_update", name, arr)
         self._check_flat("sgd_update", param=param, grad=grad, momentum_buf=momentum_buf)
         f32 = np.float32
         self._elementwise(self._k.sgd_update, param.size, param, grad, momentum_buf, f32(lr), f32(momentum),
@@ -499,8 +444,6 @@ class CudaBackend(Backend):
 
     def adam_update(self, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, decoupled):
         """torch.optim.Adam (L2 decay) / AdamW (decoupled decay) step over the flat buffers, one fused kernel."""
-        for name, arr in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-            self._require_device("adam_update", name, arr)
         self._check_flat("adam_update", param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         f32 = np.float32
         step_size = lr / (1.0 - beta1**step)  # bias corrections in float64 on the host, as cpu.py does
@@ -548,7 +491,7 @@ class CudaBackend(Backend):
             raise BackendError(f"{op}: {name} must be a device array (backend.asarray), got "
                                f"{type(arr).__name__}" + (f" with shape {tuple(shape)}" if shape is not None else ""))
 
-    def _check(self, op, name, arr, **kw):
+    def _arg(self, op, name, arr, **kw):
         """check_array plus: the array lives on the device (a host array would be copied back and forth)."""
         self._require_device(op, name, arr)
         return check_array(op, name, arr, **kw)

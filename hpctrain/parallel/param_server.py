@@ -37,7 +37,11 @@ and the run would end one short of its budget).
 Ordering: MPI keeps messages between two ranks on one communicator and tag in order,
 and a worker sends PUSH before GRAD, so a server that receives a PUSH header then
 receives its gradient from the same worker. A server answers a PULL with non-blocking
-sends of a copy, so it never waits on a worker; a worker waits only for its servers. A
+sends of a snapshot of its range (``_Snapshots``): one copy per server version, shared
+by every pull answered at that version and dropped when its last send completes, at
+most staleness + 2 alive (before a new one the server waits for the oldest one's sends,
+whose receives the workers posted with their PULL). So a server's memory does not grow
+with the number of workers, and finding the completed sends costs O(1) per message. A
 run ends when every worker has sent DONE to every server: nothing is left unmatched.
 
 Collective behaviour: ``Server.run`` and ``WorkerLink`` calls are point-to-point; with
@@ -47,6 +51,7 @@ update, every server for the same step.
 
 from __future__ import annotations
 
+import collections
 import time
 
 import numpy as np
@@ -88,7 +93,7 @@ class Server:
         self.idle = [0.0] * workers
         self.steps = [0] * workers
         self._pending = []  # (worker, clock) pulls not answered yet
-        self._sends = []  # (request, buffer) kept until complete
+        self.snapshots = _Snapshots(limit=staleness + 2)  # what the answers send, until their sends complete
         self._sum = np.zeros_like(params) if staleness == 0 else None  # k = 0: the W gradients of this step
         self._sum_count = 0
         self.ahead_max = 0  # the most steps a worker was ahead of the slowest when let go (<= staleness)
@@ -131,8 +136,7 @@ class Server:
             if self.stop_flag is not None and self.stop_flag():
                 self.stopping = True
             self._answer()
-        MPI.Request.Waitall([r for r, _ in self._sends])
-        self._sends = []
+        self.snapshots.wait_all()
         self.elapsed = time.perf_counter() - self.started
 
     def _wait_for_message(self, status) -> None:
@@ -179,17 +183,65 @@ class Server:
             if not stop:
                 self.ahead_max = max(self.ahead_max, clock - slowest)
                 self.granted += 1
+            # the update may change params while the send is in flight: a snapshot of this version, shared
+            data = self.snapshots.get(self.version, self.params)
             version = np.array([-1 if stop else self.version], dtype=np.int64)
-            data = self.params.copy()  # the update may change params while the send is in flight
             dest = self.worker_rank(w)
-            self._sends.append((self.world.Isend(version, dest=dest, tag=TAGS["VERSION"]), version))
-            self._sends.append((self.world.Isend(data, dest=dest, tag=TAGS["PARAMS"]), data))
+            self.snapshots.sent(self.version, self.world.Isend(version, dest=dest, tag=TAGS["VERSION"]), version)
+            self.snapshots.sent(self.version, self.world.Isend(data, dest=dest, tag=TAGS["PARAMS"]))
         self._pending = still
-        if self._sends:
-            from mpi4py import MPI
+        self.snapshots.reap()
 
-            done = set(MPI.Request.Testsome([r for r, _ in self._sends]) or [])
-            self._sends = [s for i, s in enumerate(self._sends) if i not in done]
+
+class _Snapshots:
+    """Host copies of a server's range as sent to the workers: one per server version, shared by every pull
+    answered at that version, dropped once its sends complete. At most ``limit`` alive: ``get`` for a new
+    version first waits for the oldest one's sends (each worker posted its receives with its PULL).
+    ``peak``: the most alive at once."""
+
+    def __init__(self, limit: int):
+        self.limit = max(1, limit)
+        self._live = collections.OrderedDict()  # version -> (copy, [(request, buffer kept alive)])
+        self.peak = 0
+
+    def get(self, version: int, params: np.ndarray) -> np.ndarray:
+        entry = self._live.get(version)
+        if entry is None:
+            self.reap()
+            while len(self._live) >= self.limit:
+                self._drop_oldest(wait=True)
+            entry = self._live[version] = (params.copy(), [])
+            self.peak = max(self.peak, len(self._live))
+        return entry[0]
+
+    def sent(self, version: int, request, keep=None) -> None:
+        """Record a send of ``version``'s answer (``keep``: a buffer that must live until it completes)."""
+        self._live[version][1].append((request, keep))
+
+    def reap(self) -> None:
+        """Drop the oldest snapshots whose sends have completed, stopping at the first that has not: each
+        snapshot is tested until it goes, so the work per message stays O(1) on average."""
+        while self._live and self._drop_oldest(wait=False):
+            pass
+
+    def wait_all(self) -> None:
+        while self._live:
+            self._drop_oldest(wait=True)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def _drop_oldest(self, *, wait: bool) -> bool:
+        from mpi4py import MPI
+
+        version, (_, sends) = next(iter(self._live.items()))
+        requests = [r for r, _ in sends]
+        if wait:
+            MPI.Request.Waitall(requests)
+        elif not MPI.Request.Testall(requests):
+            return False
+        del self._live[version]
+        return True
 
 
 class WorkerLink:

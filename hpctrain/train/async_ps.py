@@ -297,6 +297,7 @@ class AsyncTrainer:
                        staleness_max=max(s.staleness, default=0),
                        staleness_mean=float(np.mean(s.staleness)) if s.staleness else 0.0,
                        steps_ahead_max=s.ahead_max, server_updates_per_s=s.version / max(s.elapsed, 1e-9),
+                       server_snapshots_max=s.snapshots.peak,
                        worker_idle_s=[round(x, 4) for x in s.idle], **result)
         self.log("parameter server done: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                       for k, v in summary.items()))

@@ -9,8 +9,8 @@ with the new run's and names each setting that changes the result:
     problem = resume_problem(path, changed)          # one line, or None
 
 May differ (``MAY_DIFFER``): how long and how often (train.steps, the log/eval/checkpoint
-cadence), where (paths), how it is laid out on the machine (every parallel.* but the mode and
-staleness, micro-batches, recompute, the backend) and what to do about bad steps. Everything
+cadence), where (paths), how it is laid out on the machine (every parallel.* but the staleness,
+micro-batches, recompute, the backend) and what to do about bad steps. Everything
 else changes the numbers and must match, unless ``checkpoint.allow_changed`` lists it. A
 setting the checkpoint's hpctrain did not have yet is not compared.
 """
@@ -28,6 +28,7 @@ MAY_DIFFER = frozenset({
     "data.path", "data.allow_external", "data.corpus",
     "parallel.dp", "parallel.pp", "parallel.tp", "parallel.schedule", "parallel.stages", "parallel.bucket_mb",
     "parallel.overlap", "parallel.cuda_aware", "parallel.servers", "parallel.zero",
+    "parallel.mode",  # staleness 0 is synchronous training in either mode; parallel.staleness changes the math
 })  # and every checkpoint.* setting
 
 

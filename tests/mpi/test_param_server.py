@@ -109,13 +109,14 @@ def test_the_step_budget_is_global_so_a_straggler_takes_fewer_steps(comm, data, 
     cfg = config(data, optim=SGD, train={"steps": steps, "batch_size": 4 * W},
                  parallel={"mode": "async_ps", "servers": S, "staleness": k}, checkpoint={"dir": f"{shared_dir}/ck"})
     summary = run_async(cfg)
-    per = np.zeros(W + 2, dtype=np.int64)
+    per = np.zeros(W + 3, dtype=np.int64)
     if comm.rank == 0:
         per[:W] = summary["updates_per_worker"]
-        per[W:] = summary["step"], summary["steps_ahead_max"]
+        per[W:] = summary["step"], summary["steps_ahead_max"], summary["server_snapshots_max"]
     comm.Bcast(per, root=0)
-    counts, step, ahead = per[:W], per[W], per[W + 1]
+    counts, step, ahead, snapshots = per[:W], per[W], per[W + 1], per[W + 2]
     assert counts.sum() == steps * W and step == steps and ahead <= k, per
+    assert 1 <= snapshots <= k + 2, per  # the server's copies of its range: bounded by the staleness, not by W
     assert counts[0] < counts[1:].min() and counts.max() - counts.min() <= k + 1, per
 
 

@@ -1,0 +1,85 @@
+"""The parameter server's peak memory against the number of workers (issue 28): it must not grow with W.
+
+    python bench/bench_ps_memory.py                          # W = 2, 4, 8 workers, 1 server, staleness 2
+    python bench/bench_ps_memory.py --workers 2 4 --hidden 2048 --pythonpath /path/to/other/checkout
+
+Runs ``hpctrain train jobs/configs/digits-ps.toml`` under ``mpiexec -n W+1`` (oversubscribed on a small
+machine) with the digits MLP widened to --hidden (two hidden layers: about 4.3 M parameters at 2048, 17 MB
+a copy), --steps steps, no checkpoint and no metrics file. Every rank runs under ``/usr/bin/time -f %M``;
+the table gives the server's (world rank 0) peak RSS and the largest worker's for each W, and the server's
+growth per added worker. --pythonpath runs another checkout's hpctrain (a before/after comparison in one run).
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "jobs", "configs", "digits-ps.toml")
+
+WRAPPER = """#!/bin/bash
+rank=${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}
+exec /usr/bin/time -f %M -o "$RSS_DIR/rank-$rank" "$@"
+"""
+
+
+OTHER = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_EditableFinder' and "
+         "getattr(f, '__name__', '') != '_EditableFinder']; sys.path.insert(0, {path!r}); import hpctrain; "
+         "assert hpctrain.__file__.startswith({path!r}), hpctrain.__file__; from hpctrain.cli import main; "
+         "sys.exit(main(sys.argv[1:]))")
+
+
+def run(workers, args):
+    layers = (f"[{{type = \"linear\", in = 64, out = {args.hidden}}}, {{type = \"relu\"}}, "
+              f"{{type = \"linear\", in = {args.hidden}, out = {args.hidden}}}, {{type = \"relu\"}}, "
+              f"{{type = \"linear\", in = {args.hidden}, out = 10}}]")
+    with tempfile.TemporaryDirectory() as tmp:
+        wrapper = os.path.join(tmp, "rss.sh")
+        with open(wrapper, "w") as f:
+            f.write(WRAPPER)
+        os.chmod(wrapper, 0o755)
+        env = dict(os.environ, RSS_DIR=tmp, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        # another checkout: ahead of an editable install's finder, which would otherwise win over sys.path
+        start = ["-c", OTHER.format(path=args.pythonpath)] if args.pythonpath else ["-m", "hpctrain"]
+        cmd = [args.mpiexec, "-n", str(workers + 1), wrapper, sys.executable, *start, "train", CONFIG,
+               "--set", f"model.layers={layers}", "--set", f"train.steps={args.steps}",
+               "--set", f"train.batch_size={8 * workers}", "--set", f"parallel.staleness={args.staleness}",
+               "--set", "checkpoint.dir=", "--set", "train.metrics=", "--set", "train.eval_every=0",
+               "--set", f"train.log_every={args.steps}"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode:
+            raise SystemExit(f"W = {workers}: exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        rss = {int(n.split("-")[1]): int(open(os.path.join(tmp, n)).read().split()[-1]) / 1024
+               for n in os.listdir(tmp) if n.startswith("rank-")}
+        snapshots = [line for line in proc.stdout.splitlines() if "server_snapshots_max" in line]
+        peak = snapshots[-1].split("server_snapshots_max ")[1].split(",")[0] if snapshots else "n/a"
+        return rss[0], max(v for r, v in rss.items() if r > 0), peak
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--staleness", type=int, default=2)
+    p.add_argument("--pythonpath", default="", help="run the hpctrain found here (another checkout)")
+    p.add_argument("--mpiexec", default=os.path.join(os.path.dirname(sys.executable), "mpiexec"))
+    args = p.parse_args()
+    params = 64 * args.hidden + args.hidden + args.hidden * args.hidden + args.hidden + args.hidden * 10 + 10
+    print(f"digits MLP 64-{args.hidden}-{args.hidden}-10: {params:,} parameters ({params * 4 / 2**20:.1f} MiB a "
+          f"copy); staleness {args.staleness}, {args.steps} steps; hpctrain from {args.pythonpath or 'this checkout'}")
+    rows = []
+    for w in args.workers:
+        server, worker, peak = run(w, args)
+        rows.append((w, server, worker, peak))
+        print(f"W = {w}: server peak RSS {server:,.0f} MB, largest worker {worker:,.0f} MB, "
+              f"server snapshots at most {peak}", flush=True)
+    (w0, s0, _, _), (w1, s1, _, _) = rows[0], rows[-1]
+    print(f"server growth per added worker: {(s1 - s0) / max(1, w1 - w0):+.1f} MB "
+          f"({(s1 - s0) / max(1, w1 - w0) / (params * 4 / 2**20):+.2f} copies of the parameters)")
+
+
+if __name__ == "__main__":
+    main()

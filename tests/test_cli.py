@@ -135,7 +135,9 @@ def test_digits_pipeline_job_learns_and_writes_a_trace(tmp_path, schedule):
                     "--set", "train.steps=300", "--set", f"parallel.schedule={schedule}",
                     launcher=(shutil.which("mpiexec"), "-n", "2"))
     assert proc.returncode == 0, proc.stderr
-    assert f"pipeline: schedule {schedule}, 4 micro-batch(es), stages 0: layers 0..1, 1: layers 2..4" in proc.stdout
+    assert (f"pipeline: schedule {schedule}, 4 micro-batch(es), stages (the default cut, by estimated FLOPs per row) "
+            "0: layers 0..1 (32% of the FLOPs, 8,320 parameters), 1: layers 2..4 (68% of the FLOPs, 17,802 "
+            "parameters)") in proc.stdout
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r for r in records if "val_accuracy" in r][-1]["val_accuracy"] >= 0.95
     assert all(len(r["stages"]) == 2 for r in records if "loss" in r)

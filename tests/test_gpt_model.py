@@ -158,3 +158,16 @@ def test_without_biases_the_names_are_nanogpts_bias_false_ones():
 def test_bad_shapes():
     with pytest.raises(ConfigError, match="n_embd = 10 is not divisible by model.n_head = 3"):
         GPTSpec(vocab_size=5, block_size=4, n_layer=1, n_head=3, n_embd=10)
+
+
+def test_the_default_pipeline_cut_balances_flops_not_parameters():
+    """GPT-2 small at pp = 2: the head's logits product (through the tied wte) is a large share of the time and
+    the embedding's table almost none of it, so the cut is by FLOPs per token, not by parameters."""
+    spec = GPTSpec(vocab_size=50257, block_size=256, n_layer=12, n_head=12, n_embd=768)
+    C, V, T = 768, 50257, 256
+    assert spec.flops(13, 13) == 2 * (2 * C) + 2 * C * V  # ln_f, then the logits
+    assert spec.flops(1, 1) == 2 * (12 * C * C + 13 * C) + 2 * T * C  # a block's weights, biases, LayerNorms, attention
+    stages = spec.partition(2)
+    assert stages == [(0, 9), (10, 13)]
+    costs = [spec.flops(lo, hi) for lo, hi in stages]
+    assert max(costs) / sum(costs) < 0.55  # by parameters it was [(0, 3), (4, 13)]: 83% of the FLOPs on stage 1

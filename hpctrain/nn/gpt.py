@@ -51,6 +51,9 @@ class Embedding(Layer):
     def init(self, rng):
         return {name: _normal(rng, shape, INIT_STD) for name, shape in self.params}
 
+    def flops(self) -> int:
+        return 2 * self.out_features  # a row gathered and a position added: the tables' size costs nothing
+
     def forward(self, be, idx):
         B, T = idx.shape
         out = be.empty((B * T, self.out_features))
@@ -94,6 +97,10 @@ class Block(Layer):
                        CausalSelfAttention(block_size, n_head))
         self.in_features = self.out_features = C
         self.residual_std = INIT_STD / math.sqrt(2 * n_layer)  # nanoGPT's c_proj.weight special case
+
+    def flops(self) -> int:
+        C = self.in_features
+        return super().flops() + 2 * self.attn.T * C  # q·kᵀ and att·v: 2·T·C each, half of it under the mask
 
     def _assemble(self, subs, attn):
         self.subs, self.attn, self.gelu = subs, attn, GELU()
@@ -172,6 +179,9 @@ class Head(Layer):
 
     def init(self, rng):
         return {"ln_f." + k: v for k, v in self.ln_f.init(rng).items()}
+
+    def flops(self) -> int:
+        return super().flops() + 2 * self.in_features * self.out_features  # the logits through the tied wte
 
     def bind(self, weights, grads, accumulating=frozenset()):
         super().bind(weights, grads, accumulating)

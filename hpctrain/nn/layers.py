@@ -28,6 +28,11 @@ class Layer:
     def init(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         return {}
 
+    def flops(self) -> int:
+        """Forward FLOPs per row (token) this layer costs, for cutting pipeline stages: 2 per parameter, a
+        dense layer's multiply-add per weight (the backward costs about twice that everywhere alike)."""
+        return 2 * sum(int(np.prod(shape)) for _, shape in self.params)
+
     def bind(self, weights: dict, grads: dict, accumulating=frozenset()) -> None:
         """Give the layer its parameter and gradient views (local names). ``accumulating`` names the
         gradients another layer of the same part writes first in the backward pass: this layer adds to them."""

@@ -11,7 +11,8 @@ head uses the token embedding); the global layout holds it once.
 A partition unit is a range of layers pipeline stages are never cut inside: for the MLP a
 layer with parameters (Linear, LayerNorm) with the parameter-free activations after it, for
 the GPT the embedding, each block, the head. Stages are cut between units by default
-(balanced by parameter count), or where the user says with ``parallel.stages``; under
+(balanced by estimated FLOPs per row, ``ModelSpec.flops``), or where the user says with
+``parallel.stages``; under
 tensor parallelism a column/row-parallel pair is one unit.
 
 ``ModelPart`` owns a contiguous range of layers, as one tensor-parallel rank runs them: its
@@ -123,8 +124,15 @@ class ModelSpec:
         """Parameters layers lo..hi (inclusive) own."""
         return sum(int(np.prod(shape)) for layer in self.layers[lo : hi + 1] for _, shape in layer.params)
 
+    def flops(self, lo: int, hi: int) -> int:
+        """Forward FLOPs per row of layers lo..hi (inclusive): what ``partition`` balances."""
+        return sum(layer.flops() for layer in self.layers[lo : hi + 1])
+
     def partition(self, pp: int, stages=(), tp: int = 1) -> list[tuple[int, int]]:
-        """Inclusive layer ranges of the ``pp`` stages: ``stages`` when given, else units balanced by parameters.
+        """Inclusive layer ranges of the ``pp`` stages: ``stages`` when given, else units balanced by their
+        estimated time, the FLOPs per row (``flops``: for a dense layer 2 per weight, so an MLP's cut is its
+        parameters'; a GPT's head counts its logits product through the tied table, its embedding only a
+        lookup, its blocks their attention too).
 
         With ``tp > 1`` a tensor-parallel pair is one unit: no stage boundary falls inside it."""
         units = self.tp_units() if tp > 1 else self.units
@@ -142,7 +150,7 @@ class ModelSpec:
             merged = "; with tp > 1 a column/row-parallel pair is one unit" if len(units) < len(self.units) else ""
             raise LayoutError(f"parallel.pp = {pp} is more stages than the model has partition units "
                               f"({len(units)}: {self.unit_text}{merged})")
-        return _balanced([self.param_count(lo, hi) for lo, hi in units], units, pp)
+        return _balanced([self.flops(lo, hi) for lo, hi in units], units, pp)
 
     unit_text = "a linear or layernorm layer with the activations after it"
 

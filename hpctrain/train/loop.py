@@ -149,8 +149,12 @@ class Trainer:
                          "→ Linear pair): every tp rank computes the whole model; use dp instead")
         if mesh.pp > 1:
             s = self.runner.schedule
-            self.log(f"pipeline: schedule {s.name}, {cfg.train.micro_batches} micro-batch(es), stages "
-                     + ", ".join(f"{i}: layers {lo}..{hi}" for i, (lo, hi) in enumerate(self.stages))
+            total = self.model.flops(0, len(self.model.layers) - 1)
+            how = "parallel.stages" if cfg.parallel.stages else "the default cut, by estimated FLOPs per row"
+            self.log(f"pipeline: schedule {s.name}, {cfg.train.micro_batches} micro-batch(es), stages ({how}) "
+                     + ", ".join(f"{i}: layers {lo}..{hi} ({self.model.flops(lo, hi) / max(total, 1):.0%} of the "
+                                 f"FLOPs, {self.model.param_count(lo, hi):,} parameters)"
+                                 for i, (lo, hi) in enumerate(self.stages))
                      + "; peak live micro-batches per stage " + ", ".join(map(str, self.runner.stats.peak_live)))
 
     # ------------------------------------------------------------------ checkpoints

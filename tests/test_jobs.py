@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import h5py
 import pytest
 from helpers import folder_listing
 from launch import launcher_env, mpi_command, open_mpi_python
@@ -197,6 +198,37 @@ def test_srun_without_a_common_pmi_is_one_line_per_task_not_n_separate_runs(tmp_
     assert all("Slurm started 2 tasks in job step 4242.0 but MPI gives this one a world of 1 rank" in line
                and "srun --mpi=pmix" in line for line in lines), err
     assert not (run / "ck").exists()
+
+
+@needs_mpiexec
+def test_a_sweep_array_gives_each_task_its_own_run_and_one_table(tmp_path):
+    """jobs/slurm/sweep-lr.sbatch: array tasks 0 and 2 train with their own learning rate in their own folder
+    (checkpoints and metrics); sweep-summary.sh makes one table of both; a task past LRS is one line."""
+    script = os.path.join(ROOT, "jobs", "slurm", "sweep-lr.sbatch")
+    env, shim = fake_slurm(tmp_path)
+    env.update(HPCTRAIN_SWEEP_DIR=str(tmp_path / "sweep"), HPCTRAIN_ARGS="--set train.steps=4 --set train.eval_every=4",
+               SLURM_ARRAY_JOB_ID="4242")
+    for task in ("0", "2"):
+        env.update(SLURM_ARRAY_TASK_ID=task, SLURM_JOB_ID=str(4242 + int(task)))
+        rc, out, err = run_job([script, "--set", f"train.trace={tmp_path}/trace-{task}.json"], env)
+        assert rc == 0, out + err
+    for lr in ("0.001", "0.01"):
+        run = tmp_path / "sweep" / f"lr-{lr}"
+        assert "ckpt-00000004.h5" in os.listdir(run) and (run / "metrics.jsonl").is_file()
+        with h5py.File(run / "ckpt-00000004.h5", "r") as f:  # the run's config, as the checkpoint stores it
+            config = f.attrs["config"]
+            config = config.decode() if isinstance(config, bytes) else str(config)
+            assert f"\nlr = {lr}\n" in config, config
+    summary = subprocess.run(["bash", os.path.join(ROOT, "jobs", "slurm", "sweep-summary.sh"),
+                              str(tmp_path / "sweep")], capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0, summary.stderr
+    lines = summary.stdout.splitlines()
+    assert lines[0].split() == ["run", "steps", "eval", "at", "val_loss", "val_acc"]
+    assert sorted(line.split()[0] for line in lines[1:]) == ["lr-0.001", "lr-0.01"]
+    assert all(line.split()[1] == "4" for line in lines[1:]), summary.stdout
+    env["SLURM_ARRAY_TASK_ID"] = "7"
+    rc, _, err = run_job([script], env, timeout=60)
+    assert rc == 2 and err.count("\n") == 1 and "array task 7 has no learning rate" in err, err
 
 
 def test_hpctrain_args_with_an_unclosed_quote_is_one_line_before_srun(tmp_path):

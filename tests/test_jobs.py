@@ -144,10 +144,12 @@ def test_each_slurm_script_trains_and_checkpoints_under_a_fake_slurm(tmp_path, s
 
 
 @needs_mpiexec
-@pytest.mark.parametrize("array", [False, True], ids=["job", "array-task"])
-def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path, array):
+@pytest.mark.parametrize("mpi,array", [("mpich", False), ("mpich", True), ("openmpi", False)],
+                         ids=["job", "array-task", "openmpi-mpirun"])
+def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path, mpi, array):
+    """The batch shell's USR1 reaches every rank through the launcher (srun, or Open MPI's mpirun behind it)."""
     script = os.path.join(ROOT, "jobs", "slurm", "digits.sbatch")
-    env, shim = fake_slurm(tmp_path)
+    env, shim = fake_slurm(tmp_path, mpi=mpi)
     if array:  # task 3 of array 4242 is job 4245: it must requeue itself alone, never the whole array
         env.update(SLURM_ARRAY_JOB_ID="4242", SLURM_ARRAY_TASK_ID="3", SLURM_JOB_ID="4245")
     run, overrides = paths(tmp_path)

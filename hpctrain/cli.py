@@ -23,6 +23,7 @@ hangs on a rank that died.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -169,8 +170,15 @@ def _train(args) -> int:
 
 
 def _inspect(args) -> int:
-    from .checkpoint import inspect
+    from .checkpoint import inspect, list_checkpoints
+    from .errors import CheckpointError
 
+    if not os.path.lexists(args.path):  # a wrong path is the command line's error (2), not a failed check (1)
+        folder = os.path.dirname(args.path) or "."
+        held = [os.path.basename(p) for _, p in list_checkpoints(folder)] if os.path.isdir(folder) else []
+        error = CheckpointError(f"{args.path} does not exist" + (f"; {folder} holds {', '.join(held)}" if held else ""))
+        error.collective = True  # no other rank to stop
+        raise error
     report, ok = inspect(args.path)
     print(report)
     return 0 if ok else 1

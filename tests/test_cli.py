@@ -194,3 +194,16 @@ def test_version_env_and_config_commands(tmp_path):
     assert again.to_toml() == want.to_toml() and again.parallel.tp == 2 and "warmup_steps = 100" in r.stdout
     r = hpctrain("config", "jobs/configs/gpt-char.toml", "--set", "model.n_head=5")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not divisible" in r.stderr
+
+
+def test_inspect_of_a_path_that_does_not_exist_is_a_usage_error_naming_what_the_folder_holds(tmp_path):
+    """A mistyped checkpoint name: exit 2 (the command line), one line, and the checkpoints that are there."""
+
+    (tmp_path / "ckpt-00000600.h5").write_bytes(b"")  # list_checkpoints goes by the name
+    proc = hpctrain("inspect", str(tmp_path / "ckpt-00000300.h5"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == (f"hpctrain: error: {tmp_path}/ckpt-00000300.h5 does not exist; {tmp_path} holds "
+                           "ckpt-00000600.h5\n"), proc.stderr
+    assert proc.stdout == ""
+    proc = hpctrain("inspect", str(tmp_path / "none" / "ckpt.h5"))
+    assert proc.returncode == 2 and proc.stderr.endswith("ckpt.h5 does not exist\n"), proc.stderr

@@ -126,8 +126,8 @@ class Optimizer:
 
 def decay_runs(layout: ParamLayout, a: int, b: int, min_ndim: int, weight_decay: float) -> list:
     """[a, b) of the flat buffer as runs (lo, hi, weight decay): ``weight_decay`` on the tensors of at least
-    ``min_ndim`` dimensions, 0 on the others, adjacent runs with the same decay merged. Offsets outside every
-    tensor (none today) take the decay."""
+    ``min_ndim`` dimensions, 0 on the others, adjacent runs with the same decay merged (the layout's tensors
+    tile the buffer, so the runs cover [a, b))."""
     if b <= a:
         return []
     if min_ndim <= 0 or weight_decay == 0:

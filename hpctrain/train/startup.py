@@ -30,15 +30,15 @@ from ..nn import make_loss, make_model
 from ..optim import make_optimizer
 from ..parallel.agree import run_everywhere
 from ..parallel.mesh import mpi_cuda_aware
-from ..parallel.slurm import node_local
-from .resume_check import changed_settings, resume_problem
 from ..parallel.sharding import scatter_flat
+from ..parallel.slurm import node_local
 from ..parallel.tensor import TensorParallel
 from ..parallel.tied import broadcast_tied
 from ..parallel.transport import Transport
 from ..parallel.data_parallel import make_buckets
 from ..parallel.zero import ReleasableHost, ZeroShard
 from ..params import FlatBuffer
+from .resume_check import changed_settings, resume_problem
 
 __all__ = ["prepare_data", "build", "lock_checkpoint_dir", "make_state", "load_start", "read_start",
            "scatter_start"]

@@ -3,11 +3,15 @@
     for op, arrays, call in contract_cases():   # arrays: name -> a host array that fits
         call(backend, {name: backend.asarray(a) for name, a in arrays.items()})
 
-tests/test_backend_contract.py runs it on the CPU backend, tests/cuda/test_cuda_contract.py on the CUDA
-backend: each array argument one row (or column) too big must raise BackendError naming the op.
+tests/test_backend_contract.py runs ``OPS``/``CASES`` through ``runs_as_given`` and ``refuses_grown`` on the
+CPU backend, tests/cuda/test_cuda_contract.py on the CUDA backend: each array argument one row (or column)
+too big must raise BackendError naming the op.
 """
 
 import numpy as np
+import pytest
+
+from hpctrain.errors import BackendError
 
 B, T, H, HS, V, C, K, N = 2, 3, 2, 2, 5, 4, 3, 6  # C = H·HS
 
@@ -73,3 +77,33 @@ def grown(op, name, arr):
     """``arr`` one row (or, where rows are free, one column; 1-D: one element) too big: the wrong argument."""
     axis = -1 if (op, name) in FREE_ROWS else 0
     return np.concatenate([arr, arr[:1] if axis == 0 else arr[..., :1]], axis=axis)
+
+
+def _case(op):
+    ((arrays, call),) = [(a, c) for o, a, c in contract_cases() if o == op]
+    return arrays, call
+
+
+OPS = [op for op, _, _ in contract_cases()]
+CASES = [(op, name) for op, arrays, _ in contract_cases() for name in arrays]
+CASE_IDS = [f"{op}-{name}" for op, name in CASES]
+
+
+def runs_as_given(be, op):
+    arrays, call = _case(op)
+    call(be, {k: be.asarray(v.copy()) for k, v in arrays.items()})
+
+
+def refuses_grown(be, op, name):
+    arrays, call = _case(op)
+    args = {k: be.asarray(grown(op, k, v) if k == name else v.copy()) for k, v in arrays.items()}
+    with pytest.raises(BackendError, match=f"^{op}: "):
+        call(be, args)
+
+
+def refuses_host(be, op, name):
+    """A device backend: the argument ``name`` left in host memory is refused, naming it."""
+    arrays, call = _case(op)
+    args = {k: (v.copy() if k == name else be.asarray(v.copy())) for k, v in arrays.items()}
+    with pytest.raises(BackendError, match=f"^{op}: {name} must be a device array"):
+        call(be, args)

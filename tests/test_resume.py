@@ -183,3 +183,17 @@ def test_metrics_resume_drops_lines_past_the_checkpoint(tmp_path, mesh):
         mesh)
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_settings_an_older_checkpoint_did_not_record_are_not_compared(tmp_path):
+    """A checkpoint written before a setting existed (optim.min_lr, optim.decay_min_ndim, ...) resumes: only
+    settings both configs hold are compared; one written with no config at all is not compared."""
+    from hpctrain.train.resume_check import changed_settings
+
+    make_classification(tmp_path / "d.h5", n=96)
+    cfg = config(tmp_path / "d.h5", optim={"min_lr": 0.0})
+    older = "\n".join(line for line in cfg.to_toml().splitlines()
+                      if not line.startswith(("min_lr", "decay_min_ndim", "allow_changed")))
+    assert changed_settings(older, cfg) == []
+    assert changed_settings("", cfg) == []
+    assert changed_settings(older.replace("lr = 0.1", "lr = 0.2"), cfg) == [("optim.lr", 0.2, 0.1)]

@@ -24,75 +24,35 @@ SEGMENT = 32  # threads per segment (one warp), or the whole block if smaller
 
 @functools.lru_cache(maxsize=None)
 def block_reducers(nt: int) -> SimpleNamespace:
-    NT = nt
+    W = min(SEGMENT, nt)
+    return SimpleNamespace(block_sum=_tree(nt, False), block_max=_tree(nt, True), segment_sum=_tree(W, False),
+                           segment_max=_tree(W, True), W=W)
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(width: int, take_max: bool):
+    """A shared-memory tree reduction (sum, or maximum with ``take_max``) over each run of ``width`` consecutive
+    threads (the whole block when ``width`` is its size); every thread of the run gets the result and ``sh``
+    may be reused at once."""
 
     @cuda.jit(device=True)
-    def block_sum(sh, v):
-        """Sum of ``v`` over the block's NT threads (1-D block); every thread gets the total."""
+    def reduce(sh, v):
         t = cuda.threadIdx.x
+        lane = t % width
         sh[t] = v
         cuda.syncthreads()
-        s = NT // 2
-        while s > 0:
-            if t < s:
-                sh[t] += sh[t + s]
-            cuda.syncthreads()
-            s //= 2
-        total = sh[0]
-        cuda.syncthreads()  # so the caller may reuse ``sh`` at once
-        return total
-
-    @cuda.jit(device=True)
-    def block_max(sh, v):
-        """Maximum of ``v`` over the block's NT threads; every thread gets it."""
-        t = cuda.threadIdx.x
-        sh[t] = v
-        cuda.syncthreads()
-        s = NT // 2
-        while s > 0:
-            if t < s and sh[t + s] > sh[t]:
-                sh[t] = sh[t + s]
-            cuda.syncthreads()
-            s //= 2
-        best = sh[0]
-        cuda.syncthreads()
-        return best
-
-    W = min(SEGMENT, NT)
-
-    @cuda.jit(device=True)
-    def segment_sum(sh, v):
-        """Sum of ``v`` over this thread's segment of W threads; every thread of the segment gets it."""
-        t = cuda.threadIdx.x
-        lane = t % W
-        sh[t] = v
-        cuda.syncthreads()
-        s = W // 2
+        s = width // 2
         while s > 0:
             if lane < s:
-                sh[t] += sh[t + s]
+                if take_max:
+                    if sh[t + s] > sh[t]:
+                        sh[t] = sh[t + s]
+                else:
+                    sh[t] += sh[t + s]
             cuda.syncthreads()
             s //= 2
-        total = sh[t - lane]
-        cuda.syncthreads()
-        return total
+        result = sh[t - lane]
+        cuda.syncthreads()  # so the caller may reuse ``sh`` at once
+        return result
 
-    @cuda.jit(device=True)
-    def segment_max(sh, v):
-        """Maximum of ``v`` over this thread's segment of W threads; every thread of the segment gets it."""
-        t = cuda.threadIdx.x
-        lane = t % W
-        sh[t] = v
-        cuda.syncthreads()
-        s = W // 2
-        while s > 0:
-            if lane < s and sh[t + s] > sh[t]:
-                sh[t] = sh[t + s]
-            cuda.syncthreads()
-            s //= 2
-        best = sh[t - lane]
-        cuda.syncthreads()
-        return best
-
-    return SimpleNamespace(block_sum=block_sum, block_max=block_max, segment_sum=segment_sum,
-                           segment_max=segment_max, W=W)
+    return reduce

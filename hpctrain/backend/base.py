@@ -64,7 +64,10 @@ class Backend:
     scatter-add), ``attention_forward/backward`` (causal multi-head attention on a fused
     q/k/v projection).
     Losses return host scalars: ``cross_entropy`` -> (loss sum, correct),
-    ``mse`` -> loss sum. Flat buffers: ``sum_squares``, ``scale_``, ``fill_``,
+    ``mse`` -> loss sum. The vocab-parallel cross-entropy's three row passes over a block of
+    the logits' columns (nn/loss.py combines them over the tensor-parallel group):
+    ``ce_shard_stats`` (row max, first argmax, target logit), ``ce_shard_sumexp``,
+    ``ce_shard_grad``. Flat buffers: ``sum_squares``, ``scale_``, ``fill_``,
     ``sgd_update``, ``adam_update``. Device backends also stage gradients for an MPI that
     is not CUDA-aware: ``pinned_host(shape)``, ``to_host_into(dev, host)``,
     ``from_host_into(host, dev)``.
@@ -152,9 +155,10 @@ class Backend:
         self._arg("mse", "dpred", dpred, shape=shape)
         return shape
 
-    def _embedding_args(self, op, idx, table, wpe, rows_out, out_name):
-        """(B, T, V, C) of an embedding op: idx[B, T] int64, table[V, C] (wte or dwte), wpe[≥T, C] (or dwpe),
-        ``rows_out``[B·T, C] (out or dout)."""
+    def _embedding_args(self, op, idx, table, wpe, rows_out, out_name, vocab_start=0, vocab=None):
+        """(B, T, V, C, lo, vocab) of an embedding op: idx[B, T] int64, table[V, C] (wte or dwte), wpe[≥T, C]
+        (or dwpe), ``rows_out``[B·T, C] (out or dout). The table holds token ids [lo, lo + V) of a vocabulary of
+        ``vocab`` ids (default V: the whole table; a vocab-parallel shard holds a block of it)."""
         B, T = self._arg(op, "idx", idx, ndim=2, dtype=np.int64).shape
         table_name, wpe_name, what = (("wte", "wpe", "position table") if op == "embedding_forward"
                                       else ("dwte", "dwpe", "position gradient"))
@@ -163,7 +167,33 @@ class Backend:
         self._arg(op, out_name, rows_out, shape=(B * T, C))
         if wpe.shape[0] < T:
             raise BackendError(f"{op}: {T} positions but the {what} {wpe_name} has {wpe.shape[0]} rows")
-        return B, T, V, C
+        lo, vocab = self._vocab_block(op, table_name, V, vocab_start, vocab)
+        return B, T, V, C, lo, vocab
+
+    def _vocab_block(self, op, name, rows, vocab_start, vocab):
+        """(lo, vocab): ``rows`` ids [lo, lo + rows) of a vocabulary of ``vocab`` (default lo + rows)."""
+        lo = int(vocab_start)
+        vocab = lo + rows if vocab is None else int(vocab)
+        if lo < 0 or lo + rows > vocab:
+            raise BackendError(f"{op}: {name} holds ids [{lo}, {lo + rows}), outside a vocabulary of {vocab}")
+        return lo, vocab
+
+    def _vocab_shard_args(self, op, logits, targets, vocab_start, vocab, **rows):
+        """(B, V, lo) of a vocab-parallel cross-entropy op: logits[B, V] (ids [lo, lo + V) of ``vocab``), int64
+        targets[B], and per-row arrays ``rows`` (name -> (array, dtype))."""
+        B, V = self._arg(op, "logits", logits, ndim=2).shape
+        self._arg(op, "targets", targets, shape=(B,), dtype=np.int64)
+        for name, (arr, dtype) in rows.items():
+            self._arg(op, name, arr, shape=(B,), dtype=dtype)
+        lo, _ = self._vocab_block(op, "logits", V, vocab_start, vocab)
+        return B, V, lo
+
+    def _ce_sumexp_args(self, logits, mx, sumexp):
+        """(B, V) of ``ce_shard_sumexp``: logits[B, V], mx[B] float32, sumexp[B] float64."""
+        B, V = self._arg("ce_shard_sumexp", "logits", logits, ndim=2).shape
+        self._arg("ce_shard_sumexp", "mx", mx, shape=(B,))
+        self._arg("ce_shard_sumexp", "sumexp", sumexp, shape=(B,), dtype=np.float64)
+        return B, V
 
     def _attention_args(self, op, qkv, T, n_head, att, **arrays):
         """(B, H, C, hs, T) of an attention op, after checking qkv, att[B, H, T, T] and ``arrays``: out or dout

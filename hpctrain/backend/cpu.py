@@ -227,6 +227,46 @@ def _cross_entropy(logits, targets, dlogits, grad_scale):
 
 
 @_jit
+def _ce_shard_stats(logits, targets, lo, mx, arg, tlogit):
+    """Per row of a block of columns [lo, lo + V): its max, its first argmax (a column of the whole logits) and
+    the target's logit when the target is one of its columns (else 0)."""
+    B, V = logits.shape
+    for i in range(B):
+        m = logits[i, 0]
+        a = 0
+        for j in range(1, V):
+            if logits[i, j] > m:
+                m = logits[i, j]
+                a = j
+        mx[i], arg[i] = m, lo + a
+        u = targets[i] - lo
+        tlogit[i] = logits[i, u] if 0 <= u < V else 0.0
+
+
+@_jit
+def _ce_shard_sumexp(logits, mx, sumexp):
+    """sumexp[i] = Σ_j exp(logits[i, j] − mx[i]) in float64 (mx: the row's max over every column)."""
+    B, V = logits.shape
+    for i in range(B):
+        m = np.float64(mx[i])
+        z = 0.0
+        for j in range(V):
+            z += math.exp(logits[i, j] - m)
+        sumexp[i] = z
+
+
+@_jit
+def _ce_shard_grad(logits, targets, lo, logz, dlogits, grad_scale):
+    """dlogits = (softmax − onehot)·grad_scale on a block of columns [lo, lo + V), from each row's log Z."""
+    B, V = logits.shape
+    for i in range(B):
+        u = targets[i] - lo
+        for j in range(V):
+            p = math.exp(logits[i, j] - logz[i])
+            dlogits[i, j] = (p - (1.0 if j == u else 0.0)) * grad_scale
+
+
+@_jit
 def _mse(pred, target, dpred, grad_scale):
     p, t, d = pred.ravel(), target.ravel(), dpred.ravel()
     total = 0.0
@@ -391,6 +431,28 @@ class CpuBackend(TransformerKernels, Backend):
         if bad >= 0:
             self.bad_target(targets, bad, C)
         return float(total), int(correct)
+
+    def ce_shard_stats(self, logits, targets, mx, arg, tlogit, *, vocab_start, vocab):
+        """Vocab-parallel cross-entropy, pass 1, on logits[B, V] holding columns [vocab_start, +V) of ``vocab``:
+        mx[B] (float32) each row's max, arg[B] (int64) its first argmax as a column of the whole logits,
+        tlogit[B] (float32) the target's logit where this block holds the target, else 0."""
+        B, V, lo = self._vocab_shard_args("ce_shard_stats", logits, targets, vocab_start, vocab,
+                                          mx=(mx, np.float32), arg=(arg, np.int64), tlogit=(tlogit, np.float32))
+        if B and V:
+            _ce_shard_stats(logits, targets, lo, mx, arg, tlogit)
+
+    def ce_shard_sumexp(self, logits, mx, sumexp):
+        """Pass 2: sumexp[B] (float64) = Σ_j exp(logits[i, j] − mx[i]), mx the max over every rank's columns."""
+        self._ce_sumexp_args(logits, mx, sumexp)
+        _ce_shard_sumexp(logits, mx, sumexp)
+
+    def ce_shard_grad(self, logits, targets, logz, dlogits, grad_scale, *, vocab_start, vocab):
+        """Pass 3: dlogits[B, V] = (exp(logits − logz) − onehot(target))·grad_scale on this block of columns;
+        logz[B] (float64) = log Σ over every column, the row's log-partition."""
+        B, V, lo = self._vocab_shard_args("ce_shard_grad", logits, targets, vocab_start, vocab,
+                                          logz=(logz, np.float64))
+        self._arg("ce_shard_grad", "dlogits", dlogits, shape=(B, V))
+        _ce_shard_grad(logits, targets, lo, logz, dlogits, float(grad_scale))
 
     def mse(self, pred, target, dpred, grad_scale):
         self._mse_args(pred, target, dpred)

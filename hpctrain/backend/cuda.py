@@ -313,41 +313,48 @@ class CudaBackend(Backend):
         """out += x (same shapes): a residual connection and its gradient."""
         self._binary("add_", self._k.add, out=out, x=x)
 
-    def embedding_forward(self, idx, wte, wpe, out):
-        """out[B·T, C] = wte[idx[b, t]] + wpe[t] for token ids idx[B, T] (int64), wte[V, C], wpe[≥T, C].
-        An id outside [0, V) raises BackendError: the kernel leaves the first such position in one int64
-        that is read back (synchronises)."""
+    def embedding_forward(self, idx, wte, wpe, out, *, vocab_start=0, vocab=None, add_positions=True):
+        """out[B·T, C] = wte[idx[b, t]] + wpe[t] for token ids idx[B, T] (int64), wte[V, C], wpe[≥T, C]; a
+        vocab-parallel shard as the CPU backend's. An id outside [0, vocab) raises BackendError: the kernel leaves
+        the first such position in one int64 that is read back (synchronises)."""
         op = "embedding_forward"
-        B, T, V, C = self._embedding_args(op, idx, wte, wpe, out, "out")
+        B, T, V, C, lo, vocab = self._embedding_args(op, idx, wte, wpe, out, "out", vocab_start, vocab)
         n = B * T
         if n == 0:
             return
         self.fill_(self._bad_token, n)
-        self._launch(self._tk.embedding_forward, self._rows_grid(n), self.block, idx, wte, wpe, out, self._bad_token)
+        self._launch(self._tk.embedding_forward, self._rows_grid(n), self.block, idx, wte, wpe, out, self._bad_token,
+                     lo, vocab, bool(add_positions))
         self._bad_token.copy_to_host(self._host_bad_token, stream=self.stream)
         self.stream.synchronize()
         bad = int(self._host_bad_token[0])
         if bad < n:
-            self.bad_token(idx, bad, V)
+            self.bad_token(idx, bad, vocab)
 
-    def embedding_backward(self, dout, idx, dwte, dwpe, *, accumulate_wte=False, accumulate_wpe=False):
-        """dwte[v] (+)= Σ dout rows with id v; dwpe[t] (+)= Σ_b dout[b·T + t] (rows ≥ T of dwpe: 0 or kept).
-        Deterministic, and bit-identical to the CPU backend: idx is read back (synchronises) and sorted on
-        the host, then one block per distinct id adds its rows in batch order; no atomics."""
+    def embedding_backward(self, dout, idx, dwte, dwpe, *, vocab_start=0, vocab=None, accumulate_wte=False,
+                           accumulate_wpe=False):
+        """dwte[v − vocab_start] (+)= Σ dout rows with id v (ids of dwte's block); dwpe[t] (+)= Σ_b dout[b·T + t]
+        (rows ≥ T of dwpe: 0 or kept). Deterministic, and bit-identical to the CPU backend: idx is read back
+        (synchronises) and sorted on the host, then one block per distinct id adds its rows in batch order; no
+        atomics."""
         op = "embedding_backward"
-        B, T, V, C = self._embedding_args(op, idx, dwte, dwpe, dout, "dout")
+        B, T, V, C, lo, vocab = self._embedding_args(op, idx, dwte, dwpe, dout, "dout", vocab_start, vocab)
         ids = self.to_host(idx).reshape(-1) if B * T and C else None  # first: the wpe kernel overlaps the sort
         if not accumulate_wte:
             self.fill_(dwte, 0)
         self._elementwise(self._tk.embedding_backward_wpe, dwpe.size, dout, B, T, dwpe, bool(accumulate_wpe))
         if ids is None:
             return
-        bad = np.flatnonzero((ids < 0) | (ids >= V))
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
         if bad.size:
-            self.bad_token(idx, int(bad[0]), V, op=op)
-        n = ids.size
+            self.bad_token(idx, int(bad[0]), vocab, op=op)
         order = np.argsort(ids, kind="stable")  # stable: each id's rows stay in batch order
-        ids = ids[order]
+        ids = ids[order] - lo
+        keep = (ids >= 0) & (ids < V)  # this table's block of the vocabulary
+        order, ids = order[keep], ids[keep]
+        n = ids.size
+        if n == 0:
+            return
         starts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
         starts = np.concatenate(([0], starts, [n]))
         tokens = ids[starts[:-1]]
@@ -411,6 +418,27 @@ class CudaBackend(Backend):
         if bad < B:
             self.bad_target(targets, int(bad), C)
         return float(total), int(correct)
+
+    def ce_shard_stats(self, logits, targets, mx, arg, tlogit, *, vocab_start, vocab):
+        """Vocab-parallel cross-entropy, pass 1 (see the CPU backend): each row's max, first argmax + vocab_start,
+        and the target's logit where this block of columns holds it."""
+        B, V, lo = self._vocab_shard_args("ce_shard_stats", logits, targets, vocab_start, vocab,
+                                          mx=(mx, np.float32), arg=(arg, np.int64), tlogit=(tlogit, np.float32))
+        if B and V:
+            self._launch(self._k.ce_shard_stats, self._rows_grid(B), self.block, logits, targets, lo, mx, arg, tlogit)
+
+    def ce_shard_sumexp(self, logits, mx, sumexp):
+        """Pass 2: sumexp[B] (float64) = Σ_j exp(logits[i, j] − mx[i])."""
+        B, _ = self._ce_sumexp_args(logits, mx, sumexp)
+        if B:
+            self._launch(self._k.ce_shard_sumexp, self._rows_grid(B), self.block, logits, mx, sumexp)
+
+    def ce_shard_grad(self, logits, targets, logz, dlogits, grad_scale, *, vocab_start, vocab):
+        """Pass 3: dlogits = (exp(logits − logz) − onehot(target))·grad_scale on this block of columns."""
+        B, V, lo = self._vocab_shard_args("ce_shard_grad", logits, targets, vocab_start, vocab,
+                                          logz=(logz, np.float64))
+        self._arg("ce_shard_grad", "dlogits", dlogits, shape=(B, V))
+        self._elementwise(self._k.ce_shard_grad, B * V, logits, targets, lo, logz, dlogits, np.float32(grad_scale))
 
     def mse(self, pred, target, dpred, grad_scale):
         """Σ (pred − target)² over pred[B,C] (host float); writes dpred = 2·(pred − target)·grad_scale."""

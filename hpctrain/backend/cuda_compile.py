@@ -38,6 +38,7 @@ ARCHS = ((8, 0), (9, 0))  # A100, H100/H200
 
 FLOAT64_KERNELS = frozenset({
     "sum_squares_partial", "sum_partials", "mse_partial", "cross_entropy_rows", "cross_entropy_finish",
+    "ce_shard_sumexp", "ce_shard_grad",  # a float64 row result out, a float64 log Z in (converted once a row)
     "fill",  # fill(float64[::1], float64) clears the device-side scalars
 })
 
@@ -81,11 +82,14 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "layernorm_backward_params": ((F2, F2, F1, F1, F1, F1, b1),),
         "cross_entropy_rows": ((F2, I1, F2, f32, D1, J1),),
         "cross_entropy_finish": ((D1, J1, D1),),
+        "ce_shard_stats": ((F2, I1, i64, F1, I1, F1),),
+        "ce_shard_sumexp": ((F2, F1, D1),),
+        "ce_shard_grad": ((F2, I1, i64, D1, F2, f32),),
         "mse_partial": ((F1, F1, F1, f32, D1),),
         "sgd_update": ((F1, F1, F1, f32, f32, f32, b1, b1),),
         "adam_update": ((F1, F1, F1, F1) + (f32,) * 9,),
         # cuda_transformer.py
-        "embedding_forward": ((I2, F2, F2, F2, I1),),
+        "embedding_forward": ((I2, F2, F2, F2, I1, i64, i64, b1),),
         "embedding_backward_wte": ((F2, I1, I1, I1, F2),),
         "embedding_backward_wpe": ((F2, i64, i64, F2, b1),),
         "attention_softmax_rows": ((F2, i64, f32),),

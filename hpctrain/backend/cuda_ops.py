@@ -306,6 +306,69 @@ def ops_kernels(nt: int) -> SimpleNamespace:
                         p -= _ONE
                     dlogits[row, j] = p * grad_scale
 
+    # the vocab-parallel cross-entropy's three passes over a block of columns [lo, lo + V) (cpu.py: _ce_shard_*)
+
+    @kernel
+    def ce_shard_stats(logits, targets, lo, mx, arg, tlogit):
+        """Per row: mx = its max, arg = its first argmax + lo, tlogit = logits[row, target − lo] or 0."""
+        sh_max = cuda.shared.array(NT, float32)
+        sh_arg = cuda.shared.array(NT, int64)
+        B, V = logits.shape
+        t = cuda.threadIdx.x
+        for row in range(cuda.blockIdx.x, B, cuda.gridDim.x):
+            best = _NEG_INF
+            best_j = int64(V)
+            for j in range(t, V, NT):
+                v = logits[row, j]
+                if v > best:
+                    best = v
+                    best_j = j
+            sh_max[t] = best
+            sh_arg[t] = best_j
+            cuda.syncthreads()
+            s = NT // 2
+            while s > 0:
+                if t < s:
+                    other = sh_max[t + s]
+                    if other > sh_max[t] or (other == sh_max[t] and sh_arg[t + s] < sh_arg[t]):
+                        sh_max[t] = other
+                        sh_arg[t] = sh_arg[t + s]
+                cuda.syncthreads()
+                s //= 2
+            if t == 0:
+                mx[row] = sh_max[0]
+                arg[row] = sh_arg[0] + lo
+                u = targets[row] - lo
+                tlogit[row] = logits[row, u] if u >= 0 and u < V else _ZERO
+            cuda.syncthreads()  # sh_max and sh_arg are read before the next row writes them
+
+    @kernel
+    def ce_shard_sumexp(logits, mx, sumexp):
+        """sumexp[row] = Σ_j exp(logits[row, j] − mx[row]) (float32 sums, stored as float64)."""
+        sh_sum = cuda.shared.array(NT, float32)
+        B, V = logits.shape
+        t = cuda.threadIdx.x
+        for row in range(cuda.blockIdx.x, B, cuda.gridDim.x):
+            m = mx[row]
+            acc = float32(0.0)
+            for j in range(t, V, NT):
+                acc += math.exp(logits[row, j] - m)
+            total = block_sum(sh_sum, acc)
+            if t == 0:
+                sumexp[row] = float64(total)
+
+    @kernel
+    def ce_shard_grad(logits, targets, lo, logz, dlogits, grad_scale):
+        """dlogits = (exp(logits − logz[row]) − onehot(target − lo))·grad_scale, element-wise over the block."""
+        B, V = logits.shape
+        for i in range(cuda.grid(1), B * V, cuda.gridsize(1)):
+            row = i // V
+            j = i - row * V
+            p = math.exp(logits[row, j] - float32(logz[row]))
+            if j == targets[row] - lo:
+                p -= _ONE
+            dlogits[row, j] = p * grad_scale
+
     @kernel
     def cross_entropy_finish(row_loss, row_flag, out):
         """out = [Σ row_loss, number correct, first row with a bad target (B if none)] (one block)."""
@@ -390,4 +453,5 @@ def ops_kernels(nt: int) -> SimpleNamespace:
         tanh_backward=tanh_backward, layernorm_forward=layernorm_forward,
         layernorm_backward_rows=layernorm_backward_rows, layernorm_backward_params=layernorm_backward_params,
         cross_entropy_rows=cross_entropy_rows, cross_entropy_finish=cross_entropy_finish, mse_partial=mse_partial,
+        ce_shard_stats=ce_shard_stats, ce_shard_sumexp=ce_shard_sumexp, ce_shard_grad=ce_shard_grad,
         sgd_update=sgd_update, adam_update=adam_update)

@@ -60,19 +60,25 @@ def transformer_kernels(nt: int) -> SimpleNamespace:
     # ------------------------------------------------------------------ embedding
 
     @kernel
-    def embedding_forward(idx, wte, wpe, out, bad):
-        """out[b·T + t] = wte[idx[b, t]] + wpe[t]; bad[0] = min(bad[0], first flat position of an id outside wte)."""
+    def embedding_forward(idx, wte, wpe, out, bad, lo, vocab, add_positions):
+        """out[b·T + t] = wte[idx[b, t] − lo] + wpe[t] (a zero row for an id outside [lo, lo + V), no wpe without
+        ``add_positions``); bad[0] = min(bad[0], first flat position of an id outside [0, vocab))."""
         B, T = idx.shape
         V, C = wte.shape
         for r in range(cuda.blockIdx.x, B * T, cuda.gridDim.x):
             t = r % T
             v = idx[r // T, t]
-            if v < 0 or v >= V:
+            if v < 0 or v >= vocab:
                 if cuda.threadIdx.x == 0:
                     cuda.atomic.min(bad, 0, r)  # an integer min: the same answer in any order
             else:
+                u = v - lo
+                mine = u >= 0 and u < V
                 for c in range(cuda.threadIdx.x, C, NT):
-                    out[r, c] = wte[v, c] + wpe[t, c]
+                    if mine:
+                        out[r, c] = wte[u, c] + wpe[t, c] if add_positions else wte[u, c]
+                    else:
+                        out[r, c] = wpe[t, c] if add_positions else _ZERO
 
     @kernel
     def embedding_backward_wte(dout, order, starts, tokens, dwte):

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..parallel.tensor import row_block
+
 __all__ = ["Piece", "held", "written", "whole", "segments", "matches", "strided", "local_matrix"]
 
 
@@ -51,7 +53,9 @@ def _matrix(shape) -> tuple[int, int]:
 def local_matrix(p: Piece) -> tuple[int, int]:
     """(rows, columns) of the held tensor (the shard) as a matrix."""
     rows, cols = _matrix(p.shape)
-    if p.kind in ("rows", "rows3"):
+    if p.kind == "rows":
+        return row_block(rows, p.tp, p.tp_rank)[1], cols
+    if p.kind == "rows3":
         return rows // p.tp, cols
     if p.kind == "cols":
         return rows, cols // p.tp
@@ -62,7 +66,7 @@ def _row_blocks(p: Piece, r0: int, r1: int):
     """Held rows [r0, r1) as (held row, full row, count) runs that stay contiguous in the full tensor."""
     rows, _ = _matrix(p.shape)
     if p.kind == "rows":
-        return [(r0, p.tp_rank * (rows // p.tp) + r0, r1 - r0)]
+        return [(r0, row_block(rows, p.tp, p.tp_rank)[0] + r0, r1 - r0)]
     if p.kind == "rows3":
         per = rows // 3 // p.tp  # held rows of one of q, k, v
         out, r = [], r0

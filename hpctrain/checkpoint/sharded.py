@@ -22,6 +22,7 @@ Nothing here talks to MPI: train/checkpointing.py runs it on every rank and agre
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -303,16 +304,15 @@ def _coverage_problem(pieces, spec) -> str:
         return "is split two different ways across the shards"
     (kind, tp), = kinds
     size = int(np.prod(spec.shape))
-    if size % tp or (kind is None) != (tp == 1):
-        return f"is split {tp} ways ({kind}), which its shape {spec.shape} does not allow"
-    if kind is not None:
-        if len(spec.shape) > 2:
-            return f"is split {tp} ways ({kind}), which its shape {spec.shape} does not allow"
-        rows, cols = local_matrix(pieces[0][0])
-        if rows * cols * tp != size or (kind == "rows3" and (spec.shape[0] // 3) % tp):
-            return f"is split {tp} ways ({kind}), which its shape {spec.shape} does not allow"
-    per = size // tp
-    for r in range(tp):
+    not_allowed = f"is split {tp} ways ({kind}), which its shape {spec.shape} does not allow"
+    if (kind is None) != (tp == 1) or (kind is not None and len(spec.shape) > 2):
+        return not_allowed
+    pers = [size] if kind is None else [int(np.prod(local_matrix(dataclasses.replace(pieces[0][0], tp_rank=r))))
+                                        for r in range(tp)]
+    if kind is not None and (kind != "rows" and size % tp or kind == "rows3" and (spec.shape[0] // 3) % tp
+                             or spec.shape[0] < tp or sum(pers) != size):
+        return not_allowed  # rows may be cut unevenly (parallel/tensor.py: row_block); rows3 and cols may not
+    for r, per in enumerate(pers):
         ranges = sorted((p.lo, p.hi) for p, *_ in pieces if p.tp_rank == r)
         at = 0
         for lo, hi in ranges:

@@ -18,6 +18,11 @@ and initial distributions are nanoGPT's, so a checkpoint's ``/params`` loads int
 The head ties ``transformer.wte.weight``: on one stage both layers share the tensor (the
 embedding's backward runs last and adds to the head's gradient); across stages the last one
 holds a replica and the two sum their gradients (nn/model.py, train/step.py).
+
+Under tensor parallelism every layer is split (``split(tp)``): the blocks Megatron's way, the
+embedding and the head by vocabulary (``VocabParallelEmbedding``, ``VocabParallelHead``: a block of
+wte's rows per rank, uneven when tp does not divide the vocabulary), so the [rows, vocab] logits are
+never whole on one rank and the loss is ``VocabParallelCrossEntropy`` (nn/loss.py).
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ import numpy as np
 from ..errors import ConfigError
 from .layers import GELU, Layer, LayerNorm, Linear
 from .model import ModelSpec
+from ..parallel.tensor import CopyToTensorParallel, ReduceFromTensorParallel, row_block
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["GPTSpec", "Embedding", "Block", "Head", "CausalSelfAttention"]
+__all__ = ["GPTSpec", "Embedding", "Block", "Head", "CausalSelfAttention", "VocabParallelEmbedding",
+           "VocabParallelHead"]
 
 INIT_STD = 0.02  # nanoGPT: normal(0, 0.02) for Linear and Embedding weights
 
@@ -43,6 +50,9 @@ def _normal(rng, shape, std):
 
 class Embedding(Layer):
     """x[b·T + t] = wte[idx[b, t]] + wpe[t]."""
+
+    def split(self, tp) -> "Embedding":
+        return VocabParallelEmbedding(self, tp)
 
     def __init__(self, vocab_size: int, block_size: int, n_embd: int):
         self.params = (("wte.weight", (vocab_size, n_embd)), ("wpe.weight", (block_size, n_embd)))
@@ -65,6 +75,34 @@ class Embedding(Layer):
                               accumulate_wte=accumulate or "wte.weight" in self.accumulating,
                               accumulate_wpe=accumulate)
         return None  # token ids have no gradient
+
+
+class VocabParallelEmbedding(Embedding):
+    """Tensor-parallel rank ``tp.rank``'s block of the token table (Megatron's VocabParallelEmbedding): wte rows
+    [lo, lo + n) of the vocabulary (``parallel/tensor.py: row_block``, uneven when tp does not divide it), wpe
+    whole. Each rank looks up the ids of its block (a zero row for the others), rank 0 adds the positions, and
+    one Allreduce sums the rows: every id is one rank's, so the sum is the single-process value bit for bit."""
+
+    def __init__(self, full: Embedding, tp):
+        vocab, C = full.params[0][1]
+        self.lo, n = row_block(vocab, tp.size, tp.rank)
+        self.vocab, self.tp, self.reduce = vocab, tp, ReduceFromTensorParallel(tp)
+        self.params = (("wte.weight", (n, C)), full.params[1])
+        self.in_features, self.out_features = full.in_features, full.out_features
+        self.shards = {"wte.weight": "rows"}
+
+    def forward(self, be, idx):
+        B, T = idx.shape
+        out = be.empty((B * T, self.out_features))
+        be.embedding_forward(idx, self.w["wte.weight"], self.w["wpe.weight"], out, vocab_start=self.lo,
+                             vocab=self.vocab, add_positions=self.tp.rank == 0)
+        return self.reduce.forward(be, out), idx
+
+    def backward(self, be, dout, idx, accumulate=False, need_dinp=True):
+        be.embedding_backward(dout, idx, self.g["wte.weight"], self.g["wpe.weight"], vocab_start=self.lo,
+                              vocab=self.vocab, accumulate_wte=accumulate or "wte.weight" in self.accumulating,
+                              accumulate_wpe=accumulate)
+        return None
 
 
 class CausalSelfAttention(Layer):
@@ -177,6 +215,9 @@ class Head(Layer):
         self.ties = (("wte.weight", (vocab_size, n_embd)),)
         self.in_features, self.out_features = n_embd, vocab_size
 
+    def split(self, tp) -> "Head":
+        return VocabParallelHead(self, tp)
+
     def init(self, rng):
         return {"ln_f." + k: v for k, v in self.ln_f.init(rng).items()}
 
@@ -202,6 +243,29 @@ class Head(Layer):
         return self.ln_f.backward(be, dh, s_ln, accumulate=accumulate)
 
 
+class VocabParallelHead(Head):
+    """Tensor-parallel rank ``tp.rank``'s columns of the logits: ln_f(x) · wte[lo : lo + n]ᵀ through its block of
+    the tied table (the embedding's ``row_block``). The logits stay split into the loss (nn/loss.py:
+    ``VocabParallelCrossEntropy``, ``vocab_shard``); the input gradient, a sum over the blocks, is one Allreduce
+    (``CopyToTensorParallel``)."""
+
+    def __init__(self, full: Head, tp):
+        vocab, C = full.ties[0][1]
+        self.lo, n = row_block(vocab, tp.size, tp.rank)
+        self.ln_f, self.params, self.copy = copy.copy(full.ln_f), full.params, CopyToTensorParallel(tp)
+        self.ties = (("wte.weight", (n, C)),)
+        self.in_features, self.out_features = C, n
+        self.shards = {"wte.weight": "rows"}
+        self.vocab_shard = (tp, self.lo, vocab)  # what the loss needs to see the whole row
+
+    def backward(self, be, dlogits, saved, accumulate=False, need_dinp=True):
+        s_ln, h = saved
+        be.matmul_tn(dlogits, h, self.g["wte.weight"], accumulate=accumulate or "wte.weight" in self.accumulating)
+        dh = be.empty(h.shape)
+        be.matmul_nn(dlogits, self.w["wte.weight"], dh)
+        return self.ln_f.backward(be, self.copy.backward(be, dh), s_ln, accumulate=accumulate)
+
+
 class GPTSpec(ModelSpec):
     """nanoGPT's GPT from a ``[model] kind = "gpt"`` config: embedding, ``n_layer`` blocks, head."""
 
@@ -222,14 +286,18 @@ class GPTSpec(ModelSpec):
         self._setup(layers, prefixes, widths, block_size, [(i, i) for i in range(len(layers))])
 
     def check_tp(self, tp: int) -> None:
-        H = self.config["n_head"]
+        H, V = self.config["n_head"], self.config["vocab_size"]
         if tp > 1 and H % tp:
             raise ConfigError(f"parallel.tp = {tp}: model.n_head = {H} is not divisible by it (each rank keeps whole "
                               "attention heads)")
+        if tp > V:
+            raise ConfigError(f"parallel.tp = {tp} is more ranks than model.vocab_size = {V} has tokens (each rank "
+                              "keeps a block of the vocabulary)")
 
     def tp_layer(self, i: int, tp):
-        layer = self.layers[i]
-        return layer.split(tp) if isinstance(layer, Block) else layer
+        """Layer ``i`` as tensor-parallel rank ``tp.rank`` runs it: every layer is split (the embedding and the
+        head by vocabulary, the blocks Megatron's way), so no tensor but the LayerNorms and wpe is whole."""
+        return self.layers[i].split(tp)
 
     @classmethod
     def from_config(cls, model_cfg) -> "GPTSpec":

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import DataError
 
-__all__ = ["CrossEntropyLoss", "MSELoss", "make_loss"]
+__all__ = ["CrossEntropyLoss", "MSELoss", "VocabParallelCrossEntropy", "make_loss"]
 
 
 class CrossEntropyLoss:
@@ -62,5 +62,52 @@ class MSELoss:
         return total, 0, dpred
 
 
-def make_loss(name):
+class VocabParallelCrossEntropy(CrossEntropyLoss):
+    """Cross-entropy over logits whose vocabulary columns are split over a tensor-parallel group (Megatron's
+    ``vocab_parallel_cross_entropy``): this rank holds columns [lo, lo + V) of ``vocab``, and the [rows, vocab]
+    logits never exist whole on one rank.
+
+    Three passes over the rank's block (backend ``ce_shard_*``) and three Allreduces of one value per row:
+    the row max (MAX), then the sum of exp(logit − max) with the target's logit (SUM: only the rank holding the
+    target gives it), and the first argmax for the correct count (MIN over the ranks that reach the max). The
+    loss sum and correct count come out the same on every rank of the group; dlogits is this block's.
+    Collective over ``tp``: every rank of the group calls it for the same rows, in the same order.
+    """
+
+    def __init__(self, tp, lo: int, vocab: int):
+        self.tp, self.lo, self.vocab = tp, int(lo), int(vocab)
+
+    def __call__(self, be, logits, targets, grad_scale):
+        from mpi4py import MPI
+
+        B, V = logits.shape
+        if B == 0:
+            return 0.0, 0, be.empty(logits.shape)
+        host_targets = be.to_host(targets)
+        bad = np.flatnonzero((host_targets < 0) | (host_targets >= self.vocab))
+        if bad.size:  # the same targets on every rank of the group: all of them stop here, with this error
+            be.bad_target(targets, int(bad[0]), self.vocab)
+        mx, arg, tlogit = be.empty((B,)), be.empty((B,), np.int64), be.empty((B,))
+        be.ce_shard_stats(logits, targets, mx, arg, tlogit, vocab_start=self.lo, vocab=self.vocab)
+        local_max, arg, tlogit = be.to_host(mx), be.to_host(arg), be.to_host(tlogit)
+        row_max = self.tp.allreduce_host(local_max.copy(), MPI.MAX)
+        sumexp = be.empty((B,), np.float64)
+        be.ce_shard_sumexp(logits, be.asarray(row_max), sumexp)
+        sums = np.concatenate([be.to_host(sumexp), tlogit.astype(np.float64)])
+        sums = self.tp.allreduce_host(sums, MPI.SUM)  # Σ exp over every column; the target's logit
+        logz = np.log(sums[:B]) + row_max.astype(np.float64)
+        first = np.where(local_max == row_max, arg, np.int64(self.vocab))  # ties: the lowest column, as argmax
+        first = self.tp.allreduce_host(first, MPI.MIN)
+        dlogits = be.empty(logits.shape)
+        be.ce_shard_grad(logits, targets, be.asarray(logz), dlogits, grad_scale, vocab_start=self.lo,
+                         vocab=self.vocab)
+        total = float(np.sum(logz - sums[B:]))
+        return total, int(np.count_nonzero(first == host_targets)), dlogits
+
+
+def make_loss(name, vocab_shard=None):
+    """The loss ``train.loss`` names; ``vocab_shard`` = (tp, lo, vocab) when the last layer's output columns are
+    this rank's block of a vocab-parallel head (nn/gpt.py: ``VocabParallelHead``)."""
+    if vocab_shard is not None and name == "cross_entropy":
+        return VocabParallelCrossEntropy(*vocab_shard)
     return {"cross_entropy": CrossEntropyLoss, "mse": MSELoss}[name]()

@@ -6,12 +6,13 @@ parallelism each rank of the stage holds its shard of some of those tensors
 (parallel/tensor.py), laid out in its part's local layout. One buffer (the parameters,
 or one optimizer slot) moves at a time, with buffer-based calls:
 
-* ``gather_flat``: on data-parallel rank 0 of each stage, ``Gather`` of the shards over
+* ``gather_flat``: on data-parallel rank 0 of each stage, ``Gatherv`` of the shards over
   the tensor-parallel group and their reassembly into the stage's slice; then
   ``Gatherv`` of the slices over the pipeline group to stage 0 (world rank 0, the
   checkpoint writer);
 * ``scatter_flat``: the reverse (``Scatterv`` over the pipeline group, each stage's
-  slice cut into shards and ``Scatter``-ed over the tensor-parallel group), then
+  slice cut into shards and ``Scatterv``-ed over the tensor-parallel group: a row split may
+  leave the ranks different shares), then
   ``Bcast`` over each stage's data-parallel group.
 
 Both are collective over the whole mesh: every rank calls them in the same order, with
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tensor import shard, unshard
+from .tensor import shard, shard_shape, unshard
 
 __all__ = ["gather_flat", "scatter_flat", "gather_shards"]
 
@@ -37,27 +38,51 @@ def _owned(part):
     return [(s, part.spec.layout[part.global_names[s.name]]) for s in part.layout if s.offset < part.owned_size]
 
 
-def _assemble(part, pieces: np.ndarray) -> np.ndarray:
-    """The stage's slice of the global buffer from the tensor-parallel ranks' owned local buffers (rows)."""
-    lo = part.global_range[0]
-    out = np.empty(part.global_range[1] - lo, dtype=np.float32)
+def _local_offsets(part, size: int):
+    """[(global spec, kind, [start of its shard in tensor-parallel rank r's owned buffer for each r], [its size on
+    each r])] and each rank's owned size: a rank's buffer holds the same tensors in the same order, but a row
+    split may leave ranks different shares (parallel/tensor.py: ``row_block``)."""
+    out, at = [], [0] * size
     for s, g in _owned(part):
         kind = part.shards.get(s.name)
-        parts = [pieces[r, s.offset : s.end].reshape(s.shape) for r in range(len(pieces))]
+        sizes = [g.size if kind is None else int(np.prod(shard_shape(g.shape, kind, r, size))) for r in range(size)]
+        out.append((g, kind, list(at), sizes))
+        at = [a + n for a, n in zip(at, sizes)]
+    return out, at
+
+
+def _assemble(part, pieces: np.ndarray, size: int) -> np.ndarray:
+    """The stage's slice of the global buffer from the tensor-parallel ranks' owned local buffers, one after
+    another in ``pieces``."""
+    lo = part.global_range[0]
+    out = np.empty(part.global_range[1] - lo, dtype=np.float32)
+    tensors, totals = _local_offsets(part, size)
+    base = np.concatenate([[0], np.cumsum(totals)])
+    for g, kind, starts, sizes in tensors:
+        parts = [pieces[base[r] + starts[r] : base[r] + starts[r] + sizes[r]]
+                 .reshape(shard_shape(g.shape, kind, r, size) if kind else g.shape) for r in range(size)]
         out[g.offset - lo : g.end - lo] = (parts[0] if kind is None else unshard(parts, kind)).reshape(-1)
     return out
 
 
-def _split(part, stage: np.ndarray, size: int) -> np.ndarray:
-    """Rows r = tensor-parallel rank r's owned local buffer, cut from the stage's slice of the global buffer."""
+def _split(part, stage: np.ndarray, size: int) -> tuple[np.ndarray, list[int]]:
+    """Tensor-parallel rank r's owned local buffer, cut from the stage's slice of the global buffer, one after
+    another; and each one's size."""
     lo = part.global_range[0]
-    out = np.empty((size, part.owned_size), dtype=np.float32)
-    for s, g in _owned(part):
+    tensors, totals = _local_offsets(part, size)
+    base = np.concatenate([[0], np.cumsum(totals)])
+    out = np.empty(int(base[-1]), dtype=np.float32)
+    for g, kind, starts, sizes in tensors:
         full = stage[g.offset - lo : g.end - lo].reshape(g.shape)
-        kind = part.shards.get(s.name)
         for r in range(size):
-            out[r, s.offset : s.end] = (full if kind is None else shard(full, kind, r, size)).reshape(-1)
-    return out
+            at = base[r] + starts[r]
+            out[at : at + sizes[r]] = (full if kind is None else shard(full, kind, r, size)).reshape(-1)
+    return out, totals
+
+
+def _tp_counts(part, size: int) -> tuple[list[int], list[int]]:
+    totals = _local_offsets(part, size)[1]
+    return totals, [int(x) for x in np.concatenate([[0], np.cumsum(totals)[:-1]])]
 
 
 def gather_flat(mesh, local: np.ndarray, ranges, total: int, part) -> np.ndarray | None:
@@ -70,11 +95,12 @@ def gather_flat(mesh, local: np.ndarray, ranges, total: int, part) -> np.ndarray
         return None  # replicas: data-parallel rank 0 speaks for them
     local = np.ascontiguousarray(local, dtype=np.float32)
     if mesh.tp > 1:
-        pieces = np.empty((mesh.tp, local.size), dtype=np.float32) if mesh.tp_rank == 0 else None
-        mesh.tp_comm.Gather(local, pieces, root=0)
+        counts, displs = _tp_counts(part, mesh.tp)
+        pieces = np.empty(sum(counts), dtype=np.float32) if mesh.tp_rank == 0 else None
+        mesh.tp_comm.Gatherv(local, [pieces, counts, displs, MPI.FLOAT] if mesh.tp_rank == 0 else None, root=0)
         if mesh.tp_rank != 0:
             return None
-        local = _assemble(part, pieces)
+        local = _assemble(part, pieces, mesh.tp)
     comm = mesh.pp_comm
     counts, displs = _counts(ranges)
     if comm.Get_rank() == 0:
@@ -101,8 +127,9 @@ def scatter_flat(mesh, full: np.ndarray | None, ranges, part, *, out=None) -> np
                 if comm.Get_rank() == 0 else None
             comm.Scatterv(send, stage, root=0)
         if mesh.tp > 1:
-            pieces = _split(part, stage, mesh.tp) if mesh.tp_rank == 0 else None
-            mesh.tp_comm.Scatter(pieces, local, root=0)
+            counts, displs = _tp_counts(part, mesh.tp)
+            pieces = _split(part, stage, mesh.tp)[0] if mesh.tp_rank == 0 else None
+            mesh.tp_comm.Scatterv([pieces, counts, displs, MPI.FLOAT] if mesh.tp_rank == 0 else None, local, root=0)
     mesh.dp_comm.Bcast(local, root=0)
     return local
 

@@ -28,16 +28,39 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["TensorParallel", "CopyToTensorParallel", "ReduceFromTensorParallel", "shard", "unshard", "SHARD_KINDS"]
+__all__ = ["TensorParallel", "CopyToTensorParallel", "ReduceFromTensorParallel", "shard", "unshard", "SHARD_KINDS",
+           "row_block", "shard_shape"]
 
 # how a full tensor is cut across the T ranks; rank r keeps piece r
 SHARD_KINDS = ("rows", "rows3", "cols")  # rows3: q, k, v blocks of rows, each cut (attention heads stay whole)
 
 
+def row_block(rows: int, size: int, rank: int) -> tuple[int, int]:
+    """(first row, row count) of rank ``rank``'s block when ``rows`` are cut ``size`` ways as evenly as they
+    go: the first ``rows % size`` ranks keep one row more (numpy's ``array_split``). Only ``rows`` may be
+    uneven (a vocabulary of 50257 over 2 ranks); ``rows3`` and ``cols`` cut heads and features that the
+    model checks divide."""
+    base, extra = divmod(int(rows), int(size))
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+def shard_shape(shape, kind: str, rank: int, size: int) -> tuple:
+    """The shape of rank ``rank``'s piece of a tensor of ``shape`` (``shard``'s, without the data)."""
+    shape = tuple(int(n) for n in shape)
+    if kind == "rows":
+        return (row_block(shape[0], size, rank)[1],) + shape[1:]
+    if kind == "rows3":
+        return (shape[0] // size,) + shape[1:]
+    if kind == "cols":
+        return (shape[0], shape[1] // size) + shape[2:]
+    raise ValueError(kind)
+
+
 def shard(full: np.ndarray, kind: str, rank: int, size: int) -> np.ndarray:
     """Rank ``rank``'s piece of ``full`` (a contiguous copy)."""
     if kind == "rows":
-        return np.ascontiguousarray(np.split(full, size, axis=0)[rank])
+        first, count = row_block(full.shape[0], size, rank)
+        return np.ascontiguousarray(full[first : first + count])
     if kind == "cols":
         return np.ascontiguousarray(np.split(full, size, axis=1)[rank])
     if kind == "rows3":
@@ -72,6 +95,14 @@ class TensorParallel:
     def allreduce_(self, arr) -> None:
         self.transport.allreduce_(self.comm, arr)
         self.bytes += int(arr.nbytes)
+
+    def allreduce_host(self, arr: np.ndarray, op) -> np.ndarray:
+        """``arr`` (a host numpy array) reduced with MPI ``op`` over the group, in place; returns it."""
+        from mpi4py import MPI
+
+        self.comm.Allreduce(MPI.IN_PLACE, arr, op=op)
+        self.bytes += int(arr.nbytes)
+        return arr
 
 
 class CopyToTensorParallel:

@@ -76,7 +76,7 @@ def build(t) -> None:
     t.tensor = TensorParallel(mesh.tp_comm, t.transport) if mesh.tp > 1 else None
     t.part = t.model.part(*t.stages[mesh.pp_rank], tp=t.tensor)
     t.part.recompute = cfg.train.recompute == "blocks"
-    t.loss = make_loss(cfg.train.loss)
+    t.loss = make_loss(cfg.train.loss, vocab_shard=getattr(t.part.layers[-1], "vocab_shard", None))
     t.data = open_dataset(cfg, t.loss, t.model)
     t.sampler = Sampler(t.data.n_train, cfg.train.batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
                         dp_rank=mesh.dp_rank, dp_size=mesh.dp)

@@ -2,10 +2,11 @@
 pipeline (its tied embedding summed across the stages) or tensor parallelism on the CUDA backend vs the CPU
 backend.
 
-    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|tp|zero]
+    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|tp|gpt-tp|zero]
 
 Under ``pp`` activations and gradients between the stages take the same host-staged path, as do the tied
-gradient (``gpt-pp``) and the tensor-parallel Allreduces (``tp``); ``zero`` is data parallel with
+gradient (``gpt-pp``) and the tensor-parallel Allreduces (``tp``; ``gpt-tp`` adds the GPT's vocab-parallel
+embedding, head and loss); ``zero`` is data parallel with
 ``parallel.zero = 2``: device gradients reduce-scattered through host staging, the parameters all-gathered.
 
 Gradients go through the non-CUDA-aware path (pinned host staging, several buckets,
@@ -39,16 +40,18 @@ def full_params(trainer):
 def main(path, layout):
     comm = MPI.COMM_WORLD
     pp = 2 if layout in ("pp", "gpt-pp") else 1
-    tp = 2 if layout == "tp" else 1
+    tp = 2 if layout in ("tp", "gpt-tp") else 1
+    gpt = layout.startswith("gpt")
     if comm.rank == 0:
-        make_tokens(path, n=300) if layout == "gpt-pp" else make_classification(path, n=32)
+        make_tokens(path, n=300) if gpt else make_classification(path, n=32)
     comm.Barrier()
     results = {}
     for backend in ("cuda", "cpu"):
         parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False, "pp": pp, "tp": tp,
                     "zero": 2 if layout == "zero" else 0}
-        if layout == "gpt-pp":
-            cfg = gpt_config(path, model={"block_size": 4, "n_embd": 4}, data={"val_fraction": 0.0},
+        if gpt:  # gpt-tp: the vocab-parallel embedding, head and loss, 13 ids in blocks of 7 and 6
+            model = {"block_size": 4, "n_embd": 4, **({"vocab_size": 13} if tp > 1 else {})}
+            cfg = gpt_config(path, model=model, data={"val_fraction": 0.0},
                              train={"steps": 2, "batch_size": 2, "micro_batches": 2, "backend": backend},
                              optim={"name": "sgd", "lr": 0.1, "momentum": 0.9}, parallel=parallel)
         else:
@@ -61,7 +64,7 @@ def main(path, layout):
         loss = np.array([final.get("loss", 0.0)])
         comm.Bcast(loss, root=0)  # the logged loss lives on rank 0
         results[backend] = (float(loss[0]), full_params(trainer) if pp * tp > 1 else trainer.params.to_host_dict())
-        if backend == "cuda" and layout != "gpt-pp" and len(trainer.sync.buckets) < 2:
+        if backend == "cuda" and not gpt and len(trainer.sync.buckets) < 2:
             raise SystemExit("expected several gradient buckets")
         trainer.close()
         mesh.free()

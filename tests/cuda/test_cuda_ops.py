@@ -116,6 +116,33 @@ def test_cross_entropy(be, cpu, rng, B, C):
     np.testing.assert_allclose(be.to_host(dlogits), c_grad, **AGREE)
 
 
+@pytest.mark.parametrize("B,V,lo,vocab", [(1, 1, 0, 1), (5, 9, 4, 13), (6, 37, 0, 40), (3, 4, 0, 4)])
+def test_vocab_parallel_cross_entropy_passes_agree_with_the_cpu(be, cpu, rng, B, V, lo, vocab):
+    """The three passes over a block of columns [lo, lo + V) (nn/loss.py: VocabParallelCrossEntropy)."""
+    logits = rand(rng, B, V, scale=3)
+    if V >= 4:
+        logits[-1, 1] = logits[-1, 3] = logits[-1].max() + 1  # a tie: the first column wins
+    targets = rng.integers(0, vocab, B).astype(np.int64)
+    targets[0] = lo  # at least one target in the block
+    kw = dict(vocab_start=lo, vocab=vocab)
+    dev = [be.empty((B,)), be.empty((B,), np.int64), be.empty((B,))]
+    host = [np.empty(B, np.float32), np.empty(B, np.int64), np.empty(B, np.float32)]
+    be.ce_shard_stats(be.asarray(logits), be.asarray(targets), *dev, **kw)
+    cpu.ce_shard_stats(logits, targets, *host, **kw)
+    for d, h in zip(dev, host):
+        np.testing.assert_array_equal(be.to_host(d), h)
+    sumexp = be.empty((B,), np.float64)
+    be.ce_shard_sumexp(be.asarray(logits), be.asarray(host[0]), sumexp)
+    c_sumexp = np.empty(B, np.float64)
+    cpu.ce_shard_sumexp(logits, host[0], c_sumexp)
+    np.testing.assert_allclose(be.to_host(sumexp), c_sumexp, rtol=1e-6)  # float32 sums against float64
+    logz = np.log(c_sumexp) + host[0] + 0.25  # as if other blocks added to the row's sum
+    dlogits, c_dlogits = be.empty((B, V)), np.empty((B, V), np.float32)
+    be.ce_shard_grad(be.asarray(logits), be.asarray(targets), be.asarray(logz), dlogits, 0.5, **kw)
+    cpu.ce_shard_grad(logits, targets, logz, c_dlogits, 0.5, **kw)
+    np.testing.assert_allclose(be.to_host(dlogits), c_dlogits, **AGREE)
+
+
 def test_cross_entropy_argmax_ties_take_the_first_index(be, cpu):
     logits = np.array([[1, 3, 3, 0], [2, 2, 2, 2], [0, 0, 5, 5]], np.float32)
     targets = np.array([2, 0, 2], np.int64)  # row 0: tie 1/2 -> 1 (wrong), row 1 -> 0 (right), row 2 -> 2 (right)

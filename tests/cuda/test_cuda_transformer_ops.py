@@ -81,6 +81,30 @@ def test_embedding_backward(be, cpu, rng, B, T, Tmax, V, C, accumulate_wte, accu
     np.testing.assert_array_equal(be.to_host(dwpe), c_dwpe)
 
 
+@pytest.mark.parametrize("tp", [2, 3])
+def test_vocab_blocks_of_the_embedding_agree_with_the_cpu(be, cpu, rng, tp):
+    """A vocab-parallel rank's block [lo, lo + n) of wte: ids outside it take zero rows, and only rank 0 adds the
+    positions (nn/gpt.py: VocabParallelEmbedding); the gradient of the block's rows only."""
+    from hpctrain.parallel.tensor import row_block
+
+    B, T, V, C = 2, 5, 11, 4
+    idx, dout, wpe = _ids(rng, B, T, V), rand(rng, B * T, C), rand(rng, T, C)
+    for r in range(tp):
+        lo, n = row_block(V, tp, r)
+        wte = rand(rng, n, C)
+        kw = dict(vocab_start=lo, vocab=V)
+        out, want = be.empty((B * T, C)), np.empty((B * T, C), np.float32)
+        be.embedding_forward(be.asarray(idx), be.asarray(wte), be.asarray(wpe), out, add_positions=r == 0, **kw)
+        cpu.embedding_forward(idx, wte, wpe, want, add_positions=r == 0, **kw)
+        np.testing.assert_array_equal(be.to_host(out), want)
+        dwte, dwpe = be.empty((n, C)), be.empty((T, C))
+        c_dwte, c_dwpe = np.empty((n, C), np.float32), np.empty((T, C), np.float32)
+        be.embedding_backward(be.asarray(dout), be.asarray(idx), dwte, dwpe, **kw)
+        cpu.embedding_backward(dout, idx, c_dwte, c_dwpe, **kw)
+        np.testing.assert_array_equal(be.to_host(dwte), c_dwte)
+        np.testing.assert_array_equal(be.to_host(dwpe), c_dwpe)
+
+
 def test_embedding_backward_is_deterministic(be, rng):
     idx = rng.integers(0, 3, (4, 16)).astype(np.int64)  # many repeats of each id
     dout = be.asarray(rand(rng, 4 * 16, 8, scale=1e3) + rand(rng, 4 * 16, 8, scale=1e-3))  # order-sensitive sums

@@ -61,18 +61,25 @@ def test_tensor_parallel_mlp_equals_one_process(comm, data, micro):
         assert max_error(train(cfg, comm), alone(cfg)) < 1e-6, (tp, pp)
 
 
-def test_tensor_parallel_gpt_equals_one_process(comm, tokens):
-    """Heads split across ranks (c_attn's q, k, v rows of each rank's heads), c_proj and the MLP split."""
+@pytest.mark.parametrize("vocab", [12, 13], ids=["even-vocab", "uneven-vocab"])
+def test_tensor_parallel_gpt_equals_one_process(comm, tokens, vocab):
+    """Heads split across ranks (c_attn's q, k, v rows of each rank's heads), c_proj and the MLP split, and the
+    token table by vocabulary (13 ids over 2 ranks: 7 and 6 rows), the logits never whole on one rank."""
+    from hpctrain.parallel.tensor import row_block
+
     if not layouts(comm):
         pytest.skip("tp = 2 needs an even number of ranks")
     for tp, pp in layouts(comm):
         dp = comm.size // (tp * pp)
-        cfg = gpt_config(tokens, optim=SGD, train={"batch_size": 4 * dp, "micro_batches": 2, "grad_clip": 1.0},
+        cfg = gpt_config(tokens, optim=SGD, model={"vocab_size": vocab},
+                         train={"batch_size": 4 * dp, "micro_batches": 2, "grad_clip": 1.0},
                          parallel={"tp": tp, "pp": pp})
-        if pp == 1:  # per block: c_attn, attn.c_proj.weight, c_fc, mlp.c_proj.weight halved
+        if pp == 1:  # per block: c_attn, attn.c_proj.weight, c_fc, mlp.c_proj.weight halved; wte by vocabulary
             C, L = 8, 2
+            total = 1920 + (vocab - 12) * C
             halved = L * (3 * C * C + 3 * C + C * C + 4 * C * C + 4 * C + 4 * C * C) // 2
-            assert split_sizes(cfg, comm) == (1920 - halved, 1920, 6 * L)
+            kept = row_block(vocab, tp, comm.rank % tp)[1]  # parallel/mesh.py: tp_rank = rank % tp
+            assert split_sizes(cfg, comm) == (total - halved - (vocab - kept) * C, total, 6 * L + 1)
         assert max_error(train(cfg, comm), alone(cfg)) < 1e-6, (tp, pp)
 
 
@@ -108,13 +115,15 @@ def test_bad_tensor_parallel_layouts_are_one_clear_error(comm, data, tokens):
         assert msg is None or "parallel.stages[0] ends at layer 4, inside layers 4..6" in msg
 
 
+@pytest.mark.parametrize("vocab", [12, 13], ids=["even-vocab", "uneven-vocab"])
 @pytest.mark.parametrize("first_tp", [2, 1], ids=["tp2-then-tp1", "tp1-then-tp2"])
-def test_checkpoints_move_between_tensor_parallel_sizes(comm, tokens, shared_dir, first_tp):
-    """Two steps at one tp, a checkpoint (full tensors), two more at the other == four steps on one process."""
+def test_checkpoints_move_between_tensor_parallel_sizes(comm, tokens, shared_dir, first_tp, vocab):
+    """Two steps at one tp, a checkpoint (full tensors), two more at the other == four steps on one process;
+    with 13 ids the vocab-parallel token table's blocks are 7 and 6 rows."""
     if comm.size % 2:
         pytest.skip("tp = 2 needs an even number of ranks")
     for tp, pp in layouts(comm):  # tp2 <-> tp1 at pp = 1, and tp2·pp2 <-> tp1·pp1 at four ranks
-        base = gpt_config(tokens, optim={"name": "adamw", "lr": 0.01},
+        base = gpt_config(tokens, optim={"name": "adamw", "lr": 0.01}, model={"vocab_size": vocab},
                           train={"batch_size": 4 * comm.size // (tp * pp), "steps": 2},
                           checkpoint={"dir": f"{shared_dir}/ck{pp}"})
 
@@ -130,8 +139,10 @@ def test_checkpoints_move_between_tensor_parallel_sizes(comm, tokens, shared_dir
 
 
 def test_tensor_parallel_bytes_are_megatrons_count(comm, tokens, shared_dir):
-    """Per block and micro-batch: an Allreduce of B·T·C floats after each pair forward, one before each
-    pair's input gradient backward: 4 · B·T·C · 4 bytes (the embedding's input needs no gradient)."""
+    """Per micro-batch: an Allreduce of B·T·C floats after each pair forward and one before each pair's input
+    gradient backward (4 a block), one after the vocab-parallel embedding's forward and one for the head's input
+    gradient; and the vocab-parallel loss's three of one value per row: the max (float32), the sum of exps with
+    the target's logit (2 float64) and the first argmax (int64), 28 bytes a row."""
     if comm.size % 2:
         pytest.skip("tp = 2 needs an even number of ranks")
     import json
@@ -147,4 +158,4 @@ def test_tensor_parallel_bytes_are_megatrons_count(comm, tokens, shared_dir):
             seen[:] = [r["tp_bytes"] for r in map(json.loads, open(metrics)) if "loss" in r]
         comm.Bcast(seen, root=0)
         B, T, C, L = 4, 8, 8, 2  # this rank's batch share, context, width, blocks
-        assert list(seen) == [4 * L * B * T * C * 4] * 2, pp
+        assert list(seen) == [(4 * L + 2) * B * T * C * 4 + 28 * B * T] * 2, pp

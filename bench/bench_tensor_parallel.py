@@ -21,7 +21,8 @@ swapping which goes first each repeat; figures are the medians over repeats of p
 
 Beside each: the tensor-parallel bytes per step the trainer reports (``tp_bytes``) against
 Megatron's count (per pair and micro-batch, an Allreduce of rows · width floats forward and one
-backward), and the time of one bare Allreduce of that rows x width float32 array on the 2 ranks.
+backward; the GPT's vocab-parallel embedding and head count as one more pair, and its loss adds 3
+Allreduces of one value a row, 28 bytes), and the time of one bare Allreduce of that rows x width float32 array on the 2 ranks.
 """
 
 import argparse
@@ -88,7 +89,8 @@ def worker(a):
             tp_bytes.add(timing.get("tp_bytes", 0))
     rows = a.batch if a.worker == "mlp" else a.gpt_batch * cfg.model.block_size
     width = a.width if a.worker == "mlp" else cfg.model.n_embd
-    pairs = len(trainer.model.tp_pairs) if a.worker == "mlp" else 2 * cfg.model.n_layer
+    # the GPT: 2 pairs a block, and the vocab-parallel embedding's output with the head's input gradient: one more
+    pairs = len(trainer.model.tp_pairs) if a.worker == "mlp" else 2 * cfg.model.n_layer + 1
     trainer.close()
     buf, ar = np.ones((rows, width), dtype=np.float32), []
     for i in range(25 if tp > 1 else 0):  # the activations' Allreduce alone, on the same ranks
@@ -128,7 +130,8 @@ def compare(a, bench, env):
     t1, t2 = statistics.median(med[1]), statistics.median(med[2])
     last = runs[2][-1]
     rows, width, pairs = last["rows"], last["width"], last["pairs"]
-    megatron = pairs * 2 * rows * width * 4  # one micro-batch
+    loss_bytes = 0 if bench == "mlp" else 28 * rows  # vocab-parallel cross-entropy: 3 Allreduces of 1 value a row
+    megatron = pairs * 2 * rows * width * 4 + loss_bytes  # one micro-batch
     reported = sorted({b for x in runs[2] for b in x["tp_bytes"]})
     ar = statistics.median(x["allreduce"] for x in runs[2])
     opt = {tp: statistics.median(x["optim"] for x in rs) for tp, rs in runs.items()}
@@ -146,8 +149,10 @@ def compare(a, bench, env):
         print(f"  ratio tp2 / tp1: {t1 / t2:.2f}")
     print(f"  optimizer step: tp1 {opt[1] * 1e3:.1f} ms, tp2 {opt[2] * 1e3:.1f} ms; parameters per rank: tp1 "
           f"{runs[1][0]['params']:,}, tp2 {last['params']:,}")
+    loss_text = f" + the loss's 28 B x {rows} rows" if loss_bytes else ""
     print(f"  tp bytes per step (per rank): trainer {', '.join(f'{b:,}' for b in reported)}; Megatron {pairs} pair(s) x 2 "
-          f"Allreduces x {rows} x {width} floats x 4 B = {megatron:,} -> {'agree' if reported == [megatron] else 'DIFFER'}")
+          f"Allreduces x {rows} x {width} floats x 4 B{loss_text} = {megatron:,} -> "
+          f"{'agree' if reported == [megatron] else 'DIFFER'}")
     print(f"  bare Allreduce of {rows} x {width} float32 on 2 ranks: {ar * 1e3:.2f} ms; x {2 * pairs} a step = "
           f"{2 * pairs * ar * 1e3:.1f} ms = {2 * pairs * ar / t2:.1%} of the tp2 step")
 

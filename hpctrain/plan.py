@@ -98,6 +98,7 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
     ConfigError when the layout does not fit the world size or the model."""
     from .nn import make_model
     from .parallel.data_parallel import make_buckets
+    from .parallel.executor import micro_rows
     from .parallel.mesh import resolve_layout
     from .parallel.schedule import check_schedule, make_schedule
     from .parallel.zero import ZeroShard
@@ -123,7 +124,7 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
             part = model.part(lo, hi, tp=_ShapeOnlyTP(r, tp) if tp > 1 else None)
             part.recompute = t.recompute == "blocks"
             acts = _activation_bytes(part, model, local_rows // t.micro_batches, stats.peak_live[s])
-            rows = max(1, local_rows) * model.positions
+            rows = micro_rows(local_rows, t.micro_batches) * model.positions  # one micro-batch a ring slot
             rings = 0
             if pp > 1:  # the executor's receive rings (parallel/executor.py), per kind it receives
                 if not part.is_first:

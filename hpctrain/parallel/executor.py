@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from .schedule import (Backward, Exchange, Forward, LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad,
                        ReduceGrads, SendActivation, SendGrad)
 
-__all__ = ["StageExecutor", "StepResult", "bubble_share", "nbytes_of"]
+__all__ = ["StageExecutor", "StepResult", "bubble_share", "nbytes_of", "micro_rows"]
 
 ACTIVATION, GRAD = 0, 1  # message kinds; the tag of micro-batch i's message is 2·i + kind
 
@@ -64,6 +64,12 @@ def bubble_share(*, busy, data, span, comm, optim) -> float:
     """
     pipeline = span - comm - optim
     return max(0.0, 1.0 - (busy + data) / pipeline) if pipeline > 0 else 0.0
+
+
+def micro_rows(local: int, micro_batches: int) -> int:
+    """Samples in one micro-batch of a rank's batch share of ``local``: what a receive-ring slot holds (times the
+    rows per sample), and so the chunk evaluation runs in."""
+    return max(1, local // max(1, micro_batches))
 
 
 class _Ring:

@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import NonFiniteError
 from ..optim import clip_coefficient
 from ..parallel.agree import QuietExit
-from ..parallel.executor import StageExecutor
+from ..parallel.executor import StageExecutor, micro_rows
 from ..parallel.schedule import check_schedule, forward_only, make_schedule
 from ..parallel.tied import refresh_replicas, sum_tied_grads
 from ..parallel.zero import overlap
@@ -71,7 +71,7 @@ class StepRunner:
         self.stats = check_schedule(self.schedule)
         self.executor = StageExecutor(backend=backend, part=part, loss=loss, stage=mesh.pp_rank, stages=mesh.pp,
                                       p2p=p2p, sync=sync, stats=self.stats,
-                                      max_rows=max(1, sampler.local) * part.positions,
+                                      max_rows=micro_rows(sampler.local, m) * part.positions,
                                       tracer=tracer)
         self.tracer = tracer
         self.shard = sync.shard  # ZeRO: the chunks this rank reduces and updates (None: every gradient)
@@ -189,14 +189,15 @@ class StepRunner:
     def evaluate(self) -> dict:
         """Loss (and accuracy) over the validation split, forward-only through the pipeline (collective).
 
-        Each data-parallel rank takes a contiguous share of the split, in chunks of its batch share.
+        Each data-parallel rank takes a contiguous share of the split, in chunks of one training micro-batch (the
+        most the pipeline's receive buffers hold).
         """
         from mpi4py import MPI
 
         mesh, data = self.mesh, self.data
         lo = data.n_train + data.n_val * mesh.dp_rank // mesh.dp
         hi = data.n_train + data.n_val * (mesh.dp_rank + 1) // mesh.dp
-        chunk = max(1, self.sampler.local)
+        chunk = micro_rows(self.sampler.local, self.cfg.train.micro_batches)
         row_lists = [np.arange(s, min(hi, s + chunk)) for s in range(lo, hi, chunk)]
         sums = np.zeros(3, dtype=np.float64)  # loss sum, correct, rows
         if row_lists:

@@ -108,10 +108,15 @@ def test_stages_report_their_peak_of_live_micro_batches(comm, data, shared_dir, 
     micro = 4
     for pp in pipeline_sizes(comm):
         path = f"{shared_dir}/peaks-{schedule}-{pp}.jsonl"
-        cfg = cfg_for(data, comm, pp, schedule=schedule, micro=micro, train={"metrics": path, "log_every": 5})
+        cfg = cfg_for(data, comm, pp, schedule=schedule, micro=micro,
+                      train={"metrics": path, "log_every": 5, "eval_every": 5})
         mesh = Mesh(comm=comm, pp=pp)
         t = Trainer(cfg, mesh=mesh, **quiet)
         t.run()
+        # each receive buffer holds one micro-batch (8 samples a rank / 4), not the rank's whole share, and
+        # evaluation, which ran through the same rings, went in chunks of that size
+        rings = t.runner.executor.rings()
+        assert rings and all(a.shape[0] == 8 // micro for ring in rings for a in ring.arrays)
         t.close()
         mesh.free()
         if comm.rank == 0:

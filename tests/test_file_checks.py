@@ -603,10 +603,11 @@ def test_a_full_disk_under_the_trace_is_one_line_and_leaves_no_temporary(tmp_pat
 
     import hpctrain.train.trace as trace
 
-    def full(*a, **k):
+    def full(f, heads, blocks):
+        f.write('{"traceEvents": [')  # the disk fills after the first bytes
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(trace.json, "dump", full)
+    monkeypatch.setattr(trace, "_write_events", full)
     _run_raising(_metrics_job(tmp_path, trace=str(tmp_path / "trace.json")), mesh,
                  r"^train.trace: cannot write .*trace.json: No space left on device$")
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]

@@ -87,6 +87,7 @@ class VocabParallelEmbedding(Embedding):
         vocab, C = full.params[0][1]
         self.lo, n = row_block(vocab, tp.size, tp.rank)
         self.vocab, self.tp, self.reduce = vocab, tp, ReduceFromTensorParallel(tp)
+        self.vocab_rows = (self.lo, self.lo + n, vocab)  # the ids of this rank's block, of the vocabulary
         self.params = (("wte.weight", (n, C)), full.params[1])
         self.in_features, self.out_features = full.in_features, full.out_features
         self.shards = {"wte.weight": "rows"}
@@ -257,6 +258,7 @@ class VocabParallelHead(Head):
         self.in_features, self.out_features = C, n
         self.shards = {"wte.weight": "rows"}
         self.vocab_shard = (tp, self.lo, vocab)  # what the loss needs to see the whole row
+        self.vocab_rows = (self.lo, self.lo + n, vocab)
 
     def backward(self, be, dlogits, saved, accumulate=False, need_dinp=True):
         s_ln, h = saved

@@ -142,7 +142,10 @@ class Trainer:
         if mesh.tp > 1:
             split = [f"{lo}..{hi}" for lo, hi in self.model.tp_pairs] if self.model.tp_pairs else \
                 ["every transformer block"] if self.part.shards else []
-            self.log(f"tensor parallel: tp {mesh.tp}, column/row-parallel pairs: {', '.join(split) or 'none'}; "
+            vocab = next((layer.vocab_rows for layer in self.part.layers if hasattr(layer, "vocab_rows")), None)
+            rows = "" if vocab is None else \
+                f"; the token table, head and loss by vocabulary (ids {vocab[0]}..{vocab[1] - 1} of {vocab[2]} here)"
+            self.log(f"tensor parallel: tp {mesh.tp}, column/row-parallel pairs: {', '.join(split) or 'none'}{rows}; "
                      f"this rank holds {self.part.owned_size:,} of {self.model.layout.size:,} parameters")
             if not split:
                 self.log(f"warning: parallel.tp = {mesh.tp} splits nothing in this model (no Linear → activation "

@@ -3,9 +3,13 @@
     [train] trace = "runs/pp2/trace.json"      # open in https://ui.perfetto.dev or chrome://tracing
 
 Each rank records ``(kind, micro-batch, step, start, duration)`` rows in memory while it
-trains; at the end of the run the rows go to world rank 0 with one ``Gatherv`` and rank 0
-writes the JSON. Times are measured from a common start taken after a ``Barrier``, so
-the tracks line up to within the barrier's skew. Writing is collective over the mesh.
+trains, up to its share of one budget for the whole run (``MAX_SPANS`` spans over all
+ranks: later spans are counted, not kept). At the end of the run world rank 0 writes
+the JSON as a stream: its own track, then each other rank's, received one rank at a
+time (``Recv``) and written event by event, so rank 0 holds one rank's rows at most,
+whatever the number of ranks. Times are measured from a common start taken after a
+``Barrier``, so the tracks line up to within the barrier's skew. Writing is collective
+over the mesh.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import numpy as np
 from .._files import replaced_atomically
 from ..errors import ConfigError
 
-__all__ = ["Tracer", "KINDS"]
+__all__ = ["Tracer", "KINDS", "MAX_SPANS"]
 
 KINDS = ("load", "forward", "backward", "send activation", "recv activation", "send grad", "recv grad", "allreduce",
          "optimizer")
-MAX_SPANS = 2_000_000  # over all ranks (rank 0 writes them all: about 0.3 GB of JSON); later ones are counted
+MAX_SPANS = 2_000_000  # per run, over all ranks (about 0.3 GB of JSON); each rank keeps its share
+_TAG = 7301  # the tracks' point-to-point messages to rank 0
 
 
 class Tracer:
@@ -35,7 +40,7 @@ class Tracer:
         self.origin = time.perf_counter()
         self.step = 0
         self.rows = []
-        self.limit = max(10_000, MAX_SPANS // mesh.size)  # this rank's share
+        self.limit = max(1, MAX_SPANS // mesh.size)  # this rank's share of the run's budget
         self.dropped = 0
 
     def span(self, kind: str, mb: int, t0: float, t1: float) -> None:
@@ -45,43 +50,65 @@ class Tracer:
         self.rows.append((KINDS.index(kind), mb, self.step, t0 - self.origin, t1 - t0))
 
     def write(self, path: str) -> int:
-        """Gather every rank's spans to rank 0 and write the trace there; returns the number of spans written."""
-        from mpi4py import MPI
-
+        """Stream every rank's spans to a trace file written on rank 0; returns the number of events written there
+        (0 elsewhere). Every other rank sends its rows to rank 0, which receives them one rank at a time, even when
+        its file cannot be written (then a ConfigError once all are in), so no rank is left in a send."""
         comm = self.mesh.world
         local = np.array(self.rows, dtype=np.float64).reshape(-1, 5)
-        counts = np.zeros(comm.Get_size(), dtype=np.int64)
-        comm.Allgather(np.array([local.size], dtype=np.int64), counts)
-        where = np.array([self.mesh.pp_rank, self.mesh.dp_rank, self.mesh.tp_rank], dtype=np.int64)
-        places = np.zeros((comm.Get_size(), 3), dtype=np.int64)
-        comm.Allgather(where, places)
+        head = np.array([local.shape[0], self.dropped, self.mesh.pp_rank, self.mesh.dp_rank, self.mesh.tp_rank],
+                        dtype=np.int64)
+        heads = np.empty((comm.Get_size(), 5), dtype=np.int64) if comm.Get_rank() == 0 else None
+        comm.Gather(head, heads, root=0)
         if comm.Get_rank() != 0:
-            comm.Gatherv(local, None, root=0)
+            comm.Send(local, dest=0, tag=_TAG)
             return 0
-        rows = np.empty(int(counts.sum()), dtype=np.float64)
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        comm.Gatherv(local, [rows, counts, displs, MPI.DOUBLE], root=0)
-        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
-                   "args": {"name": f"rank {r} (stage {p}, dp {d}, tp {t})"}} for r, (p, d, t) in enumerate(places)]
-        events += [{"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}}
-                   for r in range(len(places))]
-        for r in range(comm.Get_size()):
-            block = rows[displs[r] : displs[r] + counts[r]].reshape(-1, 5)
-            for kind, mb, step, start, dur in block:
-                name = KINDS[int(kind)]
-                args = {"step": int(step)}
-                if mb >= 0:
-                    args["micro_batch"] = int(mb)
-                    name = f"{name} {int(mb)}"
-                events.append({"name": name, "cat": KINDS[int(kind)], "ph": "X", "pid": 0, "tid": r,
-                               "ts": round(start * 1e6, 3), "dur": round(dur * 1e6, 3), "args": args})
+
+        def tracks():
+            yield 0, local
+            for r in range(1, comm.Get_size()):
+                rows = np.empty((int(heads[r, 0]), 5), dtype=np.float64)
+                comm.Recv(rows, source=r, tag=_TAG)
+                yield r, rows
+
+        blocks = tracks()
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"train.trace: cannot write {path}: {e.strerror or e}") from None
-        # a temporary beside it, made exclusively under a name nobody can guess, then renamed (_files.py); a full
-        # disk or a folder gone read-only is one line and leaves nothing behind
-        with replaced_atomically(path, f"train.trace: cannot write {path}", ConfigError) as tmp, open(tmp, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms",
-                       "otherData": {"spans_dropped_on_rank_0": self.dropped}}, f)
-        return len(events)
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"train.trace: cannot write {path}: {e.strerror or e}") from None
+            # a temporary beside it, made exclusively under a name nobody can guess, then renamed (_files.py); a
+            # full disk or a folder gone read-only is one line and leaves nothing behind
+            with replaced_atomically(path, f"train.trace: cannot write {path}", ConfigError) as tmp, \
+                    open(tmp, "w") as f:
+                return _write_events(f, heads, blocks)
+        finally:
+            for _ in blocks:  # whatever happened to the file: every rank's send is received
+                pass
+
+
+def _write_events(f, heads, blocks) -> int:
+    """The trace JSON, one event a line: the track names, then each rank's spans as ``blocks`` yields them."""
+    f.write('{"displayTimeUnit": "ms", "otherData": {"spans_dropped": %d}, "traceEvents": [\n'
+            % int(heads[:, 1].sum()))
+    n = 0
+
+    def put(event):
+        nonlocal n
+        f.write((",\n" if n else "") + json.dumps(event))
+        n += 1
+
+    for r, (_, _, p, d, t) in enumerate(heads):
+        put({"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
+             "args": {"name": f"rank {r} (stage {p}, dp {d}, tp {t})"}})
+        put({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}})
+    for r, rows in blocks:
+        for kind, mb, step, start, dur in rows:
+            name = KINDS[int(kind)]
+            args = {"step": int(step)}
+            if mb >= 0:
+                args["micro_batch"] = int(mb)
+                name = f"{name} {int(mb)}"
+            put({"name": name, "cat": KINDS[int(kind)], "ph": "X", "pid": 0, "tid": r,
+                 "ts": round(start * 1e6, 3), "dur": round(dur * 1e6, 3), "args": args})
+    f.write("\n]}\n")
+    return n

@@ -30,8 +30,10 @@ def split_sizes(cfg, comm):
 
     p = cfg.parallel
     mesh = Mesh(comm=comm, tp=p.tp, pp=p.pp)
-    t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    lines = []
+    t = Trainer(cfg, mesh=mesh, log=lines.append)
     out = t.part.owned_size, t.model.layout.size, len(t.part.shards)
+    split_sizes.lines = lines  # what start-up said
     t.close()
     mesh.free()
     return out
@@ -80,6 +82,8 @@ def test_tensor_parallel_gpt_equals_one_process(comm, tokens, vocab):
             halved = L * (3 * C * C + 3 * C + C * C + 4 * C * C + 4 * C + 4 * C * C) // 2
             kept = row_block(vocab, tp, comm.rank % tp)[1]  # parallel/mesh.py: tp_rank = rank % tp
             assert split_sizes(cfg, comm) == (total - halved - (vocab - kept) * C, total, 6 * L + 1)
+            said = f"the token table, head and loss by vocabulary (ids 0..{row_block(vocab, tp, 0)[1] - 1} of {vocab} here)"
+            assert comm.rank or any(said in line for line in split_sizes.lines), split_sizes.lines  # rank 0 logs
         assert max_error(train(cfg, comm), alone(cfg)) < 1e-6, (tp, pp)
 
 

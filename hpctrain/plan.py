@@ -100,7 +100,7 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
     from .parallel.data_parallel import make_buckets
     from .parallel.executor import micro_rows
     from .parallel.mesh import resolve_layout
-    from .parallel.schedule import check_schedule, make_schedule
+    from .parallel.schedule import checked
     from .parallel.zero import ZeroShard
 
     p, t = cfg.parallel, cfg.train
@@ -112,7 +112,7 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
     model = make_model(cfg.model)
     model.check_tp(tp)
     stages = model.partition(pp, p.stages, tp=tp)
-    stats = check_schedule(make_schedule(p.schedule if pp > 1 else "1f1b", pp, t.micro_batches))
+    stats = checked(p.schedule if pp > 1 else "1f1b", pp, t.micro_batches)[1]
     zero = p.zero if dp > 1 else 0
     slots = (1 if cfg.optim.momentum else 0) if cfg.optim.name == "sgd" else 2
     bucket_elems = max(1, int(p.bucket_mb * 1e6 / 4))

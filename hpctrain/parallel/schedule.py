@@ -42,6 +42,7 @@ together with the receive that follows it (``Exchange``) lets both messages comp
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from numbers import Integral
 from typing import ClassVar, NamedTuple
@@ -52,7 +53,7 @@ __all__ = [
     "SCHEDULES", "Instruction", "LoadMicroBatch", "Forward", "Backward", "SendActivation", "RecvActivation",
     "SendGrad", "RecvGrad", "Exchange", "ReduceGrads", "OptimizerStep", "MessageKey", "Op", "Schedule",
     "ScheduleStats", "ScheduleError", "data_parallel", "gpipe", "one_f_one_b", "forward_only", "make_schedule",
-    "check_schedule",
+    "check_schedule", "built", "checked",
 ]
 
 SCHEDULES = ("1f1b", "gpipe")  # training schedules make_schedule knows
@@ -348,6 +349,22 @@ def make_schedule(name: str, num_stages: int, micro_batches: int) -> Schedule:
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
     return builders[name](num_stages, micro_batches)
+
+
+@functools.lru_cache(maxsize=16)
+def built(name: str, num_stages: int, micro_batches: int) -> Schedule:
+    """The schedule ``name`` (a training schedule of SCHEDULES, or "forward-only"), built once per process and
+    shape: schedules are immutable data."""
+    return forward_only(num_stages, micro_batches) if name == "forward-only" else \
+        make_schedule(name, num_stages, micro_batches)
+
+
+@functools.lru_cache(maxsize=16)
+def checked(name: str, num_stages: int, micro_batches: int) -> tuple[Schedule, "ScheduleStats"]:
+    """``built`` and ``check_schedule``-ed, once per process and shape (a ScheduleError is raised again, not
+    cached)."""
+    schedule = built(name, num_stages, micro_batches)
+    return schedule, check_schedule(schedule)
 
 
 # ---------------------------------------------------------------------------------------------- the checker

@@ -27,6 +27,8 @@ groups);
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import time
 
@@ -36,7 +38,8 @@ from ..errors import NonFiniteError
 from ..optim import clip_coefficient
 from ..parallel.agree import QuietExit
 from ..parallel.executor import StageExecutor, micro_rows
-from ..parallel.schedule import check_schedule, forward_only, make_schedule
+from ..parallel.agree import bcast_text
+from ..parallel.schedule import ScheduleError, ScheduleStats, built, checked
 from ..parallel.tied import refresh_replicas, sum_tied_grads
 from ..parallel.zero import overlap
 
@@ -59,6 +62,23 @@ class _Batch:
         return self.data.read(self.row_lists[mb])
 
 
+def agreed_schedule(comm, name: str, num_stages: int, micro_batches: int):
+    """Collective over ``comm``: (schedule, its ScheduleStats), checked on ``comm``'s rank 0 only and the stats (or
+    the ScheduleError) shared, each rank building the instruction lists itself; both cached per process and
+    shape (parallel/schedule.py: ``checked``, ``built``), so a rank checks a shape once at most."""
+    text = None
+    if comm.Get_rank() == 0:
+        try:
+            text = json.dumps(dataclasses.asdict(checked(name, num_stages, micro_batches)[1]))
+        except ScheduleError as e:
+            text = "error:" + str(e)
+    text = bcast_text(comm, text, 0)
+    if text.startswith("error:"):
+        raise ScheduleError(text[len("error:"):])
+    stats = ScheduleStats(**{k: tuple(v) for k, v in json.loads(text).items()})
+    return built(name, num_stages, micro_batches), stats
+
+
 class StepRunner:
     """Runs this rank's stage of the training schedule and of the evaluation schedule."""
 
@@ -67,8 +87,8 @@ class StepRunner:
         self.cfg, self.mesh, self.be, self.part, self.loss, self.transport = cfg, mesh, backend, part, loss, transport
         self.data, self.sampler, self.sync, self.optim, self.grads, self.log = data, sampler, sync, optim, grads, log
         m = cfg.train.micro_batches
-        self.schedule = make_schedule(cfg.parallel.schedule if mesh.pp > 1 else "1f1b", mesh.pp, m)
-        self.stats = check_schedule(self.schedule)
+        self.schedule, self.stats = agreed_schedule(mesh.world, cfg.parallel.schedule if mesh.pp > 1 else "1f1b",
+                                                    mesh.pp, m)
         self.executor = StageExecutor(backend=backend, part=part, loss=loss, stage=mesh.pp_rank, stages=mesh.pp,
                                       p2p=p2p, sync=sync, stats=self.stats,
                                       max_rows=micro_rows(sampler.local, m) * part.positions,
@@ -79,7 +99,6 @@ class StepRunner:
         if self.shard is not None:  # each parameter counted once over dp too: by the owner of its chunk
             self._norm_ranges = [r for r in (overlap(n, p) for n in self._norm_ranges for p in self.shard.pieces)
                                  if r[1] > r[0]]
-        self._eval_schedules = {}
         # whose loss sums count: the last stage's (one tensor-parallel rank of it)
         self.holds_loss = part.is_last and mesh.tp_rank == 0
 
@@ -202,10 +221,8 @@ class StepRunner:
         sums = np.zeros(3, dtype=np.float64)  # loss sum, correct, rows
         if row_lists:
             m = len(row_lists)
-            if m not in self._eval_schedules:
-                self._eval_schedules = {m: forward_only(mesh.pp, m)}  # the last one: evaluations repeat sizes
-                check_schedule(self._eval_schedules[m])
-            r = self.executor.run(self._eval_schedules[m].stages[mesh.pp_rank],
+            schedule, _ = agreed_schedule(mesh.pp_comm, "forward-only", mesh.pp, m)  # one pipeline: the same m
+            r = self.executor.run(schedule.stages[mesh.pp_rank],
                                   _Batch(data, row_lists, self.part.positions))
             if self.holds_loss:
                 sums[:] = r.loss_sum, r.correct, r.rows

@@ -169,3 +169,36 @@ def test_pipeline_checkpoint_resumes_on_one_process_and_back(comm, data, shared_
     resumed = train(with_checkpoint(base, dir=f"{shared_dir}/pipe2", resume=f"{shared_dir}/solo-0/ckpt-00000005.h5"),
                     comm)
     assert_close(resumed, straight)
+
+
+def test_the_schedule_is_checked_once_on_rank_0_and_shared(comm, data, monkeypatch):
+    """Every rank builds its instructions; only world rank 0 simulates the schedule, once per shape per process,
+    and a fault it finds stops every rank with its message."""
+    from hpctrain.parallel import schedule as sched
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+    from hpctrain.train.step import agreed_schedule
+
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    calls = []
+    real = sched.check_schedule
+    monkeypatch.setattr(sched, "check_schedule", lambda s: calls.append(s.name) or real(s))
+    sched.checked.cache_clear()
+    cfg = cfg_for(data, comm, 2, micro=4)
+    for _ in range(2):  # the second Trainer of the same shape checks nothing again
+        mesh = Mesh(comm=comm, pp=2)
+        t = Trainer(cfg, mesh=mesh, **quiet)
+        assert len(t.runner.stats.peak_live) == 2 and t.runner.schedule.micro_batches == 4
+        t.close()
+        mesh.free()
+    counts = comm.allgather(len(calls))
+    assert counts == [1] + [0] * (comm.size - 1)
+
+    def faulty(name, p, m):
+        raise sched.ScheduleError(f"schedule {name!r}: stage 1 deadlocks")
+
+    monkeypatch.setattr(sched, "checked", faulty)
+    monkeypatch.setattr("hpctrain.train.step.checked", faulty)
+    with pytest.raises(sched.ScheduleError, match="^schedule 'gpipe': stage 1 deadlocks$"):
+        agreed_schedule(comm, "gpipe", 2, 4)

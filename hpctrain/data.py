@@ -104,6 +104,10 @@ class Dataset(_Unchanged):
         self.loss, self.features, self.out_features = loss, features, out_features
         self.n_val = validation_count(n, val_fraction)
         self.n_train = n - self.n_val
+        # what scan() checks, for the record of a clean scan (scan_cache.py); a dataset in another file: nothing
+        self.scan_checks = None if self.allow_external else (
+            f"rows: {self._labels[0]} {self.x.shape} {self.x.dtype}, {self._labels[1]} {self.y.shape} {self.y.dtype}, "
+            f"loss {loss.name}, {out_features} outputs")
 
     def _dataset(self, name, key, expected):
         return _get_dataset(self.file, self.path, name, key, expected, self.allow_external)
@@ -260,6 +264,8 @@ class TokenDataset(_Unchanged):
             raise DataError(f"{path}: the vocabulary of {name!r} has {len(self.vocabulary)} characters but "
                             f"model.vocab_size = {self.vocab_size}; set vocab_size >= {len(self.vocabulary)}")
         self._label = f"dataset {name!r} (data.tokens)"
+        self.scan_checks = None if self.allow_external else \
+            f"tokens: {self._label} {self.tokens.shape} {self.tokens.dtype}, vocabulary {self.vocab_size}"
         n = (count - 1) // T
         self.n_val = validation_count(n, val_fraction)
         self.n_train = n - self.n_val
@@ -323,7 +329,10 @@ def _rows_text(dset, rows) -> str:
 
 
 class Sampler:
-    """Which rows of the training split global step ``s`` uses, and this rank's share of them."""
+    """Which rows of the training split global step ``s`` uses, and this rank's share of them.
+
+    A shuffled epoch's order is drawn whole (the documented permutation) but a rank keeps only its own positions
+    of it: steps_per_epoch × its share, int32 where the split allows, 1/dp of the order (``order_bytes``)."""
 
     def __init__(self, n_train: int, batch_size: int, *, shuffle: bool, seed: int, dp_rank: int = 0, dp_size: int = 1):
         if batch_size > n_train:
@@ -334,24 +343,40 @@ class Sampler:
         self.steps_per_epoch = n_train // batch_size
         self.local = batch_size // dp_size
         self.dp_rank = dp_rank
-        self._perm_epoch, self._perm = -1, None
+        self._mine_epoch, self._mine = -1, None  # this rank's rows of each step of one shuffled epoch
 
     def epoch_of(self, step: int) -> int:
         return step // self.steps_per_epoch
 
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_train)
+
     def global_rows(self, step: int) -> np.ndarray:
+        """Every rank's rows of ``step`` (draws the epoch's order afresh: for checks and tools, not the loop)."""
         epoch, k = divmod(step, self.steps_per_epoch)
         lo = k * self.batch_size
         if not self.shuffle:
             return np.arange(lo, lo + self.batch_size, dtype=np.int64)
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_train)
-            self._perm_epoch = epoch
-        return self._perm[lo : lo + self.batch_size]
+        return self._permutation(epoch)[lo : lo + self.batch_size]
 
     def local_rows(self, step: int) -> np.ndarray:
+        epoch, k = divmod(step, self.steps_per_epoch)
         lo = self.dp_rank * self.local
-        return self.global_rows(step)[lo : lo + self.local]
+        if not self.shuffle:
+            first = k * self.batch_size + lo
+            return np.arange(first, first + self.local, dtype=np.int64)
+        if epoch != self._mine_epoch:
+            self._mine = None  # the last epoch's positions go before the next order is drawn
+            B, steps = self.batch_size, self.steps_per_epoch
+            order = self._permutation(epoch)[: steps * B].reshape(steps, B)[:, lo : lo + self.local]
+            self._mine = order.astype(np.int32 if self.n_train < 2**31 else np.int64)
+            self._mine_epoch = epoch
+        return self._mine[k].astype(np.int64)
+
+    @property
+    def order_bytes(self) -> int:
+        """Bytes of the shuffled order this rank keeps between steps."""
+        return 0 if self._mine is None else int(self._mine.nbytes)
 
 
 def open_dataset(cfg, loss, model) -> Dataset | TokenDataset:

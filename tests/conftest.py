@@ -22,6 +22,10 @@ import pytest
 
 import hpctrain  # noqa: F401  before numpy: shares the cores between the ranks' BLAS threads (hpctrain/_threads.py)
 
+# the start-up scan's records (hpctrain/scan_cache.py) stay off: a test that writes a bad file must see the scan,
+# and nothing here writes under ~/.cache; tests/test_scan_cache.py turns them on in a folder of its own
+os.environ.setdefault("HPCTRAIN_CACHE_DIR", "off")
+
 _subsuite = os.environ.get("HPCTRAIN_SUBSUITE", "")
 collect_ignore = [name for name in ("mpi", "cuda") if name != _subsuite]
 

@@ -41,6 +41,16 @@ def test_rank_shares_tile_the_global_batch(dp):
         assert joined.tolist() == samplers[0].global_rows(step).tolist()
 
 
+def test_a_rank_keeps_only_its_own_positions_of_the_epoch_order():
+    """1/dp of the shuffled order, as int32: 4 bytes x steps x share, where the whole order is 8 bytes x n."""
+    n, batch, dp = 10_000, 64, 4
+    samplers = [Sampler(n, batch, shuffle=True, seed=3, dp_rank=r, dp_size=dp) for r in range(dp)]
+    for step in (0, 155, 156, 400):  # 156 steps an epoch: the second and third epochs too
+        joined = np.concatenate([s.local_rows(step) for s in samplers])
+        assert joined.dtype == np.int64 and joined.tolist() == samplers[0].global_rows(step).tolist()
+    assert all(s.order_bytes == 4 * (n // batch) * (batch // dp) for s in samplers)
+
+
 def test_sampler_errors():
     with pytest.raises(DataError, match="batch_size = 11 is larger than the training split"):
         Sampler(10, 11, shuffle=False, seed=0)

@@ -130,6 +130,7 @@ class AsyncTrainer:
         self.mesh = Mesh(comm=self.workers_comm, dp=self.W)
         t = SimpleNamespace(cfg=self.cfg, mesh=self.mesh, log=lambda *a: None)
         startup.build(t)
+        startup.scan_share(t)  # inside the world's agreement: a bad value stops the servers too (no scan cache)
         self.be, self.part, self.loss, self.data, self.sampler = t.be, t.part, t.loss, t.data, t.sampler
         self.params, self.grads = FlatBuffer(self.be, self.part.layout), FlatBuffer(self.be, self.part.layout)
         self.part.bind(self.params, self.grads)

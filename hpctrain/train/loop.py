@@ -95,6 +95,7 @@ class Trainer:
         self.log = (log or log_line) if self.rank0 else (lambda *a, **k: None)
         run_everywhere(mesh.world, (lambda: startup.prepare_data(self)) if self.rank0 else lambda: None)
         run_everywhere(mesh.world, lambda: startup.build(self))
+        startup.scan_data(self)  # every value of the data file, or a record that this file passed before
         # one job per checkpoint folder: rank 0 locks it before anything in it is read or written
         self._lock = run_everywhere(mesh.world, (lambda: startup.lock_checkpoint_dir(self)) if self.rank0
                                     else lambda: None)

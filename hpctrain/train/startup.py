@@ -28,7 +28,8 @@ from ..data import Sampler, open_dataset
 from ..errors import CheckpointError, ConfigError, DataError, LayoutError
 from ..nn import make_loss, make_model
 from ..optim import make_optimizer
-from ..parallel.agree import run_everywhere
+from .. import scan_cache
+from ..parallel.agree import bcast_text, run_everywhere
 from ..parallel.mesh import mpi_cuda_aware
 from ..parallel.sharding import scatter_flat
 from ..parallel.slurm import node_local
@@ -40,7 +41,7 @@ from ..parallel.zero import ReleasableHost, ZeroShard
 from ..params import FlatBuffer
 from .resume_check import changed_settings, resume_problem
 
-__all__ = ["prepare_data", "build", "lock_checkpoint_dir", "make_state", "load_start", "read_start",
+__all__ = ["prepare_data", "build", "scan_data", "scan_share", "lock_checkpoint_dir", "make_state", "load_start", "read_start",
            "scatter_start"]
 
 
@@ -86,12 +87,31 @@ def build(t) -> None:
     if cfg.data.val_fraction > 0 and t.data.n_val == 0:
         t.log(f"warning: data.val_fraction = {cfg.data.val_fraction} of {t.data.n_train} samples rounds down to "
               "none: this run is never evaluated")
-    n = t.data.n_train + t.data.n_val
-    problem = t.data.scan(n * mesh.rank // mesh.size, n * (mesh.rank + 1) // mesh.size)
-    if problem:
-        raise DataError(problem)
     if mesh.rank == 0:
         check_outputs(cfg)
+
+
+def scan_data(t) -> None:
+    """Collective: every value of the data file checked once, each rank scanning its share (``data.scan``), unless
+    world rank 0 finds a record that this file, unchanged, passed these checks before (scan_cache.py); after a
+    clean scan rank 0 writes that record. A problem on any rank is one DataError on every rank."""
+    mesh, data = t.mesh, t.data
+    key = scan_cache.scan_key(data.path, data.scan_checks) if mesh.rank == 0 and data.scan_checks else None
+    if bcast_text(mesh.world, "clean" if key and scan_cache.is_clean(key) else "", 0) == "clean":
+        t.log(f"data: {data.path} is unchanged since a clean start-up scan; not scanned again")
+        return
+    run_everywhere(mesh.world, lambda: scan_share(t))
+    if key:
+        scan_cache.remember_clean(key)
+
+
+def scan_share(t) -> None:
+    """This rank's share of the data file's rows (or windows) checked; DataError naming the first problem."""
+    mesh, data = t.mesh, t.data
+    n = data.n_train + data.n_val
+    problem = data.scan(n * mesh.rank // mesh.size, n * (mesh.rank + 1) // mesh.size)
+    if problem:
+        raise DataError(problem)
 
 
 def check_outputs(cfg) -> None:

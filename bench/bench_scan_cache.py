@@ -1,0 +1,91 @@
+"""Start-up time with a large token file: the first start scans every token, a second start of the unchanged file
+reads a record instead (hpctrain/scan_cache.py).
+
+    python bench/bench_scan_cache.py                 # a 1 GB token file (uint16 ids), 2 ranks
+    python bench/bench_scan_cache.py --gb 0.25 -n 4
+    python bench/bench_scan_cache.py --drop-caches   # as root: each start reads the disk, not the page cache
+
+Run it plainly: it writes the token file in a temporary folder, then launches ``mpiexec -n N`` of this file
+with --worker, twice, with a fresh record folder (HPCTRAIN_CACHE_DIR): each launch builds the real Trainer
+(the gpt-char model, CPU backend) and its rank 0 prints each rank's Trainer construction time (the largest of
+the ranks: the start-up every rank waits for). Target (issue 28): the second start ≤ 1/4 of the first.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+
+def worker(a):
+    from mpi4py import MPI
+
+    from hpctrain.config import load_config
+    from hpctrain.train import Trainer
+
+    cfg = load_config(os.path.join(HERE, "..", "jobs", "configs", "gpt-char.toml"),
+                      [f"data.path={a.path}", "data.corpus=", "train.metrics=", "checkpoint.dir=", "train.steps=1",
+                       "model.vocab_size=256", "train.backend=cpu"])
+    MPI.COMM_WORLD.Barrier()
+    t0 = time.perf_counter()
+    t = Trainer(cfg, log=lambda *x: None)
+    took = time.perf_counter() - t0
+    t.close()
+    times = MPI.COMM_WORLD.gather(took, root=0)
+    if MPI.COMM_WORLD.rank == 0:
+        print(json.dumps({"times": times}), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gb", type=float, default=1.0, help="token file size in GB (uint16 ids)")
+    p.add_argument("-n", type=int, default=2, help="ranks")
+    p.add_argument("--mpiexec", default="mpiexec")
+    p.add_argument("--drop-caches", action="store_true", help="empty the page cache before each start (root)")
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--path")
+    a = p.parse_args()
+    if a.worker:
+        return worker(a)
+    import h5py
+    import numpy as np
+
+    with tempfile.TemporaryDirectory(prefix="hpctrain-bench-scan-") as d:
+        path = os.path.join(d, "tokens.h5")
+        n = int(a.gb * 1e9) // 2
+        rng = np.random.default_rng(0)
+        t0 = time.perf_counter()
+        with h5py.File(path, "w") as f:
+            dset = f.create_dataset("tokens", shape=(n,), dtype=np.uint16, chunks=True)
+            step = 1 << 26
+            for lo in range(0, n, step):
+                dset[lo : min(n, lo + step)] = rng.integers(0, 200, min(n, lo + step) - lo, dtype=np.uint16)
+            dset.attrs["vocabulary"] = np.arange(200, dtype=np.int32) + 32
+        print(f"token file: {os.path.getsize(path) / 1e9:.2f} GB ({n:,} uint16 ids), written in "
+              f"{time.perf_counter() - t0:.1f} s")
+        env = dict(os.environ, HPCTRAIN_CACHE_DIR=os.path.join(d, "cache"), OMP_NUM_THREADS="1")
+        cmd = shlex.split(a.mpiexec) + ["-n", str(a.n), sys.executable, os.path.abspath(__file__), "--worker",
+                                        "--path", path]
+        results = []
+        for label in ("first start (scan)", "second start (record)"):
+            if a.drop_caches:  # each start reads from the disk, as on a shared file system the page cache does not hold
+                subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=True)
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+            if out.returncode or not lines:
+                raise SystemExit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout}{out.stderr}")
+            times = json.loads(lines[-1])["times"]
+            results.append(max(times))
+            print(f"{label}: Trainer construction {', '.join(f'{x:.2f}' for x in times)} s on the {a.n} ranks")
+        print(f"second / first: {results[1] / results[0]:.3f} (target <= 0.25)")
+
+
+if __name__ == "__main__":
+    main()

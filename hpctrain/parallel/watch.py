@@ -290,6 +290,10 @@ class _Monitor:
                 silent = [r for r in range(1, n) if now - seen[r] > self.diag.timeout]
                 late = [r for r in range(n) if stuck[r] > self.diag.timeout and r not in silent]
                 if silent or late:
+                    # a rank that missed two heartbeats is stopped or frozen too, though it went quiet less than
+                    # the timeout ago: it stopped just after another rank entered the collective that times out
+                    silent = [r for r in range(1, n) if r in silent or now - seen[r] > 2.5 * self.period]
+                    late = [r for r in late if r not in silent]
                     rest = [r for r in range(n) if r not in silent and r not in late]
                     parts = [f"rank {r} sent nothing for {now - seen[r]:.1f} s (stopped or frozen); last heard: "
                              f"{texts[r]}" for r in silent] + [f"rank {r}: {texts[r]}" for r in late + rest]

@@ -128,9 +128,9 @@ class AsyncTrainer:
 
     def _build_worker(self) -> None:
         self.mesh = Mesh(comm=self.workers_comm, dp=self.W)
-        t = SimpleNamespace(cfg=self.cfg, mesh=self.mesh, log=lambda *a: None)
-        startup.build(t)
-        startup.scan_share(t)  # inside the world's agreement: a bad value stops the servers too (no scan cache)
+        t = startup.build(self.cfg, self.mesh, lambda *a: None)
+        startup.scan_share(SimpleNamespace(mesh=self.mesh, data=t.data))  # inside the world's agreement: a bad
+        # value stops the servers too (no scan record here)
         self.be, self.part, self.loss, self.data, self.sampler = t.be, t.part, t.loss, t.data, t.sampler
         self.params, self.grads = FlatBuffer(self.be, self.part.layout), FlatBuffer(self.be, self.part.layout)
         self.part.bind(self.params, self.grads)

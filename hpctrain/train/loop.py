@@ -48,6 +48,12 @@ from .trace import Tracer
 __all__ = ["Trainer"]
 
 
+def _of(holder: str, name: str) -> property:
+    """``trainer.<name>``: read from what start-up made (``trainer.parts`` or ``trainer.state``)."""
+    return property(lambda self: getattr(getattr(self, holder), name),
+                    doc=f"``self.{holder}.{name}`` (train/startup.py: RankParts, RankState)")
+
+
 class Trainer:
     """One training job over a mesh. Building it, ``run()``, ``train_step``, ``evaluate``,
     ``save_checkpoint`` and ``state_dict`` are collective over ``mesh.world``.
@@ -60,6 +66,13 @@ class Trainer:
     start-up is recorded too); by default the Trainer installs its own and restores the old handlers in
     ``close()``.
     """
+
+    # what this rank runs and trains, made once at start-up (train/startup.py: ``RankParts``, ``RankState``)
+    be, cuda_aware, transport, model, stages, tensor, part, loss, data, sampler = (
+        _of("parts", name) for name in ("be", "cuda_aware", "transport", "model", "stages", "tensor", "part", "loss",
+                                        "data", "sampler"))
+    zero, shard, grad_memory, params, grads, optim = (
+        _of("state", name) for name in ("zero", "shard", "grad_memory", "params", "grads", "optim"))
 
     def __init__(self, cfg, *, mesh=None, log=None, stop=None):
         # SIGTERM/SIGUSR1 are recorded, never fatal, from here to close() (train/stop.py)
@@ -94,7 +107,7 @@ class Trainer:
         self.rank0 = mesh.rank == 0
         self.log = (log or log_line) if self.rank0 else (lambda *a, **k: None)
         run_everywhere(mesh.world, (lambda: startup.prepare_data(self)) if self.rank0 else lambda: None)
-        run_everywhere(mesh.world, lambda: startup.build(self))
+        self.parts = run_everywhere(mesh.world, lambda: startup.build(cfg, mesh, self.log))
         startup.scan_data(self)  # every value of the data file, or a record that this file passed before
         # one job per checkpoint folder: rank 0 locks it before anything in it is read or written
         self._lock = run_everywhere(mesh.world, (lambda: startup.lock_checkpoint_dir(self)) if self.rank0
@@ -108,7 +121,7 @@ class Trainer:
         check_same_everywhere(mesh.world, "backend", self.be.name,
                               lambda theirs: f"{self.be.name} here, {theirs} on rank 0 (train.backend = "
                                              f"{cfg.train.backend!r}; every rank must run the same backend)")
-        run_everywhere(mesh.world, lambda: startup.make_state(self))
+        self.state = run_everywhere(mesh.world, lambda: startup.make_state(cfg, mesh, self.parts))
         startup.load_start(self)  # a checkpoint (each rank reads its own pieces), a weights file or a fresh init
         tied = None  # ZeRO: tensors tied across stages are summed over their two ends before the scatter
         if self.shard and self.part.shared:

@@ -3,10 +3,12 @@
 Every function here runs on every rank inside an agreement (``run_everywhere``), so a
 failure on one rank ends the job on all of them before any training message:
 
-* ``build``: backend, model spec and this stage's part, loss, data, sampler, outputs;
+* ``build``: backend, model spec and this stage's part, loss, data, sampler, outputs, returned as one
+  ``RankParts``;
 * ``lock_checkpoint_dir`` (world rank 0 only): the lock on ``checkpoint.dir``, taken before
   anything in it is read or written (one job per folder; hpctrain/checkpoint/lock.py);
-* ``make_state``: the part's parameter, gradient and optimizer buffers;
+* ``make_state``: the part's parameter, gradient and optimizer buffers, returned as one ``RankState``
+  (the Trainer reads both through ``trainer.parts`` / ``trainer.state``);
 * ``load_start``: the starting point: each rank reads its own pieces of a sharded checkpoint
   (train/checkpointing.py, collective); a single-file checkpoint or weights file is read whole on
   world rank 0 and handed out by ``scatter_start``, one buffer at a time (parallel/sharding.py);
@@ -18,17 +20,18 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import checkpoint as ckpt
+from .. import scan_cache
 from ..backend import get_backend
 from ..checkpoint.lock import LOCK_NAME, FolderLock
 from ..data import Sampler, open_dataset
 from ..errors import CheckpointError, ConfigError, DataError, LayoutError
 from ..nn import make_loss, make_model
 from ..optim import make_optimizer
-from .. import scan_cache
 from ..parallel.agree import bcast_text, run_everywhere
 from ..parallel.mesh import mpi_cuda_aware
 from ..parallel.sharding import scatter_flat
@@ -41,7 +44,7 @@ from ..parallel.zero import ReleasableHost, ZeroShard
 from ..params import FlatBuffer
 from .resume_check import changed_settings, resume_problem
 
-__all__ = ["prepare_data", "build", "scan_data", "scan_share", "lock_checkpoint_dir", "make_state", "load_start", "read_start",
+__all__ = ["RankParts", "RankState", "prepare_data", "build", "scan_data", "scan_share", "lock_checkpoint_dir", "make_state", "load_start", "read_start",
            "scatter_start"]
 
 
@@ -55,40 +58,81 @@ def prepare_data(t) -> None:
         t.log(f"data.corpus {d.corpus!r}: wrote {d.path} ({len(tok)} characters in the vocabulary)")
 
 
-def build(t) -> None:
-    """Set ``t.be``, ``t.cuda_aware``, ``t.transport``, ``t.model``, ``t.stages``, ``t.tensor`` (the tensor-parallel
-    group, None when tp = 1), ``t.part``, ``t.loss``, ``t.data``, ``t.sampler``."""
-    cfg, mesh = t.cfg, t.mesh
+@dataclass
+class RankParts:
+    """What one rank runs, as start-up (``build``) makes it: read here to see what a rank holds.
+
+    ``be`` the backend; ``cuda_aware`` whether MPI takes device arrays (else ``transport`` stages them through
+    host memory); ``model`` the whole model's spec and ``stages`` its layer ranges per pipeline stage; ``tensor``
+    the tensor-parallel group (None when tp = 1); ``part`` this rank's layers and local layout (its shards under
+    tp); ``loss`` (vocab-parallel under tp for the GPT); ``data`` the open data file and ``sampler`` this rank's
+    rows of each step."""
+
+    be: object
+    cuda_aware: bool
+    transport: Transport
+    model: object
+    stages: list
+    tensor: TensorParallel | None
+    part: object
+    loss: object
+    data: object
+    sampler: Sampler
+
+
+@dataclass
+class RankState:
+    """The buffers one rank trains (``make_state``): ``params`` and ``grads`` (FlatBuffers of the part's layout),
+    ``optim`` with its slots for the ranges this rank updates; ``zero`` the ZeRO stage in effect (0 with one
+    data-parallel rank) and ``shard`` its chunks (parallel/zero.py; None without ZeRO); ``grad_memory`` the
+    releasable gradient pages of zero = 2 on the CPU (else None)."""
+
+    zero: int
+    shard: ZeroShard | None
+    grad_memory: ReleasableHost | None
+    params: FlatBuffer
+    grads: FlatBuffer
+    optim: object
+
+
+def build(cfg, mesh, log) -> RankParts:
+    """This rank's parts for ``cfg`` on ``mesh`` (run on every rank, inside an agreement)."""
     for key in ("dp", "pp", "tp"):
         want = getattr(cfg.parallel, key)
         if want != "auto" and getattr(mesh, key) != want:
             raise LayoutError(f"the mesh has {key} = {getattr(mesh, key)} but parallel.{key} = {want}: build it with "
                               "Mesh(dp=cfg.parallel.dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp)")
-    t.be = get_backend(cfg.train.backend, log=t.log, device_id=node_local(mesh.world)[0])
+    be = get_backend(cfg.train.backend, log=log, device_id=node_local(mesh.world)[0])
     ca = cfg.parallel.cuda_aware
-    t.cuda_aware = bool(t.be.is_device and (mpi_cuda_aware() if ca == "auto" else ca))
-    if t.cuda_aware and getattr(t.be, "simulator", False):
-        t.log("parallel.cuda_aware: simulated device arrays have no device pointer; staging through host memory")
-        t.cuda_aware = False
-    t.transport = Transport(t.be, cuda_aware=t.cuda_aware)
-    t.model = make_model(cfg.model)
-    t.model.check_tp(mesh.tp)
-    t.stages = t.model.partition(mesh.pp, cfg.parallel.stages, tp=mesh.tp)
-    t.tensor = TensorParallel(mesh.tp_comm, t.transport) if mesh.tp > 1 else None
-    t.part = t.model.part(*t.stages[mesh.pp_rank], tp=t.tensor)
-    t.part.recompute = cfg.train.recompute == "blocks"
-    t.loss = make_loss(cfg.train.loss, vocab_shard=getattr(t.part.layers[-1], "vocab_shard", None))
-    t.data = open_dataset(cfg, t.loss, t.model)
-    t.sampler = Sampler(t.data.n_train, cfg.train.batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
-                        dp_rank=mesh.dp_rank, dp_size=mesh.dp)
-    if t.sampler.local % cfg.train.micro_batches:
-        raise DataError(f"train.micro_batches = {cfg.train.micro_batches} does not divide this rank's share "
-                        f"of the batch ({t.sampler.local} = batch_size {cfg.train.batch_size} / dp {mesh.dp})")
-    if cfg.data.val_fraction > 0 and t.data.n_val == 0:
-        t.log(f"warning: data.val_fraction = {cfg.data.val_fraction} of {t.data.n_train} samples rounds down to "
-              "none: this run is never evaluated")
-    if mesh.rank == 0:
-        check_outputs(cfg)
+    cuda_aware = bool(be.is_device and (mpi_cuda_aware() if ca == "auto" else ca))
+    if cuda_aware and getattr(be, "simulator", False):
+        log("parallel.cuda_aware: simulated device arrays have no device pointer; staging through host memory")
+        cuda_aware = False
+    transport = Transport(be, cuda_aware=cuda_aware)
+    model = make_model(cfg.model)
+    model.check_tp(mesh.tp)
+    stages = model.partition(mesh.pp, cfg.parallel.stages, tp=mesh.tp)
+    tensor = TensorParallel(mesh.tp_comm, transport) if mesh.tp > 1 else None
+    part = model.part(*stages[mesh.pp_rank], tp=tensor)
+    part.recompute = cfg.train.recompute == "blocks"
+    loss = make_loss(cfg.train.loss, vocab_shard=getattr(part.layers[-1], "vocab_shard", None))
+    data = open_dataset(cfg, loss, model)
+    try:
+        sampler = Sampler(data.n_train, cfg.train.batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+                          dp_rank=mesh.dp_rank, dp_size=mesh.dp)
+        if sampler.local % cfg.train.micro_batches:
+            raise DataError(f"train.micro_batches = {cfg.train.micro_batches} does not divide this rank's share "
+                            f"of the batch ({sampler.local} = batch_size {cfg.train.batch_size} / dp {mesh.dp})")
+        if cfg.data.val_fraction > 0 and data.n_val == 0:
+            log(f"warning: data.val_fraction = {cfg.data.val_fraction} of {data.n_train} samples rounds down to "
+                "none: this run is never evaluated")
+        if mesh.rank == 0:
+            check_outputs(cfg)
+    except BaseException:
+        data.close()
+        raise
+    return RankParts(be=be, cuda_aware=cuda_aware, transport=transport, model=model, stages=stages, tensor=tensor,
+                     part=part, loss=loss, data=data, sampler=sampler)
 
 
 def scan_data(t) -> None:
@@ -155,27 +199,24 @@ def lock_checkpoint_dir(t):
     return FolderLock.take(c.dir, log=t.log)
 
 
-def make_state(t) -> None:
-    """This stage's parameter and gradient buffers and the optimizer with its slots (run on every rank).
-
-    Sets ``t.zero`` (the ZeRO stage in effect: none with one data-parallel rank) and ``t.shard`` (under
-    ZeRO, the chunk of every gradient bucket this data-parallel rank owns, parallel/zero.py; else None).
-    """
-    size, dp, p = t.part.layout.size, t.mesh.dp, t.cfg.parallel
-    t.zero = p.zero if dp > 1 else 0
-    owned = t.part.owned_size  # a tied tensor's replica beyond it is updated by its owner: no optimizer state
-    t.shard = ZeroShard(make_buckets(size, p.bucket_mb * 1e6 / 4), dp, t.mesh.dp_rank, limit=owned) if t.zero \
-        else None
-    t.grad_memory = None  # zero = 2 on the CPU: pages outside this rank's chunks go back to the kernel
-    t.params = FlatBuffer(t.be, t.part.layout)
-    if t.zero == 2 and not t.be.is_device:
-        t.grad_memory = ReleasableHost(size)
-        t.grads = FlatBuffer(t.be, t.part.layout, data=t.grad_memory.array)
+def make_state(cfg, mesh, parts: RankParts) -> RankState:
+    """This stage's parameter and gradient buffers and the optimizer with its slots (run on every rank)."""
+    be, part, p = parts.be, parts.part, cfg.parallel
+    size, dp = part.layout.size, mesh.dp
+    zero = p.zero if dp > 1 else 0
+    owned = part.owned_size  # a tied tensor's replica beyond it is updated by its owner: no optimizer state
+    shard = ZeroShard(make_buckets(size, p.bucket_mb * 1e6 / 4), dp, mesh.dp_rank, limit=owned) if zero else None
+    grad_memory = None  # zero = 2 on the CPU: pages outside this rank's chunks go back to the kernel
+    params = FlatBuffer(be, part.layout)
+    if zero == 2 and not be.is_device:
+        grad_memory = ReleasableHost(size)
+        grads = FlatBuffer(be, part.layout, data=grad_memory.array)
     else:
-        t.grads = FlatBuffer(t.be, t.part.layout)
-    t.part.bind(t.params, t.grads)
-    pieces = t.shard.pieces if t.shard else [(0, owned)] if owned < size else None
-    t.optim = make_optimizer(t.cfg.optim, t.be, t.params, t.grads, pieces=pieces)
+        grads = FlatBuffer(be, part.layout)
+    part.bind(params, grads)
+    pieces = shard.pieces if shard else [(0, owned)] if owned < size else None
+    optim = make_optimizer(cfg.optim, be, params, grads, pieces=pieces)
+    return RankState(zero=zero, shard=shard, grad_memory=grad_memory, params=params, grads=grads, optim=optim)
 
 
 def load_start(t) -> None:

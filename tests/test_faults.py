@@ -100,9 +100,10 @@ if MPI.COMM_WORLD.rank == 1:
         def asarray(self, host):
             raise BackendError("asarray: out of GPU memory (simulated)")
         original_build = startup.build
-        def build(t):
-            original_build(t)
-            t.be = type("ShortOfMemory", (type(t.be),), {"asarray": asarray})()
+        def build(*args):
+            parts = original_build(*args)
+            parts.be = type("ShortOfMemory", (type(parts.be),), {"asarray": asarray})()
+            return parts
         startup.build = build
     elif where == "grad_sync":  # a device out of memory for the staging buffers
         def grad_sync(*args, **kwargs):
@@ -110,9 +111,10 @@ if MPI.COMM_WORLD.rank == 1:
         loop.GradSync = grad_sync
     elif where == "backend":  # backend = "auto" picked another backend on this rank
         original = startup.build
-        def build(t):
-            original(t)
-            t.be = type("OtherBackend", (type(t.be),), {"name": "cuda"})()
+        def build(*args):
+            parts = original(*args)
+            parts.be = type("OtherBackend", (type(parts.be),), {"name": "cuda"})()
+            return parts
         startup.build = build
 sys.exit(main(["train", sys.argv[1]]))
 """
@@ -190,9 +192,10 @@ from hpctrain.cli import main
 when = sys.argv[2]
 if when == "start-up":
     build = startup.build
-    def build_then_signal(t):
-        build(t)
+    def build_then_signal(*args):
+        parts = build(*args)
         os.kill(os.getpid(), signal.SIGTERM)
+        return parts
     startup.build = build_then_signal
 else:
     step = train.Trainer.train_step

@@ -62,7 +62,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
 
     # ------------------------------------------------------------------ block reductions
 
-    block_sum = block_reducers(nt).block_sum
+    block_sum, row_argmax = block_reducers(nt).block_sum, block_reducers(nt).row_argmax
 
     @cuda.jit(device=True)
     def column_sum(sh, v):
@@ -265,32 +265,11 @@ def ops_kernels(nt: int) -> SimpleNamespace:
         t = cuda.threadIdx.x
         for row in range(cuda.blockIdx.x, B, cuda.gridDim.x):
             target = targets[row]
-            # max and first argmax, as numpy's argmax breaks ties
-            best = _NEG_INF
-            best_j = int64(C)
-            for j in range(t, C, NT):
-                v = logits[row, j]
-                if v > best:
-                    best = v
-                    best_j = j
-            sh_max[t] = best
-            sh_arg[t] = best_j
-            cuda.syncthreads()
-            s = NT // 2
-            while s > 0:
-                if t < s:
-                    other = sh_max[t + s]
-                    if other > sh_max[t] or (other == sh_max[t] and sh_arg[t + s] < sh_arg[t]):
-                        sh_max[t] = other
-                        sh_arg[t] = sh_arg[t + s]
-                cuda.syncthreads()
-                s //= 2
-            mx = sh_max[0]
-            arg = sh_arg[0]
+            mx, arg = row_argmax(sh_max, sh_arg, logits, row)  # max and first argmax, as numpy's argmax
             acc = float32(0.0)
             for j in range(t, C, NT):
                 acc += math.exp(logits[row, j] - mx)
-            logz = math.log(block_sum(sh_sum, acc)) + mx  # block_sum's barrier also guards sh_max/sh_arg
+            logz = math.log(block_sum(sh_sum, acc)) + mx
             bad = target < 0 or target >= C
             if t == 0:
                 if bad:
@@ -316,31 +295,12 @@ def ops_kernels(nt: int) -> SimpleNamespace:
         B, V = logits.shape
         t = cuda.threadIdx.x
         for row in range(cuda.blockIdx.x, B, cuda.gridDim.x):
-            best = _NEG_INF
-            best_j = int64(V)
-            for j in range(t, V, NT):
-                v = logits[row, j]
-                if v > best:
-                    best = v
-                    best_j = j
-            sh_max[t] = best
-            sh_arg[t] = best_j
-            cuda.syncthreads()
-            s = NT // 2
-            while s > 0:
-                if t < s:
-                    other = sh_max[t + s]
-                    if other > sh_max[t] or (other == sh_max[t] and sh_arg[t + s] < sh_arg[t]):
-                        sh_max[t] = other
-                        sh_arg[t] = sh_arg[t + s]
-                cuda.syncthreads()
-                s //= 2
+            best, best_j = row_argmax(sh_max, sh_arg, logits, row)
             if t == 0:
-                mx[row] = sh_max[0]
-                arg[row] = sh_arg[0] + lo
+                mx[row] = best
+                arg[row] = best_j + lo
                 u = targets[row] - lo
                 tlogit[row] = logits[row, u] if u >= 0 and u < V else _ZERO
-            cuda.syncthreads()  # sh_max and sh_arg are read before the next row writes them
 
     @kernel
     def ce_shard_sumexp(logits, mx, sumexp):

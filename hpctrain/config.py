@@ -95,6 +95,8 @@ class TrainConfig:
     trace: str = ""
     debug_collectives: bool = False  # fingerprint every collective across its ranks (parallel/watch.py)
     collective_timeout: float = 0.0  # seconds in one MPI call (or silent) before the job is ended; 0 = off
+    deterministic: bool = False  # the same bits for any dp and pp (parallel/deterministic.py)
+    deterministic_shards: int = 4  # deterministic: the global batch's logical shards (a power of two)
 
 
 @dataclass(frozen=True)
@@ -336,6 +338,10 @@ def _check_ranges(cfg: Config) -> None:
     need(t.eval_every >= 0, "train.eval_every", f"must be >= 0 (0 = only at the end), got {t.eval_every}")
     need(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 = off), got {t.grad_clip}")
     need(t.micro_batches >= 1, "train.micro_batches", f"must be >= 1, got {t.micro_batches}")
+    S = t.deterministic_shards
+    need(S >= 1 and S & (S - 1) == 0, "train.deterministic_shards", f"must be a power of two >= 1, got {S}")
+    need(not t.deterministic or t.batch_size % S == 0, "train.deterministic_shards",
+         f"must divide train.batch_size = {t.batch_size} (every shard the same shape), got {S}")
     need(t.collective_timeout >= 0 and math.isfinite(t.collective_timeout), "train.collective_timeout",
          f"must be a number of seconds >= 0 (0 = off), got {t.collective_timeout}")
     need(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")

@@ -172,10 +172,11 @@ class ModelSpec:
         return next(i for i, (layer, prefix) in enumerate(zip(self.layers, self.prefixes))
                     if any(prefix + n == name for n, _ in layer.params))
 
-    def part(self, lo: int = 0, hi: int | None = None, tp=None) -> "ModelPart":
+    def part(self, lo: int = 0, hi: int | None = None, tp=None, *, split_ties: bool = False) -> "ModelPart":
         """The part running layers lo..hi (inclusive; the whole model by default), as tensor-parallel
-        rank ``tp.rank`` of ``tp.size`` (parallel/tensor.py: ``TensorParallel``) when ``tp`` is given."""
-        return ModelPart(self, lo, len(self.layers) - 1 if hi is None else hi, tp)
+        rank ``tp.rank`` of ``tp.size`` (parallel/tensor.py: ``TensorParallel``) when ``tp`` is given;
+        ``split_ties``: see ``ModelPart``."""
+        return ModelPart(self, lo, len(self.layers) - 1 if hi is None else hi, tp, split_ties=split_ties)
 
 
 def _linear_pairs(layers) -> list[tuple[int, int]]:
@@ -226,9 +227,13 @@ class ModelPart:
     ``owned_size`` is where the replicas start: gradient norms and checkpoints see only what is owned.
     ``shared`` names the tensors this part holds in common with another part, whose gradients the two
     sum before the optimizer step (the owner's and the replica's alike).
+
+    ``split_ties`` (train.deterministic): a layer tied to a tensor another layer of this same part owns
+    gets a local replica too, ``<name>#tie``, so its half of the gradient is summed apart from the owner's
+    half and added after the data-parallel sum, as across two stages (``local_ties``: (owner, replica)).
     """
 
-    def __init__(self, spec: ModelSpec, lo: int, hi: int, tp=None):
+    def __init__(self, spec: ModelSpec, lo: int, hi: int, tp=None, *, split_ties: bool = False):
         self.spec, self.lo, self.hi, self.tp = spec, lo, hi, tp
         split = tp is not None and tp.size > 1
         self.layers = [spec.tp_layer(i, tp) if split else spec.layers[i] for i in range(lo, hi + 1)]
@@ -239,17 +244,27 @@ class ModelPart:
         owned = [(prefix + name, shape) for layer, prefix in zip(self.layers, self.prefixes)
                  for name, shape in layer.params]
         owned_names = {name for name, _ in owned}
-        replicas = []
+        replicas, self._tie_names = [], {}  # a tied layer's name -> its local replica's (split_ties)
         for layer, prefix in zip(self.layers, self.prefixes):
-            replicas += [(prefix + n, shape) for n, shape in layer.ties
-                         if prefix + n not in owned_names and (prefix + n, shape) not in replicas]
+            for n, shape in layer.ties:
+                name = prefix + n
+                if name in owned_names and split_ties:
+                    self._tie_names[name] = name + "#tie"
+                if name in owned_names and not split_ties:
+                    continue
+                local = self._tie_names.get(name, name)
+                if (local, shape) not in replicas:
+                    replicas.append((local, shape))
         self.layout = ParamLayout(owned + replicas)
         self.owned_size = sum(int(np.prod(shape)) for _, shape in owned)
         self.replicas = [name for name, _ in replicas]
+        self.local_ties = sorted(self._tie_names.items())  # (owner, its replica on this same part)
         here = range(lo, hi + 1)
         self.shared = [name for name in owned_names if any(i not in here for i in spec.tied_by.get(name, ()))]
-        self.shared = sorted(self.shared) + sorted(self.replicas)  # the same order on the owner and the replica
+        cross = [name for name in self.replicas if name not in self._tie_names.values()]
+        self.shared = sorted(self.shared) + sorted(cross)  # the same order on the owner and the replica
         self.global_names = {name: name for name in self.layout.names}  # local -> global
+        self.global_names.update({replica: owner for owner, replica in self.local_ties})
         self._by_global = set(self.global_names.values())
         # how each tensor-parallel tensor is cut (parallel/tensor.py: shard); absent: whole, replicated
         self.shards = {prefix + name: kind for layer, prefix in zip(self.layers, self.prefixes)
@@ -265,8 +280,10 @@ class ModelPart:
         self.recompute = False  # train.recompute = "blocks": keep each unit's input only, recompute in backward
         self._first_offset = []
         for layer, prefix in zip(self.layers, self.prefixes):
-            mine = [prefix + n for n, _ in layer.params] + [prefix + n for n, _ in layer.ties
-                                                             if prefix + n in self.replicas]
+            mine = [prefix + n for n, _ in layer.params] + [self._tie_names.get(prefix + n, prefix + n)
+                                                             for n, _ in layer.ties
+                                                             if self._tie_names.get(prefix + n, prefix + n)
+                                                             in self.replicas]
             self._first_offset.append(min((self.layout[n].offset for n in mine), default=None))
 
     def describe(self) -> str:
@@ -291,7 +308,7 @@ class ModelPart:
         for local, name in self.global_names.items():
             if partial and name not in full:
                 continue
-            kind = self.shards.get(local)
+            kind = self.shards.get(name)  # a local tie replica is cut as its owner is
             out[local] = full[name] if kind is None else shard(full[name], kind, self.tp.rank, self.tp.size)
         return out
 
@@ -312,10 +329,11 @@ class ModelPart:
     def bind(self, params: FlatBuffer, grads: FlatBuffer) -> None:
         written = set()  # gradients written by a layer later in this part: its backward runs first
         for layer, prefix in reversed(list(zip(self.layers, self.prefixes))):
-            names = [n for n, _ in layer.params] + [n for n, _ in layer.ties]
-            layer.bind({n: params[prefix + n] for n in names}, {n: grads[prefix + n] for n in names},
-                       frozenset(n for n in names if prefix + n in written))
-            written.update(prefix + n for n in names)
+            local = {n: prefix + n for n, _ in layer.params}
+            local.update({n: self._tie_names.get(prefix + n, prefix + n) for n, _ in layer.ties})
+            layer.bind({n: params[k] for n, k in local.items()}, {n: grads[k] for n, k in local.items()},
+                       frozenset(n for n, k in local.items() if k in written))
+            written.update(local.values())
 
     def forward(self, be, x):
         """Return (output, saved): ``saved`` holds what each layer's backward needs, or, with ``recompute``,

@@ -25,6 +25,12 @@ pass over the buffer.
 Device buffers go to MPI directly when MPI is CUDA-aware; otherwise each
 bucket is staged through a host buffer. parallel/transport.py decides which.
 
+With ``train.deterministic`` (parallel/deterministic.py) a ``ShardTree`` sums the step's
+micro-batch gradients in a fixed pairwise tree (each backward writes its own; ``leaf_done``
+and, for the last, the "gradients final" events fold them in), and each bucket is summed over
+the group by recursive doubling (``tree_allreduce``) instead of an Allreduce, so the sum's
+order, and its bits, do not depend on the layout.
+
 With ``parallel.zero >= 1`` (parallel/zero.py) each bucket is reduce-scattered instead:
 it is cut into dp chunks, and ``Reduce_scatter`` leaves the sum of chunk r on rank r
 alone, written into the gradient buffer at the chunk's place; the rest of the bucket keeps
@@ -44,6 +50,9 @@ import queue
 import threading
 import time
 
+import numpy as np
+
+from .deterministic import tree_allreduce
 from .zero import overlap as _overlap
 
 __all__ = ["GradSync", "make_buckets"]
@@ -80,7 +89,7 @@ class GradSync:
     """
 
     def __init__(self, *, comm, transport, grads, bucket_mb: float, overlap: bool, diag=None, shard=None,
-                 release=None, tied=None):
+                 release=None, tied=None, tree=None):
         from mpi4py import MPI
 
         self.diag = diag  # parallel/watch.py: the waits below are recorded for the watchdog
@@ -97,6 +106,13 @@ class GradSync:
         if self.shard is not None and self.shard.buckets != self.buckets:
             raise ValueError("the ZeRO shard was cut from other buckets than this sync's")
         self.release = release if self.shard else None
+        self.tree = tree  # train.deterministic: a ShardTree over this rank's micro-batches (parallel/deterministic.py)
+        if tree is not None and self.shard is not None:
+            raise ValueError("a deterministic (tree) sum cannot reduce-scatter (ZeRO)")
+        self._last_leaf, self._folded = None, size  # the tree: the step's last micro-batch, folded from here on
+        if tree is not None and self.active:
+            biggest = max(hi - lo for lo, hi in self.buckets)
+            self._tree_in = self.backend.empty((biggest,)) if self.direct else np.empty(biggest, dtype=np.float32)
         self.wait_seconds = 0.0
         self.released_bytes = 0  # zero = 2: gradient pages handed back to the kernel this step
         self._ready = 0  # buckets [0, _ready) have all their gradients written
@@ -129,6 +145,11 @@ class GradSync:
     def _reduce(self, i) -> None:
         """Bucket i's blocking collective: an Allreduce in place, or the reduce-scatter into its chunks."""
         lo, hi = self.buckets[i]
+        if self.tree is not None:
+            buf = self._buffer(lo, hi)
+            add = self.backend.add_ if self.direct else (lambda out, x: np.add(out, x, out=out))  # staged: on host
+            tree_allreduce(self.comm, buf, self._tree_in[: hi - lo], add)
+            return
         if not self.shard:
             self.comm.Allreduce(self.MPI.IN_PLACE, self._buffer(lo, hi), op=self.MPI.SUM)
             return
@@ -146,9 +167,27 @@ class GradSync:
         self._ready = self._launched = 0
         self._requests = []
         self.released_bytes = 0
+        if self.tree is not None:
+            self.tree.start()
+            self._last_leaf, self._folded = None, self.grads.data.shape[0]
+
+    def leaf_done(self, leaf: int) -> None:
+        """The tree: micro-batch ``leaf``'s backward (not the step's last) wrote its whole gradient."""
+        self.tree.push(leaf, 0, self.grads.data.shape[0])
+
+    def last_leaf(self, leaf: int) -> None:
+        """The tree: the step's last backward, about to run, is micro-batch ``leaf``'s; its gradient is folded in
+        range by range as the "gradients final" events (and ``wait``) come."""
+        self._last_leaf = leaf
+
+    def _fold(self, lo: int) -> None:
+        if self.tree is not None and self._last_leaf is not None and lo < self._folded:
+            self.tree.push(self._last_leaf, lo, self._folded, last_slice=False)
+            self._folded = lo
 
     def grads_final(self, lo: int) -> None:
         """Called by the last backward of a step once every gradient from offset ``lo`` on is final."""
+        self._fold(lo)
         if not (self.active and self.overlap):
             return
         while self._ready < len(self.buckets) and self.buckets[self._ready][0] >= lo:
@@ -159,8 +198,8 @@ class GradSync:
                     self._worker.submit(lambda i=self._launched: self._reduce(i))
                 self._launched += 1
             return
-        if self.shard:
-            return  # no overlap for reduce-scatters on this path: wait() runs them
+        if self.shard or self.tree is not None:
+            return  # no overlap for reduce-scatters or tree sums on this path: wait() runs them
         if self._launched < self._ready:
             lo, hi = self.buckets[self._launched]
             self._requests.append(self.comm.Iallreduce(self.MPI.IN_PLACE, self._buffer(lo, hi), op=self.MPI.SUM))
@@ -171,6 +210,7 @@ class GradSync:
     def wait(self) -> None:
         """Complete the sum of every bucket (collective); afterwards every rank holds the same gradients
         (under ZeRO: the summed gradients of its own chunks)."""
+        self._fold(0)
         if not self.active:
             return
         t0 = time.perf_counter()

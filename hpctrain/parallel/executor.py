@@ -45,6 +45,7 @@ class StepResult:
     optim: float = 0.0  # OptimizerStep, less its wait
     span: float = 0.0  # the whole list
     loss_sum: float = 0.0
+    losses: dict = field(default_factory=dict)  # micro-batch -> its loss sum (train.deterministic sums these in order)
     correct: float = 0.0
     rows: int = 0
     peak_live: int = 0  # micro-batches forwarded but not yet backwarded
@@ -226,6 +227,7 @@ class StageExecutor:
         if self.part.is_last:
             loss_sum, correct, dout = self.loss(self.be, out, self._y.pop(mb), self.grad_scale)
             self.result.loss_sum += float(loss_sum)
+            self.result.losses[mb] = float(loss_sum)
             self.result.correct += float(correct)
             self.result.rows += self.batch.rows(mb)
             self._dout[mb] = dout
@@ -251,9 +253,14 @@ class StageExecutor:
         mb = ins.mb
         t0 = time.perf_counter()
         last = self._index == self._last_backward
+        tree = self.sync is not None and self.sync.tree is not None  # train.deterministic: one gradient per shard
+        if tree and last:
+            self.sync.last_leaf(mb)
         dinp = self.part.backward(self.be, self._dout.pop(mb), self._saved.pop(mb),
-                                  accumulate=not self._first_backward, need_dinp=not self.part.is_first,
+                                  accumulate=not (self._first_backward or tree), need_dinp=not self.part.is_first,
                                   on_final=self.sync.grads_final if last and self.sync is not None else None)
+        if tree and not last:
+            self.sync.leaf_done(mb)
         self._first_backward = False
         del self._live_bytes[mb]
         self._x.pop(mb)

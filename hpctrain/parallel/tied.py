@@ -10,6 +10,10 @@ sends the new values to the replica (``refresh_replicas``), which holds no optim
 
 Collective over ``ends_comm``: both ends call these with the same ``part.shared`` names (the
 same order on both, by construction); a stage between them has none and calls nothing.
+
+A part whose owner and tying layer sit on one stage has a local replica only under
+``train.deterministic`` (``part.local_ties``, nn/model.py: ``split_ties``): the same three steps
+run in place on that rank, with no communication.
 """
 
 from __future__ import annotations
@@ -22,12 +26,17 @@ def broadcast_tied(mesh, part, local) -> None:
     for name in part.shared:
         spec = part.layout[name]
         mesh.ends_comm.Bcast(local[spec.offset : spec.end], root=0)
+    for owner, replica in part.local_ties:
+        a, b = part.layout[owner], part.layout[replica]
+        local[b.offset : b.end] = local[a.offset : a.end]
 
 
 def sum_tied_grads(mesh, transport, part, grads) -> None:
     """Sum each shared tensor's gradient over the two ends, in place in ``grads`` (a FlatBuffer)."""
     for name in part.shared:
         transport.allreduce_(mesh.ends_comm, grads[name])
+    for owner, replica in part.local_ties:  # the replica's gradient is not read again: the owner's alone
+        transport.backend.add_(grads[owner], grads[replica])
 
 
 def refresh_replicas(mesh, transport, part, params) -> None:
@@ -39,3 +48,5 @@ def refresh_replicas(mesh, transport, part, params) -> None:
         mesh.ends_comm.Bcast(buf, root=0)
         if buf is not arr:
             transport.backend.copy_(arr, transport.backend.asarray(buf).reshape(arr.shape))
+    for owner, replica in part.local_ties:
+        transport.backend.copy_(params[replica], params[owner])

@@ -30,7 +30,9 @@ from .. import checkpoint as ckpt
 from .._memory import keep_freed_memory
 from ..errors import NonFiniteError
 from ..parallel.agree import QuietExit, check_same_everywhere, run_everywhere
+from ..parallel import deterministic
 from ..parallel.data_parallel import GradSync
+from ..parallel.deterministic import ShardTree
 from ..parallel.sharding import gather_flat, gather_shards
 from ..parallel.tied import sum_tied_grads
 from ..parallel.transport import PointToPoint
@@ -95,6 +97,10 @@ class Trainer:
 
             p = cfg.parallel
             mesh = Mesh(dp=p.dp, pp=p.pp, tp=p.tp)
+        self.rank0 = mesh.rank == 0
+        self.log = (log or log_line) if self.rank0 else (lambda *a, **k: None)
+        # train.deterministic: its micro-batches are shards / dp (parallel/deterministic.py)
+        cfg = run_everywhere(mesh.world, lambda: deterministic.resolve(cfg, dp=mesh.dp, tp=mesh.tp, log=self.log))
         self.cfg, self.mesh = cfg, mesh
         self.diag = None
         t = cfg.train
@@ -104,8 +110,6 @@ class Trainer:
             self.mesh = mesh = copy.copy(mesh)  # this trainer's view of it: the caller's Mesh stays as it was
             mesh.watch(self.diag)
         keep_freed_memory()  # a step's activations reuse the last step's memory (hpctrain/_memory.py)
-        self.rank0 = mesh.rank == 0
-        self.log = (log or log_line) if self.rank0 else (lambda *a, **k: None)
         run_everywhere(mesh.world, (lambda: startup.prepare_data(self)) if self.rank0 else lambda: None)
         self.parts = run_everywhere(mesh.world, lambda: startup.build(cfg, mesh, self.log))
         startup.scan_data(self)  # every value of the data file, or a record that this file passed before
@@ -129,7 +133,8 @@ class Trainer:
                     lambda: sum_tied_grads(mesh, self.transport, self.part, self.grads))
         self.sync = run_everywhere(mesh.world, lambda: GradSync(  # staging buffers: a device may run out
             comm=mesh.dp_comm, transport=self.transport, grads=self.grads, bucket_mb=cfg.parallel.bucket_mb,
-            overlap=cfg.parallel.overlap, diag=self.diag, shard=self.shard, release=self.grad_memory, tied=tied))
+            overlap=cfg.parallel.overlap, diag=self.diag, shard=self.shard, release=self.grad_memory, tied=tied,
+            tree=ShardTree(self.be, self.grads.data, cfg.train.micro_batches) if cfg.train.deterministic else None))
         self.saver = Checkpointer(self)
         self.tracer = Tracer(mesh) if cfg.train.trace else None
         self._p2p = p2p = PointToPoint(comm=mesh.pp_comm, transport=self.transport, diag=self.diag) \

@@ -113,7 +113,12 @@ def build(cfg, mesh, log) -> RankParts:
     model.check_tp(mesh.tp)
     stages = model.partition(mesh.pp, cfg.parallel.stages, tp=mesh.tp)
     tensor = TensorParallel(mesh.tp_comm, transport) if mesh.tp > 1 else None
-    part = model.part(*stages[mesh.pp_rank], tp=tensor)
+    # train.deterministic: a tied tensor's two halves summed apart on one stage too (parallel/deterministic.py)
+    part = model.part(*stages[mesh.pp_rank], tp=tensor, split_ties=cfg.train.deterministic)
+    if cfg.train.deterministic and not be.is_device:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(1)  # OpenBLAS's GEMM bits change with its thread count
     part.recompute = cfg.train.recompute == "blocks"
     loss = make_loss(cfg.train.loss, vocab_shard=getattr(part.layers[-1], "vocab_shard", None))
     data = open_dataset(cfg, loss, model)

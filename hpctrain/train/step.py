@@ -37,6 +37,7 @@ import numpy as np
 from ..errors import NonFiniteError
 from ..optim import clip_coefficient
 from ..parallel.agree import QuietExit
+from ..parallel.deterministic import norm_of, ordered_sum, tensor_norm2
 from ..parallel.executor import StageExecutor, micro_rows
 from ..parallel.agree import bcast_text
 from ..parallel.schedule import ScheduleError, ScheduleStats, built, checked
@@ -101,6 +102,12 @@ class StepRunner:
                                  if r[1] > r[0]]
         # whose loss sums count: the last stage's (one tensor-parallel rank of it)
         self.holds_loss = part.is_last and mesh.tp_rank == 0
+        self.deterministic = cfg.train.deterministic  # parallel/deterministic.py: sums in a fixed order
+        if self.deterministic:  # (global tensor index, lo, hi) of what this rank adds to the norm, tensor by tensor
+            index = {name: i for i, name in enumerate(part.spec.layout.names)}
+            self._norm_tensors = [(index[part.global_names[t.name]], max(lo, t.offset), min(hi, t.end))
+                                  for lo, hi in self._norm_ranges for t in part.layout
+                                  if t.offset < hi and t.end > lo]
 
     @property
     def grad_scale(self) -> float:
@@ -121,6 +128,8 @@ class StepRunner:
                               on_optimizer_step=lambda: self._finish(step, lr))
         if tp is not None:  # bytes this rank's tensor-parallel Allreduces carried this step
             r.extra["tp_bytes"] = tp.bytes - sent
+        if self.deterministic and self.holds_loss:  # the shards' loss sums in shard order, on dp rank 0 only
+            r.loss_sum = self._ordered_over_dp([r.losses[i] for i in range(m)])
         return dict(compute=r.busy, comm=r.comm, optim=r.optim, data=r.data, busy=r.busy, wait=r.wait, span=r.span,
                     bubble=r.bubble, loss_sum=r.loss_sum, peak_live=r.peak_live, peak_bytes=r.peak_bytes, **r.extra)
 
@@ -131,13 +140,16 @@ class StepRunner:
 
         cfg, be, part = self.cfg, self.be, self.part
         t0 = time.perf_counter()
-        if part.shared and self.shard is None:  # a tied tensor: the first and the last stage sum their gradients
+        if (part.shared or part.local_ties) and self.shard is None:  # a tied tensor: both halves summed
             sum_tied_grads(self.mesh, self.transport, part, self.grads)  # (both ends wait here; ZeRO: in the sync)
         wait = time.perf_counter() - t0
         # each tensor counted once: a shard on every tensor-parallel rank, a replicated tensor on one
         data = self.grads.data
-        norm2 = np.array([sum(be.sum_squares(data if (lo, hi) == (0, data.size) else data[lo:hi])
-                              for lo, hi in self._norm_ranges)], dtype=np.float64)
+        if self.deterministic:  # per tensor, each entry summed from one stage: exact over any pipeline cut
+            norm2 = tensor_norm2(be, data, self._norm_tensors, len(part.spec.layout))
+        else:
+            norm2 = np.array([sum(be.sum_squares(data if (lo, hi) == (0, data.size) else data[lo:hi])
+                                  for lo, hi in self._norm_ranges)], dtype=np.float64)
         t0 = time.perf_counter()
         if self.shard is not None:  # ZeRO: each data-parallel rank holds the reduced gradients of its chunks
             self.mesh.dp_comm.Allreduce(MPI.IN_PLACE, norm2, op=MPI.SUM)
@@ -146,7 +158,10 @@ class StepRunner:
         if self.mesh.pp > 1:  # where a stage waits for the others to finish their backward passes
             self.mesh.pp_comm.Allreduce(MPI.IN_PLACE, norm2, op=MPI.SUM)
         wait += time.perf_counter() - t0
-        norm = math.sqrt(norm2[0]) if norm2[0] >= 0 else float("nan")
+        if self.deterministic:
+            norm = norm_of(norm2)
+        else:
+            norm = math.sqrt(norm2[0]) if norm2[0] >= 0 else float("nan")
         skipped = not math.isfinite(norm)
         if skipped:
             if not cfg.train.skip_nonfinite:  # every rank sees the same norm: all leave together
@@ -172,7 +187,7 @@ class StepRunner:
                 params = self.optim.params.data
                 self.optim.step(lr, after=lambda i: self.sync.gather_bucket(i, params))
                 self.sync.finish_gather()
-            if part.shared:  # a tied tensor: its owner updated it; the replica on the other end receives it
+            if part.shared or part.local_ties:  # a tied tensor: its owner updated it; the replica receives it
                 refresh_replicas(self.mesh, self.transport, part, self.optim.params)
             be.synchronize()
         return dict(grad_norm=norm, skipped=skipped, wait=wait)
@@ -197,6 +212,15 @@ class StepRunner:
         self.log(f"{str(error).split('; lower')[0]}: step skipped")
         return True
 
+    def _ordered_over_dp(self, mine: list[float]) -> float:
+        """The data-parallel group's values (this rank's ``mine``, every rank its count) gathered in rank order and
+        summed in one fixed tree (``ordered_sum``), on dp rank 0; 0.0 elsewhere (collective over dp)."""
+        comm = self.mesh.dp_comm
+        counts = comm.allgather(len(mine))
+        out = np.empty(sum(counts), dtype=np.float64)
+        comm.Allgatherv(np.asarray(mine, dtype=np.float64), [out, counts])
+        return ordered_sum(out) if self.mesh.dp_rank == 0 else 0.0
+
     def global_mean(self, local_sum: float, count: int) -> float:
         """The loss sum of the last stages' ranks over the world, divided by ``count`` (collective)."""
         from mpi4py import MPI
@@ -214,11 +238,17 @@ class StepRunner:
         from mpi4py import MPI
 
         mesh, data = self.mesh, self.data
-        lo = data.n_train + data.n_val * mesh.dp_rank // mesh.dp
-        hi = data.n_train + data.n_val * (mesh.dp_rank + 1) // mesh.dp
         chunk = micro_rows(self.sampler.local, self.cfg.train.micro_batches)
-        row_lists = [np.arange(s, min(hi, s + chunk)) for s in range(lo, hi, chunk)]
+        if self.deterministic:  # chunks of one shard cut from the whole split, then dealt out: the same everywhere
+            end = data.n_train + data.n_val
+            chunks = [np.arange(s, min(end, s + chunk)) for s in range(data.n_train, end, chunk)]
+            row_lists = chunks[len(chunks) * mesh.dp_rank // mesh.dp : len(chunks) * (mesh.dp_rank + 1) // mesh.dp]
+        else:
+            lo = data.n_train + data.n_val * mesh.dp_rank // mesh.dp
+            hi = data.n_train + data.n_val * (mesh.dp_rank + 1) // mesh.dp
+            row_lists = [np.arange(s, min(hi, s + chunk)) for s in range(lo, hi, chunk)]
         sums = np.zeros(3, dtype=np.float64)  # loss sum, correct, rows
+        r = None
         if row_lists:
             m = len(row_lists)
             schedule, _ = agreed_schedule(mesh.pp_comm, "forward-only", mesh.pp, m)  # one pipeline: the same m
@@ -226,6 +256,8 @@ class StepRunner:
                                   _Batch(data, row_lists, self.part.positions))
             if self.holds_loss:
                 sums[:] = r.loss_sum, r.correct, r.rows
+        if self.deterministic and self.holds_loss:
+            sums[0] = self._ordered_over_dp([r.losses[i] for i in range(len(row_lists))] if r is not None else [])
         mesh.world.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
         per = self.part.spec.out_features if self.loss.name == "mse" else 1
         result = {"val_loss": float(sums[0] / (sums[2] * per))}

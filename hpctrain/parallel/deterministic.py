@@ -63,7 +63,8 @@ def resolve(cfg, *, dp: int, tp: int, log=None):
                           "order); set parallel.zero = 0")
     if not _power_of_two(dp) or S % dp:
         raise ConfigError(f"train.deterministic: dp = {dp} must be a power of two dividing "
-                          f"train.deterministic_shards = {S} (each rank sums a subtree of the shards)")
+                          f"train.deterministic_shards = {S} (each rank sums a subtree of the shards); runs to "
+                          "compare bitwise need the same shards, as many as the most ranks any of them uses")
     m = S // dp
     if log is not None:
         if t.micro_batches not in (1, m):

@@ -50,17 +50,27 @@ __all__ = ["StepRunner"]
 class _Batch:
     """Micro-batches as sample lists of the data file; ``load(i)`` reads micro-batch i (inputs, targets).
 
-    ``rows(i)`` counts activation rows: samples × positions (a language model's every token).
+    ``rows(i)`` counts activation rows: samples × positions (a language model's every token). ``at_once``: the
+    first ``load`` reads every micro-batch in one call and the others are slices of it (a training step's share
+    of the batch; one read of the file costs about as much as one micro-batch's).
     """
 
-    def __init__(self, data, row_lists, positions=1):
+    def __init__(self, data, row_lists, positions=1, at_once=False):
         self.data, self.row_lists, self.positions = data, row_lists, positions
+        self._all = None if at_once and len(row_lists) > 1 else False
 
     def rows(self, mb: int) -> int:
         return len(self.row_lists[mb]) * self.positions
 
     def load(self, mb: int):
-        return self.data.read(self.row_lists[mb])
+        if self._all is False:
+            return self.data.read(self.row_lists[mb])
+        if self._all is None:
+            self._all = self.data.read(np.concatenate(self.row_lists))
+        lo = sum(len(r) for r in self.row_lists[:mb])
+        hi, n = lo + len(self.row_lists[mb]), sum(len(r) for r in self.row_lists)
+        # per sample: a row of inputs, and a target row, or T of them (a language model's flat targets)
+        return tuple(a[lo * (len(a) // n) : hi * (len(a) // n)] for a in self._all)
 
 
 def agreed_schedule(comm, name: str, num_stages: int, micro_batches: int):
@@ -118,7 +128,8 @@ class StepRunner:
         m = self.cfg.train.micro_batches
         rows = self.sampler.local_rows(step)
         per = len(rows) // m
-        batch = _Batch(self.data, [rows[i * per : (i + 1) * per] for i in range(m)], self.part.positions)
+        batch = _Batch(self.data, [rows[i * per : (i + 1) * per] for i in range(m)], self.part.positions,
+                       at_once=True)
         if self.tracer is not None:
             self.tracer.step = step + 1
         self.sync.start_step()

@@ -340,6 +340,8 @@ def _check_ranges(cfg: Config) -> None:
     need(t.micro_batches >= 1, "train.micro_batches", f"must be >= 1, got {t.micro_batches}")
     S = t.deterministic_shards
     need(S >= 1 and S & (S - 1) == 0, "train.deterministic_shards", f"must be a power of two >= 1, got {S}")
+    need(not (t.deterministic and p.mode == "async_ps"), "train.deterministic",
+         'not with parallel.mode = "async_ps" (its updates arrive in the order the workers finish)')
     need(not t.deterministic or t.batch_size % S == 0, "train.deterministic_shards",
          f"must divide train.batch_size = {t.batch_size} (every shard the same shape), got {S}")
     need(t.collective_timeout >= 0 and math.isfinite(t.collective_timeout), "train.collective_timeout",

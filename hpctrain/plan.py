@@ -103,12 +103,15 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
     from .parallel.schedule import checked
     from .parallel.zero import ZeroShard
 
-    p, t = cfg.parallel, cfg.train
+    from .parallel.deterministic import resolve as deterministic_layout
+
+    p = cfg.parallel
     dp, pp, tp = resolve_layout(world_size, p.dp, p.pp, p.tp)
-    if t.batch_size % dp:
+    if cfg.train.batch_size % dp:
         from .errors import LayoutError
 
-        raise LayoutError(f"train.batch_size = {t.batch_size} is not divisible by dp = {dp}")
+        raise LayoutError(f"train.batch_size = {cfg.train.batch_size} is not divisible by dp = {dp}")
+    t = deterministic_layout(cfg, dp=dp, tp=tp).train  # train.deterministic: shards / dp micro-batches
     model = make_model(cfg.model)
     model.check_tp(tp)
     stages = model.partition(pp, p.stages, tp=tp)
@@ -121,7 +124,7 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
     out = []
     for s, (lo, hi) in enumerate(stages):
         for r in range(tp):
-            part = model.part(lo, hi, tp=_ShapeOnlyTP(r, tp) if tp > 1 else None)
+            part = model.part(lo, hi, tp=_ShapeOnlyTP(r, tp) if tp > 1 else None, split_ties=t.deterministic)
             part.recompute = t.recompute == "blocks"
             acts = _activation_bytes(part, model, local_rows // t.micro_batches, stats.peak_live[s])
             rows = micro_rows(local_rows, t.micro_batches) * model.positions  # one micro-batch a ring slot
@@ -137,6 +140,9 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
                 state = state_bytes(part_size=part.layout.size, owned_size=part.owned_size, shard=shard, zero=zero,
                                     device=device, slots=slots, bucket_elems=bucket_elems)
                 buffers = rings + (4 * max((p[d][1] - p[d][0] for p in shard.parts), default=0) if shard else 0)
+                if t.deterministic:  # parallel/deterministic.py: the shard tree's parked sums, the tree's receive
+                    buffers += 4 * part.layout.size * (t.micro_batches.bit_length() - 1) + \
+                        (4 * min(part.layout.size, bucket_elems) if dp > 1 else 0)
                 rank = s * dp * tp + d * tp + r  # parallel/mesh.py's order
                 if cfg.checkpoint.dir:  # each rank writes its own pieces of a checkpoint
                     buffers += checkpoint_bytes(part, shard, dp_rank=d, slots=slots,

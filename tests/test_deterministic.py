@@ -92,7 +92,6 @@ def test_resolve_leaves_a_plain_run_alone(tmp_path):
     (3, {}, "dp = 3 must be a power of two dividing train.deterministic_shards = 4"),
     (8, {}, "dp = 8 must be a power of two dividing"),
     (2, {"zero": 1}, "not with parallel.zero > 0"),
-    (1, {"mode": "async_ps"}, "not with parallel.mode"),
 ])
 def test_resolve_refuses_a_layout_the_tree_cannot_cover(tmp_path, dp, parallel, match):
     import dataclasses
@@ -111,3 +110,24 @@ def test_resolve_refuses_a_layout_the_tree_cannot_cover(tmp_path, dp, parallel, 
 def test_bad_shard_counts_are_refused(tmp_path, train, match):
     with pytest.raises(ConfigError, match=match):
         det(tmp_path, **train)
+
+
+def test_the_parameter_server_is_refused(tmp_path):
+    from helpers import make_classification
+
+    make_classification(tmp_path / "d.h5")
+    with pytest.raises(ConfigError, match='train.deterministic: not with parallel.mode = "async_ps"'):
+        config(tmp_path / "d.h5", train={"deterministic": True}, parallel={"mode": "async_ps"})
+
+
+def test_a_resume_refuses_other_shards(tmp_path):
+    """Runs compare bitwise only with the same shards: resume = "auto" names a change, as any result-changing one."""
+    import dataclasses
+
+    from hpctrain.train.resume_check import changed_settings
+
+    saved = det(tmp_path)
+    now = dataclasses.replace(saved, train=dataclasses.replace(saved.train, deterministic_shards=8))
+    assert changed_settings(saved.to_toml(), now) == [("train.deterministic_shards", 4, 8)]
+    assert changed_settings(saved.to_toml(), dataclasses.replace(
+        saved, train=dataclasses.replace(saved.train, micro_batches=4))) == []

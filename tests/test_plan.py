@@ -4,6 +4,7 @@ The planner and a run share one description (hpctrain/plan.py: RankMemory); the 
 against what the parts and the optimizer really allocate, built the same way a Trainer builds them.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -143,8 +144,10 @@ def test_bad_input_is_one_line_exit_2(args, message):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
 
 
-def test_a_run_reports_the_planned_fields_measured(tmp_path):
-    """The metrics file's memory lines (after step 1 and at the end) against the plan of the same config."""
+@pytest.mark.parametrize("deterministic", [False, True], ids=["plain", "deterministic"])
+def test_a_run_reports_the_planned_fields_measured(tmp_path, deterministic):
+    """The metrics file's memory lines (after step 1 and at the end) against the plan of the same config;
+    ``train.deterministic`` adds the tied head's local replica and the shard tree's parked sums."""
     from mpi4py import MPI
 
     from helpers import make_tokens
@@ -152,7 +155,8 @@ def test_a_run_reports_the_planned_fields_measured(tmp_path):
     from hpctrain.train import Trainer
 
     make_tokens(tmp_path / "t.h5")
-    cfg = gpt_config(tmp_path / "t.h5", train={"steps": 3, "metrics": str(tmp_path / "m.jsonl")})
+    cfg = gpt_config(tmp_path / "t.h5", train={"steps": 3, "metrics": str(tmp_path / "m.jsonl"),
+                                               "deterministic": deterministic})
     lines = []
     mesh = Mesh(comm=MPI.COMM_SELF)
     t = Trainer(cfg, mesh=mesh, log=lines.append)
@@ -167,6 +171,10 @@ def test_a_run_reports_the_planned_fields_measured(tmp_path):
     got, want = memory[-1]["memory"][0], plan(cfg, 1)[0].as_dict()
     for key in ("rank", "stage", "params_bytes", "grads_bytes", "optimizer_bytes", "buffer_bytes", "runtime_bytes"):
         assert got[key] == want[key], key
+    if deterministic:  # wte's replica (12 x 8) in params and grads; two parked sums (4 shards, one rank)
+        plain = plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, deterministic=False)), 1)[0]
+        assert got["params_bytes"] - plain.params_bytes == 4 * 12 * 8
+        assert got["buffer_bytes"] - plain.buffer_bytes == 2 * got["grads_bytes"]
     assert 0 < got["activation_bytes"] <= want["activation_bytes"]
     assert got["peak_rss_bytes"] > 50e6
     said = [line for line in lines if line.startswith("memory: peak RSS")]

@@ -55,9 +55,6 @@ def resolve(cfg, *, dp: int, tp: int, log=None):
     if not t.deterministic:
         return cfg
     S = t.deterministic_shards
-    if p.mode == "async_ps":
-        raise ConfigError('train.deterministic: not with parallel.mode = "async_ps" (its updates arrive in the '
-                          "order the workers finish)")
     if p.zero and dp > 1:
         raise ConfigError("train.deterministic: not with parallel.zero > 0 yet (its reduce-scatter sums in MPI's "
                           "order); set parallel.zero = 0")
@@ -103,6 +100,11 @@ class ShardTree:
         self.be, self.grads, self.leaves = backend, grads, leaves
         self.levels = leaves.bit_length() - 1
         self._free, self._parked = [], {}  # (level, node) -> a buffer holding that subtree's sum
+
+    @property
+    def parked_bytes(self) -> int:
+        """Bytes of the buffers made for parked sums (after a step: log2(leaves) of them, arrival in order)."""
+        return sum(int(b.nbytes) for b in list(self._free) + list(self._parked.values()))
 
     def start(self) -> None:
         self._free += self._parked.values()

@@ -41,6 +41,8 @@ def rank_memory(t, activation_bytes: int) -> RankMemory:
                         bucket_elems=max(1, int(cfg.parallel.bucket_mb * 1e6 / 4)))
     state["optimizer_bytes"] = t.optim.slot_bytes  # what the slots really hold
     buffers = nbytes_of([getattr(t.sync, "_scatter_out", None), t.sync.host])  # None: not allocated
+    if t.sync.tree is not None:  # train.deterministic: the shard tree's parked sums and the tree's receive buffer
+        buffers += t.sync.tree.parked_bytes + nbytes_of([getattr(t.sync, "_tree_in", None)])
     for ring in t.runner.executor.rings():
         buffers += nbytes_of([ring.arrays, ring.hosts])
     if cfg.checkpoint.dir:  # a background save's snapshot of this rank's pieces (on a device, a host copy too)

@@ -2,12 +2,13 @@
 pipeline (its tied embedding summed across the stages) or tensor parallelism on the CUDA backend vs the CPU
 backend.
 
-    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|tp|gpt-tp|zero]
+    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|tp|gpt-tp|zero|gpt-det]
 
 Under ``pp`` activations and gradients between the stages take the same host-staged path, as do the tied
 gradient (``gpt-pp``) and the tensor-parallel Allreduces (``tp``; ``gpt-tp`` adds the GPT's vocab-parallel
 embedding, head and loss); ``zero`` is data parallel with
-``parallel.zero = 2``: device gradients reduce-scattered through host staging, the parameters all-gathered.
+``parallel.zero = 2``: device gradients reduce-scattered through host staging, the parameters all-gathered;
+``gpt-det`` is ``train.deterministic``: dp 2 bitwise equal to one process on the device.
 
 Gradients go through the non-CUDA-aware path (pinned host staging, several buckets,
 overlapped Iallreduce), which is the only one the simulator may take: simulated
@@ -37,7 +38,33 @@ def full_params(trainer):
     return {k: np.array(v) for k, v in trainer.model.layout.unpack(flat).items()}
 
 
+def deterministic(path):
+    """``gpt-det``: train.deterministic on the device: dp 2 gives the bits of one process alone (the tree's
+    host-staged recursive doubling, the device's add and copy, the tied head's local replica)."""
+    comm = MPI.COMM_WORLD
+    if comm.rank == 0:
+        make_tokens(path, n=300)
+    comm.Barrier()
+    cfg = gpt_config(path, model={"block_size": 4, "n_embd": 4}, data={"val_fraction": 0.0},
+                     train={"steps": 2, "batch_size": 2, "backend": "cuda", "deterministic": True,
+                            "deterministic_shards": 2, "grad_clip": 0.5},
+                     optim={"name": "adamw", "lr": 0.01}, parallel={"bucket_mb": 0.0002, "cuda_aware": False})
+    got = []
+    for world in (comm, MPI.COMM_SELF):
+        mesh = Mesh(comm=world)
+        trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+        trainer.run()
+        got.append(np.concatenate([v.ravel() for v in full_params(trainer).values()]))
+        trainer.close()
+        mesh.free()
+    ok = np.array_equal(got[0], got[1])
+    print(f"rank {comm.rank}: deterministic dp 2 against one process: {'OK' if ok else 'MISMATCH'}", flush=True)
+    return 0 if ok else 1
+
+
 def main(path, layout):
+    if layout == "gpt-det":
+        return deterministic(path)
     comm = MPI.COMM_WORLD
     pp = 2 if layout in ("pp", "gpt-pp") else 1
     tp = 2 if layout in ("tp", "gpt-tp") else 1

@@ -177,7 +177,7 @@ CHOICES = {
     ("train", "backend"): ("auto", "cpu", "cuda"),
     ("optim", "name"): ("sgd", "adam", "adamw"),
     ("optim", "schedule"): ("constant", "cosine", "linear", "nanogpt"),
-    ("parallel", "schedule"): ("1f1b", "gpipe"),
+    ("parallel", "schedule"): ("1f1b", "gpipe", "zero-bubble"),
     ("parallel", "mode"): ("sync", "async_ps"),
 }
 

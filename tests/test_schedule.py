@@ -6,10 +6,11 @@ from functools import partial
 import pytest
 
 from hpctrain.errors import LayoutError
-from hpctrain.parallel.schedule import (SCHEDULES, Backward, Exchange, Forward, Instruction, LoadMicroBatch, MessageKey,
-                                        Op, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, Schedule,
-                                        ScheduleError, SendActivation, SendGrad, check_schedule, data_parallel,
-                                        forward_only, gpipe, make_schedule, one_f_one_b)
+from hpctrain.parallel.schedule import (SCHEDULES, Backward, BackwardInput, BackwardWeight, Exchange, Forward,
+                                        Instruction, LoadMicroBatch, MessageKey, Op, OptimizerStep, RecvActivation,
+                                        RecvGrad, ReduceGrads, Schedule, ScheduleError, SendActivation, SendGrad,
+                                        check_schedule, data_parallel, forward_only, gpipe, make_schedule,
+                                        one_f_one_b, zero_bubble)
 
 SIZES = [(p, m) for p in range(1, 6) for m in range(1, 10)]
 
@@ -117,8 +118,8 @@ def test_make_schedule():
     for name in SCHEDULES:
         assert make_schedule(name, 3, 4).name == name
     assert make_schedule("gpipe", 3, 4) == gpipe(3, 4)
-    with pytest.raises(ValueError, match=r"'zero-bubble'.*1f1b, gpipe"):
-        make_schedule("zero-bubble", 2, 2)
+    with pytest.raises(ValueError, match=r"'interleaved-1f1b'.*1f1b, gpipe, zero-bubble"):
+        make_schedule("interleaved-1f1b", 2, 2)
 
 
 @pytest.mark.parametrize("build", [gpipe, one_f_one_b, forward_only, partial(make_schedule, "1f1b")])
@@ -176,6 +177,65 @@ def test_last_backward_is_the_index_of_the_last_backward(build):
     for s, stage in enumerate(schedule.stages):
         assert stage[stats.last_backward[s]] == Backward(5)
         assert Backward(5) not in stage[stats.last_backward[s] + 1:]
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zero_bubble_passes_and_keeps_one_more_than_one_f_one_b_alive(p, m):
+    schedule = zero_bubble(p, m)
+    stats = check_schedule(schedule)
+    if p == 1:
+        assert schedule.stages == data_parallel(m).stages
+        return
+    assert stats.peak_live == tuple(min(p - s + 1, m) for s in range(p))
+    for s, stage in enumerate(schedule.stages):
+        assert not any(isinstance(ins, Backward) for ins in stage)
+        assert stage[stats.last_backward[s]] == BackwardWeight(m - 1)  # the gradients' last writer: the sync's cue
+        index = {ins: i for i, ins in enumerate(stage)}
+        assert all(index[BackwardInput(i)] < index[BackwardWeight(i)] for i in range(m))
+
+
+def unit_time_makespan(schedule) -> int:
+    """Steps to run ``schedule`` when every compute instruction takes one step, a Backward two (B + W), and a
+    message arrives the step after its sender computed it (the cost model the zero-bubble order is built for)."""
+    p = schedule.num_stages
+    compute = [[ins for ins in stage if isinstance(ins, (Forward, Backward, BackwardInput, BackwardWeight))]
+               for stage in schedule.stages]
+    done, pc, free, t = {}, [0] * p, [0] * p, 0
+    while any(pc[s] < len(compute[s]) for s in range(p)):
+        for s in range(p):
+            if pc[s] == len(compute[s]) or free[s] > t:
+                continue
+            ins = compute[s][pc[s]]
+            kind = type(ins)
+            if kind is Forward and s > 0 and done.get((Forward, s - 1, ins.mb), t + 1) > t:
+                continue
+            if kind in (Backward, BackwardInput) and s < p - 1 and done.get((kind, s + 1, ins.mb), t + 1) > t:
+                continue
+            length = 2 if kind is Backward else 1
+            done[(kind, s, ins.mb)] = free[s] = t + length
+            pc[s] += 1
+        t += 1
+    return max(free)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 8), (4, 16)])
+def test_zero_bubble_is_shorter_than_one_f_one_b(p, m):
+    """1F1B's step on paper is (m + p − 1)·3 units; ZB-H1's is 3m + (p − 1)·(F + B − W) = 3m + p − 1."""
+    assert unit_time_makespan(one_f_one_b(p, m)) == 3 * (m + p - 1)
+    assert unit_time_makespan(zero_bubble(p, m)) <= 3 * m + 2 * (p - 1)
+    if p == 2:
+        assert unit_time_makespan(zero_bubble(p, m)) == 3 * m + p - 1
+
+
+def test_split_backward_rules():
+    one = one_f_one_b(1, 1).stages[0]
+    b = one.index(Backward(0))
+    with pytest.raises(ScheduleError, match=r"BackwardWeight\(0\) has no BackwardInput\(0\) before it"):
+        check_schedule(Schedule("x", (one[:b] + (BackwardWeight(0), BackwardInput(0)) + one[b + 1:],), 1))
+    with pytest.raises(ScheduleError, match=r"stage 0 has no BackwardWeight\(0\)"):
+        check_schedule(Schedule("x", (one[:b] + (BackwardInput(0),) + one[b + 1:],), 1))
+    with pytest.raises(ScheduleError, match=r"splits nothing"):
+        check_schedule(Schedule("x", (one[:b] + (BackwardInput(0), Backward(0)) + one[b + 1:],), 1))
 
 
 def test_large_one_f_one_b_checks():

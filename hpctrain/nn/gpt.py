@@ -206,6 +206,26 @@ class Block(Layer):
         be.add_(dx, dx2)
         return dx
 
+    def backward_input(self, be, dout, saved, accumulate=False, need_dinp=True):
+        """B: ``backward`` with each Linear's weight gradient left for W (the LayerNorms write theirs here)."""
+        s_ln1, s_attn_in, s_attn, s_proj, s_ln2, s_fc, s_gelu, s_mlp = saved
+        acc = dict(accumulate=accumulate)
+        dg, w_mlp = self.mlp_proj.backward_input(be, dout, s_mlp, **acc)
+        df = self.gelu.backward(be, dg, s_gelu)
+        dh2, w_fc = self.c_fc.backward_input(be, df, s_fc, **acc)
+        dx2 = self.ln_2.backward(be, dh2, s_ln2, **acc)
+        be.add_(dx2, dout)  # the residual's gradient goes straight through
+        da, w_proj = self.attn_proj.backward_input(be, dx2, s_proj, **acc)
+        dqkv = self.attn.backward(be, da, s_attn)
+        dh, w_attn = self.c_attn.backward_input(be, dqkv, s_attn_in, **acc)
+        dx = self.ln_1.backward(be, dh, s_ln1, **acc)
+        be.add_(dx, dx2)
+        return dx, (w_mlp, w_fc, w_proj, w_attn)
+
+    def backward_weight(self, be, wsaved, accumulate=False):
+        for sub, ws in zip((self.mlp_proj, self.c_fc, self.attn_proj, self.c_attn), wsaved):
+            sub.backward_weight(be, ws, accumulate=accumulate)
+
 
 class Head(Layer):
     """logits = ln_f(x) · wteᵀ: the final LayerNorm and the LM head tied to the token embedding."""

@@ -38,6 +38,14 @@ class Layer:
         gradients another layer of the same part writes first in the backward pass: this layer adds to them."""
         self.w, self.g, self.accumulating = weights, grads, accumulating
 
+    def backward_input(self, be, dout, saved, accumulate=False, need_dinp=True):
+        """The zero-bubble schedule's B: (input gradient, what ``backward_weight`` needs). A layer that does not
+        split its backward writes its parameter gradients here too and returns None for W."""
+        return self.backward(be, dout, saved, accumulate=accumulate, need_dinp=need_dinp), None
+
+    def backward_weight(self, be, wsaved, accumulate=False) -> None:
+        """The zero-bubble schedule's W: the parameter gradients from what ``backward_input`` returned."""
+
 
 class Linear(Layer):
     """y[B,out] = x[B,in] · Wᵀ + b, W of shape (out, in) as in torch.nn.Linear."""
@@ -67,6 +75,21 @@ class Linear(Layer):
         dinp = be.empty(x.shape)
         be.matmul_nn(dout, self.w["weight"], dinp)
         return dinp
+
+    def backward_input(self, be, dout, x, accumulate=False, need_dinp=True):
+        """B: dinp = dout · W; W needs (dout, x)."""
+        dinp = None
+        if need_dinp:
+            dinp = be.empty(x.shape)
+            be.matmul_nn(dout, self.w["weight"], dinp)
+        return dinp, (dout, x)
+
+    def backward_weight(self, be, wsaved, accumulate=False):
+        """W: dW = doutᵀ · x and db = Σ dout, the same kernels as ``backward``."""
+        dout, x = wsaved
+        be.matmul_tn(dout, x, self.g["weight"], accumulate=accumulate)
+        if self.has_bias:
+            be.bias_grad(dout, self.g["bias"], accumulate=accumulate)
 
 
 class _Activation(Layer):

@@ -378,6 +378,38 @@ class ModelPart:
         return dout
 
 
+    def backward_input(self, be, dout, saved, *, accumulate=False, need_dinp=True):
+        """The zero-bubble schedule's B, in reverse layer order: (input gradient or None, what
+        ``backward_weight`` needs per layer). Layers that do not split write their gradients here."""
+        wsaved = [None] * len(self.layers)
+        for u in range(len(self.units) - 1, -1, -1):
+            a, b = self.units[u]
+            if isinstance(saved, UnitInputs):
+                x, mine = saved.inputs[u], []
+                for layer in self.layers[a : b + 1]:
+                    x, s = layer.forward(be, x)
+                    mine.append(s)
+                del x
+            else:
+                mine = saved[a : b + 1]
+            for k in range(b, a - 1, -1):
+                last = k == 0 and not need_dinp
+                dout, wsaved[k] = self.layers[k].backward_input(be, dout, mine[k - a], accumulate=accumulate,
+                                                                need_dinp=not last)
+                mine[k - a] = None
+        return dout, wsaved
+
+    def backward_weight(self, be, wsaved, *, accumulate=False, on_final=None):
+        """The zero-bubble schedule's W, in reverse layer order; ``on_final`` as in ``backward`` (the step's
+        last W finishes every gradient: the B passes wrote theirs before it)."""
+        for k in range(len(self.layers) - 1, -1, -1):
+            if wsaved[k] is not None:
+                self.layers[k].backward_weight(be, wsaved[k], accumulate=accumulate)
+                wsaved[k] = None
+            if on_final is not None and self._first_offset[k] is not None:
+                on_final(self._first_offset[k])
+
+
 class UnitInputs:
     """What a forward under ``recompute = "blocks"`` keeps: each partition unit's input (one array each)."""
 

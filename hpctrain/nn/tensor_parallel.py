@@ -40,6 +40,10 @@ class ColumnParallelLinear(Linear):
         dinp = super().backward(be, dout, x, accumulate=accumulate, need_dinp=need_dinp)
         return None if dinp is None else self.copy.backward(be, dinp)
 
+    def backward_input(self, be, dout, x, accumulate=False, need_dinp=True):
+        dinp, wsaved = super().backward_input(be, dout, x, accumulate=accumulate, need_dinp=need_dinp)
+        return (None if dinp is None else self.copy.backward(be, dinp)), wsaved
+
 
 class RowParallelLinear(Linear):
     """This rank's slice of a Linear's input features: weight (out, in/T); the bias (out) is replicated.
@@ -60,3 +64,7 @@ class RowParallelLinear(Linear):
 
     def backward(self, be, dout, x, accumulate=False, need_dinp=True):
         return super().backward(be, self.reduce.backward(be, dout), x, accumulate=accumulate, need_dinp=need_dinp)
+
+    def backward_input(self, be, dout, x, accumulate=False, need_dinp=True):
+        return super().backward_input(be, self.reduce.backward(be, dout), x, accumulate=accumulate,
+                                      need_dinp=need_dinp)

@@ -58,6 +58,10 @@ def resolve(cfg, *, dp: int, tp: int, log=None):
     if p.zero and dp > 1:
         raise ConfigError("train.deterministic: not with parallel.zero > 0 yet (its reduce-scatter sums in MPI's "
                           "order); set parallel.zero = 0")
+    if p.schedule == "zero-bubble" and p.pp > 1:
+        raise ConfigError('train.deterministic: not with parallel.schedule = "zero-bubble" (a micro-batch\'s weight '
+                          "gradients are written after the next one's input gradients, so each shard's gradient "
+                          'is never whole on its own); use "1f1b"')
     if not _power_of_two(dp) or S % dp:
         raise ConfigError(f"train.deterministic: dp = {dp} must be a power of two dividing "
                           f"train.deterministic_shards = {S} (each rank sums a subtree of the shards); runs to "

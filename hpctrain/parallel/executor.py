@@ -26,8 +26,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .schedule import (Backward, Exchange, Forward, LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad,
-                       ReduceGrads, SendActivation, SendGrad)
+from .schedule import (Backward, BackwardInput, BackwardWeight, Exchange, Forward, LoadMicroBatch, OptimizerStep,
+                       RecvActivation, RecvGrad, ReduceGrads, SendActivation, SendGrad)
 
 __all__ = ["StageExecutor", "StepResult", "bubble_share", "nbytes_of", "micro_rows"]
 
@@ -92,6 +92,7 @@ class StageExecutor:
         self.stats = stats
         self.table = {
             LoadMicroBatch: self._load, Forward: self._forward, Backward: self._backward,
+            BackwardInput: self._backward_input, BackwardWeight: self._backward_weight,
             SendActivation: self._send, SendGrad: self._send, RecvActivation: self._recv, RecvGrad: self._recv,
             Exchange: self._exchange, ReduceGrads: self._reduce, OptimizerStep: self._optimizer_step,
         }
@@ -115,6 +116,8 @@ class StageExecutor:
         receives, self._last_backward = self._plan(instructions)
         self._pending = {kind: list(mbs) for kind, mbs in receives.items()}  # pop() takes the next
         self._first_backward = True
+        self._wrote_input = self._wrote_weight = False  # zero-bubble: the first B and the first W write, not add
+        self._wsaved = {}  # mb -> what its BackwardWeight needs
         t0 = time.perf_counter()
         self._post_ahead()
         for self._index, ins in enumerate(instructions):
@@ -138,7 +141,8 @@ class StageExecutor:
                 for op in (ins.send, ins.recv) if isinstance(ins, Exchange) else (ins,):
                     if isinstance(op, (RecvActivation, RecvGrad)):
                         receives[self._kind(op)].append(op.mb)
-            last = max((i for i, ins in enumerate(instructions) if isinstance(ins, Backward)), default=-1)
+            last = max((i for i, ins in enumerate(instructions) if isinstance(ins, (Backward, BackwardWeight))),
+                       default=-1)
             plan = self._plans[id(instructions)] = (instructions, {k: v[::-1] for k, v in receives.items()}, last)
         return plan[1], plan[2]
 
@@ -156,7 +160,8 @@ class StageExecutor:
         if kind not in self._rings:
             width = self.part.in_features if kind == ACTIVATION else self.part.out_features
             # a received activation lives until its backward; one more slot lets the next receive go up early
-            size = (self.stats.peak_recv_activation[self.stage] if kind == ACTIVATION else 1) + 1
+            grads = self.stats.peak_recv_grad[self.stage] if self.stats.peak_recv_grad else 1  # W reads its B's
+            size = (self.stats.peak_recv_activation[self.stage] if kind == ACTIVATION else grads) + 1
             self._rings[kind] = _Ring(self.be, self.p2p.transport, size, self.max_rows, width)
         return self._rings[kind]
 
@@ -243,7 +248,7 @@ class StageExecutor:
             if rows not in self._saved_bytes:
                 self._saved_bytes[rows] = nbytes_of(saved)
             self._live_bytes[mb] = self._saved_bytes[rows]
-            self.result.peak_live = max(self.result.peak_live, len(self._saved))
+            self.result.peak_live = max(self.result.peak_live, len(self._live_bytes))  # until its W, when split
             self.result.peak_bytes = max(self.result.peak_bytes, sum(self._live_bytes.values()))
         t1 = time.perf_counter()
         self.result.busy += t1 - t0
@@ -271,6 +276,36 @@ class StageExecutor:
         t1 = time.perf_counter()
         self.result.busy += t1 - t0
         self._trace("backward", mb, t0, t1)
+
+    def _backward_input(self, ins) -> None:
+        """B: the input gradient, sent on by the next instruction; what W needs stays (with the received input
+        and gradient buffers, which W reads)."""
+        mb = ins.mb
+        t0 = time.perf_counter()
+        dinp, self._wsaved[mb] = self.part.backward_input(self.be, self._dout.pop(mb), self._saved.pop(mb),
+                                                          accumulate=self._wrote_input,
+                                                          need_dinp=not self.part.is_first)
+        self._wrote_input = True
+        if dinp is not None:
+            self._dinp[mb] = dinp
+        t1 = time.perf_counter()
+        self.result.busy += t1 - t0
+        self._trace("backward input", mb, t0, t1)
+
+    def _backward_weight(self, ins) -> None:
+        mb = ins.mb
+        t0 = time.perf_counter()
+        last = self._index == self._last_backward
+        self.part.backward_weight(self.be, self._wsaved.pop(mb), accumulate=self._wrote_weight,
+                                  on_final=self.sync.grads_final if last and self.sync is not None else None)
+        self._wrote_weight = True
+        del self._live_bytes[mb]
+        self._x.pop(mb)
+        self._release(ACTIVATION, mb)
+        self._release(GRAD, mb)
+        t1 = time.perf_counter()
+        self.result.busy += t1 - t0
+        self._trace("backward weight", mb, t0, t1)
 
     def _reduce(self, ins) -> None:
         t0 = time.perf_counter()

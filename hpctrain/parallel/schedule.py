@@ -14,7 +14,9 @@ Instructions (``mb`` is a micro-batch index 0..m-1; stage s of P):
 * ``LoadMicroBatch(mb)`` reads micro-batch mb: inputs on the first stage, targets on the
   last, both when P = 1.
 * ``Forward(mb)``, ``Backward(mb)`` compute; on the last stage Forward includes the loss and
-  its gradient.
+  its gradient. The zero-bubble schedule splits a backward in two: ``BackwardInput(mb)`` (B,
+  the input gradient, which the previous stage waits for) and ``BackwardWeight(mb)`` (W, the
+  weight gradients, which nothing waits for), run later to fill the pipeline's idle time.
 * ``SendActivation(mb)`` s -> s+1, ``RecvActivation(mb)`` s-1 -> s, ``SendGrad(mb)`` s -> s-1,
   ``RecvGrad(mb)`` s+1 -> s are the point-to-point ops. Each names its message by a key
   ``(kind, mb, from_stage, to_stage)``; a send and the receive that matches it share the key.
@@ -52,11 +54,11 @@ from ..errors import LayoutError
 __all__ = [
     "SCHEDULES", "Instruction", "LoadMicroBatch", "Forward", "Backward", "SendActivation", "RecvActivation",
     "SendGrad", "RecvGrad", "Exchange", "ReduceGrads", "OptimizerStep", "MessageKey", "Op", "Schedule",
-    "ScheduleStats", "ScheduleError", "data_parallel", "gpipe", "one_f_one_b", "forward_only", "make_schedule",
-    "check_schedule", "built", "checked",
+    "ScheduleStats", "ScheduleError", "data_parallel", "gpipe", "one_f_one_b", "zero_bubble", "forward_only",
+    "make_schedule", "check_schedule", "built", "checked", "BackwardInput", "BackwardWeight",
 ]
 
-SCHEDULES = ("1f1b", "gpipe")  # training schedules make_schedule knows
+SCHEDULES = ("1f1b", "gpipe", "zero-bubble")  # training schedules make_schedule knows
 ACTIVATION, GRAD = "activation", "grad"  # message kinds in a MessageKey
 
 
@@ -127,6 +129,16 @@ class Forward(_MicroBatchInstruction):
 @dataclass(frozen=True, repr=False)
 class Backward(_MicroBatchInstruction):
     """Backward pass of micro-batch ``mb``; accumulates into the parameter gradients."""
+
+
+@dataclass(frozen=True, repr=False)
+class BackwardInput(_MicroBatchInstruction):
+    """B of micro-batch ``mb``: the input gradient (sent on at once); keeps what its BackwardWeight needs."""
+
+
+@dataclass(frozen=True, repr=False)
+class BackwardWeight(_MicroBatchInstruction):
+    """W of micro-batch ``mb``: the weight gradients its BackwardInput left, accumulated."""
 
 
 @dataclass(frozen=True, repr=False)
@@ -252,7 +264,7 @@ class Schedule:
     @property
     def has_backward(self) -> bool:
         """True for a training schedule, False for evaluation (forward only)."""
-        return any(isinstance(ins, Backward) for stage in self.stages for ins in stage)
+        return any(isinstance(ins, (Backward, BackwardInput)) for stage in self.stages for ins in stage)
 
 
 def _check_count(name: str, value) -> None:
@@ -334,6 +346,107 @@ def one_f_one_b(num_stages: int, micro_batches: int) -> Schedule:
     return Schedule("1f1b", stages, micro_batches)
 
 
+def zero_bubble(num_stages: int, micro_batches: int) -> Schedule:
+    """ZB-H1-like (Qi et al., "Zero Bubble Pipeline Parallelism", 2024): each backward split into B and W, the
+    input gradient sent on after B, and the W passes moved into the time a stage would wait.
+
+    The order comes from a list-scheduling run on paper with F = B = W = one unit and free messages: whenever a
+    stage is idle it runs the ready B (the critical path) first, else the next F if fewer than P − s + 1
+    micro-batches are in flight (forwarded, their W not yet run), else the oldest pending W. One micro-batch
+    more in flight than 1F1B's P − s is what lets W fill the gaps (hpctrain's W keeps each Linear's input and
+    output gradient, about a micro-batch's activations). Messages are then placed as 1F1B's are, and each send
+    that would deadlock under rendezvous sends is posted together with its stage's next receive (``Exchange``).
+    With one stage the split buys nothing: it is data parallel.
+    """
+    _check_count("num_stages", num_stages)
+    _check_count("micro_batches", micro_batches)
+    p, m = num_stages, micro_batches
+    if p == 1:
+        return Schedule("zero-bubble", data_parallel(m).stages, m)
+    orders = _list_schedule(p, m)
+    stages = [list(_zero_bubble_stage(s, p, order)) for s, order in enumerate(orders)]
+    for _ in range(4 * p * m):  # each repair fuses one send with a receive: finitely many
+        schedule = Schedule("zero-bubble", tuple(st + _step_end() for st in stages), m)
+        blocked = _blocked_sends(schedule)
+        if blocked is None:
+            return schedule
+        # one fusion per round, the least disruptive: the send whose next receive is nearest (fewest
+        # instructions wait behind the receive), the later stage on a tie
+        s, i = min(blocked, key=lambda at: (_gap_to_next_receive(stages[at[0]], at[1]), -at[0]))
+        stages[s] = _fuse_with_next_receive(stages[s], i)
+    raise ScheduleError(f"zero-bubble: no deadlock-free message order found for {p} stages, {m} micro-batches")
+
+
+def _list_schedule(p: int, m: int) -> list[list[tuple[str, int]]]:
+    """Each stage's ("F" | "B" | "W", mb) order from a unit-time run on paper (see ``zero_bubble``)."""
+    done = {}  # (kind, stage, mb) -> time it finished
+    orders = [[] for _ in range(p)]
+    next_f, next_b, next_w, in_flight, free_at = [0] * p, [0] * p, [0] * p, [0] * p, [0] * p
+    t = 0
+    while any(len(o) < 3 * m for o in orders):
+        for s in range(p):
+            if free_at[s] > t:
+                continue
+            f, b, w = next_f[s], next_b[s], next_w[s]
+            ready_b = b < f and (s == p - 1 or done.get(("B", s + 1, b), t + 1) <= t)
+            ready_f = f < m and in_flight[s] < p - s + 1 and (s == 0 or done.get(("F", s - 1, f), t + 1) <= t)
+            kind = "B" if ready_b else "F" if ready_f else "W" if w < b else None
+            if kind is None:
+                continue
+            mb = {"B": b, "F": f, "W": w}[kind]
+            orders[s].append((kind, mb))
+            done[(kind, s, mb)] = t + 1
+            free_at[s] = t + 1
+            if kind == "F":
+                next_f[s] += 1
+                in_flight[s] += 1
+            elif kind == "B":
+                next_b[s] += 1
+            else:
+                next_w[s] += 1
+                in_flight[s] -= 1
+        t += 1
+    return orders
+
+
+def _zero_bubble_stage(s: int, p: int, order) -> list:
+    out = []
+    for kind, mb in order:
+        if kind == "F":
+            out += _forward_block(s, p, mb)
+        elif kind == "B":
+            out += [*([RecvGrad(mb)] if s < p - 1 else []), BackwardInput(mb), *([SendGrad(mb)] if s > 0 else [])]
+        else:
+            out.append(BackwardWeight(mb))
+    return out
+
+
+def _blocked_sends(schedule: Schedule) -> list[tuple[int, int]]:
+    """(stage, index) of each stage stuck at a lone send when the schedule deadlocks; None when it runs."""
+    ops = [[ins.ops(s) for ins in stage] for s, stage in enumerate(schedule.stages)]
+    try:
+        _check_no_deadlock(schedule, ops)
+        return None
+    except _Deadlock as e:
+        sends = [(s, i) for s, i in e.at if isinstance(schedule.stages[s][i], (SendActivation, SendGrad))]
+        if not sends:
+            raise
+        return sends
+
+
+def _gap_to_next_receive(stage: list, i: int) -> int:
+    return next((j - i for j in range(i + 1, len(stage)) if isinstance(stage[j], (RecvActivation, RecvGrad))),
+                len(stage))
+
+
+def _fuse_with_next_receive(stage: list, i: int) -> list:
+    """``stage`` with the send at ``i`` and the next receive after it posted together, as one Exchange there."""
+    for j in range(i + 1, len(stage)):
+        if isinstance(stage[j], (RecvActivation, RecvGrad)):
+            return stage[:i] + [Exchange(stage[i], stage[j])] + stage[i + 1 : j] + stage[j + 1 :]
+    raise ScheduleError(f"zero-bubble: stage send {stage[i]} deadlocks and has no receive after it to pair with")
+
+
 def forward_only(num_stages: int, micro_batches: int) -> Schedule:
     """Evaluation: each micro-batch flows through once; no backward, no reduction, no step."""
     _check_count("num_stages", num_stages)
@@ -345,7 +458,7 @@ def forward_only(num_stages: int, micro_batches: int) -> Schedule:
 
 def make_schedule(name: str, num_stages: int, micro_batches: int) -> Schedule:
     """The training schedule called ``name`` (one of SCHEDULES) for ``num_stages`` stages."""
-    builders = {"1f1b": one_f_one_b, "gpipe": gpipe}
+    builders = {"1f1b": one_f_one_b, "gpipe": gpipe, "zero-bubble": zero_bubble}
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
     return builders[name](num_stages, micro_batches)
@@ -375,8 +488,9 @@ class ScheduleStats:
     """What each stage of a checked schedule needs; tuples indexed by stage."""
 
     peak_live: tuple[int, ...]  # micro-batches forwarded and not yet backwarded (activation memory)
-    last_backward: tuple[int, ...]  # index of the stage's last Backward, -1 if none
+    last_backward: tuple[int, ...]  # index of the stage's last Backward (or BackwardWeight), -1 if none
     peak_recv_activation: tuple[int, ...]  # received activations still needed (receive ring size)
+    peak_recv_grad: tuple[int, ...] = ()  # received gradients still needed (a W reads its B's); () = 1 each
 
 
 def check_schedule(schedule: Schedule) -> ScheduleStats:
@@ -392,7 +506,8 @@ def check_schedule(schedule: Schedule) -> ScheduleStats:
     walks = [_StageWalk(schedule, s, trains).run() for s in range(schedule.num_stages)]
     return ScheduleStats(peak_live=tuple(w.peak_live for w in walks),
                          last_backward=tuple(w.last_backward for w in walks),
-                         peak_recv_activation=tuple(w.peak_recv for w in walks))
+                         peak_recv_activation=tuple(w.peak_recv for w in walks),
+                         peak_recv_grad=tuple(w.peak_recv_grad for w in walks))
 
 
 def _where(schedule: Schedule, stage: int, index: int, ins: Instruction) -> str:
@@ -459,7 +574,16 @@ def _check_no_deadlock(schedule: Schedule, ops: list) -> None:
     blocked = [s for s in range(p) if pc[s] < len(schedule.stages[s])]
     if blocked:
         waits = ", ".join(f"stage {s} waits at #{pc[s]} {schedule.stages[s][pc[s]]}" for s in blocked)
-        raise ScheduleError(f"schedule {schedule.name!r} deadlocks under rendezvous sends: {waits}")
+        raise _Deadlock(f"schedule {schedule.name!r} deadlocks under rendezvous sends: {waits}",
+                        [(s, pc[s]) for s in blocked])
+
+
+class _Deadlock(ScheduleError):
+    """A deadlock found by the checker, with where each stuck stage waits: ``at`` = [(stage, index)]."""
+
+    def __init__(self, message: str, at):
+        super().__init__(message)
+        self.at = at
 
 
 class _StageWalk:
@@ -469,11 +593,12 @@ class _StageWalk:
         self.schedule, self.stage, self.trains = schedule, stage, trains
         self.reads_data = stage in (0, schedule.num_stages - 1)
         self.seen = {}  # (instruction type, mb or None) -> index where it ran
-        self.live, self.recv_live = set(), set()
-        self.peak_live = self.peak_recv = 0
+        self.live, self.recv_live, self.grad_live = set(), set(), set()
+        self.peak_live = self.peak_recv = self.peak_recv_grad = 0
         self.last_backward = -1
         self.table = {
             LoadMicroBatch: self._load, Forward: self._forward, Backward: self._backward,
+            BackwardInput: self._backward_input, BackwardWeight: self._backward_weight,
             SendActivation: self._p2p, RecvActivation: self._p2p, SendGrad: self._p2p, RecvGrad: self._p2p,
             Exchange: self._p2p, ReduceGrads: self._reduce, OptimizerStep: self._optimizer_step,
         }
@@ -523,14 +648,38 @@ class _StageWalk:
             self.recv_live.discard(ins.mb)
 
     def _backward(self, ins: Backward) -> None:
+        if (BackwardInput, ins.mb) in self.seen:
+            self._fail(f"splits nothing: #{self.seen[BackwardInput, ins.mb]} {BackwardInput(ins.mb)} ran already")
+        self._input_half(ins)
+        self._weight_half(ins)
+
+    def _backward_input(self, ins: BackwardInput) -> None:
+        if (Backward, ins.mb) in self.seen:
+            self._fail(f"comes after #{self.seen[Backward, ins.mb]} {Backward(ins.mb)}")
+        self._input_half(ins)
+
+    def _backward_weight(self, ins: BackwardWeight) -> None:
+        self._need(BackwardInput, ins.mb)
+        self._weight_half(ins)
+
+    def _input_half(self, ins) -> None:
         self._record(ins)
         self._need(Forward, ins.mb)
         if self.stage < self.schedule.num_stages - 1:
             self._need(RecvGrad, ins.mb)
         if (ReduceGrads, None) in self.seen:
             self._fail(f"comes after #{self.seen[ReduceGrads, None]} ReduceGrads()")
+
+    def _weight_half(self, ins) -> None:
+        """What a micro-batch holds is freed once its weight gradients are written (a W reads the input
+        activation and the received gradient)."""
+        if not isinstance(ins, Backward):
+            self._record(ins)
+            if (ReduceGrads, None) in self.seen:
+                self._fail(f"comes after #{self.seen[ReduceGrads, None]} ReduceGrads()")
         self.live.discard(ins.mb)
-        self.recv_live.discard(ins.mb)  # the backward reads the input activation; its buffer is free after
+        self.recv_live.discard(ins.mb)
+        self.grad_live.discard(ins.mb)
         self.last_backward = self.index
 
     def _p2p(self, ins: Instruction) -> None:
@@ -539,10 +688,14 @@ class _StageWalk:
             if isinstance(part, SendActivation):
                 self._need(Forward, part.mb)
             elif isinstance(part, SendGrad):
-                self._need(Backward, part.mb)
+                if (BackwardInput, part.mb) not in self.seen:
+                    self._need(Backward, part.mb)
             elif isinstance(part, RecvActivation):
                 self.recv_live.add(part.mb)
                 self.peak_recv = max(self.peak_recv, len(self.recv_live))
+            elif isinstance(part, RecvGrad):
+                self.grad_live.add(part.mb)
+                self.peak_recv_grad = max(self.peak_recv_grad, len(self.grad_live))
 
     def _reduce(self, ins: ReduceGrads) -> None:
         if not self.trains:
@@ -562,7 +715,8 @@ class _StageWalk:
         if self.reads_data:
             needed += [(LoadMicroBatch, i) for i in range(m)]
         if self.trains:
-            needed += [(Backward, i) for i in range(m)] + [(ReduceGrads, None), (OptimizerStep, None)]
+            needed += [(Backward, i) if (BackwardInput, i) not in self.seen else (BackwardWeight, i) for i in range(m)]
+            needed += [(ReduceGrads, None), (OptimizerStep, None)]
         for cls, mb in needed:
             if (cls, mb) not in self.seen:
                 missing = cls() if mb is None else cls(mb)

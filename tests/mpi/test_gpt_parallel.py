@@ -57,7 +57,7 @@ def test_adamw_gpt_on_every_layout_equals_one_process(comm, tokens):
     assert_close(train(cfg, comm), alone(cfg), rtol=ADAMW_RTOL)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero-bubble"])
 @pytest.mark.parametrize("stages", [(), ((0, 1), (2, 3)), ((0, 2), (3, 3))], ids=["balanced", "even", "head-alone"])
 def test_pipeline_gpt_equals_one_process(comm, tokens, schedule, stages):
     """The tied embedding: its replica on the last stage and the owner's sum their gradients."""

@@ -44,7 +44,7 @@ def assert_close(got, want):
         np.testing.assert_allclose(got[name], want[name], rtol=2e-5, atol=2e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero-bubble"])
 @pytest.mark.parametrize("micro", [1, 2, 4])
 @pytest.mark.parametrize("optim", [{"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"name": "adamw", "lr": 0.01}],
                          ids=["sgd", "adamw"])
@@ -98,7 +98,7 @@ def test_evaluation_and_loss_match_single_process(comm, data, shared_dir):
         assert "stages" not in single[0]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero-bubble"])
 def test_stages_report_their_peak_of_live_micro_batches(comm, data, shared_dir, schedule):
     from hpctrain.parallel.mesh import Mesh
     from hpctrain.train import Trainer
@@ -122,7 +122,9 @@ def test_stages_report_their_peak_of_live_micro_batches(comm, data, shared_dir, 
         if comm.rank == 0:
             last = [r for r in map(json.loads, open(path)) if "stages" in r][-1]
             peaks = [s["peak_micro_batches"] for s in last["stages"]]
-            want = [micro] * pp if schedule == "gpipe" else [min(pp - s, micro) for s in range(pp)]
+            # zero-bubble: a micro-batch is live until its W, one more in flight than 1F1B's (parallel/schedule.py)
+            want = [micro] * pp if schedule == "gpipe" else [min(pp - s, micro) for s in range(pp)] \
+                if schedule == "1f1b" else [min(pp - s + 1, micro) for s in range(pp)]
             assert peaks == want
             assert all(s["peak_activation_bytes"] > 0 for s in last["stages"])
             assert all(0.0 <= s["bubble"] < 1.0 for s in last["stages"])

@@ -1,6 +1,7 @@
 """Pipeline bubble and activation memory: measured against the (P − 1)/(m + P − 1) formula.
 
-    mpiexec -n 2 python bench/bench_pipeline.py                    # P = 2, m = 1, 2, 4, 8, both schedules
+    mpiexec -n 2 python bench/bench_pipeline.py                    # P = 2, m = 1, 2, 4, 8, every schedule
+    mpiexec -n 2 python bench/bench_pipeline.py --width 2048 --batch 512 --micro 4 8 --schedules 1f1b zero-bubble
     mpiexec -n 4 python bench/bench_pipeline.py --stages 4         # P = 4 (on a node with >= 4 cores)
     srun -n 4 python bench/bench_pipeline.py --stages 4            # P = 4 on a cluster
 
@@ -16,8 +17,12 @@ warm-up steps. A stage's bubble is the share of its step, less its gradient redu
 optimizer work, not spent in its own kernels or data reads (hpctrain.parallel.executor's
 ``bubble_share``: waits for the other stages, in messages or in the gradient norm's
 reduction, which a synchronous step cannot avoid, count as bubble); the figure printed is the mean over stages of the median over steps. The
-formula's bubble for equal stages is (P − 1)/(m + P − 1). Peak activation memory is the
-largest total of what forward passes kept for their backward passes on a stage.
+formula's bubble for equal stages is (P − 1)/(m + P − 1) for 1F1B and GPipe, and
+(P − 1)/(3m + P − 1) for zero-bubble when a forward, an input gradient and a weight gradient cost
+the same (ZB-H1: (P − 1)(F + B − W) idle against m(F + B + W) busy). Peak activation memory is the
+largest total of what forward passes kept for their backward passes on a stage. ``--batch`` fixes
+the step's rows instead (``batch / m`` per micro-batch, the issue's comparison of schedules at one
+batch size); each line then also gives the step time and samples/s against 1F1B's at the same m.
 Run with one rank per core: oversubscribed ranks measure the scheduler, not the pipeline.
 """
 
@@ -68,16 +73,23 @@ def pipeline_config(path, stages, width, rows, micro, schedule):
 
 
 def measure(mesh, cfg, steps):
+    import time
+
     t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
-    bubbles, peaks = [], []
+    bubbles, peaks, spans = [], [], []
     for s in range(steps + 2):
+        mesh.world.Barrier()
+        t0 = time.perf_counter()
         timing = t.train_step(s, 1e-4)
+        mesh.world.Barrier()
         if s >= 2:
             bubbles.append(timing["bubble"])
             peaks.append((timing["peak_live"], timing["peak_bytes"]))
+            spans.append(time.perf_counter() - t0)
     t.close()
-    mine = np.array([np.median(bubbles), max(p[0] for p in peaks), max(p[1] for p in peaks)], dtype=np.float64)
-    every = np.zeros((mesh.size, 3), dtype=np.float64)
+    mine = np.array([np.median(bubbles), max(p[0] for p in peaks), max(p[1] for p in peaks), np.median(spans)],
+                    dtype=np.float64)
+    every = np.zeros((mesh.size, 4), dtype=np.float64)
     mesh.world.Allgather(mine, every)
     return every  # one row per stage (dp = 1)
 
@@ -89,6 +101,8 @@ def main():
     p.add_argument("--rows", type=int, default=64, help="rows per micro-batch")
     p.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=0, help="rows per step (batch / m per micro-batch); 0: --rows each")
+    p.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "zero-bubble"])
     a = p.parse_args()
     world = MPI.COMM_WORLD
     if world.size != a.stages:
@@ -97,21 +111,30 @@ def main():
     folder = shared_tempdir(world)
     path = os.path.join(folder, "d.h5")
     if world.rank == 0:
-        synthetic_classification(path, a.rows * max(a.micro), FEATURES, 10)
+        synthetic_classification(path, max(a.batch, a.rows * max(a.micro)), FEATURES, 10)
     world.Barrier()
+    per = f"{a.batch} rows per step" if a.batch else f"{a.rows} rows per micro-batch"
     say(f"{MPI.Get_library_version().splitlines()[0].strip()}; P = {a.stages} stages of two {a.width}x{a.width} "
-        f"Linear layers, {a.rows} rows per micro-batch, {a.steps} steps each; "
+        f"Linear layers, {per}, {a.steps} steps each; "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    say(f"{'schedule':>8} {'m':>3} {'formula':>8} {'measured':>9} {'ratio':>6}   per stage: bubble, peak live "
-        "micro-batches, peak activation MiB")
-    for schedule in ("1f1b", "gpipe"):
+    say(f"{'schedule':>11} {'m':>3} {'formula':>8} {'measured':>9} {'ratio':>6} {'step ms':>8} {'vs 1f1b':>8}   "
+        "per stage: bubble, peak live micro-batches, peak activation MiB")
+    step_1f1b = {}
+    for schedule in a.schedules:
         for m in a.micro:
-            cfg = pipeline_config(path, a.stages, a.width, a.rows, m, schedule)
+            rows_per = a.batch // m if a.batch else a.rows
+            cfg = pipeline_config(path, a.stages, a.width, rows_per, m, schedule)
             rows = measure(mesh, cfg, a.steps)
-            formula = (a.stages - 1) / (m + a.stages - 1)
+            P = a.stages
+            formula = (P - 1) / (3 * m + P - 1) if schedule == "zero-bubble" else (P - 1) / (m + P - 1)
             measured = float(rows[:, 0].mean())
-            stages = "  ".join(f"s{s}: {b:.3f} {int(n)} {nb / 2**20:.2f}" for s, (b, n, nb) in enumerate(rows))
-            say(f"{schedule:>8} {m:>3} {formula:8.3f} {measured:9.3f} {measured / formula:6.3f}   {stages}")
+            step = float(rows[:, 3].max())
+            if schedule == "1f1b":
+                step_1f1b[m] = step
+            speed = f"{step_1f1b[m] / step:8.3f}" if m in step_1f1b else f"{'':>8}"
+            stages = "  ".join(f"s{s}: {b:.3f} {int(n)} {nb / 2**20:.2f}" for s, (b, n, nb, _) in enumerate(rows))
+            say(f"{schedule:>11} {m:>3} {formula:8.3f} {measured:9.3f} {measured / formula:6.3f} {step * 1e3:8.2f} "
+                f"{speed}   {stages}")
     mesh.free()
     world.Barrier()
     if world.rank == 0:

@@ -80,7 +80,7 @@ def test_round_trip_through_toml(tmp_path):
     ("[checkpoint]\nkeep = 9223372036854775808", "checkpoint.keep: must fit in a 64-bit signed integer"),
     ("[parallel]\ndp = 9223372036854775808", "parallel.dp: must fit in a 64-bit signed integer"),
     ("[parallel]\ntp = -9223372036854775809", "parallel.tp: must fit in a 64-bit signed integer"),
-    ("[parallel]\nschedule = 'interleaved'", "parallel.schedule: expected one of '1f1b', 'gpipe', got 'interleaved'"),
+    ("[parallel]\nschedule = 'interleaved'", "parallel.schedule: expected one of '1f1b', 'gpipe', 'zero-bubble', got 'interleaved'"),
     ("[parallel]\npp = 2\nstages = [[0, 1]]", "parallel.stages lists 1 stage\\(s\\) but parallel.pp = 2"),
     ("[parallel]\npp = 2\nstages = [[0, 1], [1, 2]]", r"parallel.stages\[1\] = \[1, 2\] overlaps the stage before it"),
     ("[parallel]\npp = 2\nstages = [[0, 0], [2, 2]]", r"parallel.stages\[1\] = \[2, 2\] leaves out layer\(s\) 1..1"),

@@ -17,9 +17,9 @@ warm-up steps. A stage's bubble is the share of its step, less its gradient redu
 optimizer work, not spent in its own kernels or data reads (hpctrain.parallel.executor's
 ``bubble_share``: waits for the other stages, in messages or in the gradient norm's
 reduction, which a synchronous step cannot avoid, count as bubble); the figure printed is the mean over stages of the median over steps. The
-formula's bubble for equal stages is (P − 1)/(m + P − 1) for 1F1B and GPipe, and
-(P − 1)/(3m + P − 1) for zero-bubble when a forward, an input gradient and a weight gradient cost
-the same (ZB-H1: (P − 1)(F + B − W) idle against m(F + B + W) busy). Peak activation memory is the
+formula's bubble is the schedule's on paper (``paper_makespan``: F, B and W one unit each, equal
+stages): (P − 1)/(m + P − 1) for 1F1B and GPipe, and for zero-bubble ZB-H1's (P − 1)/(3m + P − 1)
+once m ≥ P ((P − 1)(F + B − W) idle against m(F + B + W) busy; at m = 1 the one W cannot hide). Peak activation memory is the
 largest total of what forward passes kept for their backward passes on a stage. ``--batch`` fixes
 the step's rows instead (``batch / m`` per micro-batch, the issue's comparison of schedules at one
 batch size); each line then also gives the step time and samples/s against 1F1B's at the same m.
@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import shared_tempdir, synthetic_classification  # noqa: E402
 
 from hpctrain.config import parse_config  # noqa: E402
+from hpctrain.parallel.schedule import make_schedule, paper_makespan  # noqa: E402
 from hpctrain.parallel.mesh import Mesh  # noqa: E402
 from hpctrain.train import Trainer  # noqa: E402
 
@@ -126,7 +127,7 @@ def main():
             cfg = pipeline_config(path, a.stages, a.width, rows_per, m, schedule)
             rows = measure(mesh, cfg, a.steps)
             P = a.stages
-            formula = (P - 1) / (3 * m + P - 1) if schedule == "zero-bubble" else (P - 1) / (m + P - 1)
+            formula = 1 - 3 * m / paper_makespan(make_schedule(schedule, P, m))  # (P - 1)/(m + P - 1) for 1F1B
             measured = float(rows[:, 0].mean())
             step = float(rows[:, 3].max())
             if schedule == "1f1b":

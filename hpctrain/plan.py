@@ -132,8 +132,9 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
             if pp > 1:  # the executor's receive rings (parallel/executor.py), per kind it receives
                 if not part.is_first:
                     rings += (stats.peak_recv_activation[s] + 1) * rows * part.in_features * 4
-                if not part.is_last:
-                    rings += 2 * rows * part.out_features * 4
+                if not part.is_last:  # received gradients: one (+ 1), or what zero-bubble's W passes still read
+                    grads = stats.peak_recv_grad[s] if stats.peak_recv_grad else 1
+                    rings += (grads + 1) * rows * part.out_features * 4
             for d in range(dp):
                 shard = ZeroShard(make_buckets(part.layout.size, bucket_elems), dp, d, limit=part.owned_size) \
                     if zero else None

@@ -10,7 +10,7 @@ from hpctrain.parallel.schedule import (SCHEDULES, Backward, BackwardInput, Back
                                         Instruction, LoadMicroBatch, MessageKey, Op, OptimizerStep, RecvActivation,
                                         RecvGrad, ReduceGrads, Schedule, ScheduleError, SendActivation, SendGrad,
                                         check_schedule, data_parallel, forward_only, gpipe, make_schedule,
-                                        one_f_one_b, zero_bubble)
+                                        one_f_one_b, paper_makespan, zero_bubble)
 
 SIZES = [(p, m) for p in range(1, 6) for m in range(1, 10)]
 
@@ -194,37 +194,13 @@ def test_zero_bubble_passes_and_keeps_one_more_than_one_f_one_b_alive(p, m):
         assert all(index[BackwardInput(i)] < index[BackwardWeight(i)] for i in range(m))
 
 
-def unit_time_makespan(schedule) -> int:
-    """Steps to run ``schedule`` when every compute instruction takes one step, a Backward two (B + W), and a
-    message arrives the step after its sender computed it (the cost model the zero-bubble order is built for)."""
-    p = schedule.num_stages
-    compute = [[ins for ins in stage if isinstance(ins, (Forward, Backward, BackwardInput, BackwardWeight))]
-               for stage in schedule.stages]
-    done, pc, free, t = {}, [0] * p, [0] * p, 0
-    while any(pc[s] < len(compute[s]) for s in range(p)):
-        for s in range(p):
-            if pc[s] == len(compute[s]) or free[s] > t:
-                continue
-            ins = compute[s][pc[s]]
-            kind = type(ins)
-            if kind is Forward and s > 0 and done.get((Forward, s - 1, ins.mb), t + 1) > t:
-                continue
-            if kind in (Backward, BackwardInput) and s < p - 1 and done.get((kind, s + 1, ins.mb), t + 1) > t:
-                continue
-            length = 2 if kind is Backward else 1
-            done[(kind, s, ins.mb)] = free[s] = t + length
-            pc[s] += 1
-        t += 1
-    return max(free)
-
-
 @pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 8), (4, 16)])
 def test_zero_bubble_is_shorter_than_one_f_one_b(p, m):
     """1F1B's step on paper is (m + p − 1)·3 units; ZB-H1's is 3m + (p − 1)·(F + B − W) = 3m + p − 1."""
-    assert unit_time_makespan(one_f_one_b(p, m)) == 3 * (m + p - 1)
-    assert unit_time_makespan(zero_bubble(p, m)) <= 3 * m + 2 * (p - 1)
+    assert paper_makespan(one_f_one_b(p, m)) == 3 * (m + p - 1)
+    assert paper_makespan(zero_bubble(p, m)) <= 3 * m + 2 * (p - 1)
     if p == 2:
-        assert unit_time_makespan(zero_bubble(p, m)) == 3 * m + p - 1
+        assert paper_makespan(zero_bubble(p, m)) == 3 * m + p - 1
 
 
 def test_split_backward_rules():

@@ -55,7 +55,7 @@ __all__ = [
     "SCHEDULES", "Instruction", "LoadMicroBatch", "Forward", "Backward", "SendActivation", "RecvActivation",
     "SendGrad", "RecvGrad", "Exchange", "ReduceGrads", "OptimizerStep", "MessageKey", "Op", "Schedule",
     "ScheduleStats", "ScheduleError", "data_parallel", "gpipe", "one_f_one_b", "zero_bubble", "forward_only",
-    "make_schedule", "check_schedule", "built", "checked", "BackwardInput", "BackwardWeight",
+    "make_schedule", "check_schedule", "built", "checked", "BackwardInput", "BackwardWeight", "paper_makespan",
 ]
 
 SCHEDULES = ("1f1b", "gpipe", "zero-bubble")  # training schedules make_schedule knows
@@ -375,6 +375,31 @@ def zero_bubble(num_stages: int, micro_batches: int) -> Schedule:
         s, i = min(blocked, key=lambda at: (_gap_to_next_receive(stages[at[0]], at[1]), -at[0]))
         stages[s] = _fuse_with_next_receive(stages[s], i)
     raise ScheduleError(f"zero-bubble: no deadlock-free message order found for {p} stages, {m} micro-batches")
+
+
+def paper_makespan(schedule: Schedule) -> int:
+    """Units a training step takes on paper: a Forward, BackwardInput or BackwardWeight one unit, a Backward two
+    (B + W), a message there the unit after its sender finished, every stage as early as its list allows. The
+    bubble on paper is 1 − 3m / makespan: (P − 1)/(m + P − 1) for 1F1B and GPipe, ZB-H1's
+    (P − 1)/(3m + P − 1) for zero-bubble at P = 2 and m ≥ 2."""
+    p = schedule.num_stages
+    compute = [[ins for ins in stage if isinstance(ins, (Forward, Backward, BackwardInput, BackwardWeight))]
+               for stage in schedule.stages]
+    done, pc, free, t = {}, [0] * p, [0] * p, 0
+    while any(pc[s] < len(compute[s]) for s in range(p)):
+        for s in range(p):
+            if pc[s] == len(compute[s]) or free[s] > t:
+                continue
+            ins = compute[s][pc[s]]
+            kind = type(ins)
+            if kind is Forward and s > 0 and done.get((Forward, s - 1, ins.mb), t + 1) > t:
+                continue
+            if kind in (Backward, BackwardInput) and s < p - 1 and done.get((kind, s + 1, ins.mb), t + 1) > t:
+                continue
+            done[(kind, s, ins.mb)] = free[s] = t + (2 if kind is Backward else 1)
+            pc[s] += 1
+        t += 1
+    return max(free)
 
 
 def _list_schedule(p: int, m: int) -> list[list[tuple[str, int]]]:

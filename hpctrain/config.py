@@ -418,12 +418,35 @@ def _toml_key(field: str) -> str:
     return field[:-1] if field.endswith("_") and keyword.iskeyword(field[:-1]) else field
 
 
+def _nearest(key: str, section: str | None) -> str:
+    """'; did you mean X?' for an unknown key: a close spelling in its own section (or among the sections when
+    ``section`` is None), else the same key in another section (``train.lr`` -> ``optim.lr``); '' when none."""
+    import difflib
+
+    if section is None:
+        close = difflib.get_close_matches(key, list(SECTIONS), n=1, cutoff=0.6)
+        return f"; did you mean [{close[0]}]?" if close else ""
+    fields = [_toml_key(f.name) for f in dataclasses.fields(SECTIONS[section])]
+    prefix = [f for f in fields if min(len(f), len(key)) >= 3 and (key.startswith(f) or f.startswith(key))]
+    if prefix:  # zero_stage -> zero, batch -> batch_size
+        return f"; did you mean {section}.{max(prefix, key=len)}?"
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.75)
+    if close:
+        return f"; did you mean {section}.{close[0]}?"
+    elsewhere = [f"{name}.{key}" for name, cls in SECTIONS.items() if name != section
+                 and key in {_toml_key(f.name) for f in dataclasses.fields(cls)}]
+    if elsewhere:
+        return f"; did you mean {elsewhere[0]}?"
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+    return f"; did you mean {section}.{close[0]}?" if close else ""
+
+
 def parse_config(data: dict, base_dir: str = ".", source: str = "<config>") -> Config:
     """Build a Config from a parsed TOML document (a dict)."""
     sections = {}
     for name, table in data.items():
         if name not in SECTIONS:
-            raise ConfigError(f"unknown section [{name}] (known: {', '.join(SECTIONS)})")
+            raise ConfigError(f"unknown section [{name}]{_nearest(name, None)} (known: {', '.join(SECTIONS)})")
         if not isinstance(table, dict):
             raise ConfigError(f"[{name}] must be a table, got {_type_name(table)}")
         cls = SECTIONS[name]
@@ -434,7 +457,8 @@ def parse_config(data: dict, base_dir: str = ".", source: str = "<config>") -> C
             if keyword.iskeyword(key) and key + "_" in fields:  # ``async`` is the field ``async_``
                 key = key + "_"
             if key not in fields:
-                raise ConfigError(f"{full}: unknown key (known in [{name}]: {', '.join(map(_toml_key, fields))})")
+                raise ConfigError(f"{full}: unknown key{_nearest(key, name)} (known in [{name}]: "
+                                  f"{', '.join(map(_toml_key, fields))})")
             if name == "model" and key == "layers":
                 values[key] = _parse_layers(value)
                 continue

@@ -48,10 +48,14 @@ def test_round_trip_through_toml(tmp_path):
 
 @pytest.mark.parametrize("extra,message", [
     ("[bogus]\nx = 1", r"unknown section \[bogus\]"),
-    ("[train]\nbatch = 3", "train.batch: unknown key"),
+    ("[train]\nbatch = 3", "train.batch: unknown key; did you mean train.batch_size?"),
+    ("[train]\nlr = 3", "train.lr: unknown key; did you mean optim.lr?"),
+    ("[trian]\nsteps = 3", r"unknown section \[trian\]; did you mean \[train\]\?"),
+    ("[parallel]\nzero_stage = 1", "parallel.zero_stage: unknown key; did you mean parallel.zero?"),
+    ("[checkpoint]\nasynch = true", "checkpoint.asynch: unknown key; did you mean checkpoint.async?"),
     ("[train]\nsteps = 'many'", "train.steps: expected int, got string 'many'"),
     ("[train]\nsteps = 1.5", "train.steps: expected int, got float"),
-    ("[train]\nshuffle = 1", "train.shuffle: unknown key"),
+    ("[train]\nshuffle = 1", "train.shuffle: unknown key; did you mean data.shuffle?"),
     ("[data.x]\nk = 1", "data.x: unknown key"),
     ("[optim]\nname = 'lamb'", "optim.name: expected one of 'sgd', 'adam', 'adamw', got 'lamb'"),
     ("[optim]\nlr = true", "optim.lr: expected float, got bool"),

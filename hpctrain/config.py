@@ -95,6 +95,7 @@ class TrainConfig:
     trace: str = ""
     debug_collectives: bool = False  # fingerprint every collective across its ranks (parallel/watch.py)
     collective_timeout: float = 0.0  # seconds in one MPI call (or silent) before the job is ended; 0 = off
+    progress: str = "auto"  # the status line: "bar" always, "lines" never, "auto" on a terminal (train/progress.py)
     deterministic: bool = False  # the same bits for any dp and pp (parallel/deterministic.py)
     deterministic_shards: int = 4  # deterministic: the global batch's logical shards (a power of two)
 
@@ -178,6 +179,7 @@ CHOICES = {
     ("optim", "name"): ("sgd", "adam", "adamw"),
     ("optim", "schedule"): ("constant", "cosine", "linear", "nanogpt"),
     ("parallel", "schedule"): ("1f1b", "gpipe", "zero-bubble"),
+    ("train", "progress"): ("auto", "bar", "lines"),
     ("parallel", "mode"): ("sync", "async_ps"),
 }
 

@@ -7,8 +7,11 @@ import select
 import subprocess
 import sys
 
+import pytest
+
 from helpers import make_classification, toml_job
-from hpctrain.train.progress import Progress, format_eta
+from hpctrain.errors import ConfigError
+from hpctrain.train.progress import Progress, format_eta, status_line_wanted
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +38,47 @@ def test_the_status_line_is_drawn_on_a_terminal_and_erased_before_a_log_line():
     assert out.getvalue().endswith("\r\033[Kstep 1\n")
     p.advance(10)
     assert out.getvalue().endswith(f"[{'#' * 30}]  10/10  100%  ETA 0:00")
-    assert Progress(10, 0, live=True, stream=io.StringIO()).live is False  # not a terminal: no status line
+
+
+def test_auto_draws_it_on_a_terminal_only_and_bar_and_lines_decide_alone():
+    alone = {}
+    assert status_line_wanted("auto", Terminal(), alone) is True
+    assert status_line_wanted("auto", io.StringIO(), alone) is False  # a file or a pipe: log lines only
+    assert status_line_wanted("bar", io.StringIO(), alone) is True
+    assert status_line_wanted("lines", Terminal(), alone) is False
+    assert status_line_wanted("auto", io.StringIO(), {"HPCTRAIN_PROGRESS": "bar"}) is True  # the config says auto
+    assert status_line_wanted("lines", Terminal(), {"HPCTRAIN_PROGRESS": "bar"}) is False  # the config decides
+    with pytest.raises(ConfigError, match="HPCTRAIN_PROGRESS: expected one of auto, bar, lines, got 'yes'"):
+        status_line_wanted("auto", Terminal(), {"HPCTRAIN_PROGRESS": "yes"})
+
+
+def fake_proc(root, chain):
+    """A /proc of ``chain`` = [(pid, name, stdout target)] from the rank up: each the parent of the one before."""
+    for (pid, name, target), parent in zip(chain, [p for p, _, _ in chain[1:]] + [1]):
+        os.makedirs(root / str(pid) / "fd")
+        (root / str(pid) / "stat").write_text(f"{pid} ({name}) S {parent} 0 0\n")
+        (root / str(pid) / "comm").write_text(name + "\n")
+        os.symlink(target, root / str(pid) / "fd" / "1")
+
+
+@pytest.mark.parametrize("launcher, stdout, want", [
+    ("mpiexec", "/dev/pts/4", True),  # MPICH: rank 0 writes to a pipe, mpiexec to the user's terminal
+    ("mpiexec", "/home/u/run.log", False),  # mpiexec ... > run.log
+    ("mpirun", "pipe:[5521]", False),  # Open MPI: the rank's pty says nothing; mpirun's stdout is a pipe
+    ("prterun", "/dev/pts/0", True),
+])
+def test_under_a_launcher_auto_asks_the_launchers_stdout(tmp_path, launcher, stdout, want):
+    fake_proc(tmp_path, [(300, "python", "/dev/pts/9"), (200, "hydra_pmi_proxy", "pipe:[1]"),
+                         (100, launcher, stdout), (50, "bash", "/dev/pts/4")])
+    launched = {"PMI_RANK": "0"}
+    assert status_line_wanted("auto", Terminal(), launched, proc=str(tmp_path), pid=300) is want
+
+
+def test_under_a_launcher_on_another_node_or_srun_pty(tmp_path):
+    fake_proc(tmp_path, [(300, "python", "/dev/pts/9"), (200, "slurmstepd", "/dev/null")])
+    assert status_line_wanted("auto", Terminal(), {"SLURM_PROCID": "0"}, proc=str(tmp_path), pid=300) is False
+    assert status_line_wanted("auto", io.StringIO(), {"SLURM_PROCID": "0", "SLURM_PTY_PORT": "4242"},
+                              proc=str(tmp_path), pid=300) is True
 
 
 def _train(tmp_path, stdout_is_terminal: bool) -> str:

@@ -40,7 +40,7 @@ from ..parallel.watch import Diagnostics, enabled_by_env
 from ..optim import lr_at
 from . import startup
 from .checkpointing import Checkpointer
-from .progress import Progress
+from .progress import Progress, status_line_wanted
 from .memory import gather_memory, rank_memory, summary as memory_summary
 from .metrics import MetricsFile, Window
 from .step import StepRunner
@@ -247,7 +247,8 @@ class Trainer:
         metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step)
         window = Window()
         # an ETA for the log lines; on a terminal, a status line between them (train/progress.py)
-        self.progress = Progress(t.steps, self.step, live=self.rank0 and self.log is log_line)
+        self.progress = Progress(t.steps, self.step, live=self.rank0 and self.log is log_line
+                                 and status_line_wanted(t.progress))
         plain_log, self.log = self.log, self.progress.wrap(self.log)
         last = {}
         stop = self._stop

@@ -3,18 +3,29 @@
     step    400/1500  loss 1.4021  lr 0.001  14,210 tokens/s  (compute ...)  ETA 1:17      <- every log line
     [#########...........................]  412/1500  27%  loss 1.4021  14,210 tokens/s  ETA 1:16   <- terminal
 
-The status line is drawn only when rank 0's stdout is a terminal and the trainer prints
-with its own ``log_line``: in a file, a pipe or a Slurm log there are only the log lines
-(each flushed as written), so nothing is lost to carriage returns. Before a log line the
-status line is erased, so the two never mix.
+``train.progress`` (or ``HPCTRAIN_PROGRESS`` when the config leaves it at "auto") chooses:
+"bar" always draws the status line, "lines" never, and "auto" (``status_line_wanted``)
+draws it only where the user sees a terminal: a process started alone, when its stdout is
+one; under a launcher (``mpiexec``/``mpirun``/``srun``), when the launcher's own stdout is
+(rank 0's stdout is a pipe under MPICH and a pty of Open MPI's even when ``mpirun``'s output
+goes to a file, so neither says), or under ``srun --pty``. In a file, a pipe or a Slurm log
+there are only the log lines (each flushed as written), so nothing is lost to carriage
+returns. The trainer draws it only when it prints with its own ``log_line``. Before a log
+line the status line is erased, so the two never mix.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
-__all__ = ["Progress", "format_eta"]
+__all__ = ["Progress", "format_eta", "status_line_wanted", "MODES"]
+
+MODES = ("auto", "bar", "lines")
+# a process a launcher started says so in its environment (MPICH/Hydra and Intel MPI, Open MPI, Slurm, PMIx)
+_LAUNCHED = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMIX_RANK", "MPI_LOCALNRANKS")
+_LAUNCHERS = ("mpiexec", "mpirun", "mpiexec.hydra", "prterun", "orterun", "srun")
 
 
 def format_eta(seconds: float) -> str:
@@ -33,9 +44,10 @@ class Progress:
     REDRAW = 0.1  # seconds between redraws at most
 
     def __init__(self, total: int, start: int, *, live: bool, stream=None):
+        """``live``: draw the status line (``status_line_wanted`` decides, with the run's ``train.progress``)."""
         self.total, self.start = total, start
         self.stream = stream or sys.stdout
-        self.live = bool(live) and _is_terminal(self.stream)
+        self.live = bool(live)
         self.t0 = time.perf_counter()
         self.step = start
         self.summary = ""  # loss and throughput of the last log line
@@ -80,6 +92,47 @@ class Progress:
             self.stream.write("\r\033[K")
             self.stream.flush()
             self._showing = False
+
+
+def status_line_wanted(mode: str, stream=None, environ=os.environ, *, proc: str = "/proc", pid: int | None = None
+                       ) -> bool:
+    """Whether rank 0 draws the status line for ``train.progress = mode`` (see the module's docstring)."""
+    if mode == "auto":
+        mode = environ.get("HPCTRAIN_PROGRESS", "auto")
+    if mode in ("bar", "lines"):
+        return mode == "bar"
+    if mode != "auto":
+        from ..errors import ConfigError
+
+        raise ConfigError(f"HPCTRAIN_PROGRESS: expected one of {', '.join(MODES)}, got {mode!r}")
+    if not any(v in environ for v in _LAUNCHED):
+        return _is_terminal(stream or sys.stdout)
+    if environ.get("SLURM_PTY_PORT"):  # srun --pty: rank 0's output goes to the user's terminal
+        return True
+    return _launcher_stdout_is_terminal(proc, os.getpid() if pid is None else pid)
+
+
+def _launcher_stdout_is_terminal(proc: str, pid: int) -> bool:
+    """Walk up from ``pid`` to the first launcher process on this node; True when its stdout is a terminal.
+    No launcher found (it runs on another node, or /proc is not there): False."""
+    for _ in range(32):
+        try:
+            with open(f"{proc}/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"{proc}/{pid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            return False
+        if name in _LAUNCHERS:
+            try:
+                target = os.readlink(f"{proc}/{pid}/fd/1")
+            except OSError:
+                return False
+            return target.startswith(("/dev/pts/", "/dev/tty")) and target != "/dev/tty"
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state: the parent's pid
+        if pid <= 1:
+            return False
+    return False
 
 
 def _is_terminal(stream) -> bool:

@@ -103,6 +103,17 @@ def refused(cfg, comm, **mesh_args):
     return str(info.value) if comm.rank == 0 else None
 
 
+def test_tensor_parallel_gpt_under_the_zero_bubble_schedule(comm, tokens):
+    """tp 2 x pp 2: each split Linear's W runs apart from its B, the column-parallel input gradient's Allreduce
+    in B."""
+    if comm.size % 4:
+        pytest.skip("tp 2 x pp 2 needs four ranks")
+    cfg = gpt_config(tokens, train={"batch_size": 4, "micro_batches": 4, "grad_clip": 1.0},
+                     optim={"name": "sgd", "lr": 0.1, "momentum": 0.9},
+                     parallel={"tp": 2, "pp": 2, "schedule": "zero-bubble"})
+    assert max_error(train(cfg, comm), alone(cfg)) < 1e-6
+
+
 def test_bad_tensor_parallel_layouts_are_one_clear_error(comm, data, tokens):
     if comm.size % 2:
         pytest.skip("tp = 2 needs an even number of ranks")

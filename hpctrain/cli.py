@@ -6,6 +6,7 @@
     hpctrain inspect runs/digits/ckpt-00000300.h5
     hpctrain sample runs/gpt-char/ckpt-00001500.h5 --prompt "The " --tokens 300
     hpctrain data text2h5 INPUT.txt OUT.h5
+    hpctrain data csv2h5 | npz2h5 | bin2h5 INPUT OUT.h5 ...   (your own tables, nanoGPT's .bin)
     hpctrain config jobs/configs/gpt-char.toml --set parallel.tp=2   # the resolved config, every default
     hpctrain env                                                    # versions, MPI, GPUs, BLAS threads
     hpctrain plan jobs/configs/gpt-char.toml -n 4 --mem-per-rank 2GB  # every rank's memory, before a job
@@ -86,6 +87,34 @@ def _parser():
     t2h.add_argument("input", help="a UTF-8 text file")
     t2h.add_argument("output", help="the HDF5 file to write (dataset 'tokens' with its vocabulary)")
     t2h.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+    c2h = dsub.add_parser("csv2h5", help="a numeric CSV table -> inputs and targets (HDF5)",
+                          epilog="example:\n  hpctrain data csv2h5 iris.csv iris.h5 --target species",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    c2h.add_argument("input", help="a UTF-8 CSV file, one sample a row, every cell a number")
+    c2h.add_argument("output", help="the HDF5 file to write (datasets 'inputs' and 'targets')")
+    c2h.add_argument("--target", required=True, help="the target column: its header name or 0-based index")
+    c2h.add_argument("--header", choices=("auto", "yes", "no"), default="auto",
+                     help="whether the first row names the columns (auto: when it is not all numbers)")
+    n2h = dsub.add_parser("npz2h5", help="two arrays of a numpy .npz -> inputs and targets (HDF5)",
+                          epilog="example:\n  hpctrain data npz2h5 arrays.npz data.h5 --inputs X --targets y",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    n2h.add_argument("input", help="a .npz file (read without pickle)")
+    n2h.add_argument("output", help="the HDF5 file to write (datasets 'inputs' and 'targets')")
+    n2h.add_argument("--inputs", required=True, help="the array of samples (one row a sample)")
+    n2h.add_argument("--targets", required=True, help="the array of targets (one a sample)")
+    for p_ in (c2h, n2h):
+        p_.add_argument("--regression", action="store_true",
+                        help="float targets even when every target is a whole number (default: those are labels)")
+    b2h = dsub.add_parser("bin2h5", help="nanoGPT's uint16 .bin token file -> a token file (HDF5)",
+                          epilog="example:\n  hpctrain data bin2h5 data/shakespeare_char/train.bin train.h5 "
+                                 "--vocab-from data/shakespeare_char/input.txt",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    b2h.add_argument("input", help="a .bin of little-endian uint16 token ids (nanoGPT's prepare.py output)")
+    b2h.add_argument("output", help="the HDF5 file to write (dataset 'tokens')")
+    b2h.add_argument("--vocab-from", default="", metavar="TEXT",
+                     help="the text a character-level prepare.py read: its sorted characters are the vocabulary")
+    for p_ in (c2h, n2h, b2h):
+        p_.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     pl = sub.add_parser(
         "plot", help="draw a metrics file (loss, accuracy, throughput) or a trace (timeline) to an image",
         description="Draw the metrics file a run writes (train.metrics: training and validation loss, validation\n"
@@ -202,6 +231,7 @@ def _sample(args) -> int:
 def _data(args) -> int:
     import os
 
+    from . import convert
     from .errors import DataError
     from .text import text_to_h5
 
@@ -210,6 +240,18 @@ def _data(args) -> int:
             raise DataError(f"{args.output} is the input file itself")
         if not args.force:
             raise DataError(f"{args.output} exists; pass --force to replace it")
+    if args.data_command == "csv2h5":
+        header = {"auto": None, "yes": True, "no": False}[args.header]
+        print(convert.csv_to_h5(args.input, args.output, target=args.target, header=header,
+                                regression=args.regression))
+        return 0
+    if args.data_command == "npz2h5":
+        print(convert.npz_to_h5(args.input, args.output, inputs=args.inputs, targets=args.targets,
+                                regression=args.regression))
+        return 0
+    if args.data_command == "bin2h5":
+        print(convert.bin_to_h5(args.input, args.output, vocab_from=args.vocab_from))
+        return 0
     from ._files import read_capped
 
     raw = read_capped(args.input, f"text file {args.input}", DataError, 1 << 32)  # a regular file, at most 4 GiB

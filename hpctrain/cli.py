@@ -1,9 +1,11 @@
-"""Command line: ``hpctrain train | config | env | plan | inspect | sample | data | plot``, ``hpctrain --version``.
+"""Command line: ``hpctrain train | eval | config | env | plan | inspect | sample | data | plot | export``,
+``hpctrain --version``.
 
     hpctrain train jobs/configs/digits.toml
     mpiexec -n 2 hpctrain train jobs/configs/digits.toml --set train.steps=100
     python -m hpctrain train jobs/configs/digits.toml
     hpctrain inspect runs/digits/ckpt-00000300.h5
+    hpctrain eval runs/digits/ckpt-00000600.h5 --data test.h5      # loss and accuracy on any file
     hpctrain sample runs/gpt-char/ckpt-00001500.h5 --prompt "The " --tokens 300
     hpctrain data text2h5 INPUT.txt OUT.h5
     hpctrain data csv2h5 | npz2h5 | bin2h5 INPUT OUT.h5 ...   (your own tables, nanoGPT's .bin)
@@ -81,6 +83,18 @@ def _parser():
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--vocab", default="", help="token file whose vocabulary decodes (default: the config's data)")
     s.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
+    ev = sub.add_parser("eval", help="a checkpoint's loss and accuracy on its validation split or on any file",
+                        epilog="examples:\n  hpctrain eval runs/digits/ckpt-00000600.h5\n"
+                               "  hpctrain eval runs/digits/ckpt-00000600.h5 --data test.h5\n"
+                               "  mpiexec -n 4 hpctrain eval jobs/configs/gpt-char.toml    # its newest checkpoint",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ev.add_argument("target", metavar="CHECKPOINT|CONFIG",
+                    help="a checkpoint (its config defines model and data), or a config file (weights from "
+                         "checkpoint.init, else the newest checkpoint in checkpoint.dir)")
+    ev.add_argument("--data", default="", metavar="FILE", help="evaluate every sample of FILE (the datasets the "
+                                                               "config names) instead of the validation split")
+    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a config value, as for train (e.g. parallel.pp=2)")
     d = sub.add_parser("data", help="make data files")
     dsub = d.add_subparsers(dest="data_command", required=True)
     t2h = dsub.add_parser("text2h5", help="a text file -> a character-level token file (HDF5)")
@@ -228,6 +242,17 @@ def _sample(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    MPI = _load_mpi()
+
+    from .evaluate import evaluate
+    from .parallel.slurm import share_node_cores
+
+    share_node_cores(MPI.COMM_WORLD)
+    evaluate(args.target, data=args.data, overrides=args.overrides)
+    return 0
+
+
 def _data(args) -> int:
     import os
 
@@ -323,7 +348,8 @@ def _env(args) -> int:
 
 COMMANDS = {"train": lambda a: _train(a), "inspect": lambda a: _inspect(a), "sample": lambda a: _sample(a),
             "data": lambda a: _data(a), "config": lambda a: _config(a), "env": lambda a: _env(a),
-            "plot": lambda a: _plot(a), "plan": lambda a: _plan(a), "export": lambda a: _export(a)}
+            "plot": lambda a: _plot(a), "plan": lambda a: _plan(a), "export": lambda a: _export(a),
+            "eval": lambda a: _eval(a)}
 
 
 def _say(line: str) -> None:

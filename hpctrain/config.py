@@ -502,6 +502,17 @@ def _parse_override(item: str):
     return parts[0], parts[1], value
 
 
+def apply_overrides(data: dict, overrides) -> dict:
+    """``section.key=value`` overrides (``--set``) into a parsed TOML document ``data``; returns it."""
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] must be a table")
+        table[key] = value
+    return data
+
+
 def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a TOML config file and apply ``section.key=value`` overrides.
 
@@ -516,12 +527,7 @@ def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
         raise ConfigError(f"{path}: malformed TOML: arrays or tables nested too deeply") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file") from None
-    for item in overrides:
-        section, key, value = _parse_override(item)
-        table = data.setdefault(section, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"[{section}] must be a table")
-        table[key] = value
+    apply_overrides(data, overrides)
     try:
         return parse_config(data, base_dir=os.path.dirname(os.path.abspath(path)), source=path)
     except ConfigError as e:  # a quoted TOML key may hold a newline: the message stays one line

@@ -240,8 +240,9 @@ class StepRunner:
         self.mesh.world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         return float(buf[0] / count)
 
-    def evaluate(self) -> dict:
-        """Loss (and accuracy) over the validation split, forward-only through the pipeline (collective).
+    def evaluate(self, split: str = "val", *, count: bool = False) -> dict:
+        """Loss (and accuracy) over the validation split (``split = "all"``: every sample of the data file),
+        forward-only through the pipeline (collective); ``count``: with the number of samples.
 
         Each data-parallel rank takes a contiguous share of the split, in chunks of one training micro-batch (the
         most the pipeline's receive buffers hold).
@@ -249,14 +250,14 @@ class StepRunner:
         from mpi4py import MPI
 
         mesh, data = self.mesh, self.data
+        first, end = (0 if split == "all" else data.n_train), data.n_train + data.n_val
         chunk = micro_rows(self.sampler.local, self.cfg.train.micro_batches)
         if self.deterministic:  # chunks of one shard cut from the whole split, then dealt out: the same everywhere
-            end = data.n_train + data.n_val
-            chunks = [np.arange(s, min(end, s + chunk)) for s in range(data.n_train, end, chunk)]
+            chunks = [np.arange(s, min(end, s + chunk)) for s in range(first, end, chunk)]
             row_lists = chunks[len(chunks) * mesh.dp_rank // mesh.dp : len(chunks) * (mesh.dp_rank + 1) // mesh.dp]
         else:
-            lo = data.n_train + data.n_val * mesh.dp_rank // mesh.dp
-            hi = data.n_train + data.n_val * (mesh.dp_rank + 1) // mesh.dp
+            lo = first + (end - first) * mesh.dp_rank // mesh.dp
+            hi = first + (end - first) * (mesh.dp_rank + 1) // mesh.dp
             row_lists = [np.arange(s, min(hi, s + chunk)) for s in range(lo, hi, chunk)]
         sums = np.zeros(3, dtype=np.float64)  # loss sum, correct, rows
         r = None
@@ -272,6 +273,8 @@ class StepRunner:
         mesh.world.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
         per = self.part.spec.out_features if self.loss.name == "mse" else 1
         result = {"val_loss": float(sums[0] / (sums[2] * per))}
+        if count:
+            result["samples"] = int(sums[2]) // self.part.positions
         if self.loss.classification:
             result["val_accuracy"] = float(sums[1] / sums[2])
         return result

@@ -1,0 +1,109 @@
+"""``hpctrain eval``: a trained model's loss (and accuracy) on its validation split or on any file, on any world size.
+
+    hpctrain eval runs/digits/ckpt-00000600.h5                      # the checkpoint's own validation split
+    hpctrain eval runs/digits/ckpt-00000600.h5 --data test.h5       # every sample of another file
+    mpiexec -n 4 hpctrain eval jobs/configs/gpt-char.toml           # the newest checkpoint in checkpoint.dir
+
+TARGET is a checkpoint (its config defines the model and the data) or a config file (the weights
+come from ``checkpoint.init``, else the newest checkpoint in ``checkpoint.dir``). The run is laid out
+afresh as data parallelism over the ranks it is started on (``--set parallel.pp=2`` etc. choose
+otherwise), trains nothing and writes nothing: no checkpoint folder is locked, read for a resume or
+written, no metrics or trace file. ``--data FILE`` evaluates every sample of FILE, which must hold
+the datasets the config names (``data.inputs``/``data.targets``, or ``data.tokens``); without it the
+config's validation split is evaluated. Collective over COMM_WORLD.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+
+from . import checkpoint as ckpt
+from .errors import CheckpointError, ConfigError
+
+__all__ = ["eval_config", "evaluate"]
+
+
+def eval_config(target: str, *, data: str = "", overrides=()):
+    """(config to build the evaluating Trainer from, the weights file, what is evaluated, in words)."""
+    import copy
+    import dataclasses
+
+    from .config import apply_overrides, parse_config
+
+    try:
+        meta = ckpt.read_meta(target)
+    except CheckpointError:
+        if target.endswith((".h5", ".hdf5")):
+            raise
+        meta = None
+    if meta is not None:
+        text, weights, source = meta.config_text, target, f"{target} (its config)"
+        if not text:
+            raise CheckpointError(f"{target} carries no config: eval needs a checkpoint (ckpt-*.h5) or a config file")
+    else:
+        from ._files import read_capped
+
+        raw = read_capped(target, f"config file {target!r}", ConfigError, 1 << 24)
+        text, weights, source = raw.decode("utf-8", "replace"), None, target
+    base = os.path.dirname(os.path.abspath(target))
+    try:
+        tables = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: malformed TOML: {e}") from None
+    if weights is None:  # a config: its checkpoint.init, else the newest checkpoint in its checkpoint.dir
+        own = apply_overrides(copy.deepcopy(tables), overrides)
+        weights = _weights_of(parse_config(own, base_dir=base, source=source), source)
+    # evaluate, nothing else: a fresh data-parallel layout (the overrides may choose another), no steps, no
+    # files written, no resume
+    tables.setdefault("parallel", {}).update(dp="auto", pp=1, tp=1, stages=[], zero=0, mode="sync")
+    tables.setdefault("train", {}).update(steps=0, metrics="", trace="", deterministic=False)
+    apply_overrides(tables, overrides)
+    tables.setdefault("checkpoint", {}).update(dir="", resume="never", lock=False, every=0, init="")  # whatever --set
+    if data:
+        tables.setdefault("data", {})["path"] = os.path.abspath(data)
+    cfg = parse_config(tables, base_dir=base, source=source)
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, init=os.path.abspath(weights)))
+    what = f"every sample of {data}" if data else f"the validation split of {cfg.data.path}"
+    return cfg, weights, what
+
+
+def _weights_of(cfg, source: str) -> str:
+    if cfg.checkpoint.init:
+        return cfg.checkpoint.init
+    found = ckpt.list_checkpoints(cfg.checkpoint.dir) if cfg.checkpoint.dir else []
+    if not found:
+        raise ConfigError(f"{source}: no weights to evaluate: set checkpoint.init, or train first (checkpoint.dir "
+                          f"{cfg.checkpoint.dir or 'is not set'}{' holds no checkpoint' if cfg.checkpoint.dir else ''})")
+    return found[-1][1]
+
+
+def evaluate(target: str, *, data: str = "", overrides=(), log=print) -> dict:
+    """Evaluate TARGET (see the module's docstring) on COMM_WORLD; the result on every rank (collective)."""
+    from mpi4py import MPI
+
+    from .parallel.agree import run_everywhere
+    from .parallel.mesh import Mesh
+    from .train import Trainer
+
+    world = MPI.COMM_WORLD
+    cfg, weights, what = run_everywhere(world, lambda: eval_config(target, data=data, overrides=overrides))
+    p = cfg.parallel
+    mesh = Mesh(dp=p.dp, pp=p.pp, tp=p.tp)
+    quiet = (lambda *a, **k: None)
+    trainer = Trainer(cfg, mesh=mesh, log=quiet)
+    try:
+        if data:
+            result = trainer.runner.evaluate(split="all", count=True)
+        else:
+            if trainer.data.n_val == 0:
+                raise ConfigError(f"{what} is empty (data.val_fraction = {cfg.data.val_fraction}): pass --data FILE")
+            result = trainer.runner.evaluate(count=True)
+    finally:
+        trainer.close()
+    mesh.free()
+    if world.rank == 0:
+        acc = f", accuracy {result['val_accuracy']:.4f}" if "val_accuracy" in result else ""
+        log(f"{weights}: loss {result['val_loss']:.4f}{acc} on {what} ({result['samples']:,} samples, "
+            f"{world.size} rank(s))")
+    return result

@@ -1,0 +1,79 @@
+"""hpctrain eval: a checkpoint's loss and accuracy on its validation split or on any file, writing nothing."""
+
+import json
+import os
+import subprocess
+import sys
+
+import h5py
+import pytest
+
+from helpers import make_classification, toml_job
+from hpctrain.errors import ConfigError
+from hpctrain.evaluate import evaluate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def trained(tmp_path):
+    """A 6 -> 8 -> 3 MLP trained 6 steps on d.h5 (val_fraction 0.25, an evaluation at the end), its checkpoint."""
+    make_classification(tmp_path / "d.h5", n=96)
+    (tmp_path / "job.toml").write_text(toml_job(
+        data={"val_fraction": 0.25}, train={"steps": 6, "eval_every": 6, "metrics": "m.jsonl"},
+        checkpoint={"dir": "ck", "every": 6}))
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", "train", "job.toml"], cwd=tmp_path, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(tmp_path / "m.jsonl") as f:
+        last = [r for r in map(json.loads, f) if "val_loss" in r][-1]
+    return tmp_path, str(tmp_path / "ck" / "ckpt-00000006.h5"), last
+
+
+def test_a_checkpoint_evaluates_to_what_its_run_logged(trained):
+    folder, checkpoint, logged = trained
+    lines, before = [], sorted(os.listdir(folder)) + sorted(os.listdir(folder / "ck"))
+    got = evaluate(checkpoint, log=lines.append)
+    assert got["val_loss"] == logged["val_loss"] and got["val_accuracy"] == logged["val_accuracy"]
+    assert got["samples"] == 24
+    assert lines == [f"{checkpoint}: loss {got['val_loss']:.4f}, accuracy {got['val_accuracy']:.4f} on the validation "
+                     f"split of {folder / 'd.h5'} (24 samples, 1 rank(s))"]
+    assert sorted(os.listdir(folder)) + sorted(os.listdir(folder / "ck")) == before  # nothing locked or written
+
+
+def test_another_file_is_evaluated_whole(trained, tmp_path):
+    folder, checkpoint, logged = trained
+    with h5py.File(folder / "d.h5", "r") as f:  # the validation rows alone, as a test file of their own
+        x, y = f["x"][72:], f["y"][72:]
+    with h5py.File(tmp_path / "test.h5", "w") as f:
+        f["x"], f["y"] = x, y
+    got = evaluate(checkpoint, data=str(tmp_path / "test.h5"), log=lambda *a: None)
+    assert got["samples"] == 24
+    assert got["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-12)
+    assert got["val_accuracy"] == logged["val_accuracy"]
+
+
+def test_a_config_evaluates_its_newest_checkpoint(trained):
+    folder, checkpoint, logged = trained
+    lines = []
+    got = evaluate(str(folder / "job.toml"), log=lines.append)
+    assert got["val_loss"] == logged["val_loss"] and lines[0].startswith(checkpoint)
+
+
+def test_no_weights_is_one_line(tmp_path):
+    make_classification(tmp_path / "d.h5", n=32)
+    (tmp_path / "job.toml").write_text(toml_job(checkpoint={"dir": "empty"}))
+    with pytest.raises(ConfigError, match="no weights to evaluate: set checkpoint.init, or train first"):
+        evaluate(str(tmp_path / "job.toml"))
+
+
+def test_the_command_and_its_bad_input(trained):
+    folder, checkpoint, _ = trained
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    ok = subprocess.run([sys.executable, "-m", "hpctrain", "eval", checkpoint], cwd=folder, capture_output=True,
+                        text=True, env=env)
+    assert ok.returncode == 0 and "on the validation split of" in ok.stdout, ok.stderr
+    assert not os.path.exists(folder / "ck" / "hpctrain.lock")
+    bad = subprocess.run([sys.executable, "-m", "hpctrain", "eval", checkpoint, "--data", "missing.h5"], cwd=folder,
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "missing.h5" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

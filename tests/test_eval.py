@@ -77,3 +77,22 @@ def test_the_command_and_its_bad_input(trained):
     bad = subprocess.run([sys.executable, "-m", "hpctrain", "eval", checkpoint, "--data", "missing.h5"], cwd=folder,
                          capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "missing.h5" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_training_zero_steps_says_it_trains_nothing(trained):
+    """train.steps = 0 with checkpoint.init loaded the weights and trained nothing, without saying so."""
+    from mpi4py import MPI
+
+    from helpers import run_trainer
+    from hpctrain.config import load_config
+    from hpctrain.parallel.mesh import Mesh
+
+    folder, checkpoint, _ = trained
+    cfg = load_config(str(folder / "job.toml"), ["train.steps=0", f'checkpoint.init="{checkpoint}"',
+                                                 'checkpoint.dir=""', 'train.metrics=""'])
+    lines = []
+    mesh = Mesh(comm=MPI.COMM_SELF)
+    run_trainer(cfg, mesh, log=lines.append)
+    mesh.free()
+    assert f"train.steps = 0: nothing to train (checkpoint.init {checkpoint} loaded); to evaluate a checkpoint on a " \
+           "file: hpctrain eval CHECKPOINT --data FILE" in lines

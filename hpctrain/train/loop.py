@@ -237,6 +237,10 @@ class Trainer:
         checkpoint; a checkpoint due during a shorter run of skipped steps waits for the next finite step.
         """
         cfg, t = self.cfg, self.cfg.train
+        if t.steps == 0:
+            self.log("train.steps = 0: nothing to train" + (f" (checkpoint.init {cfg.checkpoint.init} loaded)" if
+                                                             cfg.checkpoint.init else "")
+                     + "; to evaluate a checkpoint on a file: hpctrain eval CHECKPOINT --data FILE")
         if self.step >= t.steps > 0:
             where = cfg.checkpoint.dir or cfg.checkpoint.resume  # the folder, or the checkpoint named
             self.log(f"training already finished: {where} holds step {self.step}, and train.steps = {t.steps}; to "

@@ -96,3 +96,26 @@ def test_training_zero_steps_says_it_trains_nothing(trained):
     mesh.free()
     assert f"train.steps = 0: nothing to train (checkpoint.init {checkpoint} loaded); to evaluate a checkpoint on a " \
            "file: hpctrain eval CHECKPOINT --data FILE" in lines
+
+
+def test_on_record_gets_every_metrics_record_as_a_dict(tmp_path):
+    """The hook for TensorBoard or a CSV: the records train.metrics gets, without a metrics file too."""
+    from mpi4py import MPI
+
+    from hpctrain.config import load_config
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+
+    make_classification(tmp_path / "d.h5", n=64)
+    (tmp_path / "job.toml").write_text(toml_job(data={"val_fraction": 0.25}, train={"steps": 4, "log_every": 2,
+                                                                                     "eval_every": 4}))
+    cfg = load_config(str(tmp_path / "job.toml"))
+    records = []
+    mesh = Mesh(comm=MPI.COMM_SELF)
+    t = Trainer(cfg, mesh=mesh, log=lambda *a: None, on_record=records.append)
+    t.run()
+    t.close()
+    mesh.free()
+    assert [r["step"] for r in records if "loss" in r] == [2, 4]
+    assert [r["step"] for r in records if "val_loss" in r] == [4]
+    assert all(isinstance(r, dict) for r in records) and any("memory" in r for r in records)

@@ -67,6 +67,14 @@ class Trainer:
     ``stop``: a StopFlag installed earlier (the command line installs one at entry, so a signal during
     start-up is recorded too); by default the Trainer installs its own and restores the old handlers in
     ``close()``.
+
+    ``on_record``: called on rank 0 with each metrics record as a dict, the same ones ``train.metrics``
+    gets (training lines, evaluations, the memory lines), whether or not a metrics file is written: the
+    hook for TensorBoard, W&B or a CSV of your own::
+
+        writer = tensorboardX.SummaryWriter("runs/x")
+        Trainer(cfg, on_record=lambda r: [writer.add_scalar(k, v, r["step"]) for k, v in r.items()
+                                          if isinstance(v, float)])
     """
 
     # what this rank runs and trains, made once at start-up (train/startup.py: ``RankParts``, ``RankState``)
@@ -76,7 +84,8 @@ class Trainer:
     zero, shard, grad_memory, params, grads, optim = (
         _of("state", name) for name in ("zero", "shard", "grad_memory", "params", "grads", "optim"))
 
-    def __init__(self, cfg, *, mesh=None, log=None, stop=None):
+    def __init__(self, cfg, *, mesh=None, log=None, stop=None, on_record=None):
+        self.on_record = on_record
         # SIGTERM/SIGUSR1 are recorded, never fatal, from here to close() (train/stop.py)
         self._own_stop = stop is None
         self._stop = StopFlag() if stop is None else stop
@@ -247,8 +256,10 @@ class Trainer:
                      f"train further, raise train.steps past {self.step} (--set train.steps={self.step + t.steps}: "
                      "the learning-rate schedule then differs from a run that had it from the start); to start "
                      "afresh, point checkpoint.dir at a new folder")
-            return self._log_eval(MetricsFile("")) if self.data.n_val else {}
-        metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step)
+            return self._log_eval(MetricsFile("", on_record=self.on_record if self.rank0 else None)) \
+                if self.data.n_val else {}
+        metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step,
+                              on_record=self.on_record if self.rank0 else None)
         window = Window()
         # an ETA for the log lines; on a terminal, a status line between them (train/progress.py)
         self.progress = Progress(t.steps, self.step, live=self.rank0 and self.log is log_line

@@ -22,8 +22,9 @@ class MetricsFile:
     NaN and Inf (a skipped non-finite step) are written as null, so every line is valid JSON.
     """
 
-    def __init__(self, path, resume_step=0):
-        self.f, self.path, self.failed = None, path, False
+    def __init__(self, path, resume_step=0, on_record=None):
+        """``on_record``: called with each record (a dict) as it is written, with or without a file."""
+        self.f, self.path, self.failed, self.on_record = None, path, False, on_record
         if not path:
             return
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -41,6 +42,8 @@ class MetricsFile:
             raise
 
     def write(self, record):
+        if self.on_record is not None:
+            self.on_record(dict(record))
         if self.f and not self.failed:
             try:
                 self.f.write(json.dumps(_finite(record), allow_nan=False) + "\n")

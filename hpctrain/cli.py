@@ -44,7 +44,9 @@ def _parser():
     t = sub.add_parser("train", help="train a model from a TOML config")
     t.add_argument("config", help="path to the TOML config")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config value (a TOML value; anything else is taken as a string)")
+                   help="override a config value (a TOML value; anything else is taken as a string); a relative "
+                        "path given here resolves against the working directory, one in the file against the "
+                        "file's folder")
     c = sub.add_parser("config", help="print the fully resolved config (every default filled in) as TOML")
     c.add_argument("config", help="path to the TOML config")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -443,8 +443,11 @@ def _nearest(key: str, section: str | None) -> str:
     return f"; did you mean {section}.{close[0]}?" if close else ""
 
 
-def parse_config(data: dict, base_dir: str = ".", source: str = "<config>") -> Config:
-    """Build a Config from a parsed TOML document (a dict)."""
+def parse_config(data: dict, base_dir: str = ".", source: str = "<config>", *, cwd_keys=frozenset()) -> Config:
+    """Build a Config from a parsed TOML document (a dict). A relative path resolves against ``base_dir``
+    (the config file's folder), one of ``cwd_keys`` ((section, key) pairs given on the command line) against
+    the working directory; a bare file name for ``train.metrics`` or ``train.trace`` lands in
+    ``checkpoint.dir`` when that is set (a new run folder keeps its own metrics)."""
     sections = {}
     for name, table in data.items():
         if name not in SECTIONS:
@@ -470,10 +473,11 @@ def parse_config(data: dict, base_dir: str = ".", source: str = "<config>") -> C
             choices = CHOICES.get((name, key))
             if choices and values[key] not in choices:
                 raise ConfigError(f"{full}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+            here = os.getcwd() if (name, key) in cwd_keys else base_dir
             if (name, key) in PATH_KEYS and values[key]:
-                values[key] = os.path.normpath(os.path.join(base_dir, os.path.expanduser(values[key])))
+                values[key] = os.path.normpath(os.path.join(here, os.path.expanduser(values[key])))
             if (name, key) == ("checkpoint", "resume") and values[key] not in ("auto", "never"):
-                values[key] = os.path.normpath(os.path.join(base_dir, os.path.expanduser(values[key])))
+                values[key] = os.path.normpath(os.path.join(here, os.path.expanduser(values[key])))
         sections[name] = cls(**values)
     model = data.get("model", {})
     if model.get("kind", "mlp") != "gpt":
@@ -481,6 +485,12 @@ def parse_config(data: dict, base_dir: str = ".", source: str = "<config>") -> C
         if extra:
             raise ConfigError(f"model.{extra[0]}: only used by kind = \"gpt\" (this model is kind = "
                               f"{model.get('kind', 'mlp')!r})")
+    folder = sections["checkpoint"].dir if "checkpoint" in sections else ""
+    files = {k: v for k, v in data.get("train", {}).items() if k in ("metrics", "trace") and isinstance(v, str)
+             and v and os.path.basename(v) == v and v not in (".", "..")}
+    if folder and files:  # bare names: inside the run's folder
+        sections["train"] = dataclasses.replace(sections["train"], **{k: os.path.join(folder, v)
+                                                                      for k, v in files.items()})
     cfg = Config(**sections, source=source)
     _check_ranges(cfg)
     return cfg
@@ -528,8 +538,9 @@ def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file") from None
     apply_overrides(data, overrides)
+    given = frozenset(tuple(_parse_override(item)[:2]) for item in overrides)  # command-line paths: from the cwd
     try:
-        return parse_config(data, base_dir=os.path.dirname(os.path.abspath(path)), source=path)
+        return parse_config(data, base_dir=os.path.dirname(os.path.abspath(path)), source=path, cwd_keys=given)
     except ConfigError as e:  # a quoted TOML key may hold a newline: the message stays one line
         raise ConfigError(shown(str(e))) from None
 

@@ -48,7 +48,7 @@ BAD = [
     ("init", lambda t: t + 'init = "missing.h5"\n', "weights file"),
     ("trace-over-checkpoint", lambda t: t.replace('metrics = "out/m.jsonl"', 'metrics = "out/m.jsonl"\ntrace = "out/ckpt-00000003.h5"'),
      "ckpt-00000003.h5 is checkpoint.dir or a checkpoint's name in it; the trace would overwrite a checkpoint"),
-    ("trace-is-ckptdir", lambda t: t.replace('metrics = "out/m.jsonl"', 'metrics = "out/m.jsonl"\ntrace = "out"'),
+    ("trace-is-ckptdir", lambda t: t.replace('metrics = "out/m.jsonl"', 'metrics = "out/m.jsonl"\ntrace = "./out"'),
      "is checkpoint.dir or a checkpoint's name in it; the trace would overwrite a checkpoint"),
     ("layer-type", lambda t: t.replace('{type = "relu"}', '{type = ["relu"]}'),
      "model.layers[1].type: expected one of linear, relu, gelu, tanh, layernorm, got array ['relu']"),

@@ -149,3 +149,19 @@ def test_unreadable_config_path_names_the_path_and_reason(tmp_path):
     write(tmp_path, BASE, "d.h5")  # a file, used as a folder below
     with pytest.raises(ConfigError, match=r"config file '.*d.h5/c.toml' cannot be read: Not a directory"):
         load_config(str(tmp_path / "d.h5" / "c.toml"))
+
+
+def test_command_line_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):
+    """In the file: against the file's folder; with --set: against where the command runs (as every launcher's
+    and anchor's paths do); a bare metrics or trace name: inside checkpoint.dir, so a new run folder is a new run."""
+    (tmp_path / "configs").mkdir()
+    path = write(tmp_path / "configs", BASE + '\n[checkpoint]\ndir = "../runs/a"\n', "c.toml")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(path)
+    assert cfg.checkpoint.dir == str(tmp_path / "runs" / "a")
+    moved = load_config(path, ["checkpoint.dir=runs/b", 'train.metrics="metrics.jsonl"', "train.trace=t/trace.json"])
+    assert moved.checkpoint.dir == str(tmp_path / "runs" / "b")
+    assert moved.train.metrics == str(tmp_path / "runs" / "b" / "metrics.jsonl")  # in the new folder
+    assert moved.train.trace == str(tmp_path / "t" / "trace.json")  # a path with a folder: from the cwd
+    in_file = load_config(write(tmp_path / "configs", BASE + '\n[train]\nmetrics = "m.jsonl"\n', "d.toml"))
+    assert in_file.train.metrics == str(tmp_path / "configs" / "m.jsonl")  # no checkpoint.dir: beside the file

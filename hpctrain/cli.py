@@ -138,10 +138,12 @@ def _parser():
                     "one row per rank, one bar per span). Which of the two FILE is comes from its content.\n"
                     "Needs matplotlib: pip install 'hpctrain[plot]'.",
         epilog="examples:\n  hpctrain plot runs/digits/metrics.jsonl -o loss.png\n"
-               "  hpctrain plot runs/digits-pp2/trace.json -o timeline.svg --steps 100:101",
+               "  hpctrain plot runs/digits-pp2/trace.json -o timeline.svg --steps 100:101\n"
+               "  hpctrain plot runs/lr-1e-3/metrics.jsonl runs/lr-3e-3/metrics.jsonl -o sweep.png",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    pl.add_argument("file", metavar="FILE", help="a metrics file (JSONL, one record a line) or a Chrome/Perfetto "
-                                                 "trace (JSON), at most 1 GB")
+    pl.add_argument("file", metavar="FILE", nargs="+",
+                    help="a metrics file (JSONL, one record a line) or a Chrome/Perfetto trace (JSON), at most 1 GB; "
+                         "several metrics files are drawn over each other, each run named by its folder")
     pl.add_argument("-o", "--output", required=True, metavar="IMAGE",
                     help="the image to write; its extension picks the format: .png, .pdf or .svg (replaced if it "
                          "exists; its folder must exist)")

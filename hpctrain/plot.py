@@ -3,6 +3,7 @@
     hpctrain plot runs/digits/metrics.jsonl -o loss.png            # loss, val_loss, val_accuracy, throughput,
                                                                    # and each rank's memory
     hpctrain plot runs/digits-pp2/trace.json -o timeline.png --steps 10:12
+    hpctrain plot runs/a/metrics.jsonl runs/b/metrics.jsonl -o ab.png   # runs overlaid, each named by its folder
 
 One process, no MPI. Which kind of file it is comes from its content: a JSON object
 with ``traceEvents`` (or a JSON array of events) is a trace (``train.trace``); anything
@@ -35,10 +36,16 @@ SERIES = ("loss", "val_loss", "val_accuracy") + RATES
 _NON_SPACE = re.compile(r"\S")
 
 
-def plot(path: str, output: str, *, steps: str | None = None) -> str:
-    """Draw ``path`` (metrics or trace) to ``output``; returns a one-line summary. Raises DataError on bad input."""
+def plot(path, output: str, *, steps: str | None = None) -> str:
+    """Draw ``path`` (metrics or trace) to ``output``; returns a one-line summary. Raises DataError on bad input.
+    Several metrics files (a list) are drawn over each other, each run named by its folder."""
     first, last = parse_steps(steps)
     out_format = check_output(output)
+    if not isinstance(path, str):
+        paths = list(path)
+        if len(paths) > 1:
+            return _plot_runs(paths, output, out_format, first=first, last=last)
+        path = paths[0]
     text = read_text(path)
     events = trace_events(text)
     if events is not None:
@@ -53,6 +60,66 @@ def plot(path: str, output: str, *, steps: str | None = None) -> str:
                 + (f", the memory of {len(memory[1])} rank(s) at step {memory[0]}" if memory else "") + note)
     _save(figure, output, out_format)
     return f"{output}: {what}"
+
+
+def run_names(paths) -> list[str]:
+    """Each metrics file's run: its folder's name (runs/a/metrics.jsonl -> a), or the file's own where the folders
+    are alike."""
+    folders = [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in paths]
+    if len(set(folders)) == len(folders):
+        return folders
+    return [os.path.relpath(p) for p in paths]
+
+
+def _plot_runs(paths, output, out_format, *, first, last) -> str:
+    runs = []
+    for path in paths:
+        text = read_text(path)
+        if trace_events(text) is not None:
+            raise DataError(f"{path} is a trace: several files are overlaid only as metrics (one trace at a time)")
+        runs.append(read_metrics(path, text, first=first, last=last)[0])
+    names = run_names(paths)
+    _save(_draw_runs(runs, names), output, out_format)
+    return f"{output}: {len(runs)} runs overlaid ({', '.join(names)})"
+
+
+def _draw_runs(runs, names):
+    """One panel each for loss, validation accuracy and throughput; one colour a run (training solid, validation
+    dots)."""
+    Figure, Canvas = _matplotlib()
+    rate = next(((key, label) for key, label in THROUGHPUT if any(r[key][0] for r in runs)), None)
+    accuracy = any(r["val_accuracy"][0] for r in runs)
+    panels = ["loss"] + (["accuracy"] if accuracy else []) + (["rate"] if rate else [])
+    fig = Figure(figsize=(8, 2.6 * len(panels) + 0.6), layout="constrained")
+    Canvas(fig)
+    axes = fig.subplots(len(panels), 1, squeeze=False, sharex=True)[:, 0]
+    fig.suptitle(" vs ".join(names) if len(" vs ".join(names)) <= 80 else f"{len(names)} runs")
+    values = []
+    for i, (series, name) in enumerate(zip(runs, names)):
+        color = f"C{i % 10}"
+        if series["loss"][0]:
+            axes[0].plot(*series["loss"], "-", color=color, label=name)
+        if series["val_loss"][0]:
+            axes[0].plot(*series["val_loss"], "o--", color=color, markersize=3,
+                         label=f"{name} (validation)")
+        values += [v for key in ("loss", "val_loss") for v in series[key][1] if math.isfinite(v)]
+        if accuracy and series["val_accuracy"][0]:
+            axes[panels.index("accuracy")].plot(*series["val_accuracy"], "o-", color=color, markersize=3, label=name)
+        if rate and series[rate[0]][0]:
+            axes[panels.index("rate")].plot(*series[rate[0]], color=color, label=name)
+    if values and min(values) > 0:
+        axes[0].set_yscale("log")
+    axes[0].set_ylabel("loss")
+    axes[0].legend(fontsize="small")
+    if accuracy:
+        axes[panels.index("accuracy")].set_ylabel("validation accuracy")
+    if rate:
+        axes[panels.index("rate")].set_ylabel(rate[1])
+        axes[panels.index("rate")].set_ylim(bottom=0)
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("step")
+    return fig
 
 
 def parse_steps(steps: str | None) -> tuple[int | None, int | None]:

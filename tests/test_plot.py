@@ -41,6 +41,20 @@ def test_a_real_runs_metrics_become_a_png(run, tmp_path):
     assert os.listdir(tmp_path) == ["loss.png"], "no temporary file is left behind"
 
 
+def test_several_runs_are_overlaid_each_named_by_its_folder(run, tmp_path):
+    pytest.importorskip("matplotlib")
+    other = tmp_path / "lr-2"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s, "samples_per_s": 100.0}) + "\n"
+                                                 for s in (2, 4, 6)))
+    r = hpctrain("plot", str(run / "metrics.jsonl"), str(other / "metrics.jsonl"), "-o", str(tmp_path / "ab.png"))
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout == f"{tmp_path / 'ab.png'}: 2 runs overlaid (out, lr-2)\n"
+    assert (tmp_path / "ab.png").read_bytes().startswith(b"\x89PNG")
+    bad = hpctrain("plot", str(run / "metrics.jsonl"), str(run / "trace.json"), "-o", str(tmp_path / "x.png"))
+    assert bad.returncode == 2 and "is a trace: several files are overlaid only as metrics" in bad.stderr
+
+
 def test_metrics_series_hold_what_the_file_says(run):
     from hpctrain.plot import read_metrics
 

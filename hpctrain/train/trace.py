@@ -26,7 +26,7 @@ from ..errors import ConfigError
 __all__ = ["Tracer", "KINDS", "MAX_SPANS"]
 
 KINDS = ("load", "forward", "backward", "send activation", "recv activation", "send grad", "recv grad", "allreduce",
-         "optimizer")
+         "optimizer", "backward input", "backward weight")  # the last two: zero-bubble's split backward
 MAX_SPANS = 2_000_000  # per run, over all ranks (about 0.3 GB of JSON); each rank keeps its share
 _TAG = 7301  # the tracks' point-to-point messages to rank 0
 

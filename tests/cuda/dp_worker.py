@@ -5,10 +5,11 @@ backend.
     NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|tp|gpt-tp|zero|gpt-det]
 
 Under ``pp`` activations and gradients between the stages take the same host-staged path, as do the tied
-gradient (``gpt-pp``) and the tensor-parallel Allreduces (``tp``; ``gpt-tp`` adds the GPT's vocab-parallel
-embedding, head and loss); ``zero`` is data parallel with
-``parallel.zero = 2``: device gradients reduce-scattered through host staging, the parameters all-gathered;
-``gpt-det`` is ``train.deterministic``: dp 2 bitwise equal to one process on the device.
+gradient (``gpt-pp``, under the zero-bubble schedule: each block's split backward on the device) and the
+tensor-parallel Allreduces (``tp``; ``gpt-tp`` adds the GPT's vocab-parallel embedding, head and loss);
+``zero`` is data parallel with ``parallel.zero = 2``: device gradients reduce-scattered through host staging,
+the parameters all-gathered; ``gpt-det`` is ``train.deterministic``: dp 2 bitwise equal to one process on the
+device.
 
 Gradients go through the non-CUDA-aware path (pinned host staging, several buckets,
 overlapped Iallreduce), which is the only one the simulator may take: simulated
@@ -75,7 +76,8 @@ def main(path, layout):
     results = {}
     for backend in ("cuda", "cpu"):
         parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False, "pp": pp, "tp": tp,
-                    "zero": 2 if layout == "zero" else 0}
+                    "zero": 2 if layout == "zero" else 0,
+                    "schedule": "zero-bubble" if layout == "gpt-pp" else "1f1b"}  # the MLP's pp runs 1F1B
         if gpt:  # gpt-tp: the vocab-parallel embedding, head and loss, 13 ids in blocks of 7 and 6
             model = {"block_size": 4, "n_embd": 4, **({"vocab_size": 13} if tp > 1 else {})}
             cfg = gpt_config(path, model=model, data={"val_fraction": 0.0},

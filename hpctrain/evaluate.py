@@ -29,7 +29,7 @@ def eval_config(target: str, *, data: str = "", overrides=()):
     import copy
     import dataclasses
 
-    from .config import apply_overrides, parse_config
+    from .config import _parse_override, apply_overrides, parse_config
 
     try:
         meta = ckpt.read_meta(target)
@@ -51,9 +51,10 @@ def eval_config(target: str, *, data: str = "", overrides=()):
         tables = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{source}: malformed TOML: {e}") from None
+    given = frozenset(tuple(_parse_override(item)[:2]) for item in overrides)  # paths on the command line: cwd
     if weights is None:  # a config: its checkpoint.init, else the newest checkpoint in its checkpoint.dir
         own = apply_overrides(copy.deepcopy(tables), overrides)
-        weights = _weights_of(parse_config(own, base_dir=base, source=source), source)
+        weights = _weights_of(parse_config(own, base_dir=base, source=source, cwd_keys=given), source)
     # evaluate, nothing else: a fresh data-parallel layout (the overrides may choose another), no steps, no
     # files written, no resume
     tables.setdefault("parallel", {}).update(dp="auto", pp=1, tp=1, stages=[], zero=0, mode="sync")
@@ -62,7 +63,7 @@ def eval_config(target: str, *, data: str = "", overrides=()):
     tables.setdefault("checkpoint", {}).update(dir="", resume="never", lock=False, every=0, init="")  # whatever --set
     if data:
         tables.setdefault("data", {})["path"] = os.path.abspath(data)
-    cfg = parse_config(tables, base_dir=base, source=source)
+    cfg = parse_config(tables, base_dir=base, source=source, cwd_keys=given)
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, init=os.path.abspath(weights)))
     what = f"every sample of {data}" if data else f"the validation split of {cfg.data.path}"
     return cfg, weights, what
@@ -82,7 +83,7 @@ def evaluate(target: str, *, data: str = "", overrides=(), log=print) -> dict:
     """Evaluate TARGET (see the module's docstring) on COMM_WORLD; the result on every rank (collective)."""
     from mpi4py import MPI
 
-    from .parallel.agree import run_everywhere
+    from .parallel.agree import QuietExit, run_everywhere
     from .parallel.mesh import Mesh
     from .train import Trainer
 
@@ -96,8 +97,12 @@ def evaluate(target: str, *, data: str = "", overrides=(), log=print) -> dict:
         if data:
             result = trainer.runner.evaluate(split="all", count=True)
         else:
-            if trainer.data.n_val == 0:
-                raise ConfigError(f"{what} is empty (data.val_fraction = {cfg.data.val_fraction}): pass --data FILE")
+            if trainer.data.n_val == 0:  # the same on every rank: rank 0 says so, all leave together
+                if world.rank != 0:
+                    raise QuietExit(0)
+                error = ConfigError(f"{what} is empty (data.val_fraction = {cfg.data.val_fraction}): pass --data FILE")
+                error.collective = True
+                raise error
             result = trainer.runner.evaluate(count=True)
     finally:
         trainer.close()

@@ -25,7 +25,7 @@ def trained(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hpctrain", "train", "job.toml"], cwd=tmp_path, capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    with open(tmp_path / "m.jsonl") as f:
+    with open(tmp_path / "ck" / "m.jsonl") as f:  # a bare metrics name lives in checkpoint.dir
         last = [r for r in map(json.loads, f) if "val_loss" in r][-1]
     return tmp_path, str(tmp_path / "ck" / "ckpt-00000006.h5"), last
 
@@ -58,6 +58,16 @@ def test_a_config_evaluates_its_newest_checkpoint(trained):
     lines = []
     got = evaluate(str(folder / "job.toml"), log=lines.append)
     assert got["val_loss"] == logged["val_loss"] and lines[0].startswith(checkpoint)
+
+
+def test_no_validation_split_and_command_line_paths(trained, tmp_path, monkeypatch):
+    folder, checkpoint, _ = trained
+    with pytest.raises(ConfigError, match=r"the validation split of .*d.h5 is empty \(data.val_fraction = 0.0\): "
+                                          "pass --data FILE"):
+        evaluate(checkpoint, overrides=["data.val_fraction=0.0"], log=lambda *a: None)
+    monkeypatch.chdir(folder)  # a --set path resolves against the working directory, as for train
+    got = evaluate(str(folder / "job.toml"), overrides=["checkpoint.init=ck/ckpt-00000006.h5"], log=lambda *a: None)
+    assert got["samples"] == 24
 
 
 def test_no_weights_is_one_line(tmp_path):

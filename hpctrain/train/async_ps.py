@@ -41,6 +41,7 @@ from ..params import FlatBuffer, ParamLayout
 from . import startup
 from .loop import log_line
 from .metrics import MetricsFile
+from .progress import Progress
 from .step import _Batch
 from .stop import StopFlag
 
@@ -225,6 +226,7 @@ class AsyncTrainer:
         server = self.server
         every = t.log_every * (1 if self.k == 0 else self.W)
         last = [time.perf_counter(), 0]
+        progress = Progress(t.steps, self.step, live=False)  # the ETA, as the synchronous trainer's lines have
 
         def on_update(version):
             if not self.rank0 or version % every:
@@ -235,11 +237,16 @@ class AsyncTrainer:
             per = self.model.out_features if t.loss == "mse" else 1
             loss = server.loss_sum / max(server.rows * per, 1)
             server.loss_sum = server.rows = 0.0
-            record = dict(step=self.step + (version if self.k == 0 else version // self.W), updates=version,
-                          loss=loss, server_updates_per_s=rate, staleness_max=max(server.staleness, default=0))
+            step = self.step + (version if self.k == 0 else version // self.W)  # in global batches
+            progress.advance(step)
+            # two figures, two units: how old an applied gradient's parameters were (updates), and how far apart
+            # the workers ran (steps, what parallel.staleness bounds)
+            record = dict(step=step, updates=version, loss=loss, server_updates_per_s=rate,
+                          update_lag_max=max(server.staleness, default=0), steps_ahead_max=server.ahead_max)
             metrics.write(record)
-            self.log(f"update {version:>7}  loss {loss:.4f}  {rate:,.0f} updates/s  staleness max "
-                     f"{record['staleness_max']}")
+            self.log(f"step {step:>6}/{t.steps}  loss {loss:.4f}  {rate:,.0f} updates/s  (gradients up to "
+                     f"{record['update_lag_max']} updates old, workers up to {server.ahead_max} steps apart of "
+                     f"parallel.staleness = {self.k})  ETA {progress.eta()}")
 
         server.run(on_update)
 
@@ -295,8 +302,8 @@ class AsyncTrainer:
             return {}
         s = self.server
         summary = dict(step=int(step[0]), updates=s.version, updates_per_worker=[p - self.step for p in s.pushes],
-                       staleness_max=max(s.staleness, default=0),
-                       staleness_mean=float(np.mean(s.staleness)) if s.staleness else 0.0,
+                       update_lag_max=max(s.staleness, default=0),
+                       update_lag_mean=float(np.mean(s.staleness)) if s.staleness else 0.0,
                        steps_ahead_max=s.ahead_max, server_updates_per_s=s.version / max(s.elapsed, 1e-9),
                        server_snapshots_max=s.snapshots.peak,
                        worker_idle_s=[round(x, 4) for x in s.idle], **result)

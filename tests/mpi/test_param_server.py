@@ -67,7 +67,7 @@ def test_staleness_zero_is_synchronous_data_parallel_training(comm, data, shared
         got, step = checkpoint_params(f"{shared_dir}/ck")
         want = alone(cfg)
         worst = max(float(np.abs(got[n] - want[n]).max() / np.abs(want[n]).max()) for n in want)
-        assert step == 5 and summary["updates"] == 5 and summary["staleness_max"] == 0
+        assert step == 5 and summary["updates"] == 5 and summary["update_lag_max"] == 0
     assert agreed(comm, worst) < 1e-6
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``hpctrain train | eval | config | env | plan | inspect | sample | data | plot | export``,
+"""Command line: ``hpctrain train | eval | predict | config | env | plan | inspect | sample | data | plot | export``,
 ``hpctrain --version``.
 
     hpctrain train jobs/configs/digits.toml
@@ -6,6 +6,7 @@
     python -m hpctrain train jobs/configs/digits.toml
     hpctrain inspect runs/digits/ckpt-00000300.h5
     hpctrain eval runs/digits/ckpt-00000600.h5 --data test.h5      # loss and accuracy on any file
+    hpctrain predict runs/digits/ckpt-00000600.h5 --data new.h5 --out p.h5   # outputs and classes
     hpctrain sample runs/gpt-char/ckpt-00001500.h5 --prompt "The " --tokens 300
     hpctrain data text2h5 INPUT.txt OUT.h5
     hpctrain data csv2h5 | npz2h5 | bin2h5 INPUT OUT.h5 ...   (your own tables, nanoGPT's .bin)
@@ -97,6 +98,19 @@ def _parser():
                                                                "config names) instead of the validation split")
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config value, as for train (e.g. parallel.pp=2)")
+    pr = sub.add_parser("predict", help="a checkpoint's outputs (and predicted classes) for every sample of a file",
+                        epilog="examples:\n  hpctrain predict runs/digits/ckpt-00000600.h5 --data new.h5 --out p.h5\n"
+                               "  hpctrain predict runs/gpt-char/ckpt-00001500.h5 --data tokens.h5 --out next.h5",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    pr.add_argument("checkpoint", help="a checkpoint (ckpt-*.h5): its config defines the model")
+    pr.add_argument("--data", required=True, metavar="FILE", help="an HDF5 file with the inputs (the dataset the "
+                                                                  "config names: data.inputs, or data.tokens)")
+    pr.add_argument("--out", required=True, metavar="OUT.h5", help="the HDF5 file to write: 'outputs' (float32) and, "
+                                                                   "for a classifier or a GPT, 'predictions' (int64)")
+    pr.add_argument("--inputs", default="", metavar="NAME", help="the input dataset, if not the config's")
+    pr.add_argument("--batch", type=int, default=1024, help="samples a forward pass (default 1024)")
+    pr.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
+    pr.add_argument("--force", action="store_true", help="replace OUT if it exists")
     d = sub.add_parser("data", help="make data files")
     dsub = d.add_subparsers(dest="data_command", required=True)
     t2h = dsub.add_parser("text2h5", help="a text file -> a character-level token file (HDF5)")
@@ -246,6 +260,14 @@ def _sample(args) -> int:
     return 0
 
 
+def _predict(args) -> int:
+    from .predict import predict
+
+    print(predict(args.checkpoint, args.data, args.out, inputs=args.inputs, batch=args.batch, backend=args.backend,
+                  force=args.force))
+    return 0
+
+
 def _eval(args) -> int:
     MPI = _load_mpi()
 
@@ -353,7 +375,7 @@ def _env(args) -> int:
 COMMANDS = {"train": lambda a: _train(a), "inspect": lambda a: _inspect(a), "sample": lambda a: _sample(a),
             "data": lambda a: _data(a), "config": lambda a: _config(a), "env": lambda a: _env(a),
             "plot": lambda a: _plot(a), "plan": lambda a: _plan(a), "export": lambda a: _export(a),
-            "eval": lambda a: _eval(a)}
+            "eval": lambda a: _eval(a), "predict": lambda a: _predict(a)}
 
 
 def _say(line: str) -> None:

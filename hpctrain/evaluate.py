@@ -24,8 +24,9 @@ from .errors import CheckpointError, ConfigError
 __all__ = ["eval_config", "evaluate"]
 
 
-def eval_config(target: str, *, data: str = "", overrides=()):
-    """(config to build the evaluating Trainer from, the weights file, what is evaluated, in words)."""
+def eval_config(target: str, *, data: str = "", overrides=(), ranks: int = 1):
+    """(config to build the evaluating Trainer from, the weights file, what is evaluated, in words), for a run on
+    ``ranks`` ranks."""
     import copy
     import dataclasses
 
@@ -65,8 +66,34 @@ def eval_config(target: str, *, data: str = "", overrides=()):
         tables.setdefault("data", {})["path"] = os.path.abspath(data)
     cfg = parse_config(tables, base_dir=base, source=source, cwd_keys=given)
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, init=os.path.abspath(weights)))
+    if data:  # a test file may hold fewer samples than a training batch: the batch only sizes the chunks here
+        n = _samples(cfg)
+        dp = max(1, ranks // (cfg.parallel.pp * cfg.parallel.tp))
+        batch = min(cfg.train.batch_size, n) // dp * dp
+        if batch < 1:
+            raise ConfigError(f"{data} holds {n} sample(s), fewer than the {dp} data-parallel ranks evaluating it")
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_fraction=0.0),
+                                  train=dataclasses.replace(cfg.train, batch_size=batch, micro_batches=1))
     what = f"every sample of {data}" if data else f"the validation split of {cfg.data.path}"
     return cfg, weights, what
+
+
+def _samples(cfg) -> int:
+    """Samples in the data file (rows, or a GPT's windows of block_size + 1 ids); when it cannot be read, a number
+    no batch exceeds, so the batch stays and the Trainer says what is wrong with the file."""
+    import h5py
+
+    from ._files import H5_ERRORS, regular_file
+    from .errors import DataError
+
+    try:
+        regular_file(cfg.data.path, f"data file {cfg.data.path}", DataError)
+        with h5py.File(cfg.data.path, "r", locking=False) as f:
+            if cfg.model.kind == "gpt":
+                return max(0, (f[cfg.data.tokens].shape[0] - 1) // cfg.model.block_size)
+            return int(f[cfg.data.inputs].shape[0])
+    except (DataError, IndexError, *H5_ERRORS):
+        return 1 << 62
 
 
 def _weights_of(cfg, source: str) -> str:
@@ -88,7 +115,8 @@ def evaluate(target: str, *, data: str = "", overrides=(), log=print) -> dict:
     from .train import Trainer
 
     world = MPI.COMM_WORLD
-    cfg, weights, what = run_everywhere(world, lambda: eval_config(target, data=data, overrides=overrides))
+    cfg, weights, what = run_everywhere(world, lambda: eval_config(target, data=data, overrides=overrides,
+                                                                   ranks=world.size))
     p = cfg.parallel
     mesh = Mesh(dp=p.dp, pp=p.pp, tp=p.tp)
     quiet = (lambda *a, **k: None)

@@ -53,6 +53,17 @@ def test_another_file_is_evaluated_whole(trained, tmp_path):
     assert got["val_accuracy"] == logged["val_accuracy"]
 
 
+def test_a_test_file_smaller_than_a_training_batch(trained, tmp_path):
+    """The run's batch is 8; a file of 5 samples is evaluated whole (the batch only sizes the chunks)."""
+    folder, checkpoint, _ = trained
+    with h5py.File(folder / "d.h5", "r") as f:
+        x, y = f["x"][:5], f["y"][:5]
+    with h5py.File(tmp_path / "small.h5", "w") as f:
+        f["x"], f["y"] = x, y
+    got = evaluate(checkpoint, data=str(tmp_path / "small.h5"), log=lambda *a: None)
+    assert got["samples"] == 5
+
+
 def test_a_config_evaluates_its_newest_checkpoint(trained):
     folder, checkpoint, logged = trained
     lines = []

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from helpers import make_classification, toml_job
+from launch import mpi_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,7 +103,7 @@ def test_unknown_override_key(job):
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found (pip install hpctrain[mpich])")
 def test_bad_input_under_mpiexec_is_reported_once(job):
     (job / "c.toml").write_text(GOOD.replace('"d.h5"', '"nan.h5"'))
-    proc = hpctrain("train", str(job / "c.toml"), launcher=(shutil.which("mpiexec"), "-n", "2"))
+    proc = hpctrain("train", str(job / "c.toml"), launcher=mpi_command(shutil.which("mpiexec"), 2))
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("hpctrain: error")]
     assert len(errors) == 1 and "[rank 1/2]" in errors[0]  # row 40 is in rank 1's share of the scan and "NaN" in errors[0], proc.stderr
@@ -119,7 +120,7 @@ def test_bad_input_under_mpiexec_is_reported_once(job):
 def test_bad_pipeline_input_under_mpiexec_is_one_line(job, override, message):
     (job / "c.toml").write_text(GOOD)
     proc = hpctrain("train", str(job / "c.toml"), "--set", "parallel.pp=2", "--set", override,
-                    launcher=(shutil.which("mpiexec"), "-n", "2"))
+                    launcher=mpi_command(shutil.which("mpiexec"), 2))
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("hpctrain: error [rank 0/2]: "), proc.stderr
@@ -133,7 +134,7 @@ def test_digits_pipeline_job_learns_and_writes_a_trace(tmp_path, schedule):
     proc = hpctrain("train", "jobs/configs/digits-pp2.toml", "--set", f"train.metrics={tmp_path}/m.jsonl",
                     "--set", f"checkpoint.dir={tmp_path}/ckpt", "--set", f"train.trace={tmp_path}/trace.json",
                     "--set", "train.steps=300", "--set", f"parallel.schedule={schedule}",
-                    launcher=(shutil.which("mpiexec"), "-n", "2"))
+                    launcher=mpi_command(shutil.which("mpiexec"), 2))
     assert proc.returncode == 0, proc.stderr
     assert (f"pipeline: schedule {schedule}, 4 micro-batch(es), stages (the default cut, by estimated FLOPs per row) "
             "0: layers 0..1 (32% of the FLOPs, 8,320 parameters), 1: layers 2..4 (68% of the FLOPs, 17,802 "

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from helpers import make_classification, toml_job
-from launch import launcher_env
+from launch import launcher_env, mpi_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = shutil.which("mpiexec")
@@ -57,7 +57,7 @@ def run_job(tmp_path, fault, *overrides, timeout=90):
     env = launcher_env({"PYTHONPATH": ROOT})
     args = [a for o in overrides for a in ("--set", o)]
     t0 = time.monotonic()
-    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", SCRIPT, str(tmp_path / "job.toml"), fault, *args],
+    proc = subprocess.run(mpi_command(MPIEXEC, 2, sys.executable, "-c", SCRIPT, str(tmp_path / "job.toml"), fault, *args),
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - t0
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import folder_listing, make_classification, toml_job
-from launch import launcher_env
+from launch import launcher_env, mpi_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = shutil.which("mpiexec")
@@ -41,7 +41,7 @@ sys.exit(main(["train", sys.argv[1]]))
 def launch(folder, fault):
     env = launcher_env({"PYTHONPATH": ROOT})
     t0 = time.monotonic()
-    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", SCRIPT, str(folder / "job.toml"), fault],
+    proc = subprocess.run(mpi_command(MPIEXEC, 2, sys.executable, "-c", SCRIPT, str(folder / "job.toml"), fault),
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     return proc, time.monotonic() - t0
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from helpers import folder_listing, make_classification, toml_job
-from launch import launcher_env  # the user's MPI settings pass, a running launcher's rank does not
+from launch import launcher_env, mpi_command  # the user's MPI settings pass, a running launcher's rank does not
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = shutil.which("mpiexec")
@@ -39,7 +39,7 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path):
     make_classification(tmp_path / "d.h5", n=64)
     (tmp_path / "c.toml").write_text(CONFIG)
     (tmp_path / "fail.py").write_text(SCRIPT)
-    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(tmp_path / "fail.py"), str(tmp_path / "c.toml")],
+    proc = subprocess.run(mpi_command(MPIEXEC, 2, sys.executable, str(tmp_path / "fail.py"), str(tmp_path / "c.toml")),
                           cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "hpctrain: error [rank 1/2]: RuntimeError: disk on fire" in proc.stderr, proc.stderr
@@ -73,8 +73,8 @@ def test_a_failing_pipeline_stage_ends_the_job_naming_its_rank(tmp_path, where):
     (tmp_path / "c.toml").write_text(CONFIG)
     (tmp_path / "fail.py").write_text(STAGE_FAILURE)
     t0 = time.monotonic()
-    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(tmp_path / "fail.py"), str(tmp_path / "c.toml"),
-                           where], cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}), capture_output=True, text=True,
+    proc = subprocess.run(mpi_command(MPIEXEC, 2, sys.executable, str(tmp_path / "fail.py"), str(tmp_path / "c.toml"),
+                                      where), cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode != 0
     assert f"hpctrain: error [rank 1/2]: RuntimeError: stage 1 fell over in {where}" in proc.stderr, proc.stderr
@@ -131,8 +131,8 @@ def test_a_set_up_failure_on_one_rank_ends_the_job_without_a_hang(tmp_path, wher
     make_classification(tmp_path / "d.h5", n=64)
     (tmp_path / "c.toml").write_text(CONFIG)
     (tmp_path / "fail.py").write_text(SETUP_FAILURE)
-    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(tmp_path / "fail.py"), str(tmp_path / "c.toml"),
-                           where], cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}), capture_output=True, text=True,
+    proc = subprocess.run(mpi_command(MPIEXEC, 2, sys.executable, str(tmp_path / "fail.py"), str(tmp_path / "c.toml"),
+                                      where), cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr, proc.stderr
@@ -264,7 +264,7 @@ def test_a_failing_parameter_server_rank_ends_the_job_naming_it(tmp_path, role, 
     (tmp_path / "job.toml").write_text(toml_job(train={"steps": 50}, parallel={"mode": "async_ps", "staleness": 1}))
     env = launcher_env({"PYTHONPATH": ROOT})
     t0 = time.monotonic()
-    proc = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-c", PS_SCRIPT, str(tmp_path / "job.toml"), role],
+    proc = subprocess.run(mpi_command(MPIEXEC, 3, sys.executable, "-c", PS_SCRIPT, str(tmp_path / "job.toml"), role),
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and time.monotonic() - t0 < 60
     assert f"[rank {rank}/3]" in proc.stderr and f"{role} on fire" in proc.stderr, proc.stderr[-2000:]
@@ -275,7 +275,7 @@ def test_a_parameter_server_out_of_memory_is_one_line_before_training(tmp_path):
     make_classification(tmp_path / "d.h5", n=64)
     (tmp_path / "job.toml").write_text(toml_job(train={"steps": 50}, parallel={"mode": "async_ps", "staleness": 1}))
     env = launcher_env({"PYTHONPATH": ROOT})
-    proc = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-c", PS_SCRIPT, str(tmp_path / "job.toml"), "oom"],
+    proc = subprocess.run(mpi_command(MPIEXEC, 3, sys.executable, "-c", PS_SCRIPT, str(tmp_path / "job.toml"), "oom"),
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert "hpctrain: error [rank 0/3]: parameter server 0 is out of memory for its 83 parameters" in proc.stderr
@@ -311,7 +311,7 @@ def test_sigterm_stops_a_parameter_server_job_with_a_checkpoint(tmp_path):
                                                 parallel={"mode": "async_ps", "staleness": 1},
                                                 checkpoint={"dir": "ck"}))
     env = launcher_env({"PYTHONPATH": ROOT})
-    proc = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, "-m", "hpctrain", "train", str(tmp_path / "job.toml")],
+    proc = subprocess.Popen(mpi_command(MPIEXEC, 3, sys.executable, "-m", "hpctrain", "train", str(tmp_path / "job.toml")),
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         first = proc.stdout.readline()  # the start-up line: every rank is past start-up

@@ -14,6 +14,7 @@ import threading
 import pytest
 
 from helpers import config, folder_listing, make_classification, toml_job
+from launch import mpi_command
 from hpctrain.checkpoint import list_checkpoints
 from hpctrain.checkpoint.lock import LOCK_NAME, FolderLock
 from hpctrain.errors import CheckpointError, CheckpointInUseError, NonFiniteError
@@ -194,7 +195,7 @@ sys.exit(main(["train", *sys.argv[1:]]))
 def test_a_two_rank_job_takes_the_lock_on_rank_0_only(tmp_path, mode):
     job = write_job(tmp_path)
     ck = str(tmp_path / "ck")
-    mpi = [MPIEXEC, "-n", "2"]
+    mpi = mpi_command(MPIEXEC, 2)
     run = subprocess.run([*mpi, sys.executable, "-c", RANKS_SCRIPT, job, "--set", f'parallel.mode="{mode}"'],
                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from helpers import config, folder_listing, make_classification, toml_job
+from launch import mpi_command
 from hpctrain.checkpoint import list_checkpoints
 from hpctrain.errors import ConfigError, NonFiniteError
 from hpctrain.train import Trainer
@@ -34,7 +35,7 @@ def test_a_diverging_run_stops_after_max_skipped_steps_and_keeps_the_good_checkp
     (tmp_path / "job.toml").write_text(toml_job(train={"steps": 3}, checkpoint={"dir": "ck", "keep": 1}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "MPI_LOCALRANKID"))}
     env["PYTHONPATH"] = ROOT
-    launcher = [MPIEXEC, "-n", str(ranks)] if ranks > 1 else []
+    launcher = mpi_command(MPIEXEC, ranks) if ranks > 1 else []
 
     def train(*overrides):
         sets = [arg for item in overrides for arg in ("--set", item)]

@@ -12,7 +12,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/, for launch.py
-from launch import launcher_env  # noqa: E402
+from launch import launcher_env, mpi_command  # noqa: E402
 
 
 @pytest.mark.parametrize("layout", ["dp", "pp", "gpt-pp", "tp", "gpt-tp", "zero", "gpt-det"])
@@ -23,8 +23,8 @@ def test_two_ranks_cuda_matches_cpu(tmp_path, layout):
     # this process may be an MPI singleton already: do not pass its PMI settings to the new job
     env = launcher_env()  # the user's MPI settings pass, what placed this process does not (tests/launch.py)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, os.path.join(HERE, "dp_worker.py"),
-                           str(tmp_path / "d.h5"), layout], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(mpi_command(mpiexec, 2, sys.executable, os.path.join(HERE, "dp_worker.py"),
+                                      str(tmp_path / "d.h5"), layout), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert output.count("OK") == 2, output[-4000:]

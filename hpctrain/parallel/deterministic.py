@@ -26,7 +26,7 @@ Deterministic mode fixes every sum a step makes, whatever the layout:
 * BLAS runs one thread per rank: OpenBLAS's GEMM bits change with its thread count.
 
 Outside the guarantee (the start-up line says so): tensor parallelism (it changes a GEMM's split),
-ZeRO and the parameter server (refused), another BLAS, CPU model or backend.
+ZeRO, the parameter server and the zero-bubble schedule (refused), another BLAS, CPU model or backend.
 
 The tree sends a bucket log2(dp) times (an Allreduce: about twice), and each rank runs S/dp
 micro-batches of B/S samples; docs/performance.md has what that costs.

@@ -361,14 +361,7 @@ class ModelPart:
         """
         for u in range(len(self.units) - 1, -1, -1):
             a, b = self.units[u]
-            if isinstance(saved, UnitInputs):
-                x, mine = saved.inputs[u], []
-                for layer in self.layers[a : b + 1]:
-                    x, s = layer.forward(be, x)
-                    mine.append(s)
-                del x
-            else:
-                mine = saved[a : b + 1]
+            mine = self._unit_saved(be, saved, u)
             for k in range(b, a - 1, -1):
                 last = k == 0 and not need_dinp
                 dout = self.layers[k].backward(be, dout, mine[k - a], accumulate=accumulate, need_dinp=not last)
@@ -377,6 +370,16 @@ class ModelPart:
                     on_final(self._first_offset[k])
         return dout
 
+    def _unit_saved(self, be, saved, u: int) -> list:
+        """What unit u's layers saved in forward: stored, or rebuilt from the unit's input under recompute."""
+        a, b = self.units[u]
+        if not isinstance(saved, UnitInputs):
+            return saved[a : b + 1]
+        x, mine = saved.inputs[u], []
+        for layer in self.layers[a : b + 1]:
+            x, s = layer.forward(be, x)
+            mine.append(s)
+        return mine
 
     def backward_input(self, be, dout, saved, *, accumulate=False, need_dinp=True):
         """The zero-bubble schedule's B, in reverse layer order: (input gradient or None, what
@@ -384,14 +387,7 @@ class ModelPart:
         wsaved = [None] * len(self.layers)
         for u in range(len(self.units) - 1, -1, -1):
             a, b = self.units[u]
-            if isinstance(saved, UnitInputs):
-                x, mine = saved.inputs[u], []
-                for layer in self.layers[a : b + 1]:
-                    x, s = layer.forward(be, x)
-                    mine.append(s)
-                del x
-            else:
-                mine = saved[a : b + 1]
+            mine = self._unit_saved(be, saved, u)
             for k in range(b, a - 1, -1):
                 last = k == 0 and not need_dinp
                 dout, wsaved[k] = self.layers[k].backward_input(be, dout, mine[k - a], accumulate=accumulate,

@@ -227,7 +227,9 @@ class StepRunner:
         """The data-parallel group's values (this rank's ``mine``, every rank its count) gathered in rank order and
         summed in one fixed tree (``ordered_sum``), on dp rank 0; 0.0 elsewhere (collective over dp)."""
         comm = self.mesh.dp_comm
-        counts = comm.allgather(len(mine))
+        counts = np.empty(comm.Get_size(), dtype=np.int64)  # buffer calls: nothing pickled
+        comm.Allgather(np.array([len(mine)], dtype=np.int64), counts)
+        counts = counts.tolist()
         out = np.empty(sum(counts), dtype=np.float64)
         comm.Allgatherv(np.asarray(mine, dtype=np.float64), [out, counts])
         return ordered_sum(out) if self.mesh.dp_rank == 0 else 0.0

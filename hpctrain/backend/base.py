@@ -64,7 +64,13 @@ class Backend:
     scatter-add), ``attention_forward/backward`` (causal multi-head attention on a fused
     q/k/v projection).
     Losses return host scalars: ``cross_entropy`` -> (loss sum, correct),
-    ``mse`` -> loss sum. The vocab-parallel cross-entropy's three row passes over a block of
+    ``mse`` -> loss sum; given ``into`` (a float64 backend array of 3: a loss row) they write
+    there instead and return None, so a device backend need not wait: cross_entropy
+    [loss sum, correct, first bad row (B if none)], mse the loss sum into[0] only
+    (``sum_squares`` likewise, into one float64). Token ids and
+    class targets may be host arrays on either backend: a device backend uploads them itself
+    and checks them on the host. ``read_host(*arrays)`` copies several arrays to the host
+    with one wait; ``host_waits`` counts a device backend's waits (the step's budget is one). The vocab-parallel cross-entropy's three row passes over a block of
     the logits' columns (nn/loss.py combines them over the tensor-parallel group):
     ``ce_shard_stats`` (row max, first argmax, target logit), ``ce_shard_sumexp``,
     ``ce_shard_grad``. Flat buffers: ``sum_squares``, ``scale_``, ``fill_``,
@@ -75,6 +81,36 @@ class Backend:
 
     name = "base"
     is_device = False
+    host_waits = 0  # times the host waited for the device (a device backend counts them: tests/cuda)
+
+    def read_host(self, *arrays) -> list:
+        """Host copies of backend arrays, made together (a device backend waits for its stream once)."""
+        return [np.array(a) for a in arrays]
+
+    # Events (a device backend's; here the host is the device and every call is immediate): ``mark()`` an event
+    # for what is queued so far, ``after(event)`` makes later work wait for it, ``host_wait_for(event)`` waits
+    # on the calling thread, ``bind_thread()`` readies a communication thread.
+    def mark(self):
+        return None
+
+    def after(self, event) -> None:
+        pass
+
+    def host_wait_for(self, event) -> None:
+        pass
+
+    def bind_thread(self) -> None:
+        pass
+
+    def _ids_arg(self, op, name, arr, **kw):
+        """Token ids or class targets: int64, in host memory or the backend's (a device backend uploads host ids
+        itself and checks their range on the host, without waiting for the device)."""
+        return check_array(op, name, arr, dtype=np.int64, **kw)
+
+    def _into_arg(self, op, into, n):
+        """``into``: None, or a float64 backend array of ``n`` that a reduction writes its result to."""
+        if into is not None:
+            self._arg(op, "into", into, shape=(n,), dtype=np.float64)
 
     def _arg(self, op, name, arr, **kw):
         """One argument checked (``check_array``); a device backend also requires it to live on the device."""
@@ -145,7 +181,7 @@ class Backend:
 
     def _cross_entropy_args(self, logits, targets, dlogits):
         B, C = self._arg("cross_entropy", "logits", logits, ndim=2).shape
-        self._arg("cross_entropy", "targets", targets, shape=(B,), dtype=np.int64)
+        self._ids_arg("cross_entropy", "targets", targets, shape=(B,))
         self._arg("cross_entropy", "dlogits", dlogits, shape=(B, C))
         return B, C
 
@@ -159,7 +195,7 @@ class Backend:
         """(B, T, V, C, lo, vocab) of an embedding op: idx[B, T] int64, table[V, C] (wte or dwte), wpe[≥T, C]
         (or dwpe), ``rows_out``[B·T, C] (out or dout). The table holds token ids [lo, lo + V) of a vocabulary of
         ``vocab`` ids (default V: the whole table; a vocab-parallel shard holds a block of it)."""
-        B, T = self._arg(op, "idx", idx, ndim=2, dtype=np.int64).shape
+        B, T = self._ids_arg(op, "idx", idx, ndim=2).shape
         table_name, wpe_name, what = (("wte", "wpe", "position table") if op == "embedding_forward"
                                       else ("dwte", "dwpe", "position gradient"))
         V, C = self._arg(op, table_name, table, ndim=2).shape
@@ -182,7 +218,7 @@ class Backend:
         """(B, V, lo) of a vocab-parallel cross-entropy op: logits[B, V] (ids [lo, lo + V) of ``vocab``), int64
         targets[B], and per-row arrays ``rows`` (name -> (array, dtype))."""
         B, V = self._arg(op, "logits", logits, ndim=2).shape
-        self._arg(op, "targets", targets, shape=(B,), dtype=np.int64)
+        self._ids_arg(op, "targets", targets, shape=(B,))
         for name, (arr, dtype) in rows.items():
             self._arg(op, name, arr, shape=(B,), dtype=dtype)
         lo, _ = self._vocab_block(op, "logits", V, vocab_start, vocab)

@@ -425,11 +425,15 @@ class CpuBackend(TransformerKernels, Backend):
         _add_inplace(out, x)
 
     # -- losses
-    def cross_entropy(self, logits, targets, dlogits, grad_scale):
+    def cross_entropy(self, logits, targets, dlogits, grad_scale, *, into=None):
         B, C = self._cross_entropy_args(logits, targets, dlogits)
+        self._into_arg("cross_entropy", into, 3)
         total, correct, bad = _cross_entropy(logits, targets, dlogits, float(grad_scale))
         if bad >= 0:
             self.bad_target(targets, bad, C)
+        if into is not None:
+            into[:] = float(total), int(correct), B
+            return None
         return float(total), int(correct)
 
     def ce_shard_stats(self, logits, targets, mx, arg, tlogit, *, vocab_start, vocab):
@@ -454,13 +458,21 @@ class CpuBackend(TransformerKernels, Backend):
         self._arg("ce_shard_grad", "dlogits", dlogits, shape=(B, V))
         _ce_shard_grad(logits, targets, lo, logz, dlogits, float(grad_scale))
 
-    def mse(self, pred, target, dpred, grad_scale):
+    def mse(self, pred, target, dpred, grad_scale, *, into=None):
         self._mse_args(pred, target, dpred)
-        return float(_mse(pred, target, dpred, float(grad_scale)))
+        self._into_arg("mse", into, 3)
+        total = float(_mse(pred, target, dpred, float(grad_scale)))
+        if into is None:
+            return total
+        into[0] = total  # a loss row [sum, correct, bad row] of which mse writes the sum
 
     # -- flat buffers
-    def sum_squares(self, x):
-        return float(_sum_squares(self._arg("sum_squares", "x", x, ndim=1)))
+    def sum_squares(self, x, *, into=None):
+        self._into_arg("sum_squares", into, 1)
+        total = float(_sum_squares(self._arg("sum_squares", "x", x, ndim=1)))
+        if into is None:
+            return total
+        into[0] = total
 
     def scale_(self, x, s):
         _scale(self._arg("scale_", "x", x, ndim=1), np.float32(s))

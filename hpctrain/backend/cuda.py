@@ -11,14 +11,18 @@ optimizer state and activations stay on the device for the whole step: what
 crosses the bus each step is the input batch (``asarray``) and a few scalars
 (the loss sum and correct count from ``cross_entropy``/``mse``, the gradient norm
 from ``sum_squares``, the first bad token position from ``embedding_forward``),
-the token ids down and their sort order up for ``embedding_backward``'s deterministic
+the sort order of the token ids up for ``embedding_backward``'s deterministic
 scatter-add, plus the gradients when MPI is not CUDA-aware (``to_host_into``/
 ``from_host_into`` through a pinned buffer). See docs/gpu.md.
 
-Every kernel and copy goes on the backend's one stream, in order; methods that
-return host values (``to_host``, the losses, ``sum_squares``) or read the device
-(``embedding_forward/backward``) synchronise it,
-``synchronize()`` does so explicitly (before MPI reads device memory).
+Every kernel and copy goes on the backend's one stream, in order. The host waits for
+the stream only where it must read a result: ``to_host``, ``read_host`` (several arrays,
+one wait), the losses and ``sum_squares`` when they return host values, the embedding
+ops given device ids (the ids come back for the range check and the sort), and
+``synchronize()`` (before MPI reads device memory). A training step avoids all but one:
+its ids and targets stay on the host (checked there, uploaded here), its losses and
+gradient norm go ``into`` device scalars, and the step reads them together once
+(train/step.py). ``host_waits`` counts every wait (the tests' hook).
 
 Launch shapes are fixed at construction: ``tile`` (the GEMM tiling, see
 cuda_gemm.py) and ``block`` (threads per block of the other kernels). The
@@ -36,6 +40,7 @@ products as batched GEMMs over (batch, head) with the 64×64 tiling.
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 from numba import cuda
@@ -115,10 +120,15 @@ class CudaBackend(Backend):
         self._k = ops_kernels(self.block)
         self._tk = transformer_kernels(self.block)
         self.stream = cuda.stream()
+        self.copy_stream = cuda.stream()  # a communication thread's staging copies (stage_out, stage_in)
+        self.host_waits = 0  # the training thread's waits for the device (tests/cuda check the step's budget)
+        self.background_waits = 0  # other threads' (a communication thread's, for its staging copies)
+        self._owner = threading.get_ident()
         self._pool = None if self.simulator else DevicePool(_raw_alloc, _wrap)
         self._no_bias = self.zeros((1,))  # the GEMM kernel always takes a bias array
         self._scalars = self.zeros((3,), np.float64)  # device-side results of the reductions
         self._host_scalars = self.pinned_host((3,), np.float64)
+        self._host_reads = {}  # (shape, dtype) -> a pinned buffer that read_host copies into
         self._bad_token = self.zeros((1,), np.int64)  # embedding_forward: first flat position of a bad id
         self._host_bad_token = self.pinned_host((1,), np.int64)
 
@@ -161,8 +171,26 @@ class CudaBackend(Backend):
             return np.asarray(arr)
         check_array("to_host", "arr", arr, dtype=arr.dtype)
         out = arr.copy_to_host(stream=self.stream)
-        self.stream.synchronize()
+        self._wait()
         return out
+
+    def read_host(self, *arrays) -> list:
+        """Host copies of device arrays (host arrays are copied as they are), made with one wait: the step's loss
+        rows and gradient norm pieces."""
+        copies = []
+        for arr in arrays:
+            if not _is_device_array(arr):
+                copies.append(np.array(arr))
+                continue
+            key = (tuple(arr.shape), np.dtype(arr.dtype).str)
+            if key not in self._host_reads:
+                self._host_reads[key] = self.pinned_host(arr.shape, arr.dtype)
+            if arr.size:
+                arr.copy_to_host(self._host_reads[key], stream=self.stream)
+            copies.append(self._host_reads[key])
+        if any(_is_device_array(arr) for arr in arrays):
+            self._wait()
+        return [np.array(c) for c in copies]  # the pinned buffers are reused by the next read
 
     def copy_(self, dst, src):
         """dst (device) = src (device or host), same shape and dtype."""
@@ -175,7 +203,66 @@ class CudaBackend(Backend):
             dst.copy_to_device(src, stream=self.stream)
 
     def synchronize(self):
+        self._wait()
+
+    def _wait(self):
+        """The host waits until every kernel and copy queued on the stream is done (counted)."""
+        self._count_wait()
         self.stream.synchronize()
+
+    def _count_wait(self):
+        if threading.get_ident() == self._owner:
+            self.host_waits += 1
+        else:
+            self.background_waits += 1
+
+    # ------------------------------------------------------------------ events: other threads and streams
+
+    def mark(self):
+        """An event recorded on the stream now: it completes once everything queued so far is done."""
+        event = self._event()
+        event.record(self.stream)
+        return event
+
+    def _event(self):
+        return cuda.event() if self.simulator else cuda.event(timing=False)  # the simulator's takes no arguments
+
+    def after(self, event) -> None:
+        """What is queued on the stream from now on waits for ``event`` on the device (the host does not wait)."""
+        event.wait(self.stream)
+
+    def host_wait_for(self, event) -> None:
+        """The calling thread waits for ``event`` (counted: a communication thread's waits are background)."""
+        self._count_wait()
+        event.synchronize()
+
+    def bind_thread(self) -> None:
+        """Make this backend's GPU current on the calling thread (a communication thread, before its first copy)."""
+        if not self.simulator:
+            cuda.select_device(self.device_id)
+
+    def stage_out(self, dev, host, ready) -> None:
+        """host[...] = dev[...] on the copy stream once ``ready`` (a ``mark``) is done; returns when the copy is
+        (a wait of the calling thread: a communication thread's, so the training thread goes on queueing)."""
+        self._require_device("stage_out", "dev", dev)
+        check_array("stage_out", "host", host, shape=dev.shape, dtype=dev.dtype)
+        ready.wait(self.copy_stream)
+        if dev.size:
+            dev.copy_to_host(host, stream=self.copy_stream)
+        self._count_wait()
+        self.copy_stream.synchronize()
+
+    def stage_in(self, host, dev):
+        """dev[...] = host[...] queued on the copy stream; returns its event: ``after(event)`` before the stream
+        reads ``dev``. ``host`` must stay as it is until the event completes (the copy stream runs in order, so a
+        later ``stage_out`` into it is safe)."""
+        self._require_device("stage_in", "dev", dev)
+        check_array("stage_in", "host", host, shape=dev.shape, dtype=dev.dtype)
+        if dev.size:
+            dev.copy_to_device(host, stream=self.copy_stream)
+        event = self._event()
+        event.record(self.copy_stream)
+        return event
 
     def pinned_host(self, shape, dtype=np.float32):
         """A page-locked host array: the staging buffer when MPI is not CUDA-aware."""
@@ -194,7 +281,7 @@ class CudaBackend(Backend):
         check_array("to_host_into", "host", host, shape=dev.shape, dtype=dev.dtype)
         if dev.size:
             dev.copy_to_host(host, stream=self.stream)
-        self.stream.synchronize()  # MPI reads ``host`` right after
+        self._wait()  # MPI reads ``host`` right after
 
     def from_host_into(self, host, dev):
         """dev[...] = host[...] (same shape and dtype); returns when the copy is done."""
@@ -203,7 +290,7 @@ class CudaBackend(Backend):
         check_array("from_host_into", "host", host, shape=dev.shape, dtype=dev.dtype)
         if dev.size:
             dev.copy_to_device(host, stream=self.stream)
-        self.stream.synchronize()  # the caller may overwrite ``host`` (MPI receives into it) next
+        self._wait()  # the caller may overwrite ``host`` (MPI receives into it) next
 
     # ------------------------------------------------------------------ matrix products (X·Wᵀ, dY·W, dYᵀ·X)
 
@@ -315,28 +402,53 @@ class CudaBackend(Backend):
 
     def embedding_forward(self, idx, wte, wpe, out, *, vocab_start=0, vocab=None, add_positions=True):
         """out[B·T, C] = wte[idx[b, t]] + wpe[t] for token ids idx[B, T] (int64), wte[V, C], wpe[≥T, C]; a
-        vocab-parallel shard as the CPU backend's. An id outside [0, vocab) raises BackendError: the kernel leaves
-        the first such position in one int64 that is read back (synchronises)."""
+        vocab-parallel shard as the CPU backend's. An id outside [0, vocab) raises BackendError: host ids are checked
+        on the host and uploaded (no wait); for device ids the kernel leaves the first such position in one int64
+        that is read back (a wait)."""
         op = "embedding_forward"
         B, T, V, C, lo, vocab = self._embedding_args(op, idx, wte, wpe, out, "out", vocab_start, vocab)
         n = B * T
         if n == 0:
             return
+        on_host = not _is_device_array(idx)
+        if on_host:
+            self._check_ids_on_host(op, idx, vocab)
+            idx = self.asarray(idx)
         self.fill_(self._bad_token, n)
         self._launch(self._tk.embedding_forward, self._rows_grid(n), self.block, idx, wte, wpe, out, self._bad_token,
                      lo, vocab, bool(add_positions))
+        if on_host:
+            return
         self._bad_token.copy_to_host(self._host_bad_token, stream=self.stream)
-        self.stream.synchronize()
+        self._wait()
         bad = int(self._host_bad_token[0])
         if bad < n:
             self.bad_token(idx, bad, vocab)
 
+    def _check_ids_on_host(self, op, ids, limit):
+        """Host token ids or targets: the first one outside [0, limit) raises BackendError, as the kernels would."""
+        flat = ids.reshape(-1)
+        bad = np.flatnonzero((flat < 0) | (flat >= limit))
+        if bad.size:
+            if op == "cross_entropy":
+                self.bad_target(ids, int(bad[0]), limit)
+            self.bad_token(ids, int(bad[0]), limit, op=op)
+
+    def _device_ids(self, op, ids, limit):
+        """Ids for a kernel: host ids range-checked (``limit``: None for no check) and uploaded, device ids as
+        they are."""
+        if _is_device_array(ids):
+            return ids
+        if limit is not None:
+            self._check_ids_on_host(op, ids, limit)
+        return self.asarray(ids)
+
     def embedding_backward(self, dout, idx, dwte, dwpe, *, vocab_start=0, vocab=None, accumulate_wte=False,
                            accumulate_wpe=False):
         """dwte[v − vocab_start] (+)= Σ dout rows with id v (ids of dwte's block); dwpe[t] (+)= Σ_b dout[b·T + t]
-        (rows ≥ T of dwpe: 0 or kept). Deterministic, and bit-identical to the CPU backend: idx is read back
-        (synchronises) and sorted on the host, then one block per distinct id adds its rows in batch order; no
-        atomics."""
+        (rows ≥ T of dwpe: 0 or kept). Deterministic, and bit-identical to the CPU backend: the ids are sorted on
+        the host (device ids are read back first: a wait), then one block per distinct id adds its rows in batch
+        order; no atomics."""
         op = "embedding_backward"
         B, T, V, C, lo, vocab = self._embedding_args(op, idx, dwte, dwpe, dout, "dout", vocab_start, vocab)
         ids = self.to_host(idx).reshape(-1) if B * T and C else None  # first: the wpe kernel overlaps the sort
@@ -400,20 +512,30 @@ class CudaBackend(Backend):
 
     # ------------------------------------------------------------------ losses (host scalars out)
 
-    def cross_entropy(self, logits, targets, dlogits, grad_scale):
-        """Softmax cross-entropy of logits[B,C] against int64 targets[B]: returns (loss sum, correct);
-        writes dlogits = (softmax − onehot)·grad_scale. A target outside [0, C) raises BackendError."""
+    def cross_entropy(self, logits, targets, dlogits, grad_scale, *, into=None):
+        """Softmax cross-entropy of logits[B,C] against int64 targets[B] (host or device): returns (loss sum,
+        correct), or with ``into`` writes [loss sum, correct, first bad row (B if none)] there and returns None
+        (no wait); writes dlogits = (softmax − onehot)·grad_scale. A target outside [0, C) raises BackendError
+        (host targets: at once; device targets with ``into``: the caller reads the bad row)."""
         B, C = self._cross_entropy_args(logits, targets, dlogits)
+        self._into_arg("cross_entropy", into, 3)
         if B == 0:
+            if into is not None:
+                self.copy_(into, np.zeros(3))
+                return None
             return 0.0, 0
         if C == 0:
             self.bad_target(targets, 0, C)
+        targets = self._device_ids("cross_entropy", targets, C)
         row_loss = self._alloc("cross_entropy", (B,), np.float64)
         row_flag = self._alloc("cross_entropy", (B,), np.int32)
         k = self._k
         self._launch(k.cross_entropy_rows, self._rows_grid(B), self.block,
                      logits, targets, dlogits, np.float32(grad_scale), row_loss, row_flag)
-        self._launch(k.cross_entropy_finish, 1, self.block, row_loss, row_flag, self._scalars)
+        self._launch(k.cross_entropy_finish, 1, self.block, row_loss, row_flag,
+                     self._scalars if into is None else into)
+        if into is not None:
+            return None
         total, correct, bad = self._read_scalars()
         if bad < B:
             self.bad_target(targets, int(bad), C)
@@ -425,6 +547,7 @@ class CudaBackend(Backend):
         B, V, lo = self._vocab_shard_args("ce_shard_stats", logits, targets, vocab_start, vocab,
                                           mx=(mx, np.float32), arg=(arg, np.int64), tlogit=(tlogit, np.float32))
         if B and V:
+            targets = self._device_ids("ce_shard_stats", targets, None)  # the loss checks them against the vocab
             self._launch(self._k.ce_shard_stats, self._rows_grid(B), self.block, logits, targets, lo, mx, arg, tlogit)
 
     def ce_shard_sumexp(self, logits, mx, sumexp):
@@ -438,20 +561,25 @@ class CudaBackend(Backend):
         B, V, lo = self._vocab_shard_args("ce_shard_grad", logits, targets, vocab_start, vocab,
                                           logz=(logz, np.float64))
         self._arg("ce_shard_grad", "dlogits", dlogits, shape=(B, V))
+        targets = self._device_ids("ce_shard_grad", targets, None) if B * V else targets
         self._elementwise(self._k.ce_shard_grad, B * V, logits, targets, lo, logz, dlogits, np.float32(grad_scale))
 
-    def mse(self, pred, target, dpred, grad_scale):
-        """Σ (pred − target)² over pred[B,C] (host float); writes dpred = 2·(pred − target)·grad_scale."""
+    def mse(self, pred, target, dpred, grad_scale, *, into=None):
+        """Σ (pred − target)² over pred[B,C] (host float, or written to into[0] with no wait); writes
+        dpred = 2·(pred − target)·grad_scale."""
         self._mse_args(pred, target, dpred)
+        self._into_arg("mse", into, 3)
         return self._sum_reduce("mse", self._k.mse_partial, pred.size, _flat(pred), _flat(target), _flat(dpred),
-                                np.float32(grad_scale))
+                                np.float32(grad_scale), into=into)
 
     # ------------------------------------------------------------------ flat buffers
 
-    def sum_squares(self, x):
-        """Σ x² over a flat x[n] as a host float (the global gradient norm²), float64 accumulation."""
+    def sum_squares(self, x, *, into=None):
+        """Σ x² over a flat x[n] as a host float (the global gradient norm²), float64 accumulation; with ``into``
+        (a float64 device array of 1) written there, with no wait."""
         self._arg("sum_squares", "x", x, ndim=1)
-        return self._sum_reduce("sum_squares", self._k.sum_squares_partial, x.size, x)
+        self._into_arg("sum_squares", into, 1)
+        return self._sum_reduce("sum_squares", self._k.sum_squares_partial, x.size, x, into=into)
 
     def scale_(self, x, s):
         """x[n] *= s."""
@@ -496,19 +624,25 @@ class CudaBackend(Backend):
     def _rows_grid(self, rows):
         return max(1, min(rows, self.max_blocks if self.simulator else 65535))
 
-    def _sum_reduce(self, op, kernel, n, *args):
-        """Run a kernel that writes per-block float64 partial sums, add them up on the device, return the total."""
+    def _sum_reduce(self, op, kernel, n, *args, into=None):
+        """Run a kernel that writes per-block float64 partial sums and add them up on the device: the total into
+        ``into[0]`` (returns None, no wait), or returned as a host float."""
         if n == 0:
+            if into is not None:
+                self.fill_(into[:1], 0)
+                return None
             return 0.0
         grid = self._grid(n)
         partial = self._alloc(op, (grid,), np.float64)
         self._launch(kernel, grid, self.block, *args, partial)
-        self._launch(self._k.sum_partials, 1, self.block, partial, self._scalars)
+        self._launch(self._k.sum_partials, 1, self.block, partial, self._scalars if into is None else into)
+        if into is not None:
+            return None
         return float(self._read_scalars()[0])
 
     def _read_scalars(self):
         self._scalars.copy_to_host(self._host_scalars, stream=self.stream)
-        self.stream.synchronize()
+        self._wait()
         return self._host_scalars.copy()
 
     # ------------------------------------------------------------------ argument checks

@@ -4,6 +4,12 @@ Both are means over the global batch, as torch's ``reduction="mean"``: the
 kernels return the *sum* over the rows they see and scale the gradient by
 ``grad_scale`` (1 / global batch for cross-entropy, 1 / (global batch · C) for
 MSE), so ranks and micro-batches add up to the single-process gradient.
+
+Called as ``loss(be, out, targets, grad_scale, into=row)``: with ``into`` (a float64 backend
+array of 3, the micro-batch's loss row) the sums stay on the backend and the call returns
+(None, None, dout), so a device need not wait for them; the step reads every row at once
+(parallel/executor.py). A loss that must see its sums on the host (the vocab-parallel one,
+which reduces them over its group) returns them as values and leaves ``into`` alone.
 """
 
 from __future__ import annotations
@@ -31,11 +37,11 @@ class CrossEntropyLoss:
     def grad_scale(self, global_batch, out_features):
         return 1.0 / global_batch
 
-    def __call__(self, be, logits, targets, grad_scale):
-        """Return (loss sum, correct count, dlogits)."""
+    def __call__(self, be, logits, targets, grad_scale, into=None):
+        """Return (loss sum, correct count, dlogits); (None, None, dlogits) with the sums written ``into``."""
         dlogits = be.empty(logits.shape)
-        total, correct = be.cross_entropy(logits, targets, dlogits, grad_scale)
-        return total, correct, dlogits
+        sums = be.cross_entropy(logits, targets, dlogits, grad_scale, into=into)
+        return (None, None, dlogits) if sums is None else (*sums, dlogits)
 
 
 class MSELoss:
@@ -56,10 +62,10 @@ class MSELoss:
     def grad_scale(self, global_batch, out_features):
         return 1.0 / (global_batch * out_features)
 
-    def __call__(self, be, pred, targets, grad_scale):
+    def __call__(self, be, pred, targets, grad_scale, into=None):
         dpred = be.empty(pred.shape)
-        total = be.mse(pred, targets, dpred, grad_scale)
-        return total, 0, dpred
+        total = be.mse(pred, targets, dpred, grad_scale, into=into)
+        return (None, None, dpred) if total is None else (total, 0, dpred)
 
 
 class VocabParallelCrossEntropy(CrossEntropyLoss):
@@ -77,19 +83,21 @@ class VocabParallelCrossEntropy(CrossEntropyLoss):
     def __init__(self, tp, lo: int, vocab: int):
         self.tp, self.lo, self.vocab = tp, int(lo), int(vocab)
 
-    def __call__(self, be, logits, targets, grad_scale):
+    def __call__(self, be, logits, targets, grad_scale, into=None):
+        """Return (loss sum, correct count, dlogits) as host values: they are reduced over the group here."""
         from mpi4py import MPI
 
         B, V = logits.shape
         if B == 0:
             return 0.0, 0, be.empty(logits.shape)
-        host_targets = be.to_host(targets)
+        host_targets = be.to_host(targets)  # the step's targets are host arrays: no wait
         bad = np.flatnonzero((host_targets < 0) | (host_targets >= self.vocab))
         if bad.size:  # the same targets on every rank of the group: all of them stop here, with this error
             be.bad_target(targets, int(bad[0]), self.vocab)
         mx, arg, tlogit = be.empty((B,)), be.empty((B,), np.int64), be.empty((B,))
+        targets = be.asarray(targets)  # uploaded once for both passes that read them (a device's)
         be.ce_shard_stats(logits, targets, mx, arg, tlogit, vocab_start=self.lo, vocab=self.vocab)
-        local_max, arg, tlogit = be.to_host(mx), be.to_host(arg), be.to_host(tlogit)
+        local_max, arg, tlogit = be.read_host(mx, arg, tlogit)  # one wait
         row_max = self.tp.allreduce_host(local_max.copy(), MPI.MAX)
         sumexp = be.empty((B,), np.float64)
         be.ce_shard_sumexp(logits, be.asarray(row_max), sumexp)

@@ -24,6 +24,11 @@ pass over the buffer.
 
 Device buffers go to MPI directly when MPI is CUDA-aware; otherwise each
 bucket is staged through a host buffer. parallel/transport.py decides which.
+On a device with MPI_THREAD_MULTIPLE the communication thread does it: each
+"gradients final" event records a device event (``backend.mark``), and the thread
+waits for it, copies the ready buckets out on the copy stream, Allreduces them and
+queues their copies back; ``wait()`` makes the training stream wait for those copies
+on the device, so the training thread itself never waits for the GPU here.
 
 With ``train.deterministic`` (parallel/deterministic.py) a ``ShardTree`` sums the step's
 micro-batch gradients in a fixed pairwise tree (each backward writes its own; ``leaf_done``
@@ -74,8 +79,9 @@ class GradSync:
 
     Every rank must issue the same collectives in the same order, so what is
     started when depends only on the "gradients final" events, never on a rank-local test
-    of completion. With host buffers and MPI_THREAD_MULTIPLE, ready buckets go
-    in order to a communication thread running one blocking collective each.
+    of completion. With MPI_THREAD_MULTIPLE, ready buckets go in order to a communication
+    thread running one blocking collective each (on a device, after waiting for the
+    event recorded with them and staging them on the copy stream).
     Otherwise each ``grads_final`` event starts at most one ready bucket's Iallreduce,
     and ``wait`` reduces the buckets not yet started with blocking Allreduces,
     bucket by bucket: on MPICH's shared memory 25 MB pieces ran at 2.3-2.5x the
@@ -127,11 +133,15 @@ class GradSync:
                           default=0)
             # Reduce_scatter may not write into the buffer it reads: each bucket's sum lands here first
             self._scatter_out = (self.backend.empty((biggest,)) if self.direct else transport.host_buffer((biggest,)))
-        # Host buffers with MPI_THREAD_MULTIPLE: a communication thread runs blocking collectives while
-        # backward goes on (MPI progresses nonblocking collectives only inside MPI calls, so Iallreduce
-        # alone barely overlaps). Device buffers keep the nonblocking path on the caller's thread.
-        threaded = self.active and overlap and not self.backend.is_device and MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        self._worker = _Reducer() if threaded else None
+        # With MPI_THREAD_MULTIPLE a communication thread runs blocking collectives while backward goes on (MPI
+        # progresses nonblocking collectives only inside MPI calls, so Iallreduce alone barely overlaps); on a
+        # device it also waits for the gradients and stages them, for the Allreduce (ZeRO's reduce-scatters and
+        # the deterministic tree on a device keep the caller's thread).
+        self._device = self.backend.is_device
+        threaded = (self.active and overlap and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+                    and not (self._device and (self.shard or tree is not None)))
+        self._worker = _Reducer(on_start=self.backend.bind_thread) if threaded else None
+        self._arrived = []  # device: events of the buckets' copies back, for the training stream to wait on
 
     @property
     def threaded(self) -> bool:
@@ -141,6 +151,24 @@ class GradSync:
     def _buffer(self, lo, hi):
         """What MPI reduces for [lo, hi): the gradient slice itself, or its host staging copy."""
         return self.transport.outgoing(self.grads.data[lo:hi], None if self.direct else self.host[lo:hi])
+
+    def _allreduce_when(self, i, ready) -> None:
+        """Bucket i's Allreduce on a device's communication thread, once ``ready`` (an event recorded when its
+        gradients were final) is done; the copy back is queued and its event kept for ``wait``."""
+        lo, hi = self.buckets[i]
+        dev, host = self.grads.data[lo:hi], None if self.direct else self.host[lo:hi]
+        buf = self.transport.outgoing_when(dev, host, ready)
+        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        arrived = self.transport.incoming_async(host, dev)
+        if arrived is not None:
+            self._arrived.append(arrived)
+
+    def _submit(self, i, ready) -> None:
+        """Bucket i to the communication thread (``ready``: the device event its gradients wait for)."""
+        if self._device and not self.shard:
+            self._worker.submit(lambda: self._allreduce_when(i, ready))
+        else:
+            self._worker.submit(lambda: self._reduce(i))
 
     def _reduce(self, i) -> None:
         """Bucket i's blocking collective: an Allreduce in place, or the reduce-scatter into its chunks."""
@@ -193,9 +221,10 @@ class GradSync:
         while self._ready < len(self.buckets) and self.buckets[self._ready][0] >= lo:
             self._ready += 1
         if self._worker is not None:
+            ready = self.backend.mark() if self._launched < self._ready else None  # the kernels queued so far
             while self._launched < self._ready:
                 if self._launched not in self._held:
-                    self._worker.submit(lambda i=self._launched: self._reduce(i))
+                    self._submit(self._launched, ready)
                 self._launched += 1
             return
         if self.shard or self.tree is not None:
@@ -214,14 +243,18 @@ class GradSync:
         if not self.active:
             return
         t0 = time.perf_counter()
-        self.backend.synchronize()
         if self._worker is not None:
+            ready = self.backend.mark()
             for i in range(self._launched, len(self.buckets)):
                 if i not in self._held:
-                    self._worker.submit(lambda i=i: self._reduce(i))
+                    self._submit(i, ready)
             self._launched = len(self.buckets)
             self._worker.join()
+            for arrived in self._arrived:  # the device waits for the copies back; this thread does not
+                self.backend.after(arrived)
+            self._arrived = []
         else:
+            self.backend.synchronize()
             for i in range(self._launched, len(self.buckets)):  # not started yet: blocking, bucket by bucket
                 if i not in self._held:
                     self._reduce(i)
@@ -283,9 +316,10 @@ class _Reducer:
     all of them and re-raises the thread's error, if any.
     """
 
-    def __init__(self):
+    def __init__(self, on_start=None):
         self.queue = queue.Queue()
         self.error = None
+        self.on_start = on_start  # run first on the thread (a device backend's bind_thread)
         threading.Thread(target=self._run, name="hpctrain-grad-allreduce", daemon=True).start()
 
     def submit(self, collective) -> None:
@@ -296,6 +330,11 @@ class _Reducer:
         self.queue.put(None)
 
     def _run(self):
+        try:
+            if self.on_start is not None:
+                self.on_start()
+        except BaseException as e:  # every collective is then skipped; join() raises it
+            self.error = e
         while True:
             collective = self.queue.get()
             if collective is None:

@@ -154,13 +154,14 @@ def tree_allreduce(comm, buf, scratch, add) -> None:
         bit <<= 1
 
 
-def tensor_norm2(backend, grads, ranges_by_tensor, count: int) -> np.ndarray:
+def tensor_norm2(piece_sums, ranges_by_tensor, count: int) -> np.ndarray:
     """A float64 vector of ``count`` per-tensor sums of squares (global tensor index -> value; 0 where this rank
-    counts no part of the tensor): summed over the ranks of a stage's other groups, each entry has one
-    contributor and the sum is exact."""
+    counts no part of the tensor) from ``piece_sums``, the sums of squares of the pieces ``ranges_by_tensor``
+    lists ((index, lo, hi) each, in that order): summed over the ranks of a stage's other groups, each entry has
+    one contributor and the sum is exact."""
     out = np.zeros(count, dtype=np.float64)
-    for index, lo, hi in ranges_by_tensor:
-        out[index] += backend.sum_squares(grads[lo:hi])
+    for (index, _, _), value in zip(ranges_by_tensor, piece_sums):
+        out[index] += value
     return out
 
 

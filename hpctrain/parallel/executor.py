@@ -15,6 +15,14 @@ sized from the checker's peak of live received activations (an input activation
 is kept for its micro-batch's backward, which reads it). Sends are ``Isend``s kept
 referenced until they complete (parallel/transport.py).
 
+On the last stage each micro-batch's loss sums go into a row of a small backend array
+(``loss(..., into=row)``), not to the host: a device is not waited for at each
+micro-batch. The optimizer step reads the rows together with the gradient norm, in the
+step's one wait (``pending_loss_rows``/``settle_losses``); a list without an
+optimizer step (evaluation) reads them at its end. Token ids and class targets
+(int64) stay in host memory: the backend checks and uploads them itself, and the
+embedding's backward sorts them there without reading them back.
+
 Collective behaviour: every stage of a pipeline group must run its own list of the
 same schedule for the same step; the stages' messages then match one for one (the
 checker proved it before the first step). ``ReduceGrads`` is collective over the
@@ -25,6 +33,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import BackendError
 
 from .schedule import (Backward, BackwardInput, BackwardWeight, Exchange, Forward, LoadMicroBatch, OptimizerStep,
                        RecvActivation, RecvGrad, ReduceGrads, SendActivation, SendGrad)
@@ -107,7 +119,8 @@ class StageExecutor:
     # ------------------------------------------------------------------ running a list
 
     def run(self, instructions, batch, *, grad_scale: float = 0.0, on_optimizer_step=None) -> StepResult:
-        """Run ``instructions`` on ``batch`` (``rows(i)``, ``load(i) -> (x, y)`` host arrays of micro-batch i)."""
+        """Run ``instructions`` on ``batch`` (``rows(i)``, ``load(i) -> (x, y)`` host arrays of micro-batch i,
+        ``len``: the micro-batches)."""
         self.batch, self.grad_scale, self.on_optimizer_step = batch, grad_scale, on_optimizer_step
         self.result = StepResult()
         self._x, self._y, self._saved, self._live_bytes = {}, {}, {}, {}
@@ -118,6 +131,8 @@ class StageExecutor:
         self._first_backward = True
         self._wrote_input = self._wrote_weight = False  # zero-bubble: the first B and the first W write, not add
         self._wsaved = {}  # mb -> what its BackwardWeight needs
+        self._loss_rows = None  # the last stage: [loss sum, correct, first bad row] per micro-batch, on the backend
+        self._losses = []  # (mb, (loss sum, correct) read already, or None: in _loss_rows), in forward order
         t0 = time.perf_counter()
         self._post_ahead()
         for self._index, ins in enumerate(instructions):
@@ -129,8 +144,34 @@ class StageExecutor:
             w0 = time.perf_counter()
             self.p2p.wait_sends()
             self.result.wait += time.perf_counter() - w0
+        if self._losses:  # no optimizer step read them (evaluation): one wait here
+            rows = self.pending_loss_rows()
+            self.settle_losses(None if rows is None else self.be.read_host(rows)[0])
         self.result.span = time.perf_counter() - t0
         return self.result
+
+    # ------------------------------------------------------------------ loss sums, read once
+
+    def pending_loss_rows(self):
+        """The backend array of loss rows still to be read (None when there is none)."""
+        return self._loss_rows if any(sums is None for _, sums in self._losses) else None
+
+    def settle_losses(self, host_rows) -> None:
+        """Add the run's loss sums to the result in forward order, the pending ones from ``host_rows`` (a host
+        copy of ``pending_loss_rows()``); a class target outside the logits (device targets only: host ones are
+        checked before the kernel) raises BackendError."""
+        for mb, sums in self._losses:
+            if sums is None:
+                total, correct, bad = host_rows[mb]
+                rows = self.batch.rows(mb)
+                if self.loss.classification and bad < rows:
+                    raise BackendError(f"cross_entropy: micro-batch {mb} has a target outside the logits' columns "
+                                       f"in row {int(bad)} of {rows}")
+                sums = float(total), float(correct)
+            self.result.loss_sum += sums[0]
+            self.result.losses[mb] = sums[0]
+            self.result.correct += sums[1]
+        self._losses = []
 
     def _plan(self, instructions):
         """Per list, once: the receives in program order (reversed, per kind) and the last Backward's index."""
@@ -218,9 +259,9 @@ class StageExecutor:
         t0 = time.perf_counter()
         x, y = self.batch.load(ins.mb)
         if self.part.is_first:
-            self._x[ins.mb] = self.be.asarray(x)
+            self._x[ins.mb] = _upload(self.be, x)
         if self.part.is_last:
-            self._y[ins.mb] = self.be.asarray(y)
+            self._y[ins.mb] = _upload(self.be, y)
         t1 = time.perf_counter()
         self.result.data += t1 - t0
         self._trace("load", ins.mb, t0, t1)
@@ -230,10 +271,11 @@ class StageExecutor:
         t0 = time.perf_counter()
         out, saved = self.part.forward(self.be, self._x[mb])
         if self.part.is_last:
-            loss_sum, correct, dout = self.loss(self.be, out, self._y.pop(mb), self.grad_scale)
-            self.result.loss_sum += float(loss_sum)
-            self.result.losses[mb] = float(loss_sum)
-            self.result.correct += float(correct)
+            if self._loss_rows is None:
+                self._loss_rows = self.be.zeros((len(self.batch), 3), np.float64)
+            loss_sum, correct, dout = self.loss(self.be, out, self._y.pop(mb), self.grad_scale,
+                                                into=self._loss_rows[mb])
+            self._losses.append((mb, None if loss_sum is None else (float(loss_sum), float(correct))))
             self.result.rows += self.batch.rows(mb)
             self._dout[mb] = dout
         else:
@@ -323,6 +365,12 @@ class StageExecutor:
         self.result.wait += waited
         self.result.optim += t1 - t0 - waited
         self._trace("optimizer", -1, t0, t1)
+
+
+def _upload(be, arr):
+    """A micro-batch's inputs or targets for the backend: int64 ids and class targets stay on the host (the
+    backend checks them there and uploads them itself), anything else goes to the backend."""
+    return arr if arr.dtype == np.int64 else be.asarray(arr)
 
 
 def nbytes_of(saved) -> int:

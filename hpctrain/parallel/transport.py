@@ -9,6 +9,12 @@ pipeline's point-to-point messages alike:
 * otherwise a device array is copied into a host buffer before a send and out of one
   after a receive.
 
+On the training thread ``outgoing``/``incoming`` wait for the device. A communication
+thread uses ``outgoing_when``/``incoming_async`` instead: it waits for an event the
+training thread recorded (``backend.mark()``) and stages on the backend's copy stream,
+and the copy back returns an event that the training thread's stream waits for on the
+device (``backend.after``), so the training thread never waits for the device there.
+
 ``PointToPoint`` wraps ``Isend``/``Irecv`` on one communicator (the mesh's ``pp_comm``:
 stage s is rank s there). With collective diagnostics on (parallel/watch.py) each send
 is preceded by its fingerprint on a duplicate communicator, which the receiver checks
@@ -52,6 +58,21 @@ class Transport:
         """After MPI wrote ``host`` (staged), copy it into ``arr``; nothing to do when direct."""
         if not self.direct:
             self.backend.from_host_into(host, arr)
+
+    def outgoing_when(self, arr, host, ready):
+        """On a communication thread: what MPI should read to send ``arr`` once ``ready`` (``backend.mark()``,
+        recorded when ``arr`` was written) is done: ``arr`` after a wait for the event, or ``host`` holding it
+        (copied on the copy stream)."""
+        if self.direct:
+            self.backend.host_wait_for(ready)  # MPI reads the device memory itself
+            return arr
+        self.backend.stage_out(arr, host, ready)
+        return host
+
+    def incoming_async(self, host, arr):
+        """After MPI wrote ``host`` (staged): its copy into ``arr`` queued on the copy stream; returns the event
+        the training thread's stream must wait for (``backend.after``), or None when MPI wrote ``arr`` itself."""
+        return None if self.direct else self.backend.stage_in(host, arr)
 
     def allreduce_(self, comm, arr) -> None:
         """Sum ``arr`` over ``comm`` in place (a blocking Allreduce; collective over ``comm``)."""

@@ -59,6 +59,9 @@ class _Batch:
         self.data, self.row_lists, self.positions = data, row_lists, positions
         self._all = None if at_once and len(row_lists) > 1 else False
 
+    def __len__(self) -> int:
+        return len(self.row_lists)
+
     def rows(self, mb: int) -> int:
         return len(self.row_lists[mb]) * self.positions
 
@@ -155,12 +158,11 @@ class StepRunner:
             sum_tied_grads(self.mesh, self.transport, part, self.grads)  # (both ends wait here; ZeRO: in the sync)
         wait = time.perf_counter() - t0
         # each tensor counted once: a shard on every tensor-parallel rank, a replicated tensor on one
-        data = self.grads.data
+        piece_sums = self._read_step_sums()
         if self.deterministic:  # per tensor, each entry summed from one stage: exact over any pipeline cut
-            norm2 = tensor_norm2(be, data, self._norm_tensors, len(part.spec.layout))
+            norm2 = tensor_norm2(piece_sums, self._norm_tensors, len(part.spec.layout))
         else:
-            norm2 = np.array([sum(be.sum_squares(data if (lo, hi) == (0, data.size) else data[lo:hi])
-                                  for lo, hi in self._norm_ranges)], dtype=np.float64)
+            norm2 = np.array([sum(piece_sums.tolist())], dtype=np.float64)
         t0 = time.perf_counter()
         if self.shard is not None:  # ZeRO: each data-parallel rank holds the reduced gradients of its chunks
             self.mesh.dp_comm.Allreduce(MPI.IN_PLACE, norm2, op=MPI.SUM)
@@ -200,8 +202,22 @@ class StepRunner:
                 self.sync.finish_gather()
             if part.shared or part.local_ties:  # a tied tensor: its owner updated it; the replica receives it
                 refresh_replicas(self.mesh, self.transport, part, self.optim.params)
-            be.synchronize()
         return dict(grad_norm=norm, skipped=skipped, wait=wait)
+
+    def _read_step_sums(self) -> np.ndarray:
+        """The step's one wait for a device: the sums of squares of this rank's norm pieces, and the last stage's
+        loss rows (handed to the executor), computed on the backend and read together. Returns the piece sums,
+        in the order of the norm ranges."""
+        be, data = self.be, self.grads.data
+        ranges = [(lo, hi) for _, lo, hi in self._norm_tensors] if self.deterministic else self._norm_ranges
+        pieces = be.empty((len(ranges),), np.float64)
+        for i, (lo, hi) in enumerate(ranges):
+            be.sum_squares(data if (lo, hi) == (0, data.size) else data[lo:hi], into=pieces[i : i + 1])
+        loss_rows = self.executor.pending_loss_rows()
+        host = be.read_host(pieces, *(() if loss_rows is None else (loss_rows,)))
+        if loss_rows is not None:
+            self.executor.settle_losses(host[1])
+        return host[0]
 
     def _overflow(self, step: int) -> bool:
         """A finite gradient so large that the update would overflow the optimizer's float32 state (Adam squares

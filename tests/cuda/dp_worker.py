@@ -63,9 +63,38 @@ def deterministic(path):
     return 0 if ok else 1
 
 
+def waits(path, layout):
+    """``waits-dp``: the training thread's waits for the device in one GPT step at dp 2 with two micro-batches and
+    several gradient buckets (``backend.host_waits``; the communication thread's waits for its staging copies are
+    ``background_waits``). The budget is one: the step's read of its loss and gradient norm."""
+    comm = MPI.COMM_WORLD
+    if comm.rank == 0:
+        make_tokens(path, n=300)
+    comm.Barrier()
+    cfg = gpt_config(path, model={"block_size": 4, "n_embd": 4}, data={"val_fraction": 0.0},
+                     train={"steps": 2, "batch_size": 4, "micro_batches": 2, "backend": "cuda", "grad_clip": 0.5},
+                     parallel={"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False})
+    mesh = Mesh()
+    trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    be = trainer.be
+    trainer.train_step(0, 0.01)  # the first step allocates and compiles
+    before, background = be.host_waits, be.background_waits
+    trainer.train_step(1, 0.01)
+    n, staged = be.host_waits - before, be.background_waits - background
+    buckets, threaded = len(trainer.sync.buckets), trainer.sync.threaded
+    trainer.close()
+    mesh.free()
+    ok = n == 1 and threaded and buckets > 2 and staged >= buckets
+    print(f"rank {comm.rank}: {n} waits on the training thread, {staged} on the communication thread for "
+          f"{buckets} buckets {'OK' if ok else 'MISMATCH'}", flush=True)
+    return 0 if ok else 1
+
+
 def main(path, layout):
     if layout == "gpt-det":
         return deterministic(path)
+    if layout.startswith("waits-"):
+        return waits(path, layout)
     comm = MPI.COMM_WORLD
     pp = 2 if layout in ("pp", "gpt-pp") else 1
     tp = 2 if layout in ("tp", "gpt-tp") else 1

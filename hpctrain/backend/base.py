@@ -64,13 +64,15 @@ class Backend:
     scatter-add), ``attention_forward/backward`` (causal multi-head attention on a fused
     q/k/v projection).
     Losses return host scalars: ``cross_entropy`` -> (loss sum, correct),
-    ``mse`` -> loss sum; given ``into`` (a float64 backend array of 3: a loss row) they write
-    there instead and return None, so a device backend need not wait: cross_entropy
+    ``mse`` -> loss sum; given ``into`` (a float64 backend array of 3: a loss row) they
+    write there instead and return None, so a device backend need not wait: cross_entropy
     [loss sum, correct, first bad row (B if none)], mse the loss sum into[0] only
-    (``sum_squares`` likewise, into one float64). Token ids and
-    class targets may be host arrays on either backend: a device backend uploads them itself
-    and checks them on the host. ``read_host(*arrays)`` copies several arrays to the host
-    with one wait; ``host_waits`` counts a device backend's waits (the step's budget is one). The vocab-parallel cross-entropy's three row passes over a block of
+    (``sum_squares`` likewise, into one float64). Token ids and class targets may be host
+    arrays on either backend: a device backend uploads them itself and checks them on the
+    host. ``read_host(*arrays)`` copies several arrays to the host with one wait;
+    ``host_waits`` counts a device backend's waits for its whole stream (a training step's
+    budget is one), ``mark_waits`` its waits for an earlier point of it.
+    The vocab-parallel cross-entropy's three row passes over a block of
     the logits' columns (nn/loss.py combines them over the tensor-parallel group):
     ``ce_shard_stats`` (row max, first argmax, target logit), ``ce_shard_sumexp``,
     ``ce_shard_grad``. Flat buffers: ``sum_squares``, ``scale_``, ``fill_``,
@@ -81,7 +83,7 @@ class Backend:
 
     name = "base"
     is_device = False
-    host_waits = 0  # times the host waited for the device (a device backend counts them: tests/cuda)
+    host_waits = mark_waits = 0  # the host's waits for the device (a device backend counts them: tests/cuda)
 
     def read_host(self, *arrays) -> list:
         """Host copies of backend arrays, made together (a device backend waits for its stream once)."""

@@ -22,7 +22,8 @@ ops given device ids (the ids come back for the range check and the sort), and
 ``synchronize()`` (before MPI reads device memory). A training step avoids all but one:
 its ids and targets stay on the host (checked there, uploaded here), its losses and
 gradient norm go ``into`` device scalars, and the step reads them together once
-(train/step.py). ``host_waits`` counts every wait (the tests' hook).
+(train/step.py). ``host_waits`` counts the waits for the whole stream, ``mark_waits``
+those for an earlier mark (the tests' hooks).
 
 Launch shapes are fixed at construction: ``tile`` (the GEMM tiling, see
 cuda_gemm.py) and ``block`` (threads per block of the other kernels). The
@@ -120,10 +121,14 @@ class CudaBackend(Backend):
         self._k = ops_kernels(self.block)
         self._tk = transformer_kernels(self.block)
         self.stream = cuda.stream()
-        self.copy_stream = cuda.stream()  # a communication thread's staging copies (stage_out, stage_in)
-        self.host_waits = 0  # the training thread's waits for the device (tests/cuda check the step's budget)
+        self.copy_stream = cuda.stream()  # a communication thread's copies out (stage_out): they wait for marks
+        self.upload_stream = cuda.stream()  # and its copies back (stage_in), which wait for nothing
+        self.host_waits = 0  # the training thread's waits for the whole stream: the GPU's queue runs dry
+        self.mark_waits = 0  # its waits for an earlier mark, with later work still queued (the GPU keeps busy)
         self.background_waits = 0  # other threads' (a communication thread's, for its staging copies)
         self._owner = threading.get_ident()
+        self._marks_made = 0  # marks recorded on the stream so far (each numbered by its order)
+        self._marks_done = 0  # marks [0, _marks_done) are certainly complete: a wait for the whole stream followed
         self._pool = None if self.simulator else DevicePool(_raw_alloc, _wrap)
         self._no_bias = self.zeros((1,))  # the GEMM kernel always takes a bias array
         self._scalars = self.zeros((3,), np.float64)  # device-side results of the reductions
@@ -208,13 +213,17 @@ class CudaBackend(Backend):
     def _wait(self):
         """The host waits until every kernel and copy queued on the stream is done (counted)."""
         self._count_wait()
+        covered = self._marks_made  # every mark made so far was recorded before this wait began
         self.stream.synchronize()
+        self._marks_done = max(self._marks_done, covered)
 
-    def _count_wait(self):
-        if threading.get_ident() == self._owner:
+    def _count_wait(self, whole_stream: bool = True):
+        if threading.get_ident() != self._owner:
+            self.background_waits += 1
+        elif whole_stream:
             self.host_waits += 1
         else:
-            self.background_waits += 1
+            self.mark_waits += 1
 
     # ------------------------------------------------------------------ events: other threads and streams
 
@@ -222,19 +231,25 @@ class CudaBackend(Backend):
         """An event recorded on the stream now: it completes once everything queued so far is done."""
         event = self._event()
         event.record(self.stream)
-        return event
+        mark = _Mark(event, self._marks_made)
+        self._marks_made += 1
+        return mark
 
     def _event(self):
         return cuda.event() if self.simulator else cuda.event(timing=False)  # the simulator's takes no arguments
 
-    def after(self, event) -> None:
-        """What is queued on the stream from now on waits for ``event`` on the device (the host does not wait)."""
-        event.wait(self.stream)
+    def after(self, mark) -> None:
+        """What is queued on the stream from now on waits for ``mark`` on the device (the host does not wait)."""
+        mark.event.wait(self.stream)
 
-    def host_wait_for(self, event) -> None:
-        """The calling thread waits for ``event`` (counted: a communication thread's waits are background)."""
-        self._count_wait()
-        event.synchronize()
+    def host_wait_for(self, mark) -> None:
+        """The calling thread waits for ``mark`` (counted: the training thread's in ``mark_waits``, since its
+        callers queued more work after the mark; a communication thread's are background); no wait when a wait
+        for the whole stream has passed the mark already."""
+        if mark.seq is not None and mark.seq < self._marks_done:
+            return
+        self._count_wait(whole_stream=False)
+        mark.event.synchronize()
 
     def bind_thread(self) -> None:
         """Make this backend's GPU current on the calling thread (a communication thread, before its first copy)."""
@@ -246,23 +261,23 @@ class CudaBackend(Backend):
         (a wait of the calling thread: a communication thread's, so the training thread goes on queueing)."""
         self._require_device("stage_out", "dev", dev)
         check_array("stage_out", "host", host, shape=dev.shape, dtype=dev.dtype)
-        ready.wait(self.copy_stream)
+        ready.event.wait(self.copy_stream)
         if dev.size:
             dev.copy_to_host(host, stream=self.copy_stream)
         self._count_wait()
         self.copy_stream.synchronize()
 
     def stage_in(self, host, dev):
-        """dev[...] = host[...] queued on the copy stream; returns its event: ``after(event)`` before the stream
-        reads ``dev``. ``host`` must stay as it is until the event completes (the copy stream runs in order, so a
-        later ``stage_out`` into it is safe)."""
+        """dev[...] = host[...] queued on the upload stream; returns its mark: ``after(mark)`` before the stream
+        reads ``dev``. ``host`` must stay as it is until then (a later ``stage_out`` into it waits for a mark the
+        training stream records after its ``after``, so it is safe)."""
         self._require_device("stage_in", "dev", dev)
         check_array("stage_in", "host", host, shape=dev.shape, dtype=dev.dtype)
         if dev.size:
-            dev.copy_to_device(host, stream=self.copy_stream)
+            dev.copy_to_device(host, stream=self.upload_stream)
         event = self._event()
-        event.record(self.copy_stream)
-        return event
+        event.record(self.upload_stream)
+        return _Mark(event, None)  # on its own stream: no wait for the training stream covers it
 
     def pinned_host(self, shape, dtype=np.float32):
         """A page-locked host array: the staging buffer when MPI is not CUDA-aware."""
@@ -657,6 +672,15 @@ class CudaBackend(Backend):
         """check_array plus: the array lives on the device (a host array would be copied back and forth)."""
         self._require_device(op, name, arr)
         return check_array(op, name, arr, **kw)
+
+
+class _Mark:
+    """A device event and, for one recorded on the training stream, its number among the stream's marks."""
+
+    __slots__ = ("event", "seq")
+
+    def __init__(self, event, seq):
+        self.event, self.seq = event, seq
 
 
 def _flat(arr):

@@ -51,13 +51,12 @@ buckets are reduce-scattered in ``wait()``, after backward, and gathered one by 
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 
 import numpy as np
 
 from .deterministic import tree_allreduce
+from .transport import CommThread
 from .zero import overlap as _overlap
 
 __all__ = ["GradSync", "make_buckets"]
@@ -140,7 +139,7 @@ class GradSync:
         self._device = self.backend.is_device
         threaded = (self.active and overlap and MPI.Query_thread() == MPI.THREAD_MULTIPLE
                     and not (self._device and (self.shard or tree is not None)))
-        self._worker = _Reducer(on_start=self.backend.bind_thread) if threaded else None
+        self._worker = CommThread("hpctrain-grad-allreduce", on_start=self.backend.bind_thread) if threaded else None
         self._arrived = []  # device: events of the buckets' copies back, for the training stream to wait on
 
     @property
@@ -307,48 +306,3 @@ class GradSync:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-
-
-class _Reducer:
-    """A daemon thread that runs submitted collectives (blocking, one bucket each), in order.
-
-    Only this thread uses the communicator while a step's buckets are in flight; ``join`` waits for
-    all of them and re-raises the thread's error, if any.
-    """
-
-    def __init__(self, on_start=None):
-        self.queue = queue.Queue()
-        self.error = None
-        self.on_start = on_start  # run first on the thread (a device backend's bind_thread)
-        threading.Thread(target=self._run, name="hpctrain-grad-allreduce", daemon=True).start()
-
-    def submit(self, collective) -> None:
-        self.queue.put(collective)
-
-    def close(self) -> None:
-        """Stop the thread once what was submitted is done."""
-        self.queue.put(None)
-
-    def _run(self):
-        try:
-            if self.on_start is not None:
-                self.on_start()
-        except BaseException as e:  # every collective is then skipped; join() raises it
-            self.error = e
-        while True:
-            collective = self.queue.get()
-            if collective is None:
-                self.queue.task_done()
-                return
-            try:
-                if self.error is None:
-                    collective()
-            except BaseException as e:  # handed to the training thread in join()
-                self.error = e
-            finally:
-                self.queue.task_done()
-
-    def join(self) -> None:
-        self.queue.join()
-        if self.error is not None:
-            raise self.error

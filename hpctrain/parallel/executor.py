@@ -86,12 +86,18 @@ def micro_rows(local: int, micro_batches: int) -> int:
 
 
 class _Ring:
-    """Preallocated receive buffers of (max_rows, width) with their host staging twins."""
+    """Preallocated receive buffers of (max_rows, width) with their host staging twins.
+
+    ``ready[slot]``: a device event MPI must see done before it writes the slot again (None: nothing to wait
+    for): staged, the copy out of the host twin; direct (a CUDA-aware MPI writes the device array), the last
+    kernel that read it. A device's step waits for one only where the step's one wait has not passed it.
+    """
 
     def __init__(self, backend, transport, size: int, max_rows: int, width: int):
         self.arrays = [backend.empty((max_rows, width)) for _ in range(size)]
         self.hosts = [transport.host_buffer((max_rows, width)) for _ in range(size)]
         self.free = list(range(size))
+        self.ready = [None] * size
 
 
 class StageExecutor:
@@ -211,11 +217,12 @@ class StageExecutor:
             if not queue:
                 continue
             ring = self._ring(kind)
-            if ring.free and self.be.is_device and self.p2p.transport.direct:
-                self.be.synchronize()  # a recycled buffer may still be read by a kernel; MPI writes it directly
             while queue and ring.free:
                 mb = queue.pop()
                 slot = ring.free.pop()
+                if ring.ready[slot] is not None:  # a kernel or copy queued earlier may still read the buffer
+                    self.be.host_wait_for(ring.ready[slot])
+                    ring.ready[slot] = None
                 n = self.batch.rows(mb)
                 source = self.stage - 1 if kind == ACTIVATION else self.stage + 1
                 host = ring.hosts[slot][:n] if ring.hosts[slot] is not None else None
@@ -225,7 +232,10 @@ class StageExecutor:
     def _release(self, kind, mb) -> None:
         slot, _ = self._slots.pop((kind, mb), (None, None))
         if slot is not None:
-            self._rings[kind].free.append(slot)
+            ring = self._rings[kind]
+            if self.be.is_device and self.p2p.transport.direct:  # MPI will write the device array itself
+                ring.ready[slot] = self.be.mark()
+            ring.free.append(slot)
 
     def _recv(self, ins) -> None:
         kind = self._kind(ins)
@@ -235,6 +245,8 @@ class StageExecutor:
         t0 = time.perf_counter()
         arr = handle.wait()
         t1 = time.perf_counter()
+        if handle.uploaded is not None:  # staged: the host twin is free once the queued copy has run
+            self._ring(kind).ready[slot] = handle.uploaded
         self._slots[(kind, ins.mb)] = (slot, None)
         (self._x if kind == ACTIVATION else self._dout)[ins.mb] = arr
         self.result.wait += t1 - t0

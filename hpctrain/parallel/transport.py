@@ -25,9 +25,12 @@ could leave a send without its receive is refused at start-up (parallel/schedule
 
 from __future__ import annotations
 
+import queue
+import threading
+
 import numpy as np
 
-__all__ = ["Transport", "PointToPoint", "TAG_LIMIT"]
+__all__ = ["CommThread", "Transport", "PointToPoint", "TAG_LIMIT"]
 
 TAG_LIMIT = 32767  # the smallest MPI_TAG_UB the standard allows
 
@@ -69,6 +72,15 @@ class Transport:
         self.backend.stage_out(arr, host, ready)
         return host
 
+    def incoming_queued(self, host, arr):
+        """After MPI wrote ``host`` (staged): its copy into ``arr`` queued on the training stream, in order with
+        the kernels that read ``arr``; returns the event (``backend.mark``) after which ``host`` may be written
+        again, or None when MPI wrote ``arr`` itself. The host does not wait."""
+        if self.direct:
+            return None
+        self.backend.copy_(arr, host)
+        return self.backend.mark()
+
     def incoming_async(self, host, arr):
         """After MPI wrote ``host`` (staged): its copy into ``arr`` queued on the copy stream; returns the event
         the training thread's stream must wait for (``backend.after``), or None when MPI wrote ``arr`` itself."""
@@ -81,36 +93,96 @@ class Transport:
         buf = self.outgoing(arr)  # the array itself (host, or CUDA-aware MPI) or a host copy
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         if buf is not arr:
-            self.backend.copy_(arr, self.backend.asarray(buf).reshape(arr.shape))
+            self.backend.copy_(arr, buf.reshape(arr.shape))  # queued: ``buf`` is this call's own copy
+
+
+class CommThread:
+    """A daemon thread that runs submitted MPI work (a bucket's collective, a send), one at a time, in order.
+
+    Only this thread uses what it is handed while work is in flight; ``join`` waits for all of it and re-raises
+    the thread's error, if any. ``on_start`` runs first on the thread (a device backend's ``bind_thread``).
+    Needs MPI_THREAD_MULTIPLE: the caller's thread goes on calling MPI meanwhile.
+    """
+
+    def __init__(self, name: str, on_start=None):
+        self.queue = queue.Queue()
+        self.error = None
+        self.on_start = on_start
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, work) -> None:
+        self.queue.put(work)
+
+    def close(self) -> None:
+        """Stop the thread once what was submitted is done."""
+        self.queue.put(None)
+
+    def _run(self):
+        try:
+            if self.on_start is not None:
+                self.on_start()
+        except BaseException as e:  # every piece of work is then skipped; join() raises it
+            self.error = e
+        while True:
+            work = self.queue.get()
+            if work is None:
+                self.queue.task_done()
+                return
+            try:
+                if self.error is None:
+                    work()
+            except BaseException as e:  # handed to the caller's thread in join()
+                self.error = e
+            finally:
+                self.queue.task_done()
+
+    def join(self) -> None:
+        self.queue.join()
+        if self.error is not None:
+            raise self.error
 
 
 class _Recv:
-    __slots__ = ("request", "host", "arr", "transport", "check")
+    __slots__ = ("request", "host", "arr", "transport", "check", "uploaded")
 
     def __init__(self, request, host, arr, transport, check=None):
         self.request, self.host, self.arr, self.transport, self.check = request, host, arr, transport, check
+        self.uploaded = None  # staged: the event after which ``host`` is free again (the copy into ``arr``)
 
     def wait(self):
-        """Complete the receive; returns the backend array holding the message."""
+        """Complete the receive; returns the backend array holding the message (staged: its copy into the array is
+        queued, in order with the kernels that read it; ``uploaded`` says when the host buffer is free)."""
         if self.check is not None:
             self.check(self.request)
         else:
             self.request.Wait()
         if self.host is not None:
-            self.transport.incoming(self.host, self.arr)
+            self.uploaded = self.transport.incoming_queued(self.host, self.arr)
         return self.arr
 
 
 class PointToPoint:
-    """``Isend``/``Irecv`` of backend arrays over ``comm``; sends stay referenced until they complete."""
+    """``Isend``/``Irecv`` of backend arrays over ``comm``; sends stay referenced until they complete.
+
+    On a device (with MPI_THREAD_MULTIPLE, and without collective diagnostics) a sender thread posts the sends:
+    the training thread records an event for the array and goes on queueing kernels, the sender waits for the
+    event, stages the array into a pinned buffer of its pool on the copy stream (or hands device memory to a
+    CUDA-aware MPI) and posts the ``Isend``.
+    """
 
     def __init__(self, *, comm, transport: Transport, max_in_flight: int = 4, diag=None):
+        from mpi4py import MPI
+
         self.comm, self.transport = comm, transport
         self.max_in_flight = max_in_flight
-        self._sends = []  # (request, buffer): MPI may read the buffer until the request completes
+        self._sends = []  # (request, buffer, pooled host buffer or None): MPI may read the buffer until completion
         self.diag = diag  # parallel/watch.py's Diagnostics, or None
         self._fp = comm.Dup() if diag is not None and diag.fingerprints else None
         self._counts = {}  # ("send" | "recv", peer, tag) -> messages so far
+        be = transport.backend
+        threaded = be.is_device and diag is None and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._sender = CommThread("hpctrain-p2p-send", on_start=be.bind_thread) if threaded else None
+        self._pool = {}  # (shape, dtype) -> free pinned host buffers for staged sends
 
     def post_recv(self, arr, *, source: int, tag: int, host=None) -> _Recv:
         """Post a receive into ``arr`` (through ``host`` when staged); ``wait()`` on the result completes it."""
@@ -123,20 +195,40 @@ class PointToPoint:
 
     def post_send(self, arr, *, dest: int, tag: int) -> None:
         """Start sending ``arr``; the buffer is kept alive until the send completes (at most
-        ``max_in_flight`` sends stay in flight: beyond that the oldest is waited for)."""
-        buf = self.transport.outgoing(arr)
+        ``max_in_flight`` sends stay in flight: beyond that the oldest is waited for). ``arr`` must not be
+        written again before the step's ``wait_sends`` (the executor sends each array once and drops it)."""
+        if self._sender is not None:
+            ready = self.transport.backend.mark()  # what writes ``arr`` is queued before this point
+            self._sender.submit(lambda: self._send_when(arr, dest, tag, ready))
+            return
+        self._isend(self.transport.outgoing(arr), dest, tag, None)
+
+    def _send_when(self, arr, dest: int, tag: int, ready) -> None:
+        """On the sender thread: ``arr`` once ``ready`` is done, staged through a pooled pinned buffer or direct."""
+        host = None
+        if not self.transport.direct:
+            free = self._pool.setdefault((tuple(arr.shape), np.dtype(arr.dtype).str), [])
+            host = free.pop() if free else self.transport.backend.pinned_host(arr.shape, arr.dtype)
+        self._isend(self.transport.outgoing_when(arr, host, ready), dest, tag, host)
+
+    def _isend(self, buf, dest: int, tag: int, host) -> None:
         if self._fp is not None:
             from .watch import pack_record, call_site
 
-            record = pack_record(f"{self._key('send', dest, tag, buf)}|{call_site(2)}")
-            self._sends.append((self._fp.Isend(record, dest=dest, tag=tag % TAG_LIMIT), record))
-        self._sends.append((self.comm.Isend(buf, dest=dest, tag=tag % TAG_LIMIT), buf))
+            record = pack_record(f"{self._key('send', dest, tag, buf)}|{call_site(3)}")
+            self._sends.append((self._fp.Isend(record, dest=dest, tag=tag % TAG_LIMIT), record, None))
+        self._sends.append((self.comm.Isend(buf, dest=dest, tag=tag % TAG_LIMIT), buf, host))
         # backpressure: a stage that never waits (stage 0 of a forward-only pass) would otherwise keep
         # every activation it sent alive until the end; waiting on an older send than the schedule checker
         # already assumed complete cannot deadlock
         while len(self._sends) > self.max_in_flight * (2 if self._fp is not None else 1):
-            request, _ = self._sends.pop(0)
+            request, _, pooled = self._sends.pop(0)
             self._wait(request, f"send to rank {dest}")
+            self._give_back(pooled)
+
+    def _give_back(self, host) -> None:
+        if host is not None:
+            self._pool[(tuple(host.shape), np.dtype(host.dtype).str)].append(host)
 
     def _key(self, direction: str, peer: int, tag: int, buf) -> str:
         """What both ends of a message must agree on: its number among the two ranks' messages with its tag
@@ -179,29 +271,37 @@ class PointToPoint:
             self.diag.end()
 
     def progress(self) -> None:
-        """Let MPI move the sends in flight along, and drop those that completed."""
-        if self._sends:
+        """Let MPI move the sends in flight along, and drop those that completed (the sender thread's own, when
+        there is one: MPI's progress comes with the receives' waits)."""
+        if self._sends and self._sender is None:
             from mpi4py import MPI
 
-            done = MPI.Request.Testsome([r for r, _ in self._sends])
+            done = MPI.Request.Testsome([r for r, _, _ in self._sends])
             if done:
                 finished = set(done)
                 self._sends = [s for i, s in enumerate(self._sends) if i not in finished]
 
     def wait_sends(self) -> None:
         """Complete every send in flight (their receivers have posted them by the schedule's construction)."""
+        if self._sender is not None:
+            self._sender.join()  # every send posted; the thread is idle from here on
         if self._sends:
             from mpi4py import MPI
 
             if self.diag is None:
-                MPI.Request.Waitall([r for r, _ in self._sends])
+                MPI.Request.Waitall([r for r, _, _ in self._sends])
             else:
-                for request, _ in self._sends:
+                for request, _, _ in self._sends:
                     self._wait(request, "completing this stage's sends")
+            for _, _, host in self._sends:
+                self._give_back(host)
             self._sends = []
 
     def free(self) -> None:
-        """Free the fingerprints' duplicate communicator (collective over ``comm``)."""
+        """Free the fingerprints' duplicate communicator (collective over ``comm``) and stop the sender thread."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
         if self._fp is not None:
             self._fp.Free()
             self._fp = None

@@ -64,29 +64,51 @@ def deterministic(path):
 
 
 def waits(path, layout):
-    """``waits-dp``: the training thread's waits for the device in one GPT step at dp 2 with two micro-batches and
-    several gradient buckets (``backend.host_waits``; the communication thread's waits for its staging copies are
-    ``background_waits``). The budget is one: the step's read of its loss and gradient norm."""
+    """``waits-*``: the training thread's waits for the whole device stream in one step (``backend.host_waits``),
+    against what each layout must wait for:
+
+    * ``waits-dp``: a GPT at dp 2, two micro-batches, a dozen gradient buckets: 1, the step's read of its loss and
+      gradient norm (the communication thread waits for each bucket's event instead: ``background_waits``);
+    * ``waits-pp``: an MLP at pp 2 under 1F1B, four micro-batches: 1 (sends are posted by a sender thread,
+      received activations and gradients are uploaded in order on the stream; a recycled receive buffer may
+      wait for an earlier mark, ``mark_waits``, with later work still queued);
+    * ``waits-gpt-pp``: the GPT at pp 2: 1, plus 2 for its tied embedding (the gradient summed over the two ends
+      before the norm, the updated values sent to the replica after the optimizer);
+    * ``waits-tp``: the GPT at tp 2: 1, plus 1 per tensor-parallel Allreduce (the next kernel needs its sum) and
+      2 per micro-batch for the vocab-parallel loss's row statistics, which are reduced on the host.
+    """
     comm = MPI.COMM_WORLD
+    gpt = layout != "waits-pp"
     if comm.rank == 0:
-        make_tokens(path, n=300)
+        make_tokens(path, n=300) if gpt else make_classification(path, n=32)
     comm.Barrier()
-    cfg = gpt_config(path, model={"block_size": 4, "n_embd": 4}, data={"val_fraction": 0.0},
-                     train={"steps": 2, "batch_size": 4, "micro_batches": 2, "backend": "cuda", "grad_clip": 0.5},
-                     parallel={"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False})
-    mesh = Mesh()
+    pp, tp = (2, 1) if layout.endswith("-pp") else (1, 2) if layout == "waits-tp" else (1, 1)
+    m = 4 if pp > 1 else 2
+    parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False, "pp": pp, "tp": tp}
+    train = {"steps": 2, "micro_batches": m, "backend": "cuda", "grad_clip": 0.5}
+    if gpt:
+        cfg = gpt_config(path, model={"block_size": 4, "n_embd": 4}, data={"val_fraction": 0.0},
+                         train={**train, "batch_size": 4}, parallel=parallel)
+    else:
+        cfg = config(path, train={**train, "batch_size": 8}, parallel=parallel)
+    mesh = Mesh(pp=pp, tp=tp)
     trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
     be = trainer.be
+    tp_calls = []
+    if trainer.part.tp is not None:  # count the step's tensor-parallel Allreduces
+        plain = trainer.part.tp.allreduce_
+        trainer.part.tp.allreduce_ = lambda arr: (tp_calls.append(1), plain(arr))
     trainer.train_step(0, 0.01)  # the first step allocates and compiles
-    before, background = be.host_waits, be.background_waits
+    tp_calls.clear()
+    before, marks, background = be.host_waits, be.mark_waits, be.background_waits
     trainer.train_step(1, 0.01)
-    n, staged = be.host_waits - before, be.background_waits - background
-    buckets, threaded = len(trainer.sync.buckets), trainer.sync.threaded
+    n, marks, staged = be.host_waits - before, be.mark_waits - marks, be.background_waits - background
     trainer.close()
     mesh.free()
-    ok = n == 1 and threaded and buckets > 2 and staged >= buckets
-    print(f"rank {comm.rank}: {n} waits on the training thread, {staged} on the communication thread for "
-          f"{buckets} buckets {'OK' if ok else 'MISMATCH'}", flush=True)
+    expected = 1 + (2 if layout == "waits-gpt-pp" else 0) + (len(tp_calls) + 2 * m if tp > 1 else 0)
+    ok = n == expected and (layout != "waits-dp" or staged > 2)
+    print(f"rank {comm.rank}: {layout}: {n} waits for the stream (expected {expected}), {marks} for a mark, "
+          f"{staged} on other threads {'OK' if ok else 'MISMATCH'}", flush=True)
     return 0 if ok else 1
 
 

@@ -89,6 +89,11 @@ class Backend:
         """Host copies of backend arrays, made together (a device backend waits for its stream once)."""
         return [np.array(a) for a in arrays]
 
+    def upload(self, host):
+        """``asarray`` for a step's per-micro-batch uploads (a device backend stages them through page-locked
+        memory so the copy is asynchronous)."""
+        return self.asarray(host)
+
     # Events (a device backend's; here the host is the device and every call is immediate): ``mark()`` an event
     # for what is queued so far, ``after(event)`` makes later work wait for it, ``host_wait_for(event)`` waits
     # on the calling thread, ``bind_thread()`` readies a communication thread.

@@ -58,6 +58,7 @@ from .cuda_transformer import transformer_kernels
 __all__ = ["CudaBackend", "simulator"]
 
 GPU_BLOCK, SIM_BLOCK = 256, 16
+STAGING_PER_SHAPE = 64  # upload's page-locked buffers of one shape (a step uses one per micro-batch)
 SIM_MAX_BLOCKS = 4  # small, so that the simulator exercises the grid-stride loops
 SIM_WAVE = 4  # "SMs" under the simulator: small, so that tiny products take the split-K path there
 NT, NN, TN = 0, 1, 2  # the batched kernels' operand layouts, as cuda_gemm returns them
@@ -133,7 +134,8 @@ class CudaBackend(Backend):
         self._no_bias = self.zeros((1,))  # the GEMM kernel always takes a bias array
         self._scalars = self.zeros((3,), np.float64)  # device-side results of the reductions
         self._host_scalars = self.pinned_host((3,), np.float64)
-        self._host_reads = {}  # (shape, dtype) -> a pinned buffer that read_host copies into
+        self._host_reads = {}  # (position, shape, dtype) -> a pinned buffer that read_host copies into
+        self._staging = {}  # (shape, dtype) -> [(pinned buffer, the mark after its upload)], for upload
         self._bad_token = self.zeros((1,), np.int64)  # embedding_forward: first flat position of a bad id
         self._host_bad_token = self.pinned_host((1,), np.int64)
 
@@ -170,6 +172,31 @@ class CudaBackend(Backend):
             out.copy_to_device(host, stream=self.stream)
         return out
 
+    def upload(self, host):
+        """``asarray`` for what a step uploads at each micro-batch (inputs, ids, targets, the embedding's sort
+        plan): staged through a page-locked buffer, so the copy runs asynchronously with the host going on. A
+        staging buffer is reused once a wait for the whole stream has passed its copy, else another is made:
+        about one step's uploads in all (at most STAGING_PER_SHAPE of a shape, then the oldest is waited for)."""
+        if _is_device_array(host):
+            return host
+        host = np.ascontiguousarray(host)
+        if host.size == 0:
+            return self.asarray(host)
+        staged = self._staging.setdefault((host.shape, host.dtype.str), [])
+        buf = next((b for b, mark in staged if mark.seq < self._marks_done), None)
+        if buf is None and len(staged) >= STAGING_PER_SHAPE:
+            buf, mark = staged[0]
+            self.host_wait_for(mark)
+        if buf is None:
+            buf = self.pinned_host(host.shape, host.dtype)
+        else:
+            staged[:] = [(b, m) for b, m in staged if b is not buf]
+        np.copyto(buf, host)
+        out = self._alloc("upload", host.shape, host.dtype)
+        out.copy_to_device(buf, stream=self.stream)
+        staged.append((buf, self.mark()))
+        return out
+
     def to_host(self, arr):
         """Device array -> new host numpy array (synchronises)."""
         if not _is_device_array(arr):
@@ -183,11 +210,11 @@ class CudaBackend(Backend):
         """Host copies of device arrays (host arrays are copied as they are), made with one wait: the step's loss
         rows and gradient norm pieces."""
         copies = []
-        for arr in arrays:
+        for i, arr in enumerate(arrays):
             if not _is_device_array(arr):
                 copies.append(np.array(arr))
                 continue
-            key = (tuple(arr.shape), np.dtype(arr.dtype).str)
+            key = (i, tuple(arr.shape), np.dtype(arr.dtype).str)  # one buffer per place in the call
             if key not in self._host_reads:
                 self._host_reads[key] = self.pinned_host(arr.shape, arr.dtype)
             if arr.size:
@@ -428,7 +455,7 @@ class CudaBackend(Backend):
         on_host = not _is_device_array(idx)
         if on_host:
             self._check_ids_on_host(op, idx, vocab)
-            idx = self.asarray(idx)
+            idx = self.upload(idx)
         self.fill_(self._bad_token, n)
         self._launch(self._tk.embedding_forward, self._rows_grid(n), self.block, idx, wte, wpe, out, self._bad_token,
                      lo, vocab, bool(add_positions))
@@ -456,7 +483,7 @@ class CudaBackend(Backend):
             return ids
         if limit is not None:
             self._check_ids_on_host(op, ids, limit)
-        return self.asarray(ids)
+        return self.upload(ids)
 
     def embedding_backward(self, dout, idx, dwte, dwpe, *, vocab_start=0, vocab=None, accumulate_wte=False,
                            accumulate_wpe=False):
@@ -486,9 +513,11 @@ class CudaBackend(Backend):
         starts = np.concatenate(([0], starts, [n]))
         tokens = ids[starts[:-1]]
         U = tokens.size
-        plan = self.asarray(np.concatenate((order, starts, tokens)).astype(np.int64))  # one upload
+        plan = np.zeros(3 * B * T + 1, dtype=np.int64)  # one upload, of one size per batch shape (staging reuse)
+        plan[: n + 2 * U + 1] = np.concatenate((order, starts, tokens))
+        plan = self.upload(plan)
         self._launch(self._tk.embedding_backward_wte, self._rows_grid(U), self.block,
-                     dout, plan[:n], plan[n:n + U + 1], plan[n + U + 1:], dwte)
+                     dout, plan[:n], plan[n:n + U + 1], plan[n + U + 1:n + 2 * U + 1], dwte)
 
     def attention_forward(self, qkv, T, n_head, out, att):
         """out[B·T, C] = softmax(q·kᵀ/√hs, causal)·v per head, from qkv[B·T, 3C] (q, k, v, heads of hs = C/H);

@@ -382,7 +382,7 @@ class StageExecutor:
 def _upload(be, arr):
     """A micro-batch's inputs or targets for the backend: int64 ids and class targets stay on the host (the
     backend checks them there and uploads them itself), anything else goes to the backend."""
-    return arr if arr.dtype == np.int64 else be.asarray(arr)
+    return arr if arr.dtype == np.int64 else be.upload(arr)
 
 
 def nbytes_of(saved) -> int:

@@ -101,3 +101,23 @@ def test_host_ids_are_checked_and_used_without_a_wait(be, rng):
     with pytest.raises(BackendError, match=r"^cross_entropy: target 5 in row 5 is outside \[0, 5\)"):
         be.cross_entropy(be.empty((B * T, V)), bad.reshape(-1), be.empty((B * T, V)), 1.0)
     assert be.host_waits == before
+
+
+def test_uploads_stage_through_page_locked_buffers_reused_after_a_wait(be, rng):
+    """A step's uploads go through page-locked staging buffers: one per upload until a wait for the whole stream
+    has passed their copies, then the same buffers again (about one step's uploads in all, never a wait)."""
+    shape = (3, 7)  # a shape no other test uploads
+    key = (shape, np.dtype(np.float32).str)
+    be.synchronize()  # a clean start: every earlier copy is done
+    before = be.host_waits + be.mark_waits
+    hosts = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+    first = [be.upload(h) for h in hosts]
+    buffers = {id(b) for b, _ in be._staging[key]}
+    assert len(buffers) == 3  # no wait between them: each has its own buffer
+    got = be.read_host(*first)  # the step's one wait
+    second = [be.upload(h + 1) for h in hosts]
+    assert {id(b) for b, _ in be._staging[key]} == buffers  # reused: the wait passed their copies
+    assert be.host_waits + be.mark_waits == before + 1
+    for h, a, b in zip(hosts, got, be.read_host(*second)):
+        np.testing.assert_array_equal(a, h)
+        np.testing.assert_array_equal(b, h + 1)

@@ -9,8 +9,9 @@ nvidia-cuda-nvdisasm wheel, also in the test extra) shows the GEMM's machine cod
   registers) as well as at the default (256), where none spills or needs a local-memory stack
   (at 1024 a few bytes may spill: the register limit is the point there); the GEMM never does;
 * float64 instructions only in the kernels meant to accumulate in float64 (``FLOAT64_KERNELS``);
-* the GEMM at its default tile: at most 128 registers (two blocks per SM) and multiply-adds at least
-  60% of its K loop (docs/performance.md has the figures, from bench/cuda_sass_report.py).
+* the GEMM at its tilings: at most 128 registers (two blocks per SM) and multiply-adds at least
+  60% of its K loop, 40% at the 32×32 tiling for narrow products (docs/performance.md has the figures,
+  from bench/cuda_sass_report.py).
 """
 
 import functools
@@ -107,4 +108,7 @@ def test_the_gemm_keeps_two_blocks_per_sm_and_its_k_loop_busy():
         share, ffma, n = cuda_compile.k_loop_ffma_share(cuda_compile.sass(info.cubin))
         where = f"{k.name} sm_{cc[0]}{cc[1]}"
         assert info.registers <= 128 and blocks >= 2, f"{where}: {info.registers} registers, {blocks} block(s)/SM"
-        assert share >= 0.6, f"{where}: multiply-adds {ffma} of {n} K-loop instructions ({share:.0%})"
+        # the 32×32 tiling does 16 multiply-adds per two 128-bit shared loads, and its K loop's global loads and
+        # barrier weigh more: 44-49%; it runs only where the larger tilings would leave most SMs idle
+        floor = 0.4 if k.name.startswith("gemm_tiny_") else 0.6
+        assert share >= floor, f"{where}: multiply-adds {ffma} of {n} K-loop instructions ({share:.0%})"

@@ -31,11 +31,13 @@ defaults are for real GPUs; under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``
 which runs every GPU thread as a Python thread, they default to tiny ones.
 
 The GEMMs are shaped to fill the GPU: without an explicit ``tile`` the backend
-takes the 128×128 tiling where its grid makes one full wave (a block per SM) and
-the 64×64 one elsewhere; a weight gradient (``matmul_tn``, K = the batch's rows)
-whose grid is still under a wave is split along K into up to 2 waves of blocks
-(``cuda_gemm.k_splits``), the partial products summed in a fixed order. Attention runs its
-products as batched GEMMs over (batch, head) with the 64×64 tiling.
+takes the largest of the 128×128, 64×64 and 32×32 tilings whose grid makes one
+full wave (a block per SM), else the 32×32. A weight gradient (``matmul_tn``,
+K = the batch's rows) chooses from the first two, and one whose grid is still under
+a wave is split along K into up to 2 waves of blocks (``cuda_gemm.k_splits``), the
+partial products summed in a fixed order. Attention runs its products as batched
+GEMMs over (batch, head) with the 64×64 tiling. ``bench/gemm_grids.py`` lists the
+grid of every GEMM of a GPT step.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from numba import cuda
 
 from ..errors import BackendError
 from .base import Backend, check_array
-from .cuda_gemm import (EPI_ACCUMULATE, EPI_BIAS, EPI_STORE, GPU_SMALL_TILE, GPU_TILE, MAX_GRID_Z, MODE_CAUSAL_K_BELOW,
+from .cuda_gemm import (EPI_ACCUMULATE, EPI_BIAS, EPI_STORE, GPU_SMALL_TILE, GPU_TILE, GPU_TILES, GPU_TN_TILES,
+                        MAX_GRID_Z, MODE_CAUSAL_K_BELOW,
                         MODE_CAUSAL_K_FROM, MODE_CAUSAL_UPPER, MODE_SPLIT_K, SIM_TILE, GemmTile,
                         batched_gemm_kernels, choose_tile, gemm_kernels, k_splits, launch_config)
 from .cuda_mem import DevicePool, is_out_of_memory, out_of_memory_error
@@ -108,10 +111,15 @@ class CudaBackend(Backend):
             name = cuda.get_current_device().name
             name = name.decode() if isinstance(name, bytes) else str(name)
             self.device_name = f"{name} (device {self.device_id})"
-        self.tile = GemmTile(*(tile if tile is not None else (SIM_TILE if self.simulator else GPU_TILE))).check()
-        # the tilings to choose from, largest first; an explicit tile (tests, benchmarks) is used everywhere
-        self.tiles = (self.tile,) if tile is not None or self.simulator else (GPU_TILE, GPU_SMALL_TILE)
-        self.attention_tile = self.tiles[-1]
+        self.tile = GemmTile(*(tile if tile is not None else (SIM_TILE if self.simulator else GPU_TILE))).check(
+            aligned=not self.simulator)
+        # the tilings to choose from, largest first; an explicit tile (tests, benchmarks) is used everywhere. A
+        # weight gradient (matmul_tn: K is the batch's rows) still under a wave is split along K rather than cut
+        # into tiny tiles, so it chooses from the first two only; attention's batched products use the 64×64.
+        explicit = tile is not None or self.simulator
+        self.tiles = (self.tile,) if explicit else GPU_TILES
+        self.tn_tiles = (self.tile,) if explicit else GPU_TN_TILES
+        self.attention_tile = self.tile if explicit else GPU_SMALL_TILE
         self.wave = SIM_WAVE if self.simulator else _multiprocessors()  # blocks in one wave of the GEMM grid
         self.block = int(block if block is not None else (SIM_BLOCK if self.simulator else GPU_BLOCK))
         if max_blocks is None:
@@ -354,7 +362,7 @@ class CudaBackend(Backend):
     def _gemm(self, layout, a, b, out, M, N, K, bias, epilogue):
         if M == 0 or N == 0:
             return
-        tile = choose_tile(self.tiles, self.wave, M, N)
+        tile = choose_tile(self.tn_tiles if layout == TN else self.tiles, self.wave, M, N)
         splits = k_splits(tile, self.wave, M, N, K) if layout == TN else 1
         if splits > 1:
             self._split_k(tile, a, b, out, M, N, K, splits, epilogue == EPI_ACCUMULATE)

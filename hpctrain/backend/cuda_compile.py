@@ -60,11 +60,12 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
     gemm = ((F2, F2, F2, F1, i64, i64, i64, i64),)
     batched = ((F2, F2, F2) + (i64,) * 6 + (U4, U4, U4, i64),)
     return {
-        # cuda_gemm.py: c = a·b in three layouts, the epilogue a launch argument, at the default tiling and the
-        # small one (_small); the batched kernels (attention, split-K: a GPU runs them at the small tiling only)
-        # and split-K's second stage
+        # cuda_gemm.py: c = a·b in three layouts, the epilogue a launch argument, at the default tiling, the
+        # small one (_small) and, for X·Wᵀ and dY·W, the tiny one (_tiny); the batched kernels (attention,
+        # split-K: a GPU runs them at the small tiling only) and split-K's second stage
         "gemm_nt": gemm, "gemm_nn": gemm, "gemm_tn": gemm,
         "gemm_small_nt": gemm, "gemm_small_nn": gemm, "gemm_small_tn": gemm,
+        "gemm_tiny_nt": gemm, "gemm_tiny_nn": gemm,  # weight gradients never take the tiny tiling
         "gemm_small_batched_nt": batched, "gemm_small_batched_nn": batched, "gemm_small_batched_tn": batched,
         "sum_splits": ((F1, F1, i64, b1),),
         # cuda_ops.py
@@ -112,7 +113,7 @@ def kernels(block: int = 256, tile=None) -> list[Kernel]:
     (or the reverse)."""
     from numba.cuda.dispatcher import CUDADispatcher
 
-    from .cuda_gemm import GPU_SMALL_TILE, GPU_TILE, batched_gemm_kernels, gemm_kernels
+    from .cuda_gemm import GPU_SMALL_TILE, GPU_TILE, GPU_TINY_TILE, batched_gemm_kernels, gemm_kernels
     from .cuda_ops import ops_kernels
     from .cuda_transformer import transformer_kernels
 
@@ -127,6 +128,10 @@ def kernels(block: int = 256, tile=None) -> list[Kernel]:
         found.update({"gemm_" + layout: k, "gemm_small_" + layout: sk, "gemm_small_batched_" + layout: bk})
         threads["gemm_" + layout] = tile.threads[0] * tile.threads[1]
         threads["gemm_small_" + layout] = threads["gemm_small_batched_" + layout] = small.threads[0] * small.threads[1]
+    tiny = GPU_TINY_TILE
+    for layout, k in zip(("nt", "nn"), gemm_kernels(tiny)):
+        found["gemm_tiny_" + layout] = k
+        threads["gemm_tiny_" + layout] = tiny.threads[0] * tiny.threads[1]
     found["sum_splits"] = batched_gemm_kernels(small)[3]
     table = signatures()
     unknown, missing = sorted(set(found) - set(table)), sorted(set(table) - set(found))

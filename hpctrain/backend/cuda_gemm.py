@@ -23,9 +23,10 @@ bench/cuda_sass_report.py shows what this compiles to (registers, occupancy, the
 share of multiply-adds in the K loop); tests/test_cuda_compile.py holds it there.
 
 Tile sizes are compile-time constants of a kernel built per ``GemmTile`` (shared
-and local array shapes must be constants). On a GPU the backend keeps two tilings,
-128×128×8 with 8×8 register blocks and 64×64×8 with 4×4, and takes the large one
-only where its grid fills the GPU (``CudaBackend._tile_for``); tiny ones under the
+and local array shapes must be constants). On a GPU the backend keeps three tilings,
+128×128×8 with 8×8 register blocks, 64×64×8 with 8×4 and 32×32×8 with 4×4, and takes
+the largest whose grid fills the GPU (``choose_tile``); weight gradients choose between
+the first two and are split along K where still under a wave (``k_splits``); tiny ones under the
 simulator. Experiments with other tilings live in bench/cuda_gemm_*.py.
 
 The **batched** kernels (``batched_gemm_kernels``) are the same kernel source with a
@@ -52,7 +53,7 @@ from numba import cuda, float32, uint64
 from ..errors import BackendError
 from . import cuda_sim
 
-__all__ = ["GemmTile", "GPU_TILE", "GPU_SMALL_TILE", "SIM_TILE", "gemm_kernels", "batched_gemm_kernels",
+__all__ = ["GemmTile", "GPU_TILE", "GPU_SMALL_TILE", "GPU_TINY_TILE", "GPU_TILES", "GPU_TN_TILES", "SIM_TILE", "gemm_kernels", "batched_gemm_kernels",
            "launch_config", "EPI_STORE", "EPI_ACCUMULATE", "EPI_BIAS", "MODE_PLAIN", "MODE_CAUSAL_UPPER",
            "MODE_CAUSAL_K_BELOW", "MODE_CAUSAL_K_FROM", "MODE_SPLIT_K", "MAX_GRID_Z", "grid_blocks", "choose_tile",
            "k_splits"]
@@ -83,7 +84,10 @@ class GemmTile(NamedTuple):
         """The block shape (x over columns, y over rows)."""
         return self.BN // self.TN, self.BM // self.TM
 
-    def check(self) -> "GemmTile":
+    def check(self, aligned: bool = False) -> "GemmTile":
+        """Raise BackendError unless the tiling can be built; ``aligned`` (a GPU's tilings): also unless a thread's
+        fragments are 128-bit shared loads, i.e. TM and TN multiples of 4 and every shared row (bank padding
+        included) a multiple of 16 bytes. The simulator's tilings need not be."""
         if min(self) < 1:
             raise BackendError(f"GEMM tile {tuple(self)}: every size must be >= 1")
         if self.BM % self.TM or self.BN % self.TN:
@@ -94,6 +98,12 @@ class GemmTile(NamedTuple):
         if self.shared_bytes > MAX_STATIC_SHARED:
             raise BackendError(f"GEMM tile {tuple(self)}: {self.shared_bytes} bytes of shared memory for its two "
                                f"stages, at most {MAX_STATIC_SHARED} (lower BK, BM or BN)")
+        if aligned:
+            rows = (self.BM + _bank_pad(self.BM, self.BK), self.BN + _bank_pad(self.BN, self.BK), self.BM, self.BN)
+            if self.TM % 4 or self.TN % 4 or any(r % 4 for r in rows):
+                raise BackendError(f"GEMM tile {tuple(self)}: TM and TN must be multiples of 4 and the shared rows "
+                                   f"({', '.join(map(str, rows))} floats) multiples of 4, so that a thread reads its "
+                                   "fragments with 16-byte loads")
         return self
 
     @property
@@ -109,6 +119,9 @@ MAX_STATIC_SHARED = 48 * 1024  # what a kernel may declare statically on every G
 
 GPU_TILE = GemmTile(128, 128, 8, 8, 8)  # 256 threads, 64 accumulators each, 16.5 KiB of shared memory (2 stages)
 GPU_SMALL_TILE = GemmTile(64, 64, 8, 8, 4)  # 128 threads, 32 accumulators each: 4x the blocks of GPU_TILE
+GPU_TINY_TILE = GemmTile(32, 32, 8, 4, 4)  # 64 threads, 16 each: 4x the blocks again (narrow X·Wᵀ and dY·W)
+GPU_TILES = (GPU_TILE, GPU_SMALL_TILE, GPU_TINY_TILE)  # what a GPU chooses from for X·Wᵀ and dY·W, largest first
+GPU_TN_TILES = GPU_TILES[:2]  # and for dYᵀ·X, which is split along K instead where still under a wave
 SIM_TILE = GemmTile(8, 8, 4, 2, 2)  # 16 threads: the simulator runs every thread as a Python thread
 
 

@@ -11,7 +11,8 @@ import pytest
 import reference as ref
 from cudatest import AGREE, F32, needs_gpu, rand
 from hpctrain.backend.cuda import CudaBackend
-from hpctrain.backend.cuda_gemm import GPU_SMALL_TILE, GPU_TILE, SIM_TILE, GemmTile, choose_tile, grid_blocks, k_splits
+from hpctrain.backend.cuda_gemm import (GPU_SMALL_TILE, GPU_TILE, GPU_TILES, GPU_TINY_TILE, GPU_TN_TILES, SIM_TILE,
+                                        GemmTile, choose_tile, grid_blocks, k_splits)
 from hpctrain.errors import BackendError
 
 SHAPES = [(1, 1, 1), (5, 9, 7), (13, 11, 6)]  # (M, K, N)
@@ -99,6 +100,43 @@ def test_tile_and_split_choice_fill_an_h100():
     assert k_splits(GPU_SMALL_TILE, sms, 128, 128, 50) == 1  # K too short to split
     assert k_splits(GPU_SMALL_TILE, sms, 512, 2048, 4096) == 1  # 256 blocks: a wave already
     assert grid_blocks(GPU_SMALL_TILE, 128, 128) * k_splits(GPU_SMALL_TILE, sms, 128, 128, 2048) >= sms
+
+
+def test_narrow_products_take_the_tiny_tiling_and_weight_gradients_split_instead():
+    """gpt-char's 2048×128 outputs (X·Wᵀ of c_proj, dY·W of c_fc) made 64 blocks of 64²: half a wave of an H100.
+    The 32×32 tiling makes 256; a weight gradient keeps 64×64 and is split along K."""
+    sms = 132
+    assert choose_tile(GPU_TILES, sms, 2048, 128) == GPU_TINY_TILE
+    assert grid_blocks(GPU_TINY_TILE, 2048, 128) >= sms
+    assert choose_tile(GPU_TILES, sms, 2048, 512) == GPU_SMALL_TILE  # the larger tile still wins where it fills
+    tile = choose_tile(GPU_TN_TILES, sms, 128, 128)
+    assert tile == GPU_SMALL_TILE and grid_blocks(tile, 128, 128) * k_splits(tile, sms, 128, 128, 2048) >= sms
+
+
+def test_gpu_tilings_read_their_fragments_with_16_byte_loads():
+    for tile in GPU_TILES:
+        tile.check(aligned=True)
+    for bad in (GemmTile(64, 64, 8, 2, 2), GemmTile(64, 48, 8, 8, 6), GemmTile(36, 32, 8, 4, 4)):
+        with pytest.raises(BackendError, match="16-byte loads"):
+            bad.check(aligned=True)
+    SIM_TILE.check()  # the simulator's tilings need not be: no vector loads there
+    GemmTile(6, 4, 5, 3, 2).check()
+
+
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+def test_gpu_tiny_tile_matches_numpy(rng, layout):
+    """The 32×32×8 / 4×4 tiling (64 threads) over several blocks with ragged edges."""
+    be = CudaBackend(tile=GPU_TINY_TILE)
+    x, w, b, dout = _linear(rng, 37, 41, 35)
+    if layout == "nt":
+        out = be.empty((37, 35))
+        be.matmul_nt(be.asarray(x), be.asarray(w), out, bias=be.asarray(b))
+        expected = ref.linear_forward(x, w, b)
+    else:
+        out = be.empty((37, 41))
+        be.matmul_nn(be.asarray(dout), be.asarray(w), out)
+        expected = ref.linear_backward(dout, x, w)[0]
+    np.testing.assert_allclose(be.to_host(out), expected, **F32)
 
 
 def test_gemm_on_views_of_a_flat_buffer(be, rng):

@@ -34,11 +34,12 @@ def main():
     outputs, times = [], []
     for _, kernel in variants:
         bufs = [b.copy() for b in initial]
-        kernel(*bufs, *scalars)  # compile, and the result to compare
+        args = (bufs[0], bufs[1], f32(1.0), *bufs[2:], *scalars)  # p, g, the clipping factor (none), m, v
+        kernel(*args)  # compile, and the result to compare
         outputs.append(bufs[0].copy())
         t0 = time.perf_counter()
         for _ in range(a.repeat):
-            kernel(*bufs, *scalars)
+            kernel(*args)
         times.append((time.perf_counter() - t0) / a.repeat)
     np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-6)
     for (name, _), t in zip(variants, times):

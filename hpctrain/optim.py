@@ -56,37 +56,40 @@ class Optimizer:
         """Bytes of optimizer state this rank holds."""
         return 4 * sum(buf.layout.size for buf in self.slots.values())
 
-    def step(self, lr: float, after=None) -> None:
+    def step(self, lr: float, after=None, grad_scale: float = 1.0) -> None:
         """One update of every piece; ``after(i)``, when given, runs once piece i is updated (ZeRO's
-        all-gather of that bucket starts there, while the next piece updates)."""
+        all-gather of that bucket starts there, while the next piece updates). ``grad_scale``: the clipping
+        factor, applied by the update kernel as it reads each gradient (no pass of its own over the buffer)."""
         self.step_count += 1
         at = 0
         for i, (a, b) in enumerate(self.pieces):
             for lo, hi, decay in self._runs[i]:  # a ZeRO chunk can be empty: no runs
-                self._update(lr, slice(lo, hi), slice(at + lo - a, at + hi - a), decay)
+                self._update(lr, slice(lo, hi), slice(at + lo - a, at + hi - a), decay, grad_scale)
             if after is not None:
                 after(i)
             at += b - a
 
-    def _update(self, lr: float, where: slice, state: slice, decay: float) -> None:
+    def _update(self, lr: float, where: slice, state: slice, decay: float, grad_scale: float) -> None:
         """One fused kernel over the parameters ``where`` and the slots' values ``state``."""
         be, c = self.backend, self.cfg
         p, g = self.params.data[where], self.grads.data[where]
         if self.name == "sgd":
             buf = self.slots["momentum_buffer"].data[state] if self.slots else p  # unused without momentum
-            be.sgd_update(p, g, buf, lr=lr, momentum=c.momentum, weight_decay=decay, nesterov=c.nesterov)
+            be.sgd_update(p, g, buf, lr=lr, momentum=c.momentum, weight_decay=decay, nesterov=c.nesterov,
+                          grad_scale=grad_scale)
         else:
             be.adam_update(p, g, self.slots["exp_avg"].data[state], self.slots["exp_avg_sq"].data[state], lr=lr,
                            beta1=c.betas[0], beta2=c.betas[1], eps=c.eps, weight_decay=decay,
-                           step=self.step_count, decoupled=self.name == "adamw")
+                           step=self.step_count, decoupled=self.name == "adamw", grad_scale=grad_scale)
 
     # a gradient whose norm stays below this cannot overflow the float32 state in one update (checked exactly
     # only above it: ``overflow``); Adam squares it, SGD's momentum adds it
     SAFE_NORM = {"sgd": 1e37, "adam": 1.8e19, "adamw": 1.8e19}
 
-    def overflow(self) -> tuple[str, str, float]:
-        """Whether this rank's next update would overflow its float32 state: ``(tensor, slot, largest |g|)`` of
-        the first piece where it would (names from the parameters' layout), else ``("", "", 0.0)``. The update's
+    def overflow(self, grad_scale: float = 1.0) -> tuple[str, str, float]:
+        """Whether this rank's next update (``step(lr, grad_scale=...)``) would overflow its float32 state:
+        ``(tensor, slot, largest |g|)`` of the first piece where it would (names from the parameters' layout),
+        else ``("", "", 0.0)``. The update's
         own arithmetic, in numpy on host copies, a block at a time; called only when the gradient norm passes
         ``SAFE_NORM``, so it costs nothing on a healthy run."""
         import numpy as np
@@ -99,7 +102,7 @@ class Optimizer:
             for a, b in self.pieces:
                 for lo in range(a, b, 1 << 20):
                     hi = min(b, lo + (1 << 20))
-                    g, p = g_all[lo:hi], p_all[lo:hi]
+                    g, p = g_all[lo:hi] * f32(grad_scale), p_all[lo:hi]
                     state = slice(at + lo - a, at + hi - a)
                     if self.name == "sgd":
                         d = g + f32(self.weight_decay) * p

@@ -141,3 +141,29 @@ def test_decay_min_ndim_decays_matrices_only():
         for spec in layout:
             want = start[spec.offset:spec.end] * (np.float32(1 - 0.5 * 0.1) if len(spec.shape) >= 2 else 1)
             np.testing.assert_allclose(params.data[spec.offset:spec.end], want, rtol=1e-6, err_msg=spec.name)
+
+
+@pytest.mark.parametrize("cfg", [OptimConfig(name="sgd", lr=0.1), OptimConfig(name="sgd", lr=0.1, momentum=0.9),
+                                 OptimConfig(name="sgd", lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+                                 OptimConfig(name="adam", lr=0.01, weight_decay=0.1),
+                                 OptimConfig(name="adamw", lr=0.01, weight_decay=0.1)],
+                         ids=["sgd", "momentum", "nesterov", "adam", "adamw"])
+def test_clipping_in_the_update_kernel_is_scaling_the_gradients_first(cfg):
+    """step(lr, grad_scale=c) gives the bits of scale_(grads, c) then step(lr): the kernel multiplies each gradient
+    by the same float32 factor as it reads it, without a pass of its own over the buffer (and leaves it)."""
+    runs = []
+    for folded in (False, True):
+        local = np.random.default_rng(5)
+        opt, params, grads = make(cfg)
+        params.data[:] = local.standard_normal(params.data.size)
+        for _ in range(3):
+            grads.data[:] = local.standard_normal(grads.data.size) * 10
+            kept = grads.data.copy()
+            if folded:
+                opt.step(0.1, grad_scale=0.37)
+                assert np.array_equal(grads.data, kept)
+            else:
+                be.scale_(grads.data, 0.37)
+                opt.step(0.1)
+        runs.append(params.data.copy())
+    assert runs[0].tobytes() == runs[1].tobytes()

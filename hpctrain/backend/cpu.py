@@ -300,33 +300,34 @@ def _scale(x, s):
 
 
 @_jit
-def _sgd_plain(p, g, lr, weight_decay):
+def _sgd_plain(p, g, gs, lr, weight_decay):
     for i in range(p.size):
-        p[i] -= lr * (g[i] + weight_decay * p[i])
+        p[i] -= lr * (g[i] * gs + weight_decay * p[i])
 
 
 @_jit
-def _sgd_momentum(p, g, buf, lr, momentum, weight_decay, nesterov):
+def _sgd_momentum(p, g, gs, buf, lr, momentum, weight_decay, nesterov):
     if nesterov:
         for i in range(p.size):
-            d = g[i] + weight_decay * p[i]
+            d = g[i] * gs + weight_decay * p[i]
             b = momentum * buf[i] + d
             buf[i] = b
             p[i] -= lr * (d + momentum * b)
     else:
         for i in range(p.size):
-            b = momentum * buf[i] + (g[i] + weight_decay * p[i])
+            b = momentum * buf[i] + (g[i] * gs + weight_decay * p[i])
             buf[i] = b
             p[i] -= lr * b
 
 
 @_jit
-def _adam_update(p, g, m, v, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep):
+def _adam_update(p, g, gs, m, v, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep):
     """keep = 1 − lr·wd for AdamW (decoupled), 1 for Adam; l2 = wd for Adam, 0 for AdamW; omb1, omb2 =
-    1 − β1, 1 − β2 computed in float64 (torch.optim's Python floats): in float32, 1 − 0.99999 is 0.1% off."""
+    1 − β1, 1 − β2 computed in float64 (torch.optim's Python floats): in float32, 1 − 0.99999 is 0.1% off;
+    gs: the clipping factor, applied to each gradient as it is read (the same product scale_ would store)."""
     for i in range(p.size):
         w = p[i] * keep
-        d = g[i] + l2 * p[i]
+        d = g[i] * gs + l2 * p[i]
         mi = beta1 * m[i] + omb1 * d
         vi = beta2 * v[i] + omb2 * d * d
         m[i] = mi
@@ -480,19 +481,21 @@ class CpuBackend(TransformerKernels, Backend):
     def fill_(self, x, value):
         self._arg("fill_", "x", x, dtype=x.dtype).fill(value)
 
-    def sgd_update(self, param, grad, momentum_buf, *, lr, momentum, weight_decay, nesterov):
+    def sgd_update(self, param, grad, momentum_buf, *, lr, momentum, weight_decay, nesterov, grad_scale=1.0):
         self._check_flat("sgd_update", param=param, grad=grad, momentum_buf=momentum_buf)
         f32 = np.float32
         if momentum == 0:
-            _sgd_plain(param, grad, f32(lr), f32(weight_decay))
+            _sgd_plain(param, grad, f32(grad_scale), f32(lr), f32(weight_decay))
         else:
-            _sgd_momentum(param, grad, momentum_buf, f32(lr), f32(momentum), f32(weight_decay), bool(nesterov))
+            _sgd_momentum(param, grad, f32(grad_scale), momentum_buf, f32(lr), f32(momentum), f32(weight_decay),
+                          bool(nesterov))
 
-    def adam_update(self, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, decoupled):
+    def adam_update(self, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, decoupled,
+                    grad_scale=1.0):
         self._check_flat("adam_update", param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         f32 = np.float32
         step_size = lr / (1.0 - beta1**step)
         bc2_sqrt = math.sqrt(1.0 - beta2**step)
         keep, l2 = (1.0 - lr * weight_decay, 0.0) if decoupled else (1.0, weight_decay)
-        _adam_update(param, grad, exp_avg, exp_avg_sq, f32(step_size), f32(beta1), f32(beta2), f32(1.0 - beta1),
-                     f32(1.0 - beta2), f32(bc2_sqrt), f32(eps), f32(l2), f32(keep))
+        _adam_update(param, grad, f32(grad_scale), exp_avg, exp_avg_sq, f32(step_size), f32(beta1), f32(beta2),
+                     f32(1.0 - beta1), f32(1.0 - beta2), f32(bc2_sqrt), f32(eps), f32(l2), f32(keep))

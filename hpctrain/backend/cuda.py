@@ -643,23 +643,26 @@ class CudaBackend(Backend):
         self._arg("fill_", "x", x, dtype=x.dtype)
         self._elementwise(self._k.fill, x.size, _flat(x), x.dtype.type(value))
 
-    def sgd_update(self, param, grad, momentum_buf, *, lr, momentum, weight_decay, nesterov):
-        """torch.optim.SGD step over the flat buffers, one fused kernel (momentum_buf unused if momentum = 0)."""
+    def sgd_update(self, param, grad, momentum_buf, *, lr, momentum, weight_decay, nesterov, grad_scale=1.0):
+        """torch.optim.SGD step over the flat buffers, one fused kernel (momentum_buf unused if momentum = 0);
+        ``grad_scale``: the clipping factor, applied as the gradients are read."""
         self._check_flat("sgd_update", param=param, grad=grad, momentum_buf=momentum_buf)
         f32 = np.float32
-        self._elementwise(self._k.sgd_update, param.size, param, grad, momentum_buf, f32(lr), f32(momentum),
-                          f32(weight_decay), bool(momentum != 0), bool(nesterov))
+        self._elementwise(self._k.sgd_update, param.size, param, grad, f32(grad_scale), momentum_buf, f32(lr),
+                          f32(momentum), f32(weight_decay), bool(momentum != 0), bool(nesterov))
 
-    def adam_update(self, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, decoupled):
-        """torch.optim.Adam (L2 decay) / AdamW (decoupled decay) step over the flat buffers, one fused kernel."""
+    def adam_update(self, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, decoupled,
+                    grad_scale=1.0):
+        """torch.optim.Adam (L2 decay) / AdamW (decoupled decay) step over the flat buffers, one fused kernel;
+        ``grad_scale``: the clipping factor, applied as the gradients are read."""
         self._check_flat("adam_update", param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         f32 = np.float32
         step_size = lr / (1.0 - beta1**step)  # bias corrections in float64 on the host, as cpu.py does
         bc2_sqrt = math.sqrt(1.0 - beta2**step)
         keep, l2 = (1.0 - lr * weight_decay, 0.0) if decoupled else (1.0, weight_decay)
-        self._elementwise(self._k.adam_update, param.size, param, grad, exp_avg, exp_avg_sq, f32(step_size),
-                          f32(beta1), f32(beta2), f32(1.0 - beta1), f32(1.0 - beta2), f32(bc2_sqrt), f32(eps),
-                          f32(l2), f32(keep))
+        self._elementwise(self._k.adam_update, param.size, param, grad, f32(grad_scale), exp_avg, exp_avg_sq,
+                          f32(step_size), f32(beta1), f32(beta2), f32(1.0 - beta1), f32(1.0 - beta2), f32(bc2_sqrt),
+                          f32(eps), f32(l2), f32(keep))
 
     # ------------------------------------------------------------------ launching
 

@@ -87,8 +87,8 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "ce_shard_sumexp": ((F2, F1, D1),),
         "ce_shard_grad": ((F2, I1, i64, D1, F2, f32),),
         "mse_partial": ((F1, F1, F1, f32, D1),),
-        "sgd_update": ((F1, F1, F1, f32, f32, f32, b1, b1),),
-        "adam_update": ((F1, F1, F1, F1) + (f32,) * 9,),
+        "sgd_update": ((F1, F1, f32, F1, f32, f32, f32, b1, b1),),
+        "adam_update": ((F1, F1, f32, F1, F1) + (f32,) * 9,),
         # cuda_transformer.py
         "embedding_forward": ((I2, F2, F2, F2, I1, i64, i64, b1),),
         "embedding_backward_wte": ((F2, I1, I1, I1, F2),),

@@ -380,10 +380,11 @@ def ops_kernels(nt: int) -> SimpleNamespace:
     # ------------------------------------------------------------------ optimizers
 
     @kernel
-    def sgd_update(p, g, buf, lr, momentum, weight_decay, use_momentum, nesterov):
-        """torch.optim.SGD (dampening 0) over flat [n]: d = g + wd·p; b = μ·b + d; p −= lr·(d + μ·b | b | d)."""
+    def sgd_update(p, g, gs, buf, lr, momentum, weight_decay, use_momentum, nesterov):
+        """torch.optim.SGD (dampening 0) over flat [n]: d = gs·g + wd·p; b = μ·b + d; p −= lr·(d + μ·b | b | d);
+        gs the clipping factor."""
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
-            d = g[i] + weight_decay * p[i]
+            d = g[i] * gs + weight_decay * p[i]
             if use_momentum:
                 b = momentum * buf[i] + d
                 buf[i] = b
@@ -394,12 +395,12 @@ def ops_kernels(nt: int) -> SimpleNamespace:
             p[i] -= lr * d
 
     @kernel
-    def adam_update(p, g, m, v, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep):
+    def adam_update(p, g, gs, m, v, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep):
         """torch.optim.Adam/AdamW over flat [n]; keep = 1 − lr·wd (AdamW) or 1, l2 = wd (Adam) or 0;
-        omb1, omb2 = 1 − β1, 1 − β2, computed in float64 on the host as torch.optim does."""
+        omb1, omb2 = 1 − β1, 1 − β2, computed in float64 on the host as torch.optim does; gs the clipping factor."""
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
             w = p[i]
-            d = g[i] + l2 * w
+            d = g[i] * gs + l2 * w
             mi = beta1 * m[i] + omb1 * d
             vi = beta2 * v[i] + omb2 * d * d
             m[i] = mi

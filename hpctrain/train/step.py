@@ -152,7 +152,7 @@ class StepRunner:
         the stages, the skip decision, clipping, the update."""
         from mpi4py import MPI
 
-        cfg, be, part = self.cfg, self.be, self.part
+        cfg, part = self.cfg, self.part
         t0 = time.perf_counter()
         if (part.shared or part.local_ties) and self.shard is None:  # a tied tensor: both halves summed
             sum_tied_grads(self.mesh, self.transport, part, self.grads)  # (both ends wait here; ZeRO: in the sync)
@@ -185,20 +185,16 @@ class StepRunner:
                 error.collective = True
                 raise error
             self.log(f"step {step + 1}: non-finite gradients, step skipped")
-        else:
-            coef = clip_coefficient(norm, cfg.train.grad_clip)
-            if coef < 1.0:
-                for lo, hi in self.optim.pieces:  # ZeRO: this rank's chunks; else the whole buffer
-                    if hi > lo:
-                        be.scale_(self.grads.data[lo:hi], coef)
-            if norm * min(coef, 1.0) >= self.optim.SAFE_NORM[self.optim.name]:  # every rank sees the same norm
-                skipped = self._overflow(step)
+        else:  # clipping: the optimizer's kernel scales each gradient as it reads it (ZeRO: this rank's chunks)
+            coef = min(clip_coefficient(norm, cfg.train.grad_clip), 1.0)
+            if norm * coef >= self.optim.SAFE_NORM[self.optim.name]:  # every rank sees the same norm
+                skipped = self._overflow(step, coef)
         if not skipped:
             if self.shard is None:
-                self.optim.step(lr)
+                self.optim.step(lr, grad_scale=coef)
             else:  # ZeRO: each bucket's updated chunks to every rank, as soon as this rank's chunk is updated
                 params = self.optim.params.data
-                self.optim.step(lr, after=lambda i: self.sync.gather_bucket(i, params))
+                self.optim.step(lr, after=lambda i: self.sync.gather_bucket(i, params), grad_scale=coef)
                 self.sync.finish_gather()
             if part.shared or part.local_ties:  # a tied tensor: its owner updated it; the replica receives it
                 refresh_replicas(self.mesh, self.transport, part, self.optim.params)
@@ -219,13 +215,13 @@ class StepRunner:
             self.executor.settle_losses(host[1])
         return host[0]
 
-    def _overflow(self, step: int) -> bool:
+    def _overflow(self, step: int, grad_scale: float) -> bool:
         """A finite gradient so large that the update would overflow the optimizer's float32 state (Adam squares
         it): found now, at the step it appears, not at the next checkpoint. Every rank checks its pieces and
         all agree; skipped with ``train.skip_nonfinite``, else the run stops naming the tensor (collective)."""
         from ..parallel.agree import agree_error, raise_agreed
 
-        name, slot, gmax = self.optim.overflow()
+        name, slot, gmax = self.optim.overflow(grad_scale)
         problem = None
         if name:
             problem = NonFiniteError(

@@ -218,9 +218,10 @@ def test_fill_any_shape_and_dtype(be):
 # ----------------------------------------------------------------- optimizers
 
 
-@pytest.mark.parametrize("momentum,nesterov,weight_decay", [(0.0, False, 0.0), (0.0, False, 0.01),
-                                                            (0.9, False, 0.0), (0.9, True, 0.05)])
-def test_sgd_update(be, cpu, rng, momentum, nesterov, weight_decay):
+@pytest.mark.parametrize("momentum,nesterov,weight_decay,clip", [(0.0, False, 0.0, 1.0), (0.0, False, 0.01, 0.5),
+                                                                 (0.9, False, 0.0, 1.0), (0.9, True, 0.05, 0.3)])
+def test_sgd_update(be, cpu, rng, momentum, nesterov, weight_decay, clip):
+    """``clip``: the clipping factor the kernel applies as it reads the gradients (the reference scales first)."""
     n, lr = 77, 0.1
     p, buf = rand(rng, n), np.zeros(n, np.float32)
     dp, dbuf = be.asarray(p), be.asarray(buf)
@@ -228,16 +229,17 @@ def test_sgd_update(be, cpu, rng, momentum, nesterov, weight_decay):
     rp, rbuf = p.astype(np.float64), buf.astype(np.float64)
     for _ in range(3):
         g = rand(rng, n)
-        be.sgd_update(dp, be.asarray(g), dbuf, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
-        cpu.sgd_update(cp, g, cbuf, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
-        rp, rbuf = ref.sgd(rp, g, rbuf, lr, momentum, weight_decay, nesterov)
+        kw = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, grad_scale=clip)
+        be.sgd_update(dp, be.asarray(g), dbuf, **kw)
+        cpu.sgd_update(cp, g, cbuf, **kw)
+        rp, rbuf = ref.sgd(rp, g * np.float32(clip), rbuf, lr, momentum, weight_decay, nesterov)
     np.testing.assert_allclose(be.to_host(dp), rp, **F32)
     np.testing.assert_allclose(be.to_host(dp), cp, **AGREE)
     np.testing.assert_allclose(be.to_host(dbuf), cbuf, **AGREE)
 
 
-@pytest.mark.parametrize("decoupled,weight_decay", [(False, 0.0), (False, 0.1), (True, 0.01)])
-def test_adam_update(be, cpu, rng, decoupled, weight_decay):
+@pytest.mark.parametrize("decoupled,weight_decay,clip", [(False, 0.0, 1.0), (False, 0.1, 0.5), (True, 0.01, 0.25)])
+def test_adam_update(be, cpu, rng, decoupled, weight_decay, clip):
     n, hp = 77, dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
     p = rand(rng, n)
     dp, dm, dv = be.asarray(p), be.zeros((n,)), be.zeros((n,))
@@ -245,10 +247,10 @@ def test_adam_update(be, cpu, rng, decoupled, weight_decay):
     rp, rm, rv = p.astype(np.float64), np.zeros(n), np.zeros(n)
     for step in range(1, 4):
         g = rand(rng, n)
-        kw = dict(hp, weight_decay=weight_decay, step=step, decoupled=decoupled)
+        kw = dict(hp, weight_decay=weight_decay, step=step, decoupled=decoupled, grad_scale=clip)
         be.adam_update(dp, be.asarray(g), dm, dv, **kw)
         cpu.adam_update(cp, g, cm, cv, **kw)
-        rp, rm, rv = ref.adam(rp, g, rm, rv, hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], weight_decay, step,
+        rp, rm, rv = ref.adam(rp, g * np.float32(clip), rm, rv, hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], weight_decay, step,
                               decoupled)
     np.testing.assert_allclose(be.to_host(dp), rp, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(be.to_host(dp), cp, rtol=1e-6, atol=1e-7)

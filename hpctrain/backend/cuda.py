@@ -61,6 +61,7 @@ from .cuda_transformer import transformer_kernels
 __all__ = ["CudaBackend", "simulator"]
 
 GPU_BLOCK, SIM_BLOCK = 256, 16
+COLUMN_ROWS = 16  # the column sums' row groups leave each thread at least this many rows
 STAGING_PER_SHAPE = 64  # upload's page-locked buffers of one shape (a step uses one per micro-batch)
 SIM_MAX_BLOCKS = 4  # small, so that the simulator exercises the grid-stride loops
 SIM_WAVE = 4  # "SMs" under the simulator: small, so that tiny products take the split-K path there
@@ -389,11 +390,23 @@ class CudaBackend(Backend):
             kernel[grid, threads, self.stream](a, b, c, M, N, K, k_total, H, z0, ao, bo, co, mode)
 
     def bias_grad(self, dout, dbias, accumulate=False):
-        """dbias[C] (+)= Σ_rows dout[B,C]."""
+        """dbias[C] (+)= Σ_rows dout[B,C], accumulated in float64 (two passes: ``_column_sums``)."""
         C = self._bias_grad_args(dout, dbias)
         if C:
-            k = self._k
-            self._launch(k.bias_grad, -(-C // k.RX), (k.RX, k.RY), dout, dbias, bool(accumulate))
+            self._column_sums("bias_grad", self._k.bias_grad_partials, dout.shape[0], C, 1, (dout,), (dbias,),
+                              accumulate)
+
+    def _column_sums(self, op, partials, B, C, outputs, inputs, outs, accumulate):
+        """Column sums over B rows in two passes: ``partials`` on a grid of column blocks × G row groups (enough
+        blocks for about two waves, each thread at least COLUMN_ROWS rows) writes float64 sums per row group, then
+        ``column_finish`` adds each output's G partials in order into ``outs`` (float32, += with accumulate)."""
+        k = self._k
+        col_blocks = -(-C // k.RX)
+        G = max(1, min(-(-2 * self.wave // col_blocks), -(-B // (k.RY * COLUMN_ROWS))))
+        partial = self._alloc(op, (outputs * G, C), np.float64)
+        self._launch(partials, (col_blocks, G), (k.RX, k.RY), *inputs, partial, -(-B // G) if B else 1)
+        for i, out in enumerate(outs):
+            self._elementwise(k.column_finish, C, partial[i * G:(i + 1) * G], out, bool(accumulate))
 
     # ------------------------------------------------------------------ activations
 
@@ -441,8 +454,8 @@ class CudaBackend(Backend):
         k = self._k
         if B:
             self._launch(k.layernorm_backward_rows, self._rows_grid(B), self.block, dout, x, weight, mean, rstd, dinp)
-        self._launch(k.layernorm_backward_params, -(-C // k.RX), (k.RX, k.RY),
-                     dout, x, mean, rstd, dweight, dbias, bool(accumulate))
+        self._column_sums("layernorm_backward", k.layernorm_params_partials, B, C, 2, (dout, x, mean, rstd),
+                          (dweight, dbias), accumulate)
 
     # ------------------------------------------------------------------ transformer: residuals, embedding, attention
 

@@ -40,6 +40,7 @@ FLOAT64_KERNELS = frozenset({
     "sum_squares_partial", "sum_partials", "mse_partial", "cross_entropy_rows", "cross_entropy_finish",
     "ce_shard_sumexp", "ce_shard_grad",  # a float64 row result out, a float64 log Z in (converted once a row)
     "fill",  # fill(float64[::1], float64) clears the device-side scalars
+    "bias_grad_partials", "layernorm_params_partials", "column_finish",  # column sums in float64, as on the CPU
 })
 
 
@@ -47,7 +48,7 @@ def _types():
     from numba import types
 
     f1, f2, f4 = types.float32[::1], types.float32[:, ::1], types.float32[:, :, :, ::1]
-    return SimpleNamespace(F1=f1, F2=f2, F4=f4, D1=types.float64[::1], I1=types.int64[::1], I2=types.int64[:, ::1],
+    return SimpleNamespace(F1=f1, F2=f2, F4=f4, D1=types.float64[::1], D2=types.float64[:, ::1], I1=types.int64[::1], I2=types.int64[:, ::1],
                            J1=types.int32[::1], i64=types.int64, f32=types.float32, f64=types.float64,
                            b1=types.boolean, U4=types.UniTuple(types.int64, 4))
 
@@ -55,7 +56,7 @@ def _types():
 def signatures() -> dict[str, tuple[tuple, ...]]:
     """Kernel name -> the argument types of each way ``CudaBackend`` launches it."""
     t = _types()
-    F1, F2, D1, I1, I2, J1 = t.F1, t.F2, t.D1, t.I1, t.I2, t.J1
+    F1, F2, D1, D2, I1, I2, J1 = t.F1, t.F2, t.D1, t.D2, t.I1, t.I2, t.J1
     i64, f32, f64, b1, U4 = t.i64, t.f32, t.f64, t.b1, t.U4
     gemm = ((F2, F2, F2, F1, i64, i64, i64, i64),)
     batched = ((F2, F2, F2) + (i64,) * 6 + (U4, U4, U4, i64),)
@@ -74,13 +75,13 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "add": ((F1, F1),),
         "sum_squares_partial": ((F1, D1),),
         "sum_partials": ((D1, D1),),
-        "bias_grad": ((F2, F1, b1),),
+        "bias_grad_partials": ((F2, D2, i64),), "column_finish": ((D2, F1, b1),),
         "relu_forward": ((F1, F1),), "relu_backward": ((F1, F1, F1),),
         "gelu_forward": ((F1, F1),), "gelu_backward": ((F1, F1, F1),),
         "tanh_forward": ((F1, F1),), "tanh_backward": ((F1, F1, F1),),
         "layernorm_forward": ((F2, F1, F1, f32, F2, F1, F1),),
         "layernorm_backward_rows": ((F2, F2, F1, F1, F1, F2),),
-        "layernorm_backward_params": ((F2, F2, F1, F1, F1, F1, b1),),
+        "layernorm_params_partials": ((F2, F2, F1, F1, D2, i64),),
         "cross_entropy_rows": ((F2, I1, F2, f32, D1, J1),),
         "cross_entropy_finish": ((D1, J1, D1),),
         "ce_shard_stats": ((F2, I1, i64, F1, I1, F1),),

@@ -11,14 +11,17 @@ compile-time constants):
 * row kernels (LayerNorm, cross-entropy): one block per row (grid-stride over
   rows), the block's threads stride over the C columns and combine with a
   shared-memory tree;
-* column sums (bias and LayerNorm parameter gradients): a RX×RY block where RX
-  threads take neighbouring columns (coalesced reads) and RY threads split the rows;
-  the RY partial sums are combined in shared memory. No atomics: results are
-  deterministic run to run.
+* column sums (bias and LayerNorm parameter gradients), in two passes: a grid of
+  RX×RY blocks, RX threads on neighbouring columns (coalesced reads) and RY threads
+  over the rows of the block's row group, the RY sums combined in shared memory into
+  one float64 partial per (row group, column); then one thread per column adds its
+  partials in order. Row groups give the grid enough blocks to fill the GPU (the
+  backend picks their number); no atomics, so results are deterministic run to run.
 
 Arithmetic is float32 like the arrays (float32 literals keep numba from promoting
 to the slow float64 units), except the scalars handed back to the host (loss
-sums, the gradient norm), which accumulate in float64.
+sums, the gradient norm) and the column sums, which accumulate in float64 as the
+CPU backend's do.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
 
     @cuda.jit(device=True)
     def column_sum(sh, v):
-        """Sum of ``v`` over threadIdx.y of a RX×RY block; valid in the ty == 0 threads."""
+        """Sum of ``v`` over threadIdx.y of a RX×RY block (in ``sh``'s dtype); valid in the ty == 0 threads."""
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         sh[ty, tx] = v
@@ -125,20 +128,34 @@ def ops_kernels(nt: int) -> SimpleNamespace:
     # ------------------------------------------------------------------ bias gradient
 
     @kernel
-    def bias_grad(dout, dbias, accumulate):
-        """dbias[C] (+)= Σ_rows dout[B,C]."""
-        sh = cuda.shared.array((RY, RX), float32)
+    def bias_grad_partials(dout, partial, rows_per):
+        """Column sums, pass 1, for dbias: block (bx, by) adds rows [by·rows_per, +rows_per) of its RX columns of
+        dout[B, C] in float64: partial[by, col]."""
+        sh = cuda.shared.array((RY, RX), float64)
         B, C = dout.shape
         col = cuda.blockIdx.x * RX + cuda.threadIdx.x
-        acc = float32(0.0)
+        lo = cuda.blockIdx.y * rows_per
+        hi = min(B, lo + rows_per)
+        acc = float64(0.0)
         if col < C:
-            for i in range(cuda.threadIdx.y, B, RY):
-                acc += dout[i, col]
+            for i in range(lo + cuda.threadIdx.y, hi, RY):
+                acc += float64(dout[i, col])
         total = column_sum(sh, acc)
         if cuda.threadIdx.y == 0 and col < C:
+            partial[cuda.blockIdx.y, col] = total
+
+    @kernel
+    def column_finish(partial, out, accumulate):
+        """Column sums, pass 2: out[C] (+)= Σ_g partial[g, C], added in g order in float64 and rounded once
+        (deterministic: no atomics, the same order every run)."""
+        G, C = partial.shape
+        for col in range(cuda.grid(1), C, cuda.gridsize(1)):
+            total = float64(0.0)
+            for g in range(G):
+                total += partial[g, col]
             if accumulate:
-                total += dbias[col]
-            dbias[col] = total
+                total += float64(out[col])
+            out[col] = float32(total)
 
     # ------------------------------------------------------------------ activations
 
@@ -229,27 +246,27 @@ def ops_kernels(nt: int) -> SimpleNamespace:
                 dinp[row, j] = r * (dout[row, j] * weight[j] - mean_dn - n * mean_dn_n)
 
     @kernel
-    def layernorm_backward_params(dout, x, mean, rstd, dweight, dbias, accumulate):
-        """dweight[C] (+)= Σ_rows dout·n, dbias[C] (+)= Σ_rows dout."""
-        sh_w = cuda.shared.array((RY, RX), float32)
-        sh_b = cuda.shared.array((RY, RX), float32)
+    def layernorm_params_partials(dout, x, mean, rstd, partial, rows_per):
+        """Column sums, pass 1, for LayerNorm's dweight and dbias: block (bx, by) adds rows [by·rows_per,
+        +rows_per) in float64: partial[by, col] = Σ dout·n, partial[G + by, col] = Σ dout (G = gridDim.y)."""
+        sh_w = cuda.shared.array((RY, RX), float64)
+        sh_b = cuda.shared.array((RY, RX), float64)
         B, C = x.shape
         col = cuda.blockIdx.x * RX + cuda.threadIdx.x
-        acc_w = float32(0.0)
-        acc_b = float32(0.0)
+        lo = cuda.blockIdx.y * rows_per
+        hi = min(B, lo + rows_per)
+        acc_w = float64(0.0)
+        acc_b = float64(0.0)
         if col < C:
-            for i in range(cuda.threadIdx.y, B, RY):
+            for i in range(lo + cuda.threadIdx.y, hi, RY):
                 d = dout[i, col]
-                acc_w += d * (x[i, col] - mean[i]) * rstd[i]
-                acc_b += d
+                acc_w += float64(d * (x[i, col] - mean[i]) * rstd[i])
+                acc_b += float64(d)
         total_w = column_sum(sh_w, acc_w)
         total_b = column_sum(sh_b, acc_b)
         if cuda.threadIdx.y == 0 and col < C:
-            if accumulate:
-                total_w += dweight[col]
-                total_b += dbias[col]
-            dweight[col] = total_w
-            dbias[col] = total_b
+            partial[cuda.blockIdx.y, col] = total_w
+            partial[cuda.gridDim.y + cuda.blockIdx.y, col] = total_b
 
     # ------------------------------------------------------------------ losses
 
@@ -409,10 +426,10 @@ def ops_kernels(nt: int) -> SimpleNamespace:
 
     return SimpleNamespace(
         NT=NT, RX=RX, RY=RY, fill=fill, scale=scale, add=add, sum_squares_partial=sum_squares_partial,
-        sum_partials=sum_partials, bias_grad=bias_grad, relu_forward=relu_forward, relu_backward=relu_backward,
+        sum_partials=sum_partials, bias_grad_partials=bias_grad_partials, column_finish=column_finish, relu_forward=relu_forward, relu_backward=relu_backward,
         gelu_forward=gelu_forward, gelu_backward=gelu_backward, tanh_forward=tanh_forward,
         tanh_backward=tanh_backward, layernorm_forward=layernorm_forward,
-        layernorm_backward_rows=layernorm_backward_rows, layernorm_backward_params=layernorm_backward_params,
+        layernorm_backward_rows=layernorm_backward_rows, layernorm_params_partials=layernorm_params_partials,
         cross_entropy_rows=cross_entropy_rows, cross_entropy_finish=cross_entropy_finish, mse_partial=mse_partial,
         ce_shard_stats=ce_shard_stats, ce_shard_sumexp=ce_shard_sumexp, ce_shard_grad=ce_shard_grad,
         sgd_update=sgd_update, adam_update=adam_update)

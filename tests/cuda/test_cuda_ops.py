@@ -65,6 +65,31 @@ def test_bias_grad(be, cpu, rng, B, C, accumulate):
     np.testing.assert_allclose(be.to_host(dbias), want, **AGREE)
 
 
+def test_column_sums_over_many_rows_split_into_row_groups_in_float64(be, cpu, rng):
+    """Enough rows for several row groups (two waves of blocks): each group's float64 sum, added in order, gives
+    the CPU backend's float64 column sums to float32 rounding, every run the same bits."""
+    B, C = 1000, 5
+    assert -(-B // (be._k.RY * 16)) > 1  # several row groups under the simulator's launch shapes
+    dout = rand(rng, B, C) + np.float32(100.0)  # large sums of same-signed values: float32 accumulation drifts
+    runs = []
+    for _ in range(2):
+        dbias = be.zeros((C,))
+        be.bias_grad(be.asarray(dout), dbias)
+        runs.append(be.to_host(dbias))
+    want = np.zeros(C, np.float32)
+    cpu.bias_grad(dout, want)
+    np.testing.assert_array_equal(runs[0], dout.astype(np.float64).sum(0).astype(np.float32))
+    np.testing.assert_array_equal(runs[0], want)
+    assert runs[0].tobytes() == runs[1].tobytes()
+    x, mean, rstd = rand(rng, B, C), rand(rng, B), np.abs(rand(rng, B)) + 1
+    dw, db = be.zeros((C,)), be.zeros((C,))
+    be.layernorm_backward(be.asarray(dout), be.asarray(x), be.asarray(rand(rng, C)), be.asarray(mean),
+                          be.asarray(rstd), be.empty((B, C)), dw, db)
+    n = ((x.astype(np.float64) - mean[:, None]) * rstd[:, None]).astype(np.float32)  # as the kernel rounds it
+    np.testing.assert_allclose(be.to_host(dw), (dout * n).astype(np.float64).sum(0), rtol=1e-6)
+    np.testing.assert_array_equal(be.to_host(db), dout.astype(np.float64).sum(0).astype(np.float32))
+
+
 @pytest.mark.parametrize("B,C", SHAPES)
 def test_layernorm_forward_backward(be, cpu, rng, B, C):
     eps = 1e-5

@@ -44,9 +44,8 @@ def refresh_replicas(mesh, transport, part, params) -> None:
     first stage; ``params``: a FlatBuffer), after the optimizer step."""
     for name in part.shared:
         arr = params[name]
-        buf = transport.outgoing(arr)  # the array itself (host, or CUDA-aware MPI), or a host copy of it
+        buf = transport.collective_buffer(arr)  # the array itself (host, or CUDA-aware MPI), or a pinned copy
         mesh.ends_comm.Bcast(buf, root=0)
-        if buf is not arr:
-            transport.backend.copy_(arr, transport.backend.asarray(buf).reshape(arr.shape))
+        transport.collective_done(buf, arr)
     for owner, replica in part.local_ties:
         transport.backend.copy_(params[replica], params[owner])

@@ -41,6 +41,7 @@ class Transport:
     def __init__(self, backend, *, cuda_aware: bool):
         self.backend = backend
         self.direct = (not backend.is_device) or bool(cuda_aware)
+        self._staging = {}  # (shape, dtype) -> a pinned buffer for the blocking collectives (``collective_buffer``)
 
     def host_buffer(self, shape):
         """A host buffer to stage arrays of ``shape`` through (None when arrays go to MPI directly)."""
@@ -86,14 +87,30 @@ class Transport:
         the training thread's stream must wait for (``backend.after``), or None when MPI wrote ``arr`` itself."""
         return None if self.direct else self.backend.stage_in(host, arr)
 
+    def collective_buffer(self, arr):
+        """What a blocking collective over ``arr`` should pass MPI: ``arr`` itself (waited for on a device), or a
+        pinned host copy of it in a staging buffer kept per shape (a tensor-parallel Allreduce, a tied tensor's sum
+        or refresh: no allocation per call). Reusing it is safe: the copy back (``collective_done``) is queued on
+        the stream before the next call's copy out, which waits for the stream."""
+        if self.direct:
+            return self.outgoing(arr)
+        key = (tuple(arr.shape), str(arr.dtype))
+        if key not in self._staging:
+            self._staging[key] = self.backend.pinned_host(arr.shape, arr.dtype)
+        return self.outgoing(arr, self._staging[key])
+
+    def collective_done(self, buf, arr) -> None:
+        """After the collective wrote ``buf`` (from ``collective_buffer``): its copy into ``arr`` queued, if staged."""
+        if buf is not arr:
+            self.backend.copy_(arr, buf)
+
     def allreduce_(self, comm, arr) -> None:
         """Sum ``arr`` over ``comm`` in place (a blocking Allreduce; collective over ``comm``)."""
         from mpi4py import MPI
 
-        buf = self.outgoing(arr)  # the array itself (host, or CUDA-aware MPI) or a host copy
+        buf = self.collective_buffer(arr)
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        if buf is not arr:
-            self.backend.copy_(arr, buf.reshape(arr.shape))  # queued: ``buf`` is this call's own copy
+        self.collective_done(buf, arr)
 
 
 class CommThread:

@@ -1,0 +1,90 @@
+"""A device backend over host arrays, for CI: the CUDA backend's device-only calls (pinned staging, events, the
+copy streams, ``upload``, ``read_host``) and its wait counting, with the CPU backend's kernels.
+
+    from fake_device import FakeDevice
+    startup.get_backend = lambda *a, **k: FakeDevice()    # what a Trainer then runs on
+
+Its arrays are numpy arrays that MPI can read as they are, so ``parallel.cuda_aware = true`` takes the path a
+CUDA-aware MPI takes on a GPU (device memory handed to MPI after the right waits), which the simulator cannot
+(simulated arrays have no device pointer); ``false`` takes the staged path. Every copy is immediate, so this
+checks the call sequence and the counts, not the GPU's asynchrony: results are the CPU backend's bits.
+"""
+
+import threading
+
+import numpy as np
+
+from hpctrain.backend.cpu import CpuBackend
+
+
+class _Mark:
+    __slots__ = ("seq",)
+
+    def __init__(self, seq):
+        self.seq = seq
+
+
+class FakeDevice(CpuBackend):
+    name = "fake-device"
+    is_device = True
+
+    def __init__(self):
+        super().__init__()
+        self.host_waits = self.mark_waits = self.background_waits = 0
+        self._owner = threading.get_ident()
+        self._marks_made = self._marks_done = 0
+
+    def _count(self, whole_stream=True):
+        if threading.get_ident() != self._owner:
+            self.background_waits += 1
+        elif whole_stream:
+            self.host_waits += 1
+        else:
+            self.mark_waits += 1
+
+    def synchronize(self):
+        self._count()
+        self._marks_done = self._marks_made
+
+    def to_host(self, arr):
+        self.synchronize()
+        return np.array(arr)
+
+    def read_host(self, *arrays):
+        if arrays:
+            self.synchronize()
+        return [np.array(a) for a in arrays]
+
+    def upload(self, host):
+        return np.array(host)
+
+    def pinned_host(self, shape, dtype=np.float32):
+        return np.empty(shape, dtype=dtype)
+
+    def to_host_into(self, dev, host):
+        host[...] = dev
+        self.synchronize()
+
+    def from_host_into(self, host, dev):
+        dev[...] = host
+        self.synchronize()
+
+    def mark(self):
+        self._marks_made += 1
+        return _Mark(self._marks_made - 1)
+
+    def after(self, mark):
+        pass
+
+    def host_wait_for(self, mark):
+        if mark.seq is not None and mark.seq < self._marks_done:
+            return
+        self._count(whole_stream=False)
+
+    def stage_out(self, dev, host, ready):
+        host[...] = dev
+        self._count()
+
+    def stage_in(self, host, dev):
+        dev[...] = host
+        return _Mark(None)

@@ -1,0 +1,81 @@
+"""Run by test_fake_device.py under ``mpiexec -n 2``: data parallel, pipeline and tensor parallel on FakeDevice
+(tests/fake_device.py), CUDA-aware and staged, against the CPU backend: the same bits, and one wait for the whole
+stream per step where the layout allows it (docs/gpu.md's table).
+
+    mpiexec -n 2 python tests/fake_device_worker.py DIR
+"""
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+from mpi4py import MPI  # noqa: E402
+
+from fake_device import FakeDevice  # noqa: E402
+from helpers import config, gpt_config, make_classification, make_tokens  # noqa: E402
+from hpctrain.parallel.mesh import Mesh  # noqa: E402
+from hpctrain.train import Trainer, startup  # noqa: E402
+
+LAYOUTS = [  # (name, pp, tp, model, expected waits for the stream per step)
+    ("dp", 1, 1, "mlp", 1), ("pp", 2, 1, "mlp", 1), ("gpt-dp", 1, 1, "gpt", 1), ("gpt-pp", 2, 1, "gpt", 3),
+    ("tp", 1, 2, "mlp", None),  # tp: one per tensor-parallel Allreduce as well (docs/gpu.md)
+    ("zero", 1, 1, "mlp", None), ("deterministic", 1, 1, "gpt", None),  # on the training thread, bucket by bucket
+]
+
+
+def run(folder, name, pp, tp, model, backend, cuda_aware):
+    """Final parameters (gathered to every rank) and the waits of the third step."""
+    path = os.path.join(folder, f"{model}.h5")
+    parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": cuda_aware, "pp": pp, "tp": tp,
+                "zero": 2 if name == "zero" else 0}
+    train = {"steps": 3, "micro_batches": 2 * pp, "grad_clip": 0.5}
+    if name == "deterministic":
+        train = {**train, "deterministic": True, "deterministic_shards": 2}
+    if model == "gpt":
+        cfg = gpt_config(path, model={"block_size": 4, "n_embd": 8}, data={"val_fraction": 0.0},
+                         train={**train, "batch_size": 4}, parallel=parallel)
+    else:
+        cfg = config(path, train={**train, "batch_size": 8}, parallel=parallel)
+    real = startup.get_backend
+    startup.get_backend = (lambda *a, **k: FakeDevice()) if backend == "fake" else real
+    mesh = Mesh(pp=pp, tp=tp)
+    try:
+        trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    finally:
+        startup.get_backend = real
+    be = trainer.be
+    trainer.train_step(0, 0.01)
+    trainer.train_step(1, 0.01)
+    before = be.host_waits
+    trainer.train_step(2, 0.01)
+    waits = be.host_waits - before
+    gathered = trainer.state_dict()
+    flat = trainer.model.layout.pack(gathered[0] if gathered else None)
+    mesh.world.Bcast(flat, root=0)
+    trainer.close()
+    mesh.free()
+    return flat, waits
+
+
+def main(folder):
+    comm = MPI.COMM_WORLD
+    if comm.rank == 0:
+        make_classification(os.path.join(folder, "mlp.h5"), n=32)
+        make_tokens(os.path.join(folder, "gpt.h5"), n=300)
+    comm.Barrier()
+    failed = 0
+    for name, pp, tp, model, expected in LAYOUTS:
+        want, _ = run(folder, name, pp, tp, model, "cpu", False)
+        for cuda_aware in (True, False):
+            got, waits = run(folder, name, pp, tp, model, "fake", cuda_aware)
+            ok = got.tobytes() == want.tobytes() and (expected is None or waits == expected)
+            failed += not ok
+            print(f"rank {comm.rank}: {name} cuda_aware={cuda_aware}: {waits} waits for the stream "
+                  f"(expected {expected}), {'OK' if ok else 'MISMATCH'}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

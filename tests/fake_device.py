@@ -28,8 +28,9 @@ class FakeDevice(CpuBackend):
     name = "fake-device"
     is_device = True
 
-    def __init__(self):
+    def __init__(self, clock: bool = False):
         super().__init__()
+        self.clock = 0.0 if clock else None  # timer(): a fake GPU clock, one second per event
         self.host_waits = self.mark_waits = self.background_waits = 0
         self._owner = threading.get_ident()
         self._marks_made = self._marks_done = 0
@@ -76,10 +77,21 @@ class FakeDevice(CpuBackend):
     def after(self, mark):
         pass
 
+    def timer(self):
+        if self.clock is None:
+            return None
+        self.clock += 1.0
+        return self.clock
+
+    def elapsed(self, start, end):
+        return end - start
+
+    def passed(self, mark):
+        return mark.seq is not None and mark.seq < self._marks_done
+
     def host_wait_for(self, mark):
-        if mark.seq is not None and mark.seq < self._marks_done:
-            return
-        self._count(whole_stream=False)
+        if not self.passed(mark):
+            self._count(whole_stream=False)
 
     def stage_out(self, dev, host, ready):
         host[...] = dev

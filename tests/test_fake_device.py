@@ -27,3 +27,28 @@ def test_device_paths_cuda_aware_and_staged_give_the_cpu_bits(tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert output.count(" OK") == 2 * 2 * 7, output[-4000:]  # 2 ranks × (CUDA-aware, staged) × 7 layouts
+
+
+def test_on_a_gpu_compute_time_and_bubble_come_from_timing_events(tmp_path):
+    """Each forward and backward instruction between two timing events (the fake clock ticks one second per
+    event): the step's compute time is their GPU time, and the bubble the GPU's idle share of their span."""
+    from fake_device import FakeDevice
+    from helpers import config, make_classification
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer, startup
+
+    make_classification(tmp_path / "d.h5", n=32)
+    cfg = config(tmp_path / "d.h5", train={"steps": 1, "batch_size": 8, "micro_batches": 2})
+    real, startup.get_backend = startup.get_backend, lambda *a, **k: FakeDevice(clock=True)
+    mesh = Mesh()
+    try:
+        trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    finally:
+        startup.get_backend = real
+    try:
+        timing = trainer.train_step(0, 0.01)
+    finally:
+        trainer.close()
+        mesh.free()
+    # two forwards and two backwards, each 1 s of GPU time; 7 s from the first start to the last end
+    assert timing["compute"] == 4.0 and timing["bubble"] == 1.0 - 4.0 / 7.0

@@ -89,6 +89,14 @@ class Backend:
         """Host copies of backend arrays, made together (a device backend waits for its stream once)."""
         return [np.array(a) for a in arrays]
 
+    def timer(self):
+        """A timing event recorded on the device's stream now (None where host clocks time the kernels: the CPU,
+        the CUDA simulator); ``elapsed(a, b)`` gives the seconds between two, once a wait has passed both."""
+        return None
+
+    def elapsed(self, start, end) -> float:
+        raise NotImplementedError("timer() gave no events to time")
+
     def upload(self, host):
         """``asarray`` for a step's per-micro-batch uploads (a device backend stages them through page-locked
         memory so the copy is asynchronous)."""
@@ -105,6 +113,10 @@ class Backend:
 
     def host_wait_for(self, event) -> None:
         pass
+
+    def passed(self, mark) -> bool:
+        """Whether a wait for the whole stream has passed ``mark`` (so what was queued before it is done)."""
+        return True
 
     def bind_thread(self) -> None:
         pass

@@ -274,15 +274,31 @@ class CudaBackend(Backend):
     def _event(self):
         return cuda.event() if self.simulator else cuda.event(timing=False)  # the simulator's takes no arguments
 
+    def timer(self):
+        """A timing event recorded on the stream now (None under the simulator, whose events time nothing)."""
+        if self.simulator:
+            return None
+        event = cuda.event(timing=True)
+        event.record(self.stream)
+        return event
+
+    def elapsed(self, start, end) -> float:
+        """Seconds of GPU time between two ``timer`` events, both complete."""
+        return start.elapsed_time(end) / 1e3
+
     def after(self, mark) -> None:
         """What is queued on the stream from now on waits for ``mark`` on the device (the host does not wait)."""
         mark.event.wait(self.stream)
+
+    def passed(self, mark) -> bool:
+        """Whether a wait for the whole stream has passed ``mark`` (so what was queued before it is done)."""
+        return mark.seq is not None and mark.seq < self._marks_done
 
     def host_wait_for(self, mark) -> None:
         """The calling thread waits for ``mark`` (counted: the training thread's in ``mark_waits``, since its
         callers queued more work after the mark; a communication thread's are background); no wait when a wait
         for the whole stream has passed the mark already."""
-        if mark.seq is not None and mark.seq < self._marks_done:
+        if self.passed(mark):
             return
         self._count_wait(whole_stream=False)
         mark.event.synchronize()

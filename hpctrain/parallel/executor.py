@@ -15,6 +15,11 @@ sized from the checker's peak of live received activations (an input activation
 is kept for its micro-batch's backward, which reads it). Sends are ``Isend``s kept
 referenced until they complete (parallel/transport.py).
 
+On a GPU (``backend.timer()`` gives events) the forward and backward instructions are
+timed by events on the stream, not by host clocks around launches that return at once:
+``busy`` is their GPU time and ``device_span`` the GPU time from the first to the last,
+read once the step's wait has passed them (else the host times stand).
+
 On the last stage each micro-batch's loss sums go into a row of a small backend array
 (``loss(..., into=row)``), not to the host: a device is not waited for at each
 micro-batch. The optimizer step reads the rows together with the gradient norm, in the
@@ -50,7 +55,8 @@ ACTIVATION, GRAD = 0, 1  # message kinds; the tag of micro-batch i's message is 
 class StepResult:
     """What one run of a stage's list measured (seconds) and, on the last stage, the loss sums."""
 
-    busy: float = 0.0  # forward and backward kernels (and the loss)
+    busy: float = 0.0  # forward and backward kernels (and the loss); on a GPU their GPU time (events)
+    device_span: float = 0.0  # on a GPU: GPU time from the first forward or backward to the last (0: host times)
     wait: float = 0.0  # blocked on other stages: point-to-point messages, and the wait that on_optimizer_step reports
     data: float = 0.0  # reading micro-batches
     comm: float = 0.0  # the data-parallel gradient reduction (ReduceGrads)
@@ -66,6 +72,8 @@ class StepResult:
 
     @property
     def bubble(self) -> float:
+        if self.device_span > 0:  # GPU time: the share of the compute span the GPU spent outside this stage's work
+            return max(0.0, 1.0 - self.busy / self.device_span)
         return bubble_share(busy=self.busy, data=self.data, span=self.span, comm=self.comm, optim=self.optim)
 
 
@@ -109,8 +117,9 @@ class StageExecutor:
         self.max_rows = max_rows
         self.stats = stats
         self.table = {
-            LoadMicroBatch: self._load, Forward: self._forward, Backward: self._backward,
-            BackwardInput: self._backward_input, BackwardWeight: self._backward_weight,
+            LoadMicroBatch: self._load, Forward: self._timed_by(self._forward),
+            Backward: self._timed_by(self._backward), BackwardInput: self._timed_by(self._backward_input),
+            BackwardWeight: self._timed_by(self._backward_weight),
             SendActivation: self._send, SendGrad: self._send, RecvActivation: self._recv, RecvGrad: self._recv,
             Exchange: self._exchange, ReduceGrads: self._reduce, OptimizerStep: self._optimizer_step,
         }
@@ -139,6 +148,8 @@ class StageExecutor:
         self._wsaved = {}  # mb -> what its BackwardWeight needs
         self._loss_rows = None  # the last stage: [loss sum, correct, first bad row] per micro-batch, on the backend
         self._losses = []  # (mb, (loss sum, correct) read already, or None: in _loss_rows), in forward order
+        self._timed = []  # on a GPU: (start, end) timing events of each forward and backward instruction
+        self._timed_mark = None  # a mark after the last of them
         t0 = time.perf_counter()
         self._post_ahead()
         for self._index, ins in enumerate(instructions):
@@ -153,8 +164,29 @@ class StageExecutor:
         if self._losses:  # no optimizer step read them (evaluation): one wait here
             rows = self.pending_loss_rows()
             self.settle_losses(None if rows is None else self.be.read_host(rows)[0])
+        self._device_times()
         self.result.span = time.perf_counter() - t0
         return self.result
+
+    def _timed_by(self, method):
+        """``method`` (a forward or backward instruction) between two timing events on a GPU."""
+
+        def run(ins) -> None:
+            start = self.be.timer()
+            method(ins)
+            if start is not None:
+                self._timed.append((start, self.be.timer()))
+                self._timed_mark = self.be.mark()
+
+        return run
+
+    def _device_times(self) -> None:
+        """On a GPU, once a wait has passed the run's last timing event: busy and device_span in GPU time."""
+        if not self._timed or not self.be.passed(self._timed_mark):
+            return
+        be = self.be
+        self.result.busy = sum(be.elapsed(a, b) for a, b in self._timed)
+        self.result.device_span = be.elapsed(self._timed[0][0], self._timed[-1][1])
 
     # ------------------------------------------------------------------ loss sums, read once
 

@@ -11,8 +11,11 @@ after the first step no allocation reaches the driver.
 
 Why this is safe: the backend issues every kernel and copy on one stream, so
 work queued on a block by its previous owner finishes before anything the next
-owner queues on it. (Code that hands a pool array to another stream, or to MPI,
-synchronises the backend's stream first, as the data-parallel sync does.)
+owner queues on it. Code that hands a pool array to another stream or to MPI keeps a
+reference to it until that use is over on the host: the pipeline's sender thread
+holds an array until its copy out has finished (or, handed to a CUDA-aware MPI, until
+its Isend completes), so the block cannot be reused before. The last reference may
+then go on that thread, so the free lists are guarded by a lock.
 
 How an array keeps its block: the array is built with
 ``cuda.from_cuda_array_interface(..., owner=lease)``; numba's device-array views
@@ -37,6 +40,7 @@ Under the CUDA simulator there are no device pointers: arrays are plain
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
@@ -103,38 +107,48 @@ class DevicePool:
         self.hits = self.misses = 0
         self.cached_bytes = 0  # bytes on the free lists
         self.leased_bytes = 0  # bytes in arrays that are alive
+        # a communication thread may drop the last reference to a sent array (its lease gives the block back
+        # there) while the training thread allocates; reentrant: a collection inside ``alloc`` may free a lease
+        self._lock = threading.RLock()
 
     def alloc(self, shape, dtype):
         shape = tuple(int(s) for s in shape)
         dtype = np.dtype(dtype)
         size = rounded_bytes(math.prod(shape) * dtype.itemsize)
-        blocks = self._free.get(size)
-        if blocks:
-            block = blocks.pop()
-            self.cached_bytes -= size
-            self.hits += 1
-        else:
-            try:
-                block = self._raw_alloc(size)
-            except Exception as e:
-                if not is_out_of_memory(e) or not self.cached_bytes:
-                    raise
-                self.release_cached()  # other sizes may be sitting idle: give them back and retry once
-                block = self._raw_alloc(size)
-            self._owned[id(block)] = block
-            self.misses += 1
-        self.leased_bytes += size
+        with self._lock:
+            blocks = self._free.get(size)
+            block = blocks.pop() if blocks else None
+            if block is not None:
+                self.cached_bytes -= size
+                self.hits += 1
+            else:
+                block = self._new_block(size)
+            self.leased_bytes += size
         return self._wrap(block, shape, dtype, _Lease(self, size, block))
 
+    def _new_block(self, size):
+        try:
+            block = self._raw_alloc(size)
+        except Exception as e:
+            if not is_out_of_memory(e) or not self.cached_bytes:
+                raise
+            self.release_cached()  # other sizes may be sitting idle: give them back and retry once
+            block = self._raw_alloc(size)
+        self._owned[id(block)] = block
+        self.misses += 1
+        return block
+
     def _give_back(self, size, block):
-        self.leased_bytes -= size
-        self.cached_bytes += size
-        self._free.setdefault(size, []).append(block)
+        with self._lock:
+            self.leased_bytes -= size
+            self.cached_bytes += size
+            self._free.setdefault(size, []).append(block)
 
     def release_cached(self) -> None:
         """Drop every idle block (numba frees them); arrays in use are not affected."""
-        for blocks in self._free.values():
-            for block in blocks:
-                self._owned.pop(id(block), None)
-        self._free.clear()
-        self.cached_bytes = 0
+        with self._lock:
+            for blocks in self._free.values():
+                for block in blocks:
+                    self._owned.pop(id(block), None)
+            self._free.clear()
+            self.cached_bytes = 0

@@ -95,7 +95,7 @@ class VocabParallelCrossEntropy(CrossEntropyLoss):
         if bad.size:  # the same targets on every rank of the group: all of them stop here, with this error
             be.bad_target(targets, int(bad[0]), self.vocab)
         mx, arg, tlogit = be.empty((B,)), be.empty((B,), np.int64), be.empty((B,))
-        targets = be.asarray(targets)  # uploaded once for both passes that read them (a device's)
+        targets = be.upload(targets)  # uploaded once (staged) for both passes that read them
         be.ce_shard_stats(logits, targets, mx, arg, tlogit, vocab_start=self.lo, vocab=self.vocab)
         local_max, arg, tlogit = be.read_host(mx, arg, tlogit)  # one wait
         row_max = self.tp.allreduce_host(local_max.copy(), MPI.MAX)

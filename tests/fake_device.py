@@ -10,42 +10,23 @@ CUDA-aware MPI takes on a GPU (device memory handed to MPI after the right waits
 checks the call sequence and the counts, not the GPU's asynchrony: results are the CPU backend's bits.
 """
 
-import threading
-
 import numpy as np
 
+from hpctrain.backend.base import Mark, StreamWaits
 from hpctrain.backend.cpu import CpuBackend
 
 
-class _Mark:
-    __slots__ = ("seq",)
-
-    def __init__(self, seq):
-        self.seq = seq
-
-
-class FakeDevice(CpuBackend):
+class FakeDevice(StreamWaits, CpuBackend):
     name = "fake-device"
     is_device = True
 
     def __init__(self, clock: bool = False):
         super().__init__()
+        self._init_waits()  # the CUDA backend's own bookkeeping of waits and marks (backend/base.py)
         self.clock = 0.0 if clock else None  # timer(): a fake GPU clock, one second per event
-        self.host_waits = self.mark_waits = self.background_waits = 0
-        self._owner = threading.get_ident()
-        self._marks_made = self._marks_done = 0
-
-    def _count(self, whole_stream=True):
-        if threading.get_ident() != self._owner:
-            self.background_waits += 1
-        elif whole_stream:
-            self.host_waits += 1
-        else:
-            self.mark_waits += 1
 
     def synchronize(self):
-        self._count()
-        self._marks_done = self._marks_made
+        self._stream_wait(lambda: None)
 
     def to_host(self, arr):
         self.synchronize()
@@ -71,8 +52,7 @@ class FakeDevice(CpuBackend):
         self.synchronize()
 
     def mark(self):
-        self._marks_made += 1
-        return _Mark(self._marks_made - 1)
+        return self._new_mark(None)
 
     def after(self, mark):
         pass
@@ -86,17 +66,14 @@ class FakeDevice(CpuBackend):
     def elapsed(self, start, end):
         return end - start
 
-    def passed(self, mark):
-        return mark.seq is not None and mark.seq < self._marks_done
-
     def host_wait_for(self, mark):
         if not self.passed(mark):
-            self._count(whole_stream=False)
+            self._count_wait(whole_stream=False)
 
     def stage_out(self, dev, host, ready):
         host[...] = dev
-        self._count()
+        self._count_wait()
 
     def stage_in(self, host, dev):
         dev[...] = host
-        return _Mark(None)
+        return Mark(None, None)

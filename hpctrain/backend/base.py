@@ -15,11 +15,13 @@ each argument of each op in turn.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from ..errors import BackendError
 
-__all__ = ["Backend", "check_array"]
+__all__ = ["Backend", "StreamWaits", "Mark", "check_array"]
 
 
 def check_array(op, name, arr, *, ndim=None, shape=None, rows=None, cols=None, dtype=np.float32):
@@ -51,6 +53,56 @@ def _is_c_contiguous(arr) -> bool:
         return bool(flags["C_CONTIGUOUS"])
     except (KeyError, TypeError):
         return bool(getattr(flags, "c_contiguous", True))
+
+
+class Mark:
+    """A point of a device stream: its event, and for one recorded on the training stream its number among that
+    stream's marks (None for another stream's)."""
+
+    __slots__ = ("event", "seq")
+
+    def __init__(self, event, seq):
+        self.event, self.seq = event, seq
+
+
+class StreamWaits:
+    """A device backend's bookkeeping of waits for its training stream (CudaBackend; the tests' fake device).
+
+    ``host_waits``: the training thread's waits for the whole stream (the GPU's queue runs dry);
+    ``mark_waits``: its waits for an earlier mark, with later work still queued; ``background_waits``: other
+    threads' (a communication thread's staging copies). Marks are numbered as they are made; a wait for the
+    whole stream passes every mark made before it began, and ``passed`` says so without asking the device.
+    """
+
+    def _init_waits(self) -> None:
+        self.host_waits = self.mark_waits = self.background_waits = 0
+        self._owner = threading.get_ident()  # the training thread: the one that made the backend
+        self._marks_made = 0
+        self._marks_done = 0  # marks [0, _marks_done) are complete: a wait for the whole stream followed them
+
+    def _count_wait(self, whole_stream: bool = True) -> None:
+        if threading.get_ident() != self._owner:
+            self.background_waits += 1
+        elif whole_stream:
+            self.host_waits += 1
+        else:
+            self.mark_waits += 1
+
+    def _new_mark(self, event) -> Mark:
+        """``event``, just recorded on the training stream, as the next mark."""
+        self._marks_made += 1
+        return Mark(event, self._marks_made - 1)
+
+    def _stream_wait(self, wait) -> None:
+        """``wait()`` waits for the whole training stream: counted, and every mark made before it is passed."""
+        self._count_wait()
+        covered = self._marks_made  # every mark made so far was recorded before this wait began
+        wait()
+        self._marks_done = max(self._marks_done, covered)
+
+    def passed(self, mark) -> bool:
+        """Whether a wait for the whole stream has passed ``mark`` (so what was queued before it is done)."""
+        return mark.seq is not None and mark.seq < self._marks_done
 
 
 class Backend:
@@ -115,7 +167,7 @@ class Backend:
         pass
 
     def passed(self, mark) -> bool:
-        """Whether a wait for the whole stream has passed ``mark`` (so what was queued before it is done)."""
+        """Whether a wait for the whole stream has passed ``mark`` (no stream here: always)."""
         return True
 
     def bind_thread(self) -> None:

@@ -43,13 +43,12 @@ grid of every GEMM of a GPT step.
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 from numba import cuda
 
 from ..errors import BackendError
-from .base import Backend, check_array
+from .base import Backend, Mark, StreamWaits, check_array
 from .cuda_gemm import (EPI_ACCUMULATE, EPI_BIAS, EPI_STORE, GPU_SMALL_TILE, GPU_TILE, GPU_TILES, GPU_TN_TILES,
                         MAX_GRID_Z, MODE_CAUSAL_K_BELOW,
                         MODE_CAUSAL_K_FROM, MODE_CAUSAL_UPPER, MODE_SPLIT_K, SIM_TILE, GemmTile,
@@ -79,7 +78,7 @@ def _is_device_array(arr) -> bool:
     return bool(getattr(arr, "__cuda_ndarray__", False) or hasattr(arr, "__cuda_array_interface__"))
 
 
-class CudaBackend(Backend):
+class CudaBackend(StreamWaits, Backend):
     """Arrays are numba device arrays on one GPU; ``CudaBackend(device_id=0, tile=..., block=...)``.
 
     ``device_id`` is the GPU to use (the node-local rank when started by ``get_backend``);
@@ -133,12 +132,7 @@ class CudaBackend(Backend):
         self.stream = cuda.stream()
         self.copy_stream = cuda.stream()  # a communication thread's copies out (stage_out): they wait for marks
         self.upload_stream = cuda.stream()  # and its copies back (stage_in), which wait for nothing
-        self.host_waits = 0  # the training thread's waits for the whole stream: the GPU's queue runs dry
-        self.mark_waits = 0  # its waits for an earlier mark, with later work still queued (the GPU keeps busy)
-        self.background_waits = 0  # other threads' (a communication thread's, for its staging copies)
-        self._owner = threading.get_ident()
-        self._marks_made = 0  # marks recorded on the stream so far (each numbered by its order)
-        self._marks_done = 0  # marks [0, _marks_done) are certainly complete: a wait for the whole stream followed
+        self._init_waits()  # host_waits, mark_waits, background_waits (base.StreamWaits)
         self._pool = None if self.simulator else DevicePool(_raw_alloc, _wrap)
         self._no_bias = self.zeros((1,))  # the GEMM kernel always takes a bias array
         self._scalars = self.zeros((3,), np.float64)  # device-side results of the reductions
@@ -192,7 +186,7 @@ class CudaBackend(Backend):
         if host.size == 0:
             return self.asarray(host)
         staged = self._staging.setdefault((host.shape, host.dtype.str), [])
-        buf = next((b for b, mark in staged if mark.seq < self._marks_done), None)
+        buf = next((b for b, mark in staged if self.passed(mark)), None)
         if buf is None and len(staged) >= STAGING_PER_SHAPE:
             buf, mark = staged[0]
             self.host_wait_for(mark)
@@ -248,18 +242,7 @@ class CudaBackend(Backend):
 
     def _wait(self):
         """The host waits until every kernel and copy queued on the stream is done (counted)."""
-        self._count_wait()
-        covered = self._marks_made  # every mark made so far was recorded before this wait began
-        self.stream.synchronize()
-        self._marks_done = max(self._marks_done, covered)
-
-    def _count_wait(self, whole_stream: bool = True):
-        if threading.get_ident() != self._owner:
-            self.background_waits += 1
-        elif whole_stream:
-            self.host_waits += 1
-        else:
-            self.mark_waits += 1
+        self._stream_wait(self.stream.synchronize)
 
     # ------------------------------------------------------------------ events: other threads and streams
 
@@ -267,9 +250,7 @@ class CudaBackend(Backend):
         """An event recorded on the stream now: it completes once everything queued so far is done."""
         event = self._event()
         event.record(self.stream)
-        mark = _Mark(event, self._marks_made)
-        self._marks_made += 1
-        return mark
+        return self._new_mark(event)
 
     def _event(self):
         return cuda.event() if self.simulator else cuda.event(timing=False)  # the simulator's takes no arguments
@@ -289,10 +270,6 @@ class CudaBackend(Backend):
     def after(self, mark) -> None:
         """What is queued on the stream from now on waits for ``mark`` on the device (the host does not wait)."""
         mark.event.wait(self.stream)
-
-    def passed(self, mark) -> bool:
-        """Whether a wait for the whole stream has passed ``mark`` (so what was queued before it is done)."""
-        return mark.seq is not None and mark.seq < self._marks_done
 
     def host_wait_for(self, mark) -> None:
         """The calling thread waits for ``mark`` (counted: the training thread's in ``mark_waits``, since its
@@ -329,7 +306,7 @@ class CudaBackend(Backend):
             dev.copy_to_device(host, stream=self.upload_stream)
         event = self._event()
         event.record(self.upload_stream)
-        return _Mark(event, None)  # on its own stream: no wait for the training stream covers it
+        return Mark(event, None)  # on its own stream: no wait for the training stream covers it
 
     def pinned_host(self, shape, dtype=np.float32):
         """A page-locked host array: the staging buffer when MPI is not CUDA-aware."""
@@ -741,15 +718,6 @@ class CudaBackend(Backend):
         """check_array plus: the array lives on the device (a host array would be copied back and forth)."""
         self._require_device(op, name, arr)
         return check_array(op, name, arr, **kw)
-
-
-class _Mark:
-    """A device event and, for one recorded on the training stream, its number among the stream's marks."""
-
-    __slots__ = ("event", "seq")
-
-    def __init__(self, event, seq):
-        self.event, self.seq = event, seq
 
 
 def _flat(arr):

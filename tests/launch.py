@@ -6,15 +6,23 @@
 The flags are found, not assumed: ``LAUNCHER --version`` says which MPI it is (Hydra for MPICH and its
 derivatives; Open MPI, OpenRTE or PRRTE for Open MPI). Open MPI refuses to run as root without
 ``--allow-run-as-root`` and refuses more ranks than cores without ``--oversubscribe``; MPICH needs neither.
+
+A failed job's captured output holds the launcher's own report of the failure after hpctrain's lines;
+``hpctrain_lines`` removes it (the rule is in its docstring), so a check of "exactly one line" reads
+hpctrain's lines under either MPI:
+
+    assert hpctrain_lines(proc.stderr) == ["hpctrain: error [rank 0/2]: ..."]
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 
-__all__ = ["launcher_env", "launcher_flags", "launcher_kind", "mpi_command", "physical_cores", "open_mpi_python"]
+__all__ = ["hpctrain_lines", "launcher_env", "launcher_flags", "launcher_kind", "mpi_command", "physical_cores",
+           "open_mpi_python"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -118,3 +126,59 @@ def open_mpi_python() -> str:
 def mpi_command(launcher: str, ranks: int, *command: str) -> list[str]:
     """``launcher [its flags] -n ranks command...``."""
     return [launcher, *launcher_flags(launcher_kind(launcher), ranks), "-n", str(ranks), *command]
+
+
+# ---------------------------------------------------------------- what a launcher adds to a failed job's output
+
+_OPEN_MPI_RULE = "-" * 74  # Open MPI's and PRRTE's help messages (show_help) are boxed by two such lines
+_HYDRA_RULE = "=" * 83  # MPICH Hydra's BAD TERMINATION block opens and closes with one
+_HYDRA_TAIL = ("YOUR APPLICATION TERMINATED WITH THE EXIT STRING: ",  # the lines after its closing rule
+               "This typically refers to a problem with your application.",
+               "Please see the FAQ page for debugging suggestions")
+_MPI_LINE = re.compile(
+    r"\[[^\]\s]+:\d+\] PMIX ERROR: "  # PMIx inside Open MPI's prterun: "[vm:29668] PMIX ERROR: PMIX_ERR_UNREACH in file ..."
+    r"|Abort\(\d+\) on node \d+ \(rank \d+ in comm \d+\): application called MPI_Abort\("  # MPICH's MPI_Abort
+)
+
+
+def _closing_rule(line: str) -> str | None:
+    """The line that closes a launcher's block if ``line`` opens one (the same rule), else None."""
+    return line if line in (_OPEN_MPI_RULE, _HYDRA_RULE) else None
+
+
+def _is_mpi_line(line: str) -> bool:
+    """A line a launcher or the MPI library prints on its own, outside any block: see ``hpctrain_lines``."""
+    return line.startswith(_HYDRA_TAIL) or bool(_MPI_LINE.match(line))
+
+
+def hpctrain_lines(output: str) -> list[str]:
+    """The lines of a job's captured stdout or stderr less what the launcher and the MPI library added.
+
+    Why: a rank that exits non-zero, is killed or calls MPI_Abort makes the launcher report it on the same
+    stream as hpctrain's own lines; a check that hpctrain said exactly one line must not count those. The
+    rule removes only text whose exact form is the launcher's, never a line hpctrain writes (hpctrain
+    prints no rule of dashes or equal signs):
+
+    * Open MPI and PRRTE (prterun, mpirun): each boxed message, from a line of exactly 74 ``-`` to the next
+      such line, both included ("prterun detected that one or more processes exited with non-zero status",
+      "prterun noticed that process rank N with PID ... exited on signal 9", "MPI_ABORT was invoked on
+      rank N"); a box left open runs to the end. A ``[host:pid] PMIX ERROR: ...`` line, inside a box or not.
+      The NUL characters prterun writes after its last message.
+    * MPICH (Hydra's mpiexec): the BAD TERMINATION block (on stdout): its rules of exactly 83 ``=``, the
+      lines between them, the blank line before it and the three lines after it
+      ("YOUR APPLICATION TERMINATED WITH THE EXIT STRING: ...", "This typically refers to ...", "Please
+      see the FAQ page ..."). MPICH's ``Abort(N) on node M (rank M in comm 0): application called
+      MPI_Abort(...)`` line, which the MPI library of the aborting rank prints.
+
+    Every other line is kept as it is, blank ones too: an extra line of hpctrain's still counts."""
+    kept: list[str] = []
+    closing = None  # the rule that ends the launcher's block we are in
+    for line in output.replace("\0", "").splitlines():
+        if closing is not None:
+            closing = None if line == closing else closing
+        elif (closing := _closing_rule(line)) is not None:
+            if line == _HYDRA_RULE and kept and not kept[-1].strip():
+                kept.pop()  # Hydra opens its block with a blank line
+        elif not _is_mpi_line(line):
+            kept.append(line)
+    return kept

@@ -19,10 +19,11 @@ from __future__ import annotations
 import functools
 import os
 import re
+import signal
 import subprocess
 
 __all__ = ["hpctrain_lines", "launcher_env", "launcher_flags", "launcher_kind", "mpi_command", "physical_cores",
-           "open_mpi_python"]
+           "open_mpi_python", "stop_signal"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -126,6 +127,14 @@ def open_mpi_python() -> str:
 def mpi_command(launcher: str, ranks: int, *command: str) -> list[str]:
     """``launcher [its flags] -n ranks command...``."""
     return [launcher, *launcher_flags(launcher_kind(launcher), ranks), "-n", str(ranks), *command]
+
+
+def stop_signal(kind: str) -> signal.Signals:
+    """What docs/reliability.md tells a user to send ``kind``'s launcher to stop a job with a checkpoint.
+
+    SIGTERM, which MPICH's mpiexec forwards to every rank; SIGUSR1 to Open MPI's mpirun, which forwards it
+    too but kills its ranks about half a second after a SIGTERM of its own, before their checkpoint."""
+    return signal.SIGUSR1 if kind == "openmpi" else signal.SIGTERM
 
 
 # ---------------------------------------------------------------- what a launcher adds to a failed job's output

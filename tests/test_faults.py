@@ -9,7 +9,7 @@ import time
 import pytest
 
 from helpers import folder_listing, make_classification, toml_job
-from launch import hpctrain_lines, launcher_env, mpi_command  # the user's MPI settings pass, a running launcher's rank does not
+from launch import hpctrain_lines, launcher_env, launcher_kind, mpi_command, stop_signal  # the user's MPI settings pass, a running launcher's rank does not
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = shutil.which("mpiexec")
@@ -303,10 +303,9 @@ def test_bad_parameter_server_layouts_are_one_line(tmp_path):
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")
-def test_sigterm_stops_a_parameter_server_job_with_a_checkpoint(tmp_path):
-    """SIGTERM to the launcher: the servers answer every pull with stop, the workers finish, a checkpoint, exit 0."""
-    import signal
-
+def test_the_stop_signal_stops_a_parameter_server_job_with_a_checkpoint(tmp_path):
+    """The launcher's stop signal (SIGTERM to mpiexec, SIGUSR1 to Open MPI's mpirun: docs/reliability.md): the
+    servers answer every pull with stop, the workers finish, a checkpoint, exit 0."""
     make_classification(tmp_path / "d.h5", n=64)
     (tmp_path / "job.toml").write_text(toml_job(train={"steps": 10_000_000, "log_every": 10_000_000},
                                                 parallel={"mode": "async_ps", "staleness": 1},
@@ -318,7 +317,7 @@ def test_sigterm_stops_a_parameter_server_job_with_a_checkpoint(tmp_path):
         first = proc.stdout.readline()  # the start-up line: every rank is past start-up
         assert "parameter server" in first, first
         time.sleep(1.0)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop_signal(launcher_kind(MPIEXEC)))
         out, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from launch import hpctrain_lines, launcher_env, mpi_command, open_mpi_python
+from launch import hpctrain_lines, launcher_env, mpi_command, open_mpi_python, stop_signal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RULE = "-" * 74
@@ -146,3 +146,10 @@ def test_the_rule_reads_a_failed_job_under_open_mpi(how):
     stdout, stderr = _failing_job(os.path.join(os.path.dirname(python), "mpirun"), python, how)
     assert stderr.startswith(ERROR + "\n") and len(stderr.splitlines()) > 1, stderr  # prterun's box follows
     assert hpctrain_lines(stderr) == [ERROR] and hpctrain_lines(stdout) == [], stdout + stderr
+
+
+def test_the_stop_signal_is_the_one_the_docs_give_for_each_launcher():
+    """docs/reliability.md: SIGTERM to MPICH's mpiexec, SIGUSR1 to Open MPI's mpirun (its SIGTERM kills the ranks)."""
+    import signal
+
+    assert stop_signal("mpich") == signal.SIGTERM and stop_signal("openmpi") == signal.SIGUSR1

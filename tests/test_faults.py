@@ -149,33 +149,37 @@ def test_mpi_functions_are_found_in_the_library_mpi4py_loaded():
     assert mpi_cuda_aware() in (True, False)
 
 
-# the child writes to its stdout pipe, then drains it; the parent reads only after a pause
+# the child writes to its stdout pipe, then drains it; the parent reads only after a pause. The clock starts
+# before "draining" is said, so the parent's pause is all inside what the child measures, however late
+# either process runs on a loaded machine
 DRAIN = """
 import sys, time
 from hpctrain.parallel.abort import drain_stdio
 sys.stdout.write("x" * 4096)
-print("draining", file=sys.stderr, flush=True)
 t = time.monotonic()
+print("draining", file=sys.stderr, flush=True)
 drain_stdio(timeout=float(sys.argv[1]))
 print(f"{time.monotonic() - t:.3f}", file=sys.stderr)
 """
 
 
-@pytest.mark.parametrize("read_after, timeout", [(0.5, 10.0), (None, 0.5)])
+@pytest.mark.parametrize("read_after, timeout", [(0.5, 30.0), (None, 0.5)])
 def test_drain_stdio_waits_until_the_launcher_has_read_the_output(read_after, timeout):
-    """Abort comes only once the pipe to the launcher is empty, or the deadline has passed."""
+    """Abort comes only once the pipe to the launcher is empty, or the deadline has passed. The bounds hold
+    under any load: the child cannot see the pipe empty before the parent's read, which comes at least
+    ``read_after`` after the clock started, and it gives up no earlier than its deadline."""
     proc = subprocess.Popen([sys.executable, "-c", DRAIN, str(timeout)], cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stderr.readline() == "draining\n"
     if read_after is not None:
         time.sleep(read_after)
         assert len(proc.stdout.read(4096)) == 4096
-    proc.wait(timeout=30)
+    proc.wait(timeout=60)
     waited = float(proc.stderr.read())
     if read_after is not None:
-        assert read_after - 0.1 < waited < timeout  # waited for the reader, not for the deadline
+        assert read_after <= waited < timeout  # waited for the reader, not for the deadline
     else:
-        assert timeout <= waited < timeout + 2.0  # nobody read: gave up at the deadline
+        assert timeout <= waited < 20  # nobody read: it gave up at its deadline instead of waiting on
 
 
 # SIGTERM (what Slurm sends before the time limit) while the job starts, or twice: once to stop, once more

@@ -19,11 +19,12 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shutil
 import signal
 import subprocess
 
 __all__ = ["hpctrain_lines", "launcher_env", "launcher_flags", "launcher_kind", "mpi_command", "physical_cores",
-           "open_mpi_python", "stop_signal"]
+           "open_mpi_python", "open_mpi_python_for_a_rerun", "stop_signal"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -122,6 +123,19 @@ def open_mpi_python() -> str:
     if kind != "openmpi":
         pytest.fail(f"{mpirun} is not Open MPI's launcher (its --version says {kind})")
     return python
+
+
+def open_mpi_python_for_a_rerun() -> str:
+    """``open_mpi_python()`` for a test that repeats under Open MPI what it ran under the mpiexec on PATH.
+
+    A skip when that mpiexec is Open MPI's already: the suite itself runs under Open MPI (as CI's second
+    pass does), so the run under the mpiexec on PATH was the Open MPI run and a rerun would repeat it."""
+    import pytest
+
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is not None and launcher_kind(mpiexec) == "openmpi":
+        pytest.skip(f"the mpiexec on PATH ({mpiexec}) is Open MPI's: the run under it was the Open MPI run")
+    return open_mpi_python()
 
 
 def mpi_command(launcher: str, ranks: int, *command: str) -> list[str]:

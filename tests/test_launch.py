@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from launch import hpctrain_lines, launcher_env, mpi_command, open_mpi_python, stop_signal
+from launch import hpctrain_lines, launcher_env, mpi_command, open_mpi_python_for_a_rerun, stop_signal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RULE = "-" * 74
@@ -142,7 +142,7 @@ def test_the_rule_reads_a_failed_job_under_the_mpiexec_on_path(how):
 
 @pytest.mark.parametrize("how", ["exit", "kill"])
 def test_the_rule_reads_a_failed_job_under_open_mpi(how):
-    python = open_mpi_python()
+    python = open_mpi_python_for_a_rerun()
     stdout, stderr = _failing_job(os.path.join(os.path.dirname(python), "mpirun"), python, how)
     assert stderr.startswith(ERROR + "\n") and len(stderr.splitlines()) > 1, stderr  # prterun's box follows
     assert hpctrain_lines(stderr) == [ERROR] and hpctrain_lines(stdout) == [], stdout + stderr

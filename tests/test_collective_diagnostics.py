@@ -16,7 +16,7 @@ import time
 import pytest
 
 from helpers import make_classification, toml_job
-from launch import launcher_env, mpi_command
+from launch import hpctrain_lines, launcher_env, mpi_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = shutil.which("mpiexec")
@@ -63,7 +63,8 @@ def run_job(tmp_path, fault, *overrides, timeout=90):
 
 
 def error_lines(proc):
-    return [line for line in proc.stderr.splitlines() if line.startswith("hpctrain: error")]
+    """The job's stderr less its launcher's report (tests/launch.py): the error must be all hpctrain said."""
+    return hpctrain_lines(proc.stderr)
 
 
 def test_a_healthy_job_with_both_diagnostics_on_trains_as_without(tmp_path):

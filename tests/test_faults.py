@@ -9,7 +9,7 @@ import time
 import pytest
 
 from helpers import folder_listing, make_classification, toml_job
-from launch import launcher_env, mpi_command  # the user's MPI settings pass, a running launcher's rank does not
+from launch import hpctrain_lines, launcher_env, launcher_kind, mpi_command, stop_signal  # the user's MPI settings pass, a running launcher's rank does not
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = shutil.which("mpiexec")
@@ -149,33 +149,37 @@ def test_mpi_functions_are_found_in_the_library_mpi4py_loaded():
     assert mpi_cuda_aware() in (True, False)
 
 
-# the child writes to its stdout pipe, then drains it; the parent reads only after a pause
+# the child writes to its stdout pipe, then drains it; the parent reads only after a pause. The clock starts
+# before "draining" is said, so the parent's pause is all inside what the child measures, however late
+# either process runs on a loaded machine
 DRAIN = """
 import sys, time
 from hpctrain.parallel.abort import drain_stdio
 sys.stdout.write("x" * 4096)
-print("draining", file=sys.stderr, flush=True)
 t = time.monotonic()
+print("draining", file=sys.stderr, flush=True)
 drain_stdio(timeout=float(sys.argv[1]))
 print(f"{time.monotonic() - t:.3f}", file=sys.stderr)
 """
 
 
-@pytest.mark.parametrize("read_after, timeout", [(0.5, 10.0), (None, 0.5)])
+@pytest.mark.parametrize("read_after, timeout", [(0.5, 30.0), (None, 0.5)])
 def test_drain_stdio_waits_until_the_launcher_has_read_the_output(read_after, timeout):
-    """Abort comes only once the pipe to the launcher is empty, or the deadline has passed."""
+    """Abort comes only once the pipe to the launcher is empty, or the deadline has passed. The bounds hold
+    under any load: the child cannot see the pipe empty before the parent's read, which comes at least
+    ``read_after`` after the clock started, and it gives up no earlier than its deadline."""
     proc = subprocess.Popen([sys.executable, "-c", DRAIN, str(timeout)], cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stderr.readline() == "draining\n"
     if read_after is not None:
         time.sleep(read_after)
         assert len(proc.stdout.read(4096)) == 4096
-    proc.wait(timeout=30)
+    proc.wait(timeout=60)
     waited = float(proc.stderr.read())
     if read_after is not None:
-        assert read_after - 0.1 < waited < timeout  # waited for the reader, not for the deadline
+        assert read_after <= waited < timeout  # waited for the reader, not for the deadline
     else:
-        assert timeout <= waited < timeout + 2.0  # nobody read: gave up at the deadline
+        assert timeout <= waited < 20  # nobody read: it gave up at its deadline instead of waiting on
 
 
 # SIGTERM (what Slurm sends before the time limit) while the job starts, or twice: once to stop, once more
@@ -277,9 +281,10 @@ def test_a_parameter_server_out_of_memory_is_one_line_before_training(tmp_path):
     env = launcher_env({"PYTHONPATH": ROOT})
     proc = subprocess.run(mpi_command(MPIEXEC, 3, sys.executable, "-c", PS_SCRIPT, str(tmp_path / "job.toml"), "oom"),
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
-    assert "hpctrain: error [rank 0/3]: parameter server 0 is out of memory for its 83 parameters" in proc.stderr
-    assert "use more servers (parallel.servers)" in proc.stderr and "update" not in proc.stdout
+    lines = hpctrain_lines(proc.stderr)  # less the launcher's report of the exit status 2
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("hpctrain: error [rank 0/3]: parameter server 0 is out of memory for its 83 parameters")
+    assert "use more servers (parallel.servers)" in lines[0] and "update" not in proc.stdout
 
 
 def test_bad_parameter_server_layouts_are_one_line(tmp_path):
@@ -302,10 +307,9 @@ def test_bad_parameter_server_layouts_are_one_line(tmp_path):
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")
-def test_sigterm_stops_a_parameter_server_job_with_a_checkpoint(tmp_path):
-    """SIGTERM to the launcher: the servers answer every pull with stop, the workers finish, a checkpoint, exit 0."""
-    import signal
-
+def test_the_stop_signal_stops_a_parameter_server_job_with_a_checkpoint(tmp_path):
+    """The launcher's stop signal (SIGTERM to mpiexec, SIGUSR1 to Open MPI's mpirun: docs/reliability.md): the
+    servers answer every pull with stop, the workers finish, a checkpoint, exit 0."""
     make_classification(tmp_path / "d.h5", n=64)
     (tmp_path / "job.toml").write_text(toml_job(train={"steps": 10_000_000, "log_every": 10_000_000},
                                                 parallel={"mode": "async_ps", "staleness": 1},
@@ -317,7 +321,7 @@ def test_sigterm_stops_a_parameter_server_job_with_a_checkpoint(tmp_path):
         first = proc.stdout.readline()  # the start-up line: every rank is past start-up
         assert "parameter server" in first, first
         time.sleep(1.0)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop_signal(launcher_kind(MPIEXEC)))
         out, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()

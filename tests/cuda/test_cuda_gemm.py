@@ -124,22 +124,6 @@ def test_gpu_tilings_read_their_fragments_with_16_byte_loads():
     GemmTile(6, 4, 5, 3, 2).check()
 
 
-@pytest.mark.parametrize("layout", ["nt", "nn"])
-def test_gpu_tiny_tile_matches_numpy(rng, layout):
-    """The 32×32×8 / 4×4 tiling (64 threads) over several blocks with ragged edges."""
-    be = CudaBackend(tile=GPU_TINY_TILE)
-    x, w, b, dout = _linear(rng, 37, 41, 35)
-    if layout == "nt":
-        out = be.empty((37, 35))
-        be.matmul_nt(be.asarray(x), be.asarray(w), out, bias=be.asarray(b))
-        expected = ref.linear_forward(x, w, b)
-    else:
-        out = be.empty((37, 41))
-        be.matmul_nn(be.asarray(dout), be.asarray(w), out)
-        expected = ref.linear_backward(dout, x, w)[0]
-    np.testing.assert_allclose(be.to_host(out), expected, **F32)
-
-
 def test_gemm_on_views_of_a_flat_buffer(be, rng):
     """Weights are reshaped slices of the flat parameter buffer; the kernel must honour the offset."""
     w, b, x = rand(rng, 7, 5), rand(rng, 7), rand(rng, 3, 5)
@@ -150,24 +134,28 @@ def test_gemm_on_views_of_a_flat_buffer(be, rng):
     np.testing.assert_allclose(be.to_host(out), ref.linear_forward(x, w, b), **F32)
 
 
-@pytest.mark.parametrize("layout", ["nt", "nn", "tn"])
-def test_gpu_default_tile_runs_in_one_block(rng, layout):
-    """The 128×128×8 / 8×8 tiling the backend uses on a GPU (256 threads), on one small block."""
-    be = CudaBackend(tile=GPU_TILE)
-    x, w, b, dout = _linear(rng, 3, 9, 5)
-    if layout == "nt":
-        out = be.empty((3, 5))
-        be.matmul_nt(be.asarray(x), be.asarray(w), out, bias=be.asarray(b))
-        expected = ref.linear_forward(x, w, b)
-    elif layout == "nn":
-        out = be.empty((3, 9))
-        be.matmul_nn(be.asarray(dout), be.asarray(w), out)
-        expected = ref.linear_backward(dout, x, w)[0]
-    else:
-        out = be.empty((5, 9))
-        be.matmul_tn(be.asarray(dout), be.asarray(x), out)
-        expected = ref.linear_backward(dout, x, w)[1]
-    np.testing.assert_allclose(be.to_host(out), expected, **F32)
+@pytest.mark.parametrize("tile,M,K,N,layouts", [
+    (GPU_TILE, 3, 9, 5, ("nt", "nn", "tn")),  # the 128×128×8 / 8×8 tiling (256 threads), on one small block
+    (GPU_TINY_TILE, 37, 41, 35, ("nt", "nn")),  # 32×32×8 / 4×4 (64 threads), several blocks, ragged edges
+], ids=["default-one-block", "tiny-ragged"])
+def test_gpu_tilings_match_numpy(rng, tile, M, K, N, layouts):
+    """The GPU tilings (X·Wᵀ, dY·W, and dYᵀ·X where the backend runs it at that tiling) against numpy."""
+    be = CudaBackend(tile=tile)
+    x, w, b, dout = _linear(rng, M, K, N)
+    for layout in layouts:
+        if layout == "nt":
+            out = be.empty((M, N))
+            be.matmul_nt(be.asarray(x), be.asarray(w), out, bias=be.asarray(b))
+            expected = ref.linear_forward(x, w, b)
+        elif layout == "nn":
+            out = be.empty((M, K))
+            be.matmul_nn(be.asarray(dout), be.asarray(w), out)
+            expected = ref.linear_backward(dout, x, w)[0]
+        else:
+            out = be.empty((N, K))
+            be.matmul_tn(be.asarray(dout), be.asarray(x), out)
+            expected = ref.linear_backward(dout, x, w)[1]
+        np.testing.assert_allclose(be.to_host(out), expected, **F32)
 
 
 @needs_gpu("hundreds of 256-thread blocks take minutes in the simulator")

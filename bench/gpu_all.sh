@@ -40,26 +40,45 @@ from numba import cuda
 d = cuda.get_current_device()
 print(d.name.decode() if isinstance(d.name, bytes) else d.name, "compute capability", d.compute_capability)
 PY
-step cuda_suite env HPCTRAIN_SUBSUITE=cuda "$py" -m pytest -q -p no:cacheprovider tests/cuda
-step gemm_vs_cublas "$py" bench/bench_cuda_gemm.py
-step gemm_variant_3 "$py" bench/cuda_gemm_3_regblock.py --tiles 128,128,8,8,8 --sizes 4096
-step gemm_variant_4 "$py" bench/cuda_gemm_4_pipelined.py
-step mlp_step "$py" bench/bench_cuda_step.py
-step gpt_step "$py" bench/bench_gpt.py --backend cuda --torch-python "$py"
-step sass_report "$py" bench/cuda_sass_report.py
+# STEPS picks and orders the steps, each NAME or NAME:SECONDS (its own timeout), e.g. for a short lease:
+#     STEPS="gpt_step:120 gpt_nanogpt:150 cuda_suite:240" bash bench/gpu_all.sh $OUT/gpu
+# PYTEST_ARGS adds to the suite's pytest line (e.g. "-n 8" where pytest-xdist is there, to compile in parallel).
+all_steps="cuda_suite gemm_vs_cublas gemm_variant_3 gemm_variant_4 mlp_step gpt_step gpt_nanogpt sass_report"
+ran=""
+read -ra pytest_extra <<<"${PYTEST_ARGS:-}"
+for spec in ${STEPS:-$all_steps}; do
+    name="${spec%%:*}"
+    secs="$step_timeout"
+    [ "$spec" = "$name" ] || secs="${spec#*:}"
+    case "$name" in
+        cuda_suite) cmd=(env HPCTRAIN_SUBSUITE=cuda "$py" -m pytest -q -p no:cacheprovider -rf "${pytest_extra[@]}" tests/cuda) ;;
+        gemm_vs_cublas) cmd=("$py" bench/bench_cuda_gemm.py) ;;
+        gemm_variant_3) cmd=("$py" bench/cuda_gemm_3_regblock.py --tiles "128,128,8,8,8" --sizes 4096) ;;
+        gemm_variant_4) cmd=("$py" bench/cuda_gemm_4_pipelined.py) ;;
+        mlp_step) cmd=("$py" bench/bench_cuda_step.py) ;;
+        gpt_step) cmd=("$py" bench/bench_gpt.py --backend cuda --torch-python "$py" --profile 5) ;;
+        gpt_nanogpt) cmd=("$py" bench/bench_gpt.py --backend cuda --torch-python "$py" --n-layer 6 --n-embd 384
+                          --n-head 6 --block-size 256 --batch 64 --steps 5 --repeats 3 --profile 3) ;;
+        sass_report) cmd=("$py" bench/cuda_sass_report.py) ;;
+        *) echo "gpu_all.sh: no step named $name (steps: $all_steps)" >&2; exit 2 ;;
+    esac
+    step_timeout="$secs" step "$name" "${cmd[@]}"
+    ran="$ran $name"
+done
 
 {
     echo "# GPU figures, $(date -u +%Y-%m-%d) on $(cat "$out/device.txt")"
     echo
     echo "| step | exit | result |"
     echo "|---|---|---|"
-    row() { echo "| $1 | $(cat "$out/$1.rc") | $2 |"; }
+    row() { case " $ran " in *" $1 "*) echo "| $1 | $(cat "$out/$1.rc") | $2 |" ;; esac; }
     row cuda_suite "$(grep -E '[0-9]+ (passed|failed)' "$out/cuda_suite.log" | tail -1)"
     row gemm_vs_cublas "$(grep -E '^target|library/cuBLAS' "$out/gemm_vs_cublas.log" | grep -E 'target|4096' | tr '\n' ';')"
     row gemm_variant_3 "$(grep -E 'M=N=K= *4096' "$out/gemm_variant_3.log" | tr '\n' ';')"
     row gemm_variant_4 "$(grep -E 'M=N=K= *4096' "$out/gemm_variant_4.log" | tr '\n' ';')"
     row mlp_step "$(grep -E '^(MLP|PyTorch|target)' "$out/mlp_step.log" | tr '\n' ';')"
-    row gpt_step "$(grep -E '^(hpctrain|PyTorch|ratio)' "$out/gpt_step.log" | tr '\n' ';')"
+    row gpt_step "$(grep -E '^(hpctrain|PyTorch|ratio|profile)' "$out/gpt_step.log" | tr '\n' ';')"
+    row gpt_nanogpt "$(grep -E '^(hpctrain|PyTorch|ratio|profile)' "$out/gpt_nanogpt.log" | tr '\n' ';')"
     row sass_report "$(grep -E '^GEMM targets' "$out/sass_report.log")"
 } >"$summary"
 cat "$summary"

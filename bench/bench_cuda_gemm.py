@@ -3,6 +3,7 @@
     python bench/bench_cuda_gemm.py                          # 1024², 2048², 4096²; cuBLAS via PyTorch, else CuPy
     python bench/bench_cuda_gemm.py --cublas cupy --sizes 4096
     python bench/bench_cuda_gemm.py --tile 64,64,8,4,4       # another tiling (BM,BN,BK,TM,TN)
+    python bench/bench_cuda_gemm.py --sizes --shapes gpt-char  # gpt-char's products (M x K x N, C = A·Bᵀ is M x N)
     NUMBA_ENABLE_CUDASIM=1 python bench/bench_cuda_gemm.py   # correctness of the three layouts only
 
 Layouts: nt = X·Wᵀ (Linear forward), nn = dY·W (input gradient), tn = dYᵀ·X (weight
@@ -25,6 +26,11 @@ from hpctrain.backend.cuda import CudaBackend  # noqa: E402
 from hpctrain.backend.cuda_gemm import GemmTile  # noqa: E402
 
 LAYOUTS = ("nt", "nn", "tn")
+# gpt-char's products (jobs/configs/gpt-char.toml: batch 32 x block 64 = 2048 rows, n_embd 128, vocab 128), as
+# M x K x N: the forward products of qkv, the attention projection and lm_head (both 128 x 128), MLP up and MLP down
+# (their input gradients have the same sizes), then the weight gradients, whose contraction is the 2048 rows.
+GPT_CHAR = ("2048x128x384", "2048x128x128", "2048x128x512", "2048x512x128",
+            "384x2048x128", "128x2048x128", "512x2048x128", "128x2048x512")
 
 
 def operands(layout, a, b):
@@ -137,7 +143,8 @@ def load_blas(choice):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--sizes", type=int, nargs="*", default=[1024, 2048, 4096], help="square sizes")
+    p.add_argument("--shapes", nargs="*", default=[], help="M x K x N products, e.g. 2048x128x384, or gpt-char")
     p.add_argument("--cublas", choices=["auto", "torch", "cupy"], default="auto")
     p.add_argument("--tile", default=None, help="BM,BN,BK,TM,TN (default: the backend's GPU_TILE)")
     p.add_argument("--repeat", type=int, default=5, help="timed rounds of 10 calls each")
@@ -160,28 +167,32 @@ def main():
     blas = load_blas(args.cublas)
     print(f"library tile {tuple(be.tile)}" + (f", cuBLAS through {blas.version}" if blas else ""))
     ratios = {}
-    for S in args.sizes:
-        a, b = (rng.standard_normal((S, S)).astype(np.float32) for _ in range(2))
+    shapes = [(S, S, S) for S in args.sizes]
+    for spec in args.shapes:
+        shapes += [tuple(map(int, x.split("x"))) for x in (GPT_CHAR if spec == "gpt-char" else (spec,))]
+    for M, K, N in shapes:
+        a, b = (rng.standard_normal(s).astype(np.float32) for s in ((M, K), (N, K)))
         want = reference(a, b)
+        name = f"M=N=K={M:5d}" if M == N == K else f"{M}x{K}x{N}"
         for layout in LAYOUTS:
             A, B = operands(layout, a, b)
-            Ad, Bd, C = be.asarray(A), be.asarray(B), be.empty((S, S))
+            Ad, Bd, C = be.asarray(A), be.asarray(B), be.empty((M, N))
             lib = library_call(be, layout, Ad, Bd, C)
             lib()
-            check(f"library {layout} at {S}³ against numpy", be.to_host(C), want, **gemm_tolerance(S))
+            check(f"library {layout} at {name} against numpy", be.to_host(C), want, **gemm_tolerance(K))
             t_lib = time_kernel(lib, repeat=args.repeat, stream=be.stream)
-            line = f"{layout}  M=N=K={S:5d}  library {t_lib * 1e3:8.3f} ms {gflops(S, S, S, t_lib):9.1f} GFLOP/s"
+            line = f"{layout}  {name}  library {t_lib * 1e3:8.3f} ms {gflops(M, N, K, t_lib):9.1f} GFLOP/s"
             if blas is not None:
-                op, result = blas.setup(layout, A, B, (S, S))
+                op, result = blas.setup(layout, A, B, (M, N))
                 op()
-                check(f"cuBLAS {layout} at {S}³ against numpy", result(), want, **gemm_tolerance(S))
+                check(f"cuBLAS {layout} at {name} against numpy", result(), want, **gemm_tolerance(K))
                 t_blas = blas.time(op, args.repeat)
-                ratios[(S, layout)] = t_blas / t_lib
-                line += (f"   cuBLAS {t_blas * 1e3:8.3f} ms {gflops(S, S, S, t_blas):9.1f} GFLOP/s"
+                ratios[(M, K, N, layout)] = t_blas / t_lib
+                line += (f"   cuBLAS {t_blas * 1e3:8.3f} ms {gflops(M, N, K, t_blas):9.1f} GFLOP/s"
                          f"   library/cuBLAS {100 * t_blas / t_lib:5.1f} %")
             print(line, flush=True)
-    if (4096, "nt") in ratios:
-        r = ratios[(4096, "nt")]
+    if (4096, 4096, 4096, "nt") in ratios:
+        r = ratios[(4096, 4096, 4096, "nt")]
         print(f"target library >= 50 % of cuBLAS SGEMM at 4096² (nt): {100 * r:.1f} % -> "
               f"{'met' if r >= 0.5 else 'NOT met'}")
 

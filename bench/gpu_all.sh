@@ -4,7 +4,7 @@
 #     bash bench/gpu_all.sh [OUT_DIR]        # default OUT_DIR: runs/gpu-<date>
 #
 # 1. the CUDA sub-suite on the GPU, not simulated (HPCTRAIN_SUBSUITE=cuda, NUMBA_ENABLE_CUDASIM unset);
-# 2. the library GEMM against cuBLAS SGEMM (TF32 off) at 1024², 2048², 4096² (bench/bench_cuda_gemm.py);
+# 2. the library GEMM against cuBLAS SGEMM (TF32 off) at 1024², 2048², 4096² and gpt-char's shapes (bench_cuda_gemm.py);
 # 3. the GEMM variants' own sweeps (bench/cuda_gemm_3_regblock.py, bench/cuda_gemm_4_pipelined.py);
 # 4. one MLP training step against PyTorch (bench/bench_cuda_step.py, batch 1024, hidden 4096);
 # 5. one GPT training step against PyTorch (bench/bench_gpt.py --backend cuda);
@@ -52,7 +52,7 @@ for spec in ${STEPS:-$all_steps}; do
     [ "$spec" = "$name" ] || secs="${spec#*:}"
     case "$name" in
         cuda_suite) cmd=(env HPCTRAIN_SUBSUITE=cuda "$py" -m pytest -q -p no:cacheprovider -rf "${pytest_extra[@]}" tests/cuda) ;;
-        gemm_vs_cublas) cmd=("$py" bench/bench_cuda_gemm.py) ;;
+        gemm_vs_cublas) cmd=("$py" bench/bench_cuda_gemm.py --shapes gpt-char) ;;
         gemm_variant_3) cmd=("$py" bench/cuda_gemm_3_regblock.py --tiles "128,128,8,8,8" --sizes 4096) ;;
         gemm_variant_4) cmd=("$py" bench/cuda_gemm_4_pipelined.py) ;;
         mlp_step) cmd=("$py" bench/bench_cuda_step.py) ;;

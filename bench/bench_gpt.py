@@ -237,6 +237,20 @@ def profile_kernels(run, steps, top=30):
         print(f"  host: {count / steps:6.1f}/step {cpu_us / steps / 1e3:8.3f} ms/step  {name[:70]}")
 
 
+def profile_host(run, steps, top=40):
+    """Where the host's time goes over ``steps`` of hpctrain's steps (cProfile): on a GPU, the launch path."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    seconds = run()[0]
+    prof.disable()
+    print(f"host profile over {steps} steps: {seconds / steps * 1e3:.2f} ms/step (cProfile's own cost included)")
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=sys.stdout).sort_stats(key).print_stats(top)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=CONFIG, help="a kind = \"gpt\" config (default: jobs/configs/gpt-char.toml)")
@@ -251,6 +265,8 @@ def main():
     p.add_argument("--tf32", action="store_true", help="PyTorch on a GPU may use TF32 for its float32 products")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="on a GPU: after timing, GPU time per kernel over STEPS of hpctrain's steps (torch.profiler)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                   help="after timing, the host's time per function over STEPS of hpctrain's steps (cProfile)")
     p.add_argument("--torch-python", default=os.environ.get("HPCTRAIN_TORCH_PYTHON", "python"))
     p.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -297,9 +313,16 @@ def main():
             for who in list(runs)[:: 1 if r % 2 == 0 else -1]:
                 rates[who].append(a.steps * B * T / runs[who](lo, lo + a.steps)[0])
         report(a, rates, peer, f"numpy {np.__version__}, numba {numba.__version__}")
+        lo = warm_end + a.repeats * a.steps
         if a.profile and a.backend == "cuda":  # after the figures are printed, so a profiler failure loses none
-            lo = warm_end + a.repeats * a.steps
             profile_kernels(lambda: hpctrain_run(lo, lo + a.profile), a.profile)
+            lo += a.profile
+        if a.host_profile:
+            profile_host(lambda: hpctrain_run(lo, lo + a.host_profile), a.host_profile)
+        launcher = getattr(trainer.be, "launcher", None)  # the CUDA backend's direct launch path (cuda_launch.py)
+        if launcher is not None:
+            print(f"launches: {launcher.fast:,} direct, {launcher.slow:,} through numba; refused: "
+                  + ("; ".join(f"{name} ({why})" for name, why in launcher.refused) or "none"))
         trainer.close()
         mesh.free()
         peer.close()

@@ -43,6 +43,7 @@ grid of every GEMM of a GPT step.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from numba import cuda
@@ -53,6 +54,7 @@ from .cuda_gemm import (EPI_ACCUMULATE, EPI_BIAS, EPI_STORE, GPU_SMALL_TILE, GPU
                         MAX_GRID_Z, MODE_CAUSAL_K_BELOW,
                         MODE_CAUSAL_K_FROM, MODE_CAUSAL_UPPER, MODE_SPLIT_K, SIM_TILE, GemmTile,
                         batched_gemm_kernels, choose_tile, gemm_kernels, k_splits, launch_config)
+from .cuda_launch import Launcher
 from .cuda_mem import DevicePool, is_out_of_memory, out_of_memory_error
 from .cuda_ops import ops_kernels
 from .cuda_transformer import transformer_kernels
@@ -130,6 +132,10 @@ class CudaBackend(StreamWaits, Backend):
         self._k = ops_kernels(self.block)
         self._tk = transformer_kernels(self.block)
         self.stream = cuda.stream()
+        # on a GPU, launches skip numba's per-call dispatch once each kernel's first call has been checked
+        # (backend/cuda_launch.py); HPCTRAIN_CUDA_LAUNCH=numba keeps numba's path for every launch
+        direct = not self.simulator and os.environ.get("HPCTRAIN_CUDA_LAUNCH", "direct") != "numba"
+        self.launcher = Launcher(self.stream) if direct else None
         self.copy_stream = cuda.stream()  # a communication thread's copies out (stage_out): they wait for marks
         self.upload_stream = cuda.stream()  # and its copies back (stage_in), which wait for nothing
         self._init_waits()  # host_waits, mark_waits, background_waits (base.StreamWaits)
@@ -363,7 +369,7 @@ class CudaBackend(StreamWaits, Backend):
             return
         grid, threads = launch_config(tile, M, N)
         kernel = gemm_kernels(tile)[layout]
-        kernel[grid, threads, self.stream](a, b, out, self._no_bias if bias is None else bias, M, N, K, epilogue)
+        self._launch(kernel, grid, threads, a, b, out, self._no_bias if bias is None else bias, M, N, K, epilogue)
 
     def _split_k(self, tile, a, b, out, M, N, K, splits, accumulate):
         """out[M,N] (+)= a[K,M]ᵀ·b[K,N] as ``splits`` partial products over K slices into a workspace, then
@@ -380,7 +386,7 @@ class CudaBackend(StreamWaits, Backend):
         kernel = batched_gemm_kernels(tile)[layout]
         for z0 in range(0, Z, MAX_GRID_Z):
             grid, threads = launch_config(tile, M, N, min(MAX_GRID_Z, Z - z0))
-            kernel[grid, threads, self.stream](a, b, c, M, N, K, k_total, H, z0, ao, bo, co, mode)
+            self._launch(kernel, grid, threads, a, b, c, M, N, K, k_total, H, z0, ao, bo, co, mode)
 
     def bias_grad(self, dout, dbias, accumulate=False):
         """dbias[C] (+)= Σ_rows dout[B,C], accumulated in float64 (two passes: ``_column_sums``)."""
@@ -673,7 +679,10 @@ class CudaBackend(StreamWaits, Backend):
     # ------------------------------------------------------------------ launching
 
     def _launch(self, kernel, grid, threads, *args):
-        kernel[grid, threads, self.stream](*args)
+        if self.launcher is None:
+            kernel[grid, threads, self.stream](*args)
+        else:
+            self.launcher(kernel, grid, threads, args)
 
     def _elementwise(self, kernel, n, *args):
         if n:

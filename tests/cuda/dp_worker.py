@@ -113,6 +113,9 @@ def waits(path, layout):
 
 
 def main(path, layout):
+    if MPI.COMM_WORLD.size != 2:  # mpiexec from one MPI library, mpi4py loading another: singletons, not a world of 2
+        raise SystemExit(f"dp_worker: world size {MPI.COMM_WORLD.size}, expected 2 ({MPI.Get_library_version()[:40]!r}"
+                         " - do mpiexec and mpi4py's libmpi come from the same MPI?)")
     if layout == "gpt-det":
         return deterministic(path)
     if layout.startswith("waits-"):

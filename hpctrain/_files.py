@@ -99,10 +99,12 @@ def replaced_atomically(path: str, label: str, error):
             os.unlink(tmp)
 
 
-def open_for_writing(path: str, label: str, error, *, append: bool = False):
-    """``path`` opened to write text (created 0666 less the umask; truncated unless ``append``), never through a
-    symbolic link and only as a regular file: one ``error`` line otherwise."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else 0)
+def open_for_writing(path: str, label: str, error, *, append: bool = False, update: bool = False):
+    """``path`` opened to write text (created 0666 less the umask; truncated unless ``append`` or ``update``:
+    opened to read and rewrite as it is), never through a symbolic link and only as a regular file: one ``error``
+    line otherwise."""
+    flags = ((os.O_RDWR if update else os.O_WRONLY) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+             | (os.O_APPEND if append else 0))
     try:
         fd = os.open(path, flags | os.O_NONBLOCK, 0o666)
     except OSError as e:
@@ -112,9 +114,9 @@ def open_for_writing(path: str, label: str, error, *, append: bool = False):
     try:
         _check_mode(os.fstat(fd), f"{label}: {path}", error, "writes")
         os.set_blocking(fd, True)
-        if not append:
+        if not append and not update:
             os.ftruncate(fd, 0)
-        return os.fdopen(fd, "a" if append else "w", encoding="utf-8")
+        return os.fdopen(fd, "r+" if update else ("a" if append else "w"), encoding="utf-8", newline="" if update else None)
     except BaseException:
         os.close(fd)
         raise

@@ -93,6 +93,7 @@ class TrainConfig:
     max_skipped_steps: int = 10  # skip_nonfinite: this many non-finite steps in a row stop the run
     recompute: str = "none"  # "blocks": keep each partition unit's input only, recompute its forward in backward
     trace: str = ""
+    tensorboard: str = ""  # a folder: every metrics record's numbers as TensorBoard scalars (tensorboardX)
     debug_collectives: bool = False  # fingerprint every collective across its ranks (parallel/watch.py)
     collective_timeout: float = 0.0  # seconds in one MPI call (or silent) before the job is ended; 0 = off
     progress: str = "auto"  # the status line: "bar" always, "lines" never, "auto" on a terminal (train/progress.py)
@@ -169,7 +170,8 @@ SECTIONS = {
     "checkpoint": CheckpointConfig,
     "parallel": ParallelConfig,
 }
-PATH_KEYS = {("data", "path"), ("train", "metrics"), ("train", "trace"), ("checkpoint", "init"), ("checkpoint", "dir")}
+PATH_KEYS = {("data", "path"), ("train", "metrics"), ("train", "trace"), ("train", "tensorboard"), ("checkpoint", "init"),
+             ("checkpoint", "dir")}
 CHOICES = {
     ("model", "kind"): ("mlp", "gpt"),
     ("data", "corpus"): ("", "pydoc"),
@@ -446,7 +448,7 @@ def _nearest(key: str, section: str | None) -> str:
 def parse_config(data: dict, base_dir: str = ".", source: str = "<config>", *, cwd_keys=frozenset()) -> Config:
     """Build a Config from a parsed TOML document (a dict). A relative path resolves against ``base_dir``
     (the config file's folder), one of ``cwd_keys`` ((section, key) pairs given on the command line) against
-    the working directory; a bare file name for ``train.metrics`` or ``train.trace`` lands in
+    the working directory; a bare file name for ``train.metrics``, ``train.trace`` or ``train.tensorboard`` lands in
     ``checkpoint.dir`` when that is set (a new run folder keeps its own metrics)."""
     sections = {}
     for name, table in data.items():
@@ -486,7 +488,7 @@ def parse_config(data: dict, base_dir: str = ".", source: str = "<config>", *, c
             raise ConfigError(f"model.{extra[0]}: only used by kind = \"gpt\" (this model is kind = "
                               f"{model.get('kind', 'mlp')!r})")
     folder = sections["checkpoint"].dir if "checkpoint" in sections else ""
-    files = {k: v for k, v in data.get("train", {}).items() if k in ("metrics", "trace") and isinstance(v, str)
+    files = {k: v for k, v in data.get("train", {}).items() if k in ("metrics", "trace", "tensorboard") and isinstance(v, str)
              and v and os.path.basename(v) == v and v not in (".", "..")}
     if folder and files:  # bare names: inside the run's folder
         sections["train"] = dataclasses.replace(sections["train"], **{k: os.path.join(folder, v)

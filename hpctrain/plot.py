@@ -16,6 +16,8 @@ capped at ``MAX_BYTES``; files are parsed with ``json`` only.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 import os
@@ -196,6 +198,8 @@ def read_metrics(path: str, text: str, *, first=None, last=None):
     (a skipped non-finite step) becomes NaN. A last line without its newline that does not
     parse is a run still writing it: it is left out, and the note says so.
     """
+    if path.endswith(".csv"):  # train.metrics as a CSV table (train/sinks.py): the same records
+        text = _csv_as_jsonl(path, text)
     series = {key: ([], []) for key in SERIES}
     lines = text.split("\n")
     note = ""
@@ -229,6 +233,26 @@ def read_metrics(path: str, text: str, *, first=None, last=None):
         raise DataError(f"{path} holds no metrics records{where} (JSON lines with \"step\" and \"loss\" or "
                         "\"val_loss\"; the file train.metrics names)")
     return series, note
+
+
+def _csv_as_jsonl(path: str, text: str) -> str:
+    """A metrics table (a ``step`` column first) as the JSON lines it records: empty cells left out, numbers as
+    numbers (``nan`` too); a row whose step is not an integer is reported by read_metrics as any bad line is."""
+    rows = list(csv.reader(io.StringIO(text)))
+    if not rows or not rows[0] or rows[0][0] != "step":
+        raise DataError(f"{path}: not a metrics table (a CSV file whose first column is \"step\")")
+    lines = []
+    for row in rows[1:]:
+        record = {}
+        for name, cell in zip(rows[0], row):
+            if cell == "":
+                continue
+            try:
+                record[name] = int(cell) if name == "step" else float(cell)
+            except ValueError:
+                record[name] = cell
+        lines.append(json.dumps(record))
+    return "\n".join(lines) + "\n"
 
 
 MEMORY_PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer"),

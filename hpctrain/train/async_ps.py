@@ -179,7 +179,8 @@ class AsyncTrainer:
     def run(self) -> dict:
         """Train to ``train.steps`` on every worker (collective over the world); world rank 0 returns the metrics."""
         t = self.cfg.train
-        metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step)
+        metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step,
+                              tensorboard=t.tensorboard if self.rank0 else "")
         try:
             if self.is_server:
                 self._serve(metrics)

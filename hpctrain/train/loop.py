@@ -259,7 +259,8 @@ class Trainer:
             return self._log_eval(MetricsFile("", on_record=self.on_record if self.rank0 else None)) \
                 if self.data.n_val else {}
         metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step,
-                              on_record=self.on_record if self.rank0 else None)
+                              on_record=self.on_record if self.rank0 else None,
+                              tensorboard=t.tensorboard if self.rank0 else "")
         window = Window()
         # an ETA for the log lines; on a terminal, a status line between them (train/progress.py)
         self.progress = Progress(t.steps, self.step, live=self.rank0 and self.log is log_line

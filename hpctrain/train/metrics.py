@@ -1,4 +1,5 @@
-"""Metrics lines (JSONL on rank 0) and the per-step time split behind the progress lines."""
+"""Metrics lines (JSONL on rank 0, or a CSV table; TensorBoard beside them) and the per-step time split behind the
+progress lines."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from .._files import open_for_writing, replaced_atomically
 from ..errors import ConfigError
 from ..parallel.executor import bubble_share
+from .sinks import CsvTable, TensorBoard
 
 __all__ = ["MetricsFile", "Window", "truncate_after"]
 
@@ -20,11 +22,16 @@ class MetricsFile:
 
     A resumed run keeps the lines up to the step it resumes from and appends after them.
     NaN and Inf (a skipped non-finite step) are written as null, so every line is valid JSON.
+    A path ending in ``.csv`` is one CSV table instead (train/sinks.py); ``tensorboard``, a folder, receives every
+    record's numbers as TensorBoard scalars too.
     """
 
-    def __init__(self, path, resume_step=0, on_record=None):
+    def __init__(self, path, resume_step=0, on_record=None, tensorboard=""):
         """``on_record``: called with each record (a dict) as it is written, with or without a file."""
         self.f, self.path, self.failed, self.on_record = None, path, False, on_record
+        self.table = self.board = None
+        if tensorboard:
+            self.board = TensorBoard(tensorboard, resume_step)
         if not path:
             return
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -32,11 +39,16 @@ class MetricsFile:
             raise ConfigError(f"train.metrics: {path} is a symbolic link; hpctrain writes only regular files it can name")
         _claim(path)  # another live run's file is refused before anything in it is changed
         resume = resume_step > 0 and os.path.lexists(path)
-        if resume:
+        csv_table = path.endswith(".csv")
+        if resume and not csv_table:
             truncate_after(path, resume_step)
-        self.f = open_for_writing(path, "train.metrics", ConfigError, append=resume)  # never through a link
+        # never through a link; a CSV table is read (to resume) and rewritten in place
+        self.f = open_for_writing(path, "train.metrics", ConfigError, append=resume and not csv_table,
+                                  update=csv_table)
         try:
             _lock(self.f.fileno(), path)  # held until close(): the kernel drops it when the process dies
+            if csv_table:
+                self.table = CsvTable(self.f, path, resume_step if resume else 0)
         except BaseException:
             self.f.close()
             raise
@@ -44,16 +56,24 @@ class MetricsFile:
     def write(self, record):
         if self.on_record is not None:
             self.on_record(dict(record))
+        if self.board is not None:
+            self.board.write(record)
         if self.f and not self.failed:
             try:
-                self.f.write(json.dumps(_finite(record), allow_nan=False) + "\n")
-                self.f.flush()
+                if self.table is not None:
+                    self.table.write(record)
+                else:
+                    self.f.write(json.dumps(_finite(record), allow_nan=False) + "\n")
+                    self.f.flush()
             except OSError as e:  # a full disk, a quota, a folder gone read-only
                 self.failed = True
                 raise ConfigError(f"train.metrics: cannot write {self.path}: {e.strerror or e}") from None
 
     def close(self):
         """Close the file; after a failed write the buffer that failed is dropped, not flushed (and failed) again."""
+        if self.board is not None:
+            board, self.board = self.board, None
+            board.close()
         if self.f:
             f, self.f = self.f, None
             try:

@@ -22,8 +22,8 @@ import tomllib
 __all__ = ["MAY_DIFFER", "changed_settings", "resume_problem"]
 
 MAY_DIFFER = frozenset({
-    "train.steps", "train.log_every", "train.eval_every", "train.metrics", "train.trace", "train.backend",
-    "train.micro_batches", "train.recompute", "train.skip_nonfinite", "train.max_skipped_steps",
+    "train.steps", "train.log_every", "train.eval_every", "train.metrics", "train.trace", "train.tensorboard",
+    "train.backend", "train.micro_batches", "train.recompute", "train.skip_nonfinite", "train.max_skipped_steps",
     "train.debug_collectives", "train.collective_timeout", "train.progress",
     "data.path", "data.allow_external", "data.corpus",
     "parallel.dp", "parallel.pp", "parallel.tp", "parallel.schedule", "parallel.stages", "parallel.bucket_mb",

@@ -10,11 +10,11 @@ share_cores_between_local_ranks()  # before anything imports numpy
 from .errors import CheckpointError, ConfigError, DataError, HpctrainError, LayoutError
 
 __version__ = "0.1.0"
-__all__ = ["Config", "load_config", "Trainer", "HpctrainError", "ConfigError", "DataError", "LayoutError",
+__all__ = ["Config", "load_config", "Trainer", "register_layer", "HpctrainError", "ConfigError", "DataError", "LayoutError",
            "CheckpointError", "__version__"]
 
 # imported on first use: the command line installs its signal handlers before numpy and h5py load (0.4 s)
-_LAZY = {"Config": "config", "load_config": "config", "Trainer": "train"}
+_LAZY = {"Config": "config", "load_config": "config", "Trainer": "train", "register_layer": "layer_kinds"}
 
 
 def __getattr__(name):

@@ -41,6 +41,9 @@ def _parser():
 
     p = argparse.ArgumentParser(prog="hpctrain", description="MPI-based training with Numba kernels.")
     p.add_argument("--version", action="version", version=f"hpctrain {__version__}")
+    p.add_argument("--plugin", dest="plugins", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first (it registers layer kinds with hpctrain.register_layer); repeatable; "
+                        "HPCTRAIN_PLUGINS=mod1,mod2 does the same")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a model from a TOML config")
     t.add_argument("config", help="path to the TOML config")
@@ -402,6 +405,9 @@ def main(argv=None) -> int:
     from .parallel.agree import QuietExit
 
     try:
+        from .layer_kinds import load_plugins, plugins_from_env
+
+        load_plugins([*plugins_from_env(), *args.plugins])  # on every rank, before any config is read
         return COMMANDS[args.command](args)
     except QuietExit:
         return 2  # another rank printed the error; every rank leaves together

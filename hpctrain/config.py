@@ -21,6 +21,7 @@ from typing import Any
 
 from ._files import MAX_CONFIG_BYTES, read_capped, shown
 from .errors import ConfigError
+from .layer_kinds import registered, registered_names
 
 __all__ = ["Config", "LayerSpec", "load_config", "parse_config", "config_to_toml"]
 
@@ -256,7 +257,34 @@ def _param_count(kind: str, args: dict) -> int:
         return args["in"] * args["out"] + (args["out"] if args["bias"] else 0)
     if kind == "layernorm":
         return 2 * args["dim"]
+    plugin = registered(kind)
+    if plugin is not None:  # a registered kind says its shapes once built (building allocates nothing)
+        return sum(math.prod(shape) for _, shape in plugin.build(**args).params)
     return 0
+
+
+def _plugin_layer(where: str, plugin, table: dict) -> LayerSpec:
+    """A registered kind's table, checked against the keys it declared, with its defaults filled in."""
+    args = {}
+    for key, v in table.items():
+        if key == "type":
+            continue
+        if key not in plugin.keys:
+            raise ConfigError(f"{where}: unknown key {key!r} for a {plugin.name} layer (known: "
+                              f"{', '.join(plugin.keys) or 'none'})")
+        args[key] = _coerce(f"{where}.{key}", v, plugin.keys[key].__name__)
+    for key in plugin.required:
+        if key not in args:
+            raise ConfigError(f"{where}: a {plugin.name} layer needs {key!r}")
+    args = {**plugin.defaults, **args}
+    try:
+        layer = plugin.build(**args)
+        shapes = [tuple(int(n) for n in shape) for _, shape in layer.params]
+    except Exception as e:  # the layer's own check of its arguments
+        raise ConfigError(f"{where}: {plugin.name} layer ({plugin.module}): {type(e).__name__}: {e}") from None
+    if any(n < 1 for shape in shapes for n in shape):
+        raise ConfigError(f"{where}: {plugin.name} layer: every parameter dimension must be >= 1, got {shapes}")
+    return LayerSpec(plugin.name, tuple(sorted(args.items())))
 
 
 def _parse_layers(value) -> tuple[LayerSpec, ...]:
@@ -268,9 +296,17 @@ def _parse_layers(value) -> tuple[LayerSpec, ...]:
         if "type" not in table:
             raise ConfigError(f"{where}.type: required (one of {', '.join(LAYER_KEYS)})")
         kind = table["type"]
+        plugin = registered(kind) if isinstance(kind, str) else None
+        if plugin is not None:
+            layers.append(_plugin_layer(where, plugin, table))
+            total += _param_count(kind, dict(layers[-1].args))
+            continue
         if not isinstance(kind, str) or kind not in LAYER_KEYS:
             got = f"{_type_name(kind)} {kind!r}" if not isinstance(kind, str) else repr(kind)
-            raise ConfigError(f"{where}.type: expected one of {', '.join(LAYER_KEYS)}, got {got}")
+            known = ", ".join((*LAYER_KEYS, *registered_names()))
+            raise ConfigError(f"{where}.type: expected one of {known}, got {got} (a kind of your own is registered "
+                              "by its module: hpctrain --plugin MODULE, or HPCTRAIN_PLUGINS=MODULE; `hpctrain inspect "
+                              "CHECKPOINT` names a checkpoint's)")
         allowed = LAYER_KEYS[kind]
         args = {}
         for key, v in table.items():

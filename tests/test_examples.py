@@ -49,3 +49,14 @@ def test_gpt_sample_trains_evaluates_and_writes_text(tmp_path):
     text = out[out.index("nats per character") + len("nats per character\n"):]
     assert text.startswith("The ") and len(text.rstrip("\n")) >= 44, out[-3000:]
     assert "ckpt-00000010.h5" in os.listdir(tmp_path) and "pydoc-chars.h5" in os.listdir(tmp_path)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+def test_custom_layer_trains_on_two_ranks_and_its_checkpoint_names_the_plugin(tmp_path):
+    rc, out = run_example("custom_layer.py", "--steps", "60", "--out", str(tmp_path))
+    assert rc == 0, out[-3000:]
+    found = re.findall(r"done: val_accuracy ([0-9.]+)", out)
+    assert "world 2 = dp 2" in out and len(found) == 1 and float(found[0]) > 0.6, out[-3000:]
+    shown = subprocess.run([sys.executable, "-m", "hpctrain", "inspect", str(tmp_path / "ckpt-00000060.h5")],
+                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    assert 'layer plugins: ["custom_layer"]' in shown.stdout, shown.stdout + shown.stderr

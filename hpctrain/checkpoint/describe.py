@@ -72,6 +72,9 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
                   "  rng: " + (", ".join(f"{k}={shown(repr(v))}" for k, v in state.rng.items()) or "none"),
                   f"  root attributes verify ({fmt.ATTRS_DIGEST}); config: {len(state.config_text.splitlines())} "
                   "lines, shown at the end"]
+        if "layer_plugins" in f.attrs:  # recorded, never imported: the user loads them with --plugin
+            lines.append(f"  layer plugins: {shown(fmt.decode_attr(f.attrs['layer_plugins']))} (load them with "
+                         "hpctrain --plugin MODULE to sample, evaluate or resume)")
     if state is not None and state.version >= sharded.VERSION:
         _inspect_set(f, path, state, lines, problems)
         return

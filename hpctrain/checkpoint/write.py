@@ -18,6 +18,7 @@ import numpy as np
 from . import format as fmt
 from . import sharded
 from ..errors import CheckpointError
+from ..layer_kinds import plugin_modules
 from .state import CheckpointState, check_slot_names, nonfinite, value_problem
 
 __all__ = ["save_checkpoint", "write_single_file", "save_weights", "retain", "write_root_attrs", "checked_arrays"]
@@ -147,6 +148,9 @@ def write_root_attrs(f: h5py.File, state: CheckpointState, version: int = fmt.SI
     values.update({fmt.RNG_PREFIX + key: value for key, value in state.rng.items()})
     if state.vocabulary:
         values["vocabulary"] = json.dumps([ord(ch) for ch in state.vocabulary])
+    plugins = plugin_modules(state.config_text)  # the modules that register the model's own layer kinds
+    if plugins:
+        values["layer_plugins"] = json.dumps(plugins)
     values.update(hpctrain_version=str(getattr(hpctrain, "__version__", "")),
                   created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     values.update(extra or {})

@@ -14,7 +14,10 @@ import math
 
 import numpy as np
 
-__all__ = ["Linear", "ReLU", "GELU", "Tanh", "LayerNorm", "make_layer"]
+from ..errors import ConfigError
+from ..layer_kinds import registered
+
+__all__ = ["Layer", "Linear", "ReLU", "GELU", "Tanh", "LayerNorm", "make_layer"]
 
 
 class Layer:
@@ -162,9 +165,21 @@ class LayerNorm(Layer):
 
 
 def make_layer(spec) -> Layer:
-    """Build a layer from a config ``LayerSpec``."""
+    """Build a layer from a config ``LayerSpec``: a built-in kind, or one registered with
+    ``hpctrain.register_layer`` (layer_kinds.py)."""
     if spec.type == "linear":
         return Linear(spec.get("in"), spec.get("out"), spec.get("bias", True))
     if spec.type == "layernorm":
         return LayerNorm(spec.get("dim"), spec.get("eps", 1e-5))
-    return {"relu": ReLU, "gelu": GELU, "tanh": Tanh}[spec.type]()
+    builtin = {"relu": ReLU, "gelu": GELU, "tanh": Tanh}.get(spec.type)
+    if builtin is not None:
+        return builtin()
+    plugin = registered(spec.type)
+    if plugin is None:
+        raise ConfigError(f"layer type {spec.type!r} is not registered in this process (hpctrain --plugin MODULE)")
+    layer = plugin.build(**dict(spec.args))
+    missing = [m for m in ("forward", "backward", "init", "params") if not hasattr(layer, m)]
+    if missing:
+        raise ConfigError(f"layer type {spec.type!r} ({plugin.module}): {type(layer).__name__} has no "
+                          f"{', '.join(missing)}; subclass hpctrain.nn.Layer")
+    return layer

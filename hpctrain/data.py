@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import h5py
 import numpy as np
@@ -49,18 +50,36 @@ def _open_h5(path) -> h5py.File:
 class _Unchanged:
     """The data file as it was opened (device, inode, size, modification time), re-checked before each read.
 
-    HDF5 reads past the end of a truncated file as zeros, and a file rewritten in place holds rows
-    the start-up scan never saw: either would train on garbage without a word. A stat per batch
-    costs about a microsecond."""
+    HDF5 reads past the end of a truncated file as zeros, and a file rewritten in place holds rows the start-up
+    scan never saw: either would train on garbage without a word. Each read checks the open file itself
+    (``fstat`` of HDF5's descriptor: no path lookup, which on Lustre or GPFS is a metadata server round trip);
+    the path, whose replacement or removal leaves the open file readable but the run's data gone for a resume, is
+    looked up at most every ``PATH_CHECK_SECONDS``, so the metadata traffic is bounded by time, not by steps."""
+
+    PATH_CHECK_SECONDS = 60.0
 
     def _remember(self):
-        self._identity = _identity(os.stat(self.path))
+        try:
+            self._fd = self.file.id.get_vfd_handle()  # the default (sec2) driver's descriptor
+            os.fstat(self._fd)
+        except (AttributeError, TypeError, ValueError, OSError, RuntimeError):
+            self._fd = None  # another driver: the path is looked up at every read instead
+        self._identity = _identity(os.fstat(self._fd) if self._fd is not None else os.stat(self.path))
+        self._path_checked = time.monotonic()
 
     def check_unchanged(self) -> None:
+        if self._fd is not None:
+            self._compare(_identity(os.fstat(self._fd)))
+            if time.monotonic() - self._path_checked < self.PATH_CHECK_SECONDS:
+                return
         try:
             now = _identity(os.stat(self.path))
         except OSError as e:
             raise DataError(f"data file {self.path} disappeared while training ({e.strerror or e})") from None
+        self._compare(now)
+        self._path_checked = time.monotonic()
+
+    def _compare(self, now: tuple) -> None:
         if now != self._identity:
             was, is_ = self._identity, now
             what = ("was replaced by another file" if was[:2] != is_[:2] else

@@ -431,6 +431,7 @@ def _data_file(path, n=32):
 def test_a_data_file_changed_while_training_stops_the_next_read(tmp_path, change, message):
     path = _data_file(tmp_path / "d.h5")
     ds = Dataset(path, "x", "y", **KW)
+    ds.PATH_CHECK_SECONDS = 0.0  # the path too at every read (by default at most once a minute)
     try:
         ds.read(np.arange(8))
         if change == "truncate":
@@ -452,6 +453,25 @@ def test_a_data_file_changed_while_training_stops_the_next_read(tmp_path, change
             ds.read(np.arange(8))
         text = one_line(excinfo)
         assert f"data file {path} " in text and message in text, text
+    finally:
+        ds.close()
+
+
+def test_reads_check_the_open_file_every_time_and_the_path_once_a_minute(tmp_path, monkeypatch):
+    """A read costs an fstat of the open file, not a path lookup (a metadata server round trip on a parallel
+    file system): 50 reads look the path up once at most; a truncation is still caught by the next read."""
+    path = _data_file(tmp_path / "d.h5")
+    ds = Dataset(path, "x", "y", **KW)
+    lookups = []
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: (lookups.append(p), real_stat(p, *a, **k))[1])
+    try:
+        for _ in range(50):
+            ds.read(np.arange(8))
+        assert [p for p in lookups if str(p) == path] == []
+        os.truncate(path, os.path.getsize(path) // 2)
+        with pytest.raises(DataError, match="changed size from .* while training"):
+            ds.read(np.arange(8))
     finally:
         ds.close()
 

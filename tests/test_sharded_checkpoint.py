@@ -289,3 +289,27 @@ def test_kill_9_of_one_rank_during_a_sharded_save_keeps_the_previous_set(tmp_pat
                           capture_output=True, text=True, timeout=120)  # any layout resumes it: here one process
     assert proc.returncode == 0 and "ckpt-00000003.h5 at step 3" in proc.stdout, proc.stdout + proc.stderr
     assert [s for s, _ in list_checkpoints(str(tmp_path / "ck"))] == [3, 6, 9]
+
+
+def test_a_background_save_is_committed_by_close(tmp_path):
+    """``save_checkpoint(background=True)`` from a loop of one's own (train_step, no run()) and then close(): the
+    set is committed, not left as shards without an index."""
+    from hpctrain.checkpoint import list_checkpoints, load_checkpoint
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+
+    make_classification(tmp_path / "d.h5", n=96)
+    mesh = Mesh()
+    try:
+        t = Trainer(config(tmp_path / "d.h5", checkpoint={"dir": str(tmp_path / "ck")}), mesh=mesh,
+                    log=lambda *a: None)
+        for step in range(3):
+            t.train_step(step, 0.1)
+        t.step = 3
+        assert t.save_checkpoint(background=True) == ""  # written by a thread, not yet committed
+        t.close()
+    finally:
+        mesh.free()
+    found = list_checkpoints(str(tmp_path / "ck"))
+    assert [step for step, _ in found] == [3], found
+    assert load_checkpoint(found[-1][1], t.model.layout).step == 3

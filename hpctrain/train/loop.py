@@ -404,18 +404,22 @@ class Trainer:
         return ev
 
     def close(self):
-        """Stop the gradient sync's thread, close the data file, free the mesh if the Trainer made it
-        (collective then), and release the lock on ``checkpoint.dir``."""
+        """Commit a checkpoint still being written in the background (``save_checkpoint(background=True)`` with no
+        ``run()`` after it; collective), stop the gradient sync's thread, close the data file, free the mesh if the
+        Trainer made it (collective then), and release the lock on ``checkpoint.dir``."""
         try:
             self._restore_signals()
-            self.sync.close()
-            self.data.close()
-            if self._p2p is not None:
-                self._p2p.free()
-            if self.diag is not None:
-                self.diag.close()
-            if self._own_mesh:
-                self.mesh.free()
+            try:
+                self.saver.finish()  # nothing when no save is in flight (run() commits its own before it returns)
+            finally:  # a save that failed is reported after everything below is released
+                self.sync.close()
+                self.data.close()
+                if self._p2p is not None:
+                    self._p2p.free()
+                if self.diag is not None:
+                    self.diag.close()
+                if self._own_mesh:
+                    self.mesh.free()
         finally:
             self._release_lock()
 

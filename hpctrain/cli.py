@@ -36,6 +36,16 @@ from .errors import HpctrainError
 __all__ = ["main"]
 
 
+PATHS = ("paths: a relative path on the command line, --set included, is taken from the working directory; "
+         "one inside a config file from the file's folder")
+RAW = argparse.RawDescriptionHelpFormatter
+
+
+def _epilog(*examples: str) -> str:
+    """A subcommand's --help ending: its examples, then the path rule."""
+    return "example" + ("s" if len(examples) > 1 else "") + ":\n" + "".join(f"  {e}\n" for e in examples) + PATHS
+
+
 def _parser():
     from . import __version__
 
@@ -45,13 +55,17 @@ def _parser():
                    help="import MODULE first (it registers layer kinds with hpctrain.register_layer); repeatable; "
                         "HPCTRAIN_PLUGINS=mod1,mod2 does the same")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a model from a TOML config")
+    t = sub.add_parser("train", help="train a model from a TOML config", formatter_class=RAW,
+                       epilog=_epilog("hpctrain train jobs/configs/digits.toml",
+                                      "mpiexec -n 4 hpctrain train jobs/configs/gpt-char.toml --set train.steps=200",
+                                      "hpctrain --plugin my_layers train my.toml     # layers of your own"))
     t.add_argument("config", help="path to the TOML config")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (a TOML value; anything else is taken as a string); a relative "
                         "path given here resolves against the working directory, one in the file against the "
                         "file's folder")
-    c = sub.add_parser("config", help="print the fully resolved config (every default filled in) as TOML")
+    c = sub.add_parser("config", help="print the fully resolved config (every default filled in) as TOML",
+                       formatter_class=RAW, epilog=_epilog("hpctrain config jobs/configs/gpt-char.toml --set parallel.tp=2"))
     c.add_argument("config", help="path to the TOML config")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, as for train")
@@ -59,9 +73,9 @@ def _parser():
                         description="Parameters, gradients, optimizer state, activations at the schedule's peak,\n"
                                     "communication buffers and the runtime's baseline of every rank of the layout,\n"
                                     "worked out from the config alone (no MPI, no data). MB = 10^6 bytes.",
-                        epilog="examples:\n  hpctrain plan jobs/configs/gpt-char.toml -n 4 --set parallel.zero=1\n"
-                               "  hpctrain plan my.toml -n 8 --mem-per-rank 40GB\n"
-                               "exit status: 0, or 1 when --mem-per-rank is given and a rank does not fit",
+                        epilog=_epilog("hpctrain plan jobs/configs/gpt-char.toml -n 4 --set parallel.zero=1",
+                                       "hpctrain plan my.toml -n 8 --mem-per-rank 40GB")
+                        + "\nexit status: 0, or 1 when --mem-per-rank is given and a rank does not fit",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     pn.add_argument("config", help="path to the TOML config")
     pn.add_argument("-n", dest="ranks", type=int, default=1, help="the world size (default 1)")
@@ -70,17 +84,25 @@ def _parser():
     pn.add_argument("--json", action="store_true", help='print {"ranks": [{"rank": 0, ..., "total_bytes": ...}]}')
     pn.add_argument("--mem-per-rank", metavar="SIZE", help="say which ranks do not fit in SIZE (5.5GB, 40GiB, "
                                                            "512MB) and which change would make them fit")
-    sub.add_parser("env", help="versions, the MPI library, CUDA-awareness, GPUs and BLAS threads of this machine")
-    i = sub.add_parser("inspect", help="describe a checkpoint and verify its checksums")
+    sub.add_parser("env", help="versions, the MPI library, CUDA-awareness, GPUs and BLAS threads of this machine",
+                   formatter_class=RAW, epilog=_epilog("hpctrain env", "mpiexec -n 2 hpctrain env     # what each rank sees"))
+    i = sub.add_parser("inspect", help="describe a checkpoint and verify its checksums", formatter_class=RAW,
+                       epilog=_epilog("hpctrain inspect runs/digits/ckpt-00000600.h5"))
     i.add_argument("path")
     x = sub.add_parser("export", help="a checkpoint's parameters as safetensors, or the whole of it as one HDF5 file",
                        description="Write a checkpoint's parameters (PyTorch names) as safetensors, or the whole "
-                                   "checkpoint as one self-contained HDF5 file. The checkpoint is verified first.")
+                                   "checkpoint as one self-contained HDF5 file. The checkpoint is verified first.",
+                       formatter_class=RAW,
+                       epilog=_epilog("hpctrain export runs/gpt-char/ckpt-00001500.h5 gpt.safetensors",
+                                      "hpctrain export runs/digits/ckpt-00000600.h5 digits-whole.h5"))
     x.add_argument("checkpoint", help="a checkpoint (ckpt-<step>.h5)")
     x.add_argument("output", help="the file to write: .safetensors or .h5 (replaced if it exists)")
     x.add_argument("--format", choices=("safetensors", "h5"), default="",
                    help="default: from the output's extension; safetensors needs pip install 'hpctrain[export]'")
-    s = sub.add_parser("sample", help="print text a GPT checkpoint writes after a prompt")
+    s = sub.add_parser("sample", help="print text a GPT checkpoint writes after a prompt", formatter_class=RAW,
+                       epilog=_epilog('hpctrain sample runs/gpt-char/ckpt-00001500.h5 --prompt "The " --tokens 300',
+                                      'hpctrain sample runs/gpt-char/ckpt-00001500.h5 --prompt "def " '
+                                      '--temperature 0.8 --top-k 10'))
     s.add_argument("checkpoint")
     s.add_argument("--prompt", required=True, help="the text to continue (characters of the model's vocabulary)")
     s.add_argument("--tokens", type=int, default=200, help="how many tokens to generate (default 200)")
@@ -90,9 +112,9 @@ def _parser():
     s.add_argument("--vocab", default="", help="token file whose vocabulary decodes (default: the config's data)")
     s.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
     ev = sub.add_parser("eval", help="a checkpoint's loss and accuracy on its validation split or on any file",
-                        epilog="examples:\n  hpctrain eval runs/digits/ckpt-00000600.h5\n"
-                               "  hpctrain eval runs/digits/ckpt-00000600.h5 --data test.h5\n"
-                               "  mpiexec -n 4 hpctrain eval jobs/configs/gpt-char.toml    # its newest checkpoint",
+                        epilog=_epilog("hpctrain eval runs/digits/ckpt-00000600.h5",
+                                       "hpctrain eval runs/digits/ckpt-00000600.h5 --data test.h5",
+                                       "mpiexec -n 4 hpctrain eval jobs/configs/gpt-char.toml    # its newest checkpoint"),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ev.add_argument("target", metavar="CHECKPOINT|CONFIG",
                     help="a checkpoint (its config defines model and data), or a config file (weights from "
@@ -102,8 +124,8 @@ def _parser():
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config value, as for train (e.g. parallel.pp=2)")
     pr = sub.add_parser("predict", help="a checkpoint's outputs (and predicted classes) for every sample of a file",
-                        epilog="examples:\n  hpctrain predict runs/digits/ckpt-00000600.h5 --data new.h5 --out p.h5\n"
-                               "  hpctrain predict runs/gpt-char/ckpt-00001500.h5 --data tokens.h5 --out next.h5",
+                        epilog=_epilog("hpctrain predict runs/digits/ckpt-00000600.h5 --data new.h5 --out p.h5",
+                                       "hpctrain predict runs/gpt-char/ckpt-00001500.h5 --data tokens.h5 --out next.h5"),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     pr.add_argument("checkpoint", help="a checkpoint (ckpt-*.h5): its config defines the model")
     pr.add_argument("--data", required=True, metavar="FILE", help="an HDF5 file with the inputs (the dataset the "
@@ -114,14 +136,16 @@ def _parser():
     pr.add_argument("--batch", type=int, default=1024, help="samples a forward pass (default 1024)")
     pr.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
     pr.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    d = sub.add_parser("data", help="make data files")
+    d = sub.add_parser("data", help="make data files", formatter_class=RAW,
+                       epilog=_epilog("hpctrain data text2h5 input.txt chars.h5", "hpctrain data csv2h5 --help"))
     dsub = d.add_subparsers(dest="data_command", required=True)
-    t2h = dsub.add_parser("text2h5", help="a text file -> a character-level token file (HDF5)")
+    t2h = dsub.add_parser("text2h5", help="a text file -> a character-level token file (HDF5)", formatter_class=RAW,
+                          epilog=_epilog("hpctrain data text2h5 shakespeare.txt shakespeare.h5"))
     t2h.add_argument("input", help="a UTF-8 text file")
     t2h.add_argument("output", help="the HDF5 file to write (dataset 'tokens' with its vocabulary)")
     t2h.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     c2h = dsub.add_parser("csv2h5", help="a numeric CSV table -> inputs and targets (HDF5)",
-                          epilog="example:\n  hpctrain data csv2h5 iris.csv iris.h5 --target species",
+                          epilog=_epilog("hpctrain data csv2h5 iris.csv iris.h5 --target species"),
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     c2h.add_argument("input", help="a UTF-8 CSV file, one sample a row, every cell a number")
     c2h.add_argument("output", help="the HDF5 file to write (datasets 'inputs' and 'targets')")
@@ -129,7 +153,7 @@ def _parser():
     c2h.add_argument("--header", choices=("auto", "yes", "no"), default="auto",
                      help="whether the first row names the columns (auto: when it is not all numbers)")
     n2h = dsub.add_parser("npz2h5", help="two arrays of a numpy .npz -> inputs and targets (HDF5)",
-                          epilog="example:\n  hpctrain data npz2h5 arrays.npz data.h5 --inputs X --targets y",
+                          epilog=_epilog("hpctrain data npz2h5 arrays.npz data.h5 --inputs X --targets y"),
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     n2h.add_argument("input", help="a .npz file (read without pickle)")
     n2h.add_argument("output", help="the HDF5 file to write (datasets 'inputs' and 'targets')")
@@ -139,8 +163,8 @@ def _parser():
         p_.add_argument("--regression", action="store_true",
                         help="float targets even when every target is a whole number (default: those are labels)")
     b2h = dsub.add_parser("bin2h5", help="nanoGPT's uint16 .bin token file -> a token file (HDF5)",
-                          epilog="example:\n  hpctrain data bin2h5 data/shakespeare_char/train.bin train.h5 "
-                                 "--vocab-from data/shakespeare_char/input.txt",
+                          epilog=_epilog("hpctrain data bin2h5 data/shakespeare_char/train.bin train.h5 "
+                                         "--vocab-from data/shakespeare_char/input.txt"),
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     b2h.add_argument("input", help="a .bin of little-endian uint16 token ids (nanoGPT's prepare.py output)")
     b2h.add_argument("output", help="the HDF5 file to write (dataset 'tokens')")
@@ -154,9 +178,9 @@ def _parser():
                     "accuracy and throughput against step, one panel each) or a trace (train.trace: a timeline,\n"
                     "one row per rank, one bar per span). Which of the two FILE is comes from its content.\n"
                     "Needs matplotlib: pip install 'hpctrain[plot]'.",
-        epilog="examples:\n  hpctrain plot runs/digits/metrics.jsonl -o loss.png\n"
-               "  hpctrain plot runs/digits-pp2/trace.json -o timeline.svg --steps 100:101\n"
-               "  hpctrain plot runs/lr-1e-3/metrics.jsonl runs/lr-3e-3/metrics.jsonl -o sweep.png",
+        epilog=_epilog("hpctrain plot runs/digits/metrics.jsonl -o loss.png",
+                       "hpctrain plot runs/digits-pp2/trace.json -o timeline.svg --steps 100:101",
+                       "hpctrain plot runs/lr-1e-3/metrics.jsonl runs/lr-3e-3/metrics.jsonl -o sweep.png"),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     pl.add_argument("file", metavar="FILE", nargs="+",
                     help="a metrics file (JSONL, one record a line) or a Chrome/Perfetto trace (JSON), at most 1 GB; "

@@ -214,3 +214,35 @@ def test_inspect_of_a_path_that_does_not_exist_is_a_usage_error_naming_what_the_
     assert proc.stdout == ""
     proc = hpctrain("inspect", str(tmp_path / "none" / "ckpt.h5"))
     assert proc.returncode == 2 and proc.stderr.endswith("ckpt.h5 does not exist\n"), proc.stderr
+
+
+def _subcommands(parser, prefix=()):
+    """(words, subparser) of every subcommand, the data subcommands too."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*prefix, name), sub
+                yield from _subcommands(sub, (*prefix, name))
+
+
+def test_every_subcommands_help_has_examples_that_parse_and_the_path_rule():
+    import shlex
+
+    from hpctrain.cli import PATHS, _parser
+
+    parser = _parser()
+    seen = []
+    for words, sub in _subcommands(parser):
+        text = sub.format_help()
+        assert "example" in text and PATHS in " ".join(text.split()), (words, text)
+        examples = text[text.index("example"):text.index("paths:")].splitlines()[1:]
+        assert examples, words
+        for line in examples:
+            argv = shlex.split(line.split("  #")[0].strip(), comments=True)
+            argv = argv[argv.index("hpctrain") + 1:]
+            if "--help" not in argv:
+                parser.parse_args(argv)  # a renamed option or subcommand fails here
+        seen.append(" ".join(words))
+    assert {"train", "eval", "data csv2h5", "plot", "export", "env"} <= set(seen)

@@ -171,3 +171,31 @@ def test_the_default_pipeline_cut_balances_flops_not_parameters():
     assert stages == [(0, 9), (10, 13)]
     costs = [spec.flops(lo, hi) for lo, hi in stages]
     assert max(costs) / sum(costs) < 0.55  # by parameters it was [(0, 3), (4, 13)]: 83% of the FLOPs on stage 1
+
+
+def test_the_split_backward_leaves_the_tied_table_and_the_embedding_to_w():
+    """Zero-bubble's B for the whole model writes no gradient of the token table or the positions (the head's
+    dlogitsᵀ·h and the embedding's scatter-add are W's), and B then W gives ``backward``'s gradients bit for bit."""
+    be = CpuBackend()
+    spec = GPTSpec(**SMALL)
+    idx, _ = _batch(spec, 2, seed=3)
+    grads = []
+    for split in (False, True):
+        part = spec.part()
+        p, g = FlatBuffer(be, part.layout), FlatBuffer(be, part.layout)
+        part.bind(p, g)
+        p.load_host_dict(spec.init_params(0))
+        g.load_host_dict({k: np.full(v.shape, np.nan, np.float32) for k, v in spec.init_params(0).items()})
+        out, saved = part.forward(be, idx)
+        dout = np.random.default_rng(4).standard_normal(out.shape).astype(np.float32)
+        if split:
+            _, wsaved = part.backward_input(be, dout, saved, need_dinp=False)
+            after_b = g.to_host_dict()
+            assert np.isnan(after_b["transformer.wte.weight"]).all() and np.isnan(after_b["transformer.wpe.weight"]).all()
+            assert not np.isnan(after_b["transformer.ln_f.weight"]).any()  # LayerNorms write theirs in B
+            part.backward_weight(be, wsaved)
+        else:
+            part.backward(be, dout, saved, need_dinp=False)
+        grads.append(g.to_host_dict())
+    for name, value in grads[0].items():
+        assert not np.isnan(value).any() and np.array_equal(value, grads[1][name]), name

@@ -76,6 +76,14 @@ class Embedding(Layer):
                               accumulate_wpe=accumulate)
         return None  # token ids have no gradient
 
+    def backward_input(self, be, dout, idx, accumulate=False, need_dinp=True):
+        """B: nothing (token ids have no gradient); the tables' gradients are all W's, so the first stage's B
+        is its blocks' alone and the zero-bubble schedule can fill its bubble with the embedding's scatter-add."""
+        return None, (dout, idx)
+
+    def backward_weight(self, be, wsaved, accumulate=False):
+        self.backward(be, *wsaved, accumulate=accumulate)
+
 
 class VocabParallelEmbedding(Embedding):
     """Tensor-parallel rank ``tp.rank``'s block of the token table (Megatron's VocabParallelEmbedding): wte rows
@@ -257,11 +265,25 @@ class Head(Layer):
         return logits, (s_ln, h)
 
     def backward(self, be, dlogits, saved, accumulate=False, need_dinp=True):
+        dx, wsaved = self.backward_input(be, dlogits, saved, accumulate=accumulate)
+        self.backward_weight(be, wsaved, accumulate=accumulate)
+        return dx
+
+    def backward_input(self, be, dlogits, saved, accumulate=False, need_dinp=True):
+        """B: the input gradient through the tied table and ln_f (which writes its own gradients here); the
+        table's gradient dlogitsᵀ·h is W's, as a Linear's weight gradient is."""
         s_ln, h = saved
-        be.matmul_tn(dlogits, h, self.g["wte.weight"], accumulate=accumulate or "wte.weight" in self.accumulating)
         dh = be.empty(h.shape)
         be.matmul_nn(dlogits, self.w["wte.weight"], dh)
-        return self.ln_f.backward(be, dh, s_ln, accumulate=accumulate)
+        return self.ln_f.backward(be, self._summed(be, dh), s_ln, accumulate=accumulate), (dlogits, h)
+
+    def backward_weight(self, be, wsaved, accumulate=False):
+        dlogits, h = wsaved
+        be.matmul_tn(dlogits, h, self.g["wte.weight"], accumulate=accumulate or "wte.weight" in self.accumulating)
+
+    def _summed(self, be, dh):
+        """The input gradient over the whole vocabulary (one table here: already whole)."""
+        return dh
 
 
 class VocabParallelHead(Head):
@@ -280,12 +302,8 @@ class VocabParallelHead(Head):
         self.vocab_shard = (tp, self.lo, vocab)  # what the loss needs to see the whole row
         self.vocab_rows = (self.lo, self.lo + n, vocab)
 
-    def backward(self, be, dlogits, saved, accumulate=False, need_dinp=True):
-        s_ln, h = saved
-        be.matmul_tn(dlogits, h, self.g["wte.weight"], accumulate=accumulate or "wte.weight" in self.accumulating)
-        dh = be.empty(h.shape)
-        be.matmul_nn(dlogits, self.w["wte.weight"], dh)
-        return self.ln_f.backward(be, self.copy.backward(be, dh), s_ln, accumulate=accumulate)
+    def _summed(self, be, dh):
+        return self.copy.backward(be, dh)  # each rank's block of the vocabulary: one Allreduce sums them
 
 
 class GPTSpec(ModelSpec):

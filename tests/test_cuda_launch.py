@@ -161,3 +161,22 @@ def test_a_launch_configuration_sensitive_kernel_or_no_cuda_core_keeps_numbas_pa
     for _ in range(2):
         bare(k2, 1, 32, (device_array((8,)),))
     assert (bare.fast, bare.slow, len(k2.numba_launches)) == (0, 2, 2)
+
+
+def test_a_launch_cuda_core_refuses_goes_through_numba_and_numpy_sizes_become_ints():
+    go, rec = launcher()
+    k = Dispatcher("fill")
+    go(k, np.int64(2), 32, (device_array((8,)), 3))
+    go(k, (np.int64(2), 1), np.int32(32), (device_array((8,)), 3))  # numpy sizes, as a grid computation gives
+    assert rec.launches[-1][1] == {"grid": (2, 1), "block": 32, "shmem_size": 0}
+    assert all(type(x) is int for x in rec.launches[-1][1]["grid"])
+
+    def refuse(*a):
+        raise ValueError("grid too large")
+
+    go._launch = refuse
+    go(k, 4, 32, (device_array((8,)), 3))
+    assert (go.fast, go.slow, len(k.numba_launches)) == (1, 2, 2)
+    assert go.refused == [("fill", "at launch, ValueError: grid too large")]
+    go(k, 4, 32, (device_array((8,)), 3))  # the pair stays on numba's path
+    assert (go.fast, go.slow, len(k.numba_launches)) == (1, 3, 3)

@@ -115,6 +115,15 @@ def same_parameters(ours, numbas):
     return True
 
 
+def _dims(d):
+    """A grid or block as cuda.core takes it: an int or a tuple of ints (not numpy integers)."""
+    return tuple(int(x) for x in d) if isinstance(d, tuple) else int(d)
+
+
+def _name(dispatcher) -> str:
+    return getattr(getattr(dispatcher, "py_func", None), "__name__", repr(dispatcher))
+
+
 class _Entry:
     __slots__ = ("handle", "converters")
 
@@ -160,15 +169,23 @@ class Launcher:
             dispatcher[grid, block, self.stream](*args)
             self.slow += 1
             return
-        config = self._configs.get((grid, block))
-        if config is None:
-            config = self._configs[(grid, block)] = self._config(grid=grid, block=block, shmem_size=0)
-        self._launch(self._core_stream, config, entry.handle, *entry.parameters(args))
+        try:
+            config = self._configs.get((grid, block))
+            if config is None:
+                config = self._config(grid=_dims(grid), block=_dims(block), shmem_size=0)
+                self._configs[(grid, block)] = config
+            self._launch(self._core_stream, config, entry.handle, *entry.parameters(args))
+        except Exception as e:  # refused before the launch (an argument cuda.core will not take): numba's path,
+            self._entries[(dispatcher, kinds)] = None  # which launches it or raises its own error
+            self.refused.append((_name(dispatcher), f"at launch, {type(e).__name__}: {e}"))
+            dispatcher[grid, block, self.stream](*args)
+            self.slow += 1
+            return
         self.fast += 1
 
     def _prepare(self, dispatcher, args):
         """The direct path for this pair, or None (and the reason in ``refused``) where numba must keep it."""
-        name = getattr(getattr(dispatcher, "py_func", None), "__name__", repr(dispatcher))
+        name = _name(dispatcher)
         try:
             if getattr(dispatcher, "_launch_config_sensitive", False) or dispatcher.targetoptions.get("extensions"):
                 raise TypeError("its compilation depends on the launch configuration or on argument extensions")

@@ -25,14 +25,17 @@ __all__ = ["Backend", "StreamWaits", "Mark", "check_array"]
 
 
 def check_array(op, name, arr, *, ndim=None, shape=None, rows=None, cols=None, dtype=np.float32):
-    """Raise BackendError unless ``arr`` is a C-contiguous ``dtype`` array of the given shape."""
+    """Raise BackendError unless ``arr`` is a C-contiguous ``dtype`` array of the given shape.
+
+    Every kernel call checks each of its arguments (a small model's step makes hundreds of these calls), so the
+    passing case reads each attribute once and builds nothing; the messages are worked out only on failure."""
     arr_shape = getattr(arr, "shape", None)
     arr_dtype = getattr(arr, "dtype", None)
     if arr_shape is None or arr_dtype is None:
         raise BackendError(f"{op}: {name} must be an array, got {type(arr).__name__}")
-    if np.dtype(arr_dtype) != np.dtype(dtype):
+    if arr_dtype != dtype and np.dtype(arr_dtype) != np.dtype(dtype):
         raise BackendError(f"{op}: {name} must be {np.dtype(dtype).name}, got {np.dtype(arr_dtype).name} with shape {tuple(arr_shape)}")
-    if not _is_c_contiguous(arr):
+    if not (arr.flags.c_contiguous if type(arr) is np.ndarray else _is_c_contiguous(arr)):
         raise BackendError(f"{op}: {name} must be C-contiguous (shape {tuple(arr_shape)})")
     if ndim is not None and len(arr_shape) != ndim:
         raise BackendError(f"{op}: {name} must have {ndim} dimensions, got shape {tuple(arr_shape)}")

@@ -10,7 +10,8 @@ Model, AdamW settings and grad clip come from jobs/configs/gpt-char.toml (or --c
 ``Trainer.train_step`` over a one-rank Mesh (HDF5 read, forward, loss, backward, norm and clipping, AdamW) on
 the bundled pydoc corpus in a temporary token file. PyTorch runs in a subprocess of the torch interpreter,
 driven over a pipe: nanoGPT's module (SDPA with is_causal, exact GELU, tied lm_head, no dropout) and
-torch.optim.AdamW decaying every parameter as hpctrain's flat AdamW does (nanoGPT decays only the matrices),
+torch.optim.AdamW decaying the tensors hpctrain's AdamW decays (optim.decay_min_ndim: 2 in gpt-char.toml,
+nanoGPT's two parameter groups; 0 every tensor),
 reading the same windows of the same file each step. Both use --threads threads. The torch model first loads
 hpctrain's initial parameters by name and both take 3 identical steps (losses and the largest relative
 parameter difference are printed); then warm-up, then --repeats rounds of --steps steps, alternating which
@@ -93,8 +94,11 @@ def torch_setup(torch, np, h5py, setup):
     if missing != ["lm_head.weight"] or unexpected:  # lm_head.weight is wte.weight: loaded with it
         raise SystemExit(f"torch worker: the names differ: missing {missing}, unexpected {unexpected}")
     model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=m["lr"], betas=m["betas"], eps=m["eps"],
-                            weight_decay=m["weight_decay"])
+    # optim.decay_min_ndim: 0 decays every tensor (one group), 2 only the matrices (nanoGPT's two groups)
+    ndim = m.get("decay_min_ndim", 0)
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= ndim], "weight_decay": m["weight_decay"]},
+              {"params": [p for p in model.parameters() if p.dim() < ndim], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=m["lr"], betas=m["betas"], eps=m["eps"])
     tokens = h5py.File(m["path"], "r", locking=False)[m["tokens"]]
 
     def step(s):
@@ -298,7 +302,8 @@ def main():
         if peer.version:
             meta = {"vocab_size": m.vocab_size, "block_size": T, "n_layer": m.n_layer, "n_head": m.n_head,
                     "n_embd": m.n_embd, "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "path": cfg.data.path,
-                    "weight_decay": o.weight_decay, "grad_clip": cfg.train.grad_clip, "tokens": cfg.data.tokens,
+                    "weight_decay": o.weight_decay, "decay_min_ndim": o.decay_min_ndim,
+                    "grad_clip": cfg.train.grad_clip, "tokens": cfg.data.tokens,
                     "device": a.backend, "tf32": a.tf32}
             rows = np.stack([trainer.sampler.local_rows(s) for s in range(warm_end + a.repeats * a.steps)])
             np.savez(f"{tmp}/setup.npz", meta=json.dumps(meta), rows=rows, **{"p:" + k: v for k, v in init.items()})

@@ -14,6 +14,7 @@ from helpers import config, make_classification
 from hpctrain.backend.cpu import CpuBackend
 from hpctrain.errors import ConfigError
 from hpctrain.layer_kinds import plugin_modules, register_layer
+from hpctrain.nn import make_model
 from hpctrain.parallel.mesh import Mesh
 from hpctrain.train import Trainer
 from test_ops import numeric_grad
@@ -121,8 +122,6 @@ def test_a_registered_kinds_config_is_checked_like_a_built_in_one(tmp_path):
     for args, message in bad:
         layers = [*LAYERS[:2], {"type": "resmlp", **args}, LAYERS[3]]
         with pytest.raises(ConfigError, match=message):
-            from hpctrain.nn import make_model
-
             make_model(config(tmp_path / "d.h5", model={"layers": layers}).model)
     with pytest.raises(ConfigError, match=r"got 'swiglu' \(a kind of your own is registered by its module: hpctrain "
                                           r"--plugin MODULE"):

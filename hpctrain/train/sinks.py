@@ -37,7 +37,7 @@ def scalars(record: dict, prefix: str = "") -> dict:
             out.update(scalars({str(i): v for i, v in enumerate(value)}, name + "."))
         elif isinstance(value, bool):
             out[name] = int(value)
-        elif isinstance(value, (int, float, str)) and value is not None:
+        elif isinstance(value, (int, float, str)):
             out[name] = value
     return out
 

@@ -49,7 +49,8 @@ class LayerSpec:
         return {"type": self.type, **dict(self.args)}
 
 
-GPT_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
+GPT_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "dropout")
+GPT_SIZES = GPT_KEYS[:5]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class ModelConfig:
     n_head: int = 12
     n_embd: int = 768
     bias: bool = True
+    dropout: float = 0.0  # nanoGPT's: on the embedding, attention's probabilities and both residual branches
 
 
 @dataclass(frozen=True)
@@ -349,9 +351,10 @@ def _check_ranges(cfg: Config) -> None:
     need(d.path, "data.path", "required (an HDF5 file)")
     if m.kind == "gpt":
         need(not m.layers, "model.layers", 'not used by kind = "gpt" (it is set by n_layer, n_head, n_embd)')
-        for key in GPT_KEYS[:-1]:
+        for key in GPT_SIZES:
             need(getattr(m, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(m, key)}")
         need(m.n_embd % m.n_head == 0, "model.n_embd", f"{m.n_embd} is not divisible by model.n_head = {m.n_head}")
+        need(0.0 <= m.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {m.dropout}")
         need(d.tokens, "data.tokens", 'required by kind = "gpt" (the name of a 1-D dataset of token ids)')
         need(not d.inputs and not d.targets, "data.inputs", 'kind = "gpt" reads data.tokens, not data.inputs '
              "and data.targets")

@@ -11,6 +11,7 @@ too big must raise BackendError naming the op.
 import numpy as np
 import pytest
 
+from hpctrain.backend.dropout_mask import DropRows
 from hpctrain.errors import BackendError
 
 B, T, H, HS, V, C, K, N = 2, 3, 2, 2, 5, 4, 3, 6  # C = H·HS
@@ -38,6 +39,7 @@ def contract_cases():
          lambda be, a: be.matmul_tn(a["a"], a["b"], a["out"])),
         ("bias_grad", {"dout": _f(B, C), "dbias": _f(C)}, lambda be, a: be.bias_grad(a["dout"], a["dbias"])),
         ("add_", {"out": _f(B, C), "x": _f(B, C)}, lambda be, a: be.add_(a["out"], a["x"])),
+        ("dropout", {"x": _f(B, C), "out": _f(B, C)}, lambda be, a: be.dropout(a["x"], a["out"], DropRows(0.5, 3))),
         ("layernorm_forward", {"x": _f(B, C), "weight": _f(C), "bias": _f(C), "out": _f(B, C), "mean": _f(B),
                                "rstd": _f(B)},
          lambda be, a: be.layernorm_forward(a["x"], a["weight"], a["bias"], 1e-5, a["out"], a["mean"], a["rstd"])),

@@ -126,8 +126,9 @@ def _split_heads(qkv, B, T, H):
     return q, k, v
 
 
-def attention(qkv, T, H):
-    """Causal multi-head attention, as nanoGPT's CausalSelfAttention after c_attn: (out[B·T, C], att)."""
+def attention(qkv, T, H, drop=None):
+    """Causal multi-head attention, as nanoGPT's CausalSelfAttention after c_attn: (out[B·T, C], att).
+    ``drop``: a factor [B, H, T, T] (1/(1 − p) or 0) on the probabilities before they weigh v (attn_dropout)."""
     qkv = qkv.astype(np.float64)
     B = qkv.shape[0] // T
     q, k, v = _split_heads(qkv, B, T, H)
@@ -135,44 +136,49 @@ def attention(qkv, T, H):
     s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
     att = np.exp(s - s.max(axis=-1, keepdims=True))
     att /= att.sum(axis=-1, keepdims=True)
-    y = att @ v
+    y = (att if drop is None else att * drop) @ v
     return y.transpose(0, 2, 1, 3).reshape(B * T, -1), att
 
 
-def attention_backward(dout, qkv, T, H):
+def attention_backward(dout, qkv, T, H, drop=None):
     qkv = qkv.astype(np.float64)
     B = qkv.shape[0] // T
     q, k, v = _split_heads(qkv, B, T, H)
     _, att = attention(qkv, T, H)
+    factor = 1.0 if drop is None else drop
     dy = dout.astype(np.float64).reshape(B, T, H, -1).transpose(0, 2, 1, 3)
-    datt = dy @ v.transpose(0, 1, 3, 2)
-    dv = att.transpose(0, 1, 3, 2) @ dy
+    datt = (dy @ v.transpose(0, 1, 3, 2)) * factor
+    dv = (att * factor).transpose(0, 1, 3, 2) @ dy
     ds = att * (datt - (att * datt).sum(axis=-1, keepdims=True)) / math.sqrt(q.shape[-1])
     dq, dk = ds @ k, ds.transpose(0, 1, 3, 2) @ q
     return np.concatenate([d.transpose(0, 2, 1, 3).reshape(B * T, -1) for d in (dq, dk, dv)], axis=1)
 
 
-def gpt_loss_and_grads(p, idx, targets, *, n_layer, n_head, eps=1e-5):
+def gpt_loss_and_grads(p, idx, targets, *, n_layer, n_head, eps=1e-5, drop=None):
     """nanoGPT's GPT (tied head), written out in float64: the mean cross-entropy over every position and
     the gradient of every parameter, by nanoGPT's names. ``p``: name -> array; without ``.bias`` entries,
-    the model of bias = False."""
+    the model of bias = False. ``drop(site, shape)``: dropout's factor (1/(1 − p) or 0) at a site, the
+    embedding's 0, block i's 4(i + 1) + 0 attention, + 1 and + 2 its residual branches (hpctrain/nn/dropout.py)."""
     P = "transformer."
     B, T = idx.shape
+    C = p[P + "wpe.weight"].shape[1]
+    factor = (lambda site, shape: 1.0) if drop is None else drop  # noqa: E731
     lin = lambda x, name: linear_forward(x, p[name + ".weight"], p.get(name + ".bias"))  # noqa: E731
     bias = lambda name: p.get(name, 0.0)  # noqa: E731
-    x = embedding(idx, p[P + "wte.weight"], p[P + "wpe.weight"])
+    x = embedding(idx, p[P + "wte.weight"], p[P + "wpe.weight"]) * factor(0, (B * T, C))
     saved = []
     for i in range(n_layer):
-        h = f"{P}h.{i}."
+        h, site = f"{P}h.{i}.", 4 * (i + 1)
+        fa, f1, f2 = factor(site, (B, n_head, T, T)), factor(site + 1, (B * T, C)), factor(site + 2, (B * T, C))
         ln1, _, _ = layernorm(x, p[h + "ln_1.weight"], bias(h + "ln_1.bias"), eps)
         qkv = lin(ln1, h + "attn.c_attn")
-        a, _ = attention(qkv, T, n_head)
-        x2 = x + lin(a, h + "attn.c_proj")
+        a, _ = attention(qkv, T, n_head, None if drop is None else fa)
+        x2 = x + lin(a, h + "attn.c_proj") * f1
         ln2, _, _ = layernorm(x2, p[h + "ln_2.weight"], bias(h + "ln_2.bias"), eps)
         f = lin(ln2, h + "mlp.c_fc")
         g = gelu(f)
-        saved.append((x, ln1, qkv, a, x2, ln2, f, g))
-        x = x2 + lin(g, h + "mlp.c_proj")
+        saved.append((x, ln1, qkv, a, x2, ln2, f, g, (fa, f1, f2)))
+        x = x2 + lin(g, h + "mlp.c_proj") * f2
     hf, _, _ = layernorm(x, p[P + "ln_f.weight"], bias(P + "ln_f.bias"), eps)
     logits = hf @ p[P + "wte.weight"].astype(np.float64).T
     n = B * T
@@ -189,16 +195,16 @@ def gpt_loss_and_grads(p, idx, targets, *, n_layer, n_head, eps=1e-5):
 
     for i in reversed(range(n_layer)):
         h = f"{P}h.{i}."
-        x_in, ln1, qkv, a, x2, ln2, f, g = saved[i]
-        dg = lin_back(dx, g, h + "mlp.c_proj")
+        x_in, ln1, qkv, a, x2, ln2, f, g, (fa, f1, f2) = saved[i]
+        dg = lin_back(dx * f2, g, h + "mlp.c_proj")
         dln2 = lin_back(gelu_backward(f, dg), ln2, h + "mlp.c_fc")
         d, grads[h + "ln_2.weight"], grads[h + "ln_2.bias"] = layernorm_backward(dln2, x2, p[h + "ln_2.weight"], eps)
         dx2 = dx + d
-        da = lin_back(dx2, a, h + "attn.c_proj")
-        dln1 = lin_back(attention_backward(da, qkv, T, n_head), ln1, h + "attn.c_attn")
+        da = lin_back(dx2 * f1, a, h + "attn.c_proj")
+        dln1 = lin_back(attention_backward(da, qkv, T, n_head, None if drop is None else fa), ln1, h + "attn.c_attn")
         d, grads[h + "ln_1.weight"], grads[h + "ln_1.bias"] = layernorm_backward(dln1, x_in, p[h + "ln_1.weight"], eps)
         dx = dx2 + d
-    dwte, grads[P + "wpe.weight"] = embedding_backward(dx, idx, *p[P + "wte.weight"].shape[:1],
+    dwte, grads[P + "wpe.weight"] = embedding_backward(dx * factor(0, (B * T, C)), idx, *p[P + "wte.weight"].shape[:1],
                                                        p[P + "wpe.weight"].shape[0])
     grads[P + "wte.weight"] = grads[P + "wte.weight"] + dwte
     return loss / n, {name: g for name, g in grads.items() if name in p}

@@ -114,7 +114,8 @@ class Backend:
     Memory: ``empty``, ``zeros``, ``asarray`` (host -> backend), ``to_host``,
     ``copy_``, ``synchronize``. Products: ``matmul_nt`` (X·Wᵀ + b),
     ``matmul_nn`` (dY·W), ``matmul_tn`` (dYᵀ·X), ``bias_grad``. Element-wise:
-    ``relu/gelu/tanh_forward/backward``, ``add_`` (residuals). ``layernorm_forward/backward``.
+    ``relu/gelu/tanh_forward/backward``, ``add_`` (residuals), ``dropout`` (a counter-based mask, redrawn in
+    backward: dropout_mask.py). ``layernorm_forward/backward``.
     Transformer: ``embedding_forward/backward`` (token + position tables, a deterministic
     scatter-add), ``attention_forward/backward`` (causal multi-head attention on a fused
     q/k/v projection).
@@ -231,6 +232,17 @@ class Backend:
 
     def _unary_args(self, op, x, out):
         self._arg(op, "out", out, shape=self._arg(op, "x", x).shape)
+
+    def _dropout_args(self, x, out, rows):
+        """(R, W) of ``dropout``: x and out [R, W] (out may be x), ``rows`` a DropRows with p in [0, 1)."""
+        R, W = self._arg("dropout", "x", x, ndim=2).shape
+        self._arg("dropout", "out", out, shape=(R, W))
+        if not 0.0 <= rows.p < 1.0:
+            raise BackendError(f"dropout: p = {rows.p} is outside [0, 1)")
+        if rows.group < 0 or rows.stride < 0 or rows.row0 < 0:
+            raise BackendError(f"dropout: row0, group and stride must be >= 0, got {rows.row0}, {rows.group}, "
+                               f"{rows.stride}")
+        return R, W
 
     def _layernorm_forward_args(self, x, weight, bias, out, mean, rstd):
         op = "layernorm_forward"

@@ -16,6 +16,7 @@ import numba
 import numpy as np
 
 from .base import Backend
+from .dropout_mask import GOLDEN, MUL1, MUL2, keep_scale, threshold
 from .cpu_transformer import TransformerKernels
 
 __all__ = ["CpuBackend"]
@@ -58,6 +59,27 @@ def _add_inplace(out, x):
     v = x.ravel()
     for i in range(o.size):
         o[i] += v[i]
+
+
+# --------------------------------------------------------------------------- dropout (dropout_mask.py)
+
+_GOLDEN, _MUL1, _MUL2 = np.uint64(GOLDEN), np.uint64(MUL1), np.uint64(MUL2)
+_S27, _S30, _S31, _S32 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(32)
+
+
+@_jit
+def _dropout(x, out, key, cut, scale, row0, group, stride):
+    """out[r, c] = x[r, c] · (scale if mix64(key ^ index) >> 32 >= cut else 0), index = global row · W + c."""
+    R, W = x.shape
+    zero = np.float32(0.0)
+    for r in range(R):
+        base = np.uint64(row0 + (r // group) * stride + r % group) * np.uint64(W)
+        for c in range(W):
+            z = (key ^ (base + np.uint64(c))) + _GOLDEN
+            z = (z ^ (z >> _S30)) * _MUL1
+            z = (z ^ (z >> _S27)) * _MUL2
+            z = z ^ (z >> _S31)
+            out[r, c] = x[r, c] * (scale if (z >> _S32) >= cut else zero)
 
 
 # --------------------------------------------------------------------------- activations
@@ -424,6 +446,14 @@ class CpuBackend(TransformerKernels, Backend):
         """out += x (same shapes): a residual connection and its gradient."""
         self._check_same("add_", out=out, x=x)
         _add_inplace(out, x)
+
+    def dropout(self, x, out, rows):
+        """out[R, W] = x with the elements ``rows`` (a DropRows) draws dropped and the rest scaled by 1/(1 − p);
+        out may be x. The same call on the gradient is the backward pass (dropout_mask.py)."""
+        R, W = self._dropout_args(x, out, rows)
+        group = rows.group or max(R, 1)
+        _dropout(x, out, np.uint64(rows.key), np.uint64(threshold(rows.p)), keep_scale(rows.p), rows.row0, group,
+                 rows.stride or group)
 
     # -- losses
     def cross_entropy(self, logits, targets, dlogits, grad_scale, *, into=None):

@@ -159,25 +159,37 @@ class TransformerKernels:
             self.bad_token(idx, bad, vocab, op="embedding_backward")
 
     # -- causal multi-head self-attention on the fused q, k, v projection
-    def attention_forward(self, qkv, T, n_head, out, att):
+    def attention_forward(self, qkv, T, n_head, out, att, *, dropout=None):
         """out[B·T, C] = softmax(q·kᵀ/√hs, causal)·v per head, from qkv[B·T, 3C] (q, k, v, heads of hs = C/H);
-        att[B, H, T, T] keeps the probabilities for the backward pass."""
+        att[B, H, T, T] keeps the probabilities for the backward pass. ``dropout`` (a DropRows over att's
+        B·H·T rows): out = dropout(att)·v, att itself kept undropped (the backward redraws the mask)."""
         B, H, C, hs, T = self._attention_args("attention_forward", qkv, T, n_head, att, out=out)
         q, k, v = _heads(qkv, B, T, H, hs)
         scores = np.matmul(q, k.transpose(0, 1, 3, 2))  # (B, H, T, T), BLAS per head
         _causal_softmax(scores.reshape(B * H, T, T), 1.0 / math.sqrt(hs), att.reshape(B * H, T, T))
-        np.matmul(att, v, out=out.reshape(B, T, H, hs).transpose(0, 2, 1, 3))
+        np.matmul(self._dropped(att, dropout, scores), v, out=out.reshape(B, T, H, hs).transpose(0, 2, 1, 3))
 
-    def attention_backward(self, dout, qkv, att, T, n_head, dqkv):
-        """dqkv[B·T, 3C] from dout[B·T, C], the forward's qkv and att (overwritten, never accumulated)."""
+    def attention_backward(self, dout, qkv, att, T, n_head, dqkv, *, dropout=None):
+        """dqkv[B·T, 3C] from dout[B·T, C], the forward's qkv and att (overwritten, never accumulated);
+        ``dropout`` as the forward's."""
         B, H, C, hs, T = self._attention_args("attention_backward", qkv, T, n_head, att, dout=dout, dqkv=dqkv)
         q, k, v = _heads(qkv, B, T, H, hs)
         dq, dk, dv = _heads(dqkv, B, T, H, hs)
         dy = dout.reshape(B, T, H, hs).transpose(0, 2, 1, 3)
-        datt = np.matmul(dy, v.transpose(0, 1, 3, 2))  # (B, H, T, T)
-        np.matmul(att.transpose(0, 1, 3, 2), dy, out=dv)
+        datt = np.matmul(dy, v.transpose(0, 1, 3, 2))  # (B, H, T, T): the gradient of the dropped att
         dscores = np.empty_like(datt)
+        np.matmul(self._dropped(att, dropout, dscores).transpose(0, 1, 3, 2), dy, out=dv)
+        if dropout is not None:
+            self.dropout(datt.reshape(-1, T), datt.reshape(-1, T), dropout)  # through the same mask
         _causal_softmax_backward(att.reshape(B * H, T, T), datt.reshape(B * H, T, T), 1.0 / math.sqrt(hs),
                                  dscores.reshape(B * H, T, T))
         np.matmul(dscores, k, out=dq)
         np.matmul(dscores.transpose(0, 1, 3, 2), q, out=dk)
+
+    def _dropped(self, att, dropout, scratch):
+        """att, or its dropout into ``scratch`` (an array of att's shape free for it)."""
+        if dropout is None:
+            return att
+        T = att.shape[-1]
+        self.dropout(att.reshape(-1, T), scratch.reshape(-1, T), dropout)
+        return scratch

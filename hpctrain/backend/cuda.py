@@ -57,6 +57,7 @@ from .cuda_gemm import (EPI_ACCUMULATE, EPI_BIAS, EPI_STORE, GPU_SMALL_TILE, GPU
 from .cuda_launch import Launcher
 from .cuda_mem import DevicePool, is_out_of_memory, out_of_memory_error
 from .cuda_ops import ops_kernels
+from .dropout_mask import keep_scale, threshold
 from .cuda_transformer import transformer_kernels
 
 __all__ = ["CudaBackend", "simulator"]
@@ -462,6 +463,14 @@ class CudaBackend(StreamWaits, Backend):
         """out += x (same shapes): a residual connection and its gradient."""
         self._binary("add_", self._k.add, out=out, x=x)
 
+    def dropout(self, x, out, rows):
+        """out[R, W] = x with the elements ``rows`` (a DropRows) draws dropped and the rest scaled by 1/(1 − p);
+        out may be x. The same call on the gradient is the backward pass (dropout_mask.py)."""
+        R, W = self._dropout_args(x, out, rows)
+        group = rows.group or max(R, 1)
+        self._elementwise(self._k.dropout, R * W, _flat(x), _flat(out), W, np.uint64(rows.key),
+                          np.uint64(threshold(rows.p)), keep_scale(rows.p), rows.row0, group, rows.stride or group)
+
     def embedding_forward(self, idx, wte, wpe, out, *, vocab_start=0, vocab=None, add_positions=True):
         """out[B·T, C] = wte[idx[b, t]] + wpe[t] for token ids idx[B, T] (int64), wte[V, C], wpe[≥T, C]; a
         vocab-parallel shard as the CPU backend's. An id outside [0, vocab) raises BackendError: host ids are checked
@@ -539,10 +548,12 @@ class CudaBackend(StreamWaits, Backend):
         self._launch(self._tk.embedding_backward_wte, self._rows_grid(U), self.block,
                      dout, plan[:n], plan[n:n + U + 1], plan[n + U + 1:n + 2 * U + 1], dwte)
 
-    def attention_forward(self, qkv, T, n_head, out, att):
+    def attention_forward(self, qkv, T, n_head, out, att, *, dropout=None):
         """out[B·T, C] = softmax(q·kᵀ/√hs, causal)·v per head, from qkv[B·T, 3C] (q, k, v, heads of hs = C/H);
-        att[B, H, T, T] keeps the probabilities for the backward pass."""
-        B, H, C, hs, T = self._attention_args("attention_forward", qkv, T, n_head, att, out=out)
+        att[B, H, T, T] keeps the probabilities for the backward pass. ``dropout`` (a DropRows over att's
+        B·H·T rows): out = dropout(att)·v, att itself kept undropped (the backward redraws the mask)."""
+        op = "attention_forward"
+        B, H, C, hs, T = self._attention_args(op, qkv, T, n_head, att, out=out)
         if B == 0:
             return
         scale, Z, tile = np.float32(1.0 / math.sqrt(hs)), B * H, self.attention_tile
@@ -551,10 +562,12 @@ class CudaBackend(StreamWaits, Backend):
         rows, heads = (H * T, T, 0, 0), (T, 0, 0, hs)  # a head's [T, T] in att2, its [T, hs] in out
         self._batched(tile, NT, qkv, qkv, att2, T, T, hs, hs, H, Z, q, k, rows, MODE_CAUSAL_UPPER)
         self._attention_rows(self._tk.attention_softmax_rows, B * H * T, att2, T, scale)
-        self._batched(tile, NN, att2, qkv, out, T, hs, T, T, H, Z, rows, v, heads, MODE_CAUSAL_K_BELOW)
+        used = self._dropped(op, att2, dropout)
+        self._batched(tile, NN, used, qkv, out, T, hs, T, T, H, Z, rows, v, heads, MODE_CAUSAL_K_BELOW)
 
-    def attention_backward(self, dout, qkv, att, T, n_head, dqkv):
-        """dqkv[B·T, 3C] from dout[B·T, C], the forward's qkv and att (overwritten, never accumulated)."""
+    def attention_backward(self, dout, qkv, att, T, n_head, dqkv, *, dropout=None):
+        """dqkv[B·T, 3C] from dout[B·T, C], the forward's qkv and att (overwritten, never accumulated);
+        ``dropout`` as the forward's."""
         op = "attention_backward"
         B, H, C, hs, T = self._attention_args(op, qkv, T, n_head, att, dout=dout, dqkv=dqkv)
         if B == 0:
@@ -565,10 +578,21 @@ class CudaBackend(StreamWaits, Backend):
         q, k, v = (T, 0, 0, hs), (T, 0, C, hs), (T, 0, 2 * C, hs)
         rows, dy = (H * T, T, 0, 0), (T, 0, 0, hs)
         self._batched(tile, NT, dout, qkv, dscores, T, T, hs, hs, H, Z, dy, v, rows, MODE_CAUSAL_UPPER)  # dy·vᵀ
+        used = self._dropped(op, att2, dropout)
+        self._batched(tile, TN, used, dout, dqkv, T, hs, T, T, H, Z, rows, dy, v, MODE_CAUSAL_K_FROM)  # dv
+        if dropout is not None:
+            self.dropout(dscores, dscores, dropout)  # the gradient of the dropped att, through the same mask
         self._attention_rows(self._tk.attention_softmax_backward_rows, B * H * T, att2, dscores, T, scale)
         self._batched(tile, NN, dscores, qkv, dqkv, T, hs, T, T, H, Z, rows, k, q, MODE_CAUSAL_K_BELOW)  # dq
         self._batched(tile, TN, dscores, qkv, dqkv, T, hs, T, T, H, Z, rows, q, k, MODE_CAUSAL_K_FROM)  # dk
-        self._batched(tile, TN, att2, dout, dqkv, T, hs, T, T, H, Z, rows, dy, v, MODE_CAUSAL_K_FROM)  # dv
+
+    def _dropped(self, op, att2, dropout):
+        """att2, or its dropout into a new array (the mask drawn again in the backward pass)."""
+        if dropout is None:
+            return att2
+        out = self._alloc(op, att2.shape, np.float32)
+        self.dropout(att2, out, dropout)
+        return out
 
     def _attention_rows(self, kernel, rows, *args):
         per_block = self._tk.ROWS_PER_BLOCK

@@ -50,7 +50,7 @@ def _types():
     f1, f2, f4 = types.float32[::1], types.float32[:, ::1], types.float32[:, :, :, ::1]
     return SimpleNamespace(F1=f1, F2=f2, F4=f4, D1=types.float64[::1], D2=types.float64[:, ::1], I1=types.int64[::1], I2=types.int64[:, ::1],
                            J1=types.int32[::1], i64=types.int64, f32=types.float32, f64=types.float64,
-                           b1=types.boolean, U4=types.UniTuple(types.int64, 4))
+                           b1=types.boolean, U4=types.UniTuple(types.int64, 4), u64=types.uint64)
 
 
 def signatures() -> dict[str, tuple[tuple, ...]]:
@@ -73,6 +73,7 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "fill": ((F1, f32), (I1, i64), (D1, f64)),
         "scale": ((F1, f32),),
         "add": ((F1, F1),),
+        "dropout": ((F1, F1, i64, t.u64, t.u64, f32, i64, i64, i64),),
         "sum_squares_partial": ((F1, D1),),
         "sum_partials": ((D1, D1),),
         "bias_grad_partials": ((F2, D2, i64),), "column_finish": ((D2, F1, b1),),

@@ -31,11 +31,12 @@ import math
 from types import SimpleNamespace
 
 import numpy as np
-from numba import cuda, float32, float64, int64
+from numba import cuda, float32, float64, int64, uint64
 
 from ..errors import BackendError
 from . import cuda_sim
 from .cuda_blocks import block_reducers
+from .dropout_mask import GOLDEN, MUL1, MUL2
 
 __all__ = ["ops_kernels", "reduce_shape"]
 
@@ -45,6 +46,8 @@ _HALF = np.float32(0.5)
 _SQRT_HALF = np.float32(1.0 / math.sqrt(2.0))
 _INV_SQRT_2PI = np.float32(1.0 / math.sqrt(2.0 * math.pi))
 _NEG_INF = np.float32(-np.inf)
+_GOLDEN, _MUL1, _MUL2 = np.uint64(GOLDEN), np.uint64(MUL1), np.uint64(MUL2)
+_S27, _S30, _S31, _S32 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(32)
 
 
 def reduce_shape(nt: int) -> tuple[int, int]:
@@ -101,6 +104,19 @@ def ops_kernels(nt: int) -> SimpleNamespace:
         """out[n] += x[n] (a residual connection and its gradient)."""
         for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
             out[i] += x[i]
+
+    @kernel
+    def dropout(x, out, W, key, cut, scale, row0, group, stride):
+        """out[n] = x[n] · (scale if mix64(key ^ index) >> 32 >= cut else 0) over a flat (R, W) array, where
+        row r's elements have the global indices (row0 + (r // group)·stride + r % group)·W + c
+        (dropout_mask.py: the CPU backend's and numpy's draw, bit for bit)."""
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            r = i // W
+            z = (key ^ (uint64(row0 + (r // group) * stride + r % group) * uint64(W) + uint64(i - r * W))) + _GOLDEN
+            z = (z ^ (z >> _S30)) * _MUL1
+            z = (z ^ (z >> _S27)) * _MUL2
+            z = z ^ (z >> _S31)
+            out[i] = x[i] * (scale if (z >> _S32) >= cut else _ZERO)
 
     @kernel
     def sum_squares_partial(x, partial):
@@ -425,7 +441,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
             p[i] = w * keep - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
 
     return SimpleNamespace(
-        NT=NT, RX=RX, RY=RY, fill=fill, scale=scale, add=add, sum_squares_partial=sum_squares_partial,
+        NT=NT, RX=RX, RY=RY, fill=fill, scale=scale, add=add, dropout=dropout, sum_squares_partial=sum_squares_partial,
         sum_partials=sum_partials, bias_grad_partials=bias_grad_partials, column_finish=column_finish, relu_forward=relu_forward, relu_backward=relu_backward,
         gelu_forward=gelu_forward, gelu_backward=gelu_backward, tanh_forward=tanh_forward,
         tanh_backward=tanh_backward, layernorm_forward=layernorm_forward,

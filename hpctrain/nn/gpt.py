@@ -1,4 +1,4 @@
-"""A GPT-style decoder as a model spec: nanoGPT's ``GPT`` (no dropout), unit by unit.
+"""A GPT-style decoder as a model spec: nanoGPT's ``GPT``, unit by unit.
 
 Units, each one layer of the spec and so a place where pipeline stages may be cut:
 
@@ -19,6 +19,11 @@ The head ties ``transformer.wte.weight``: on one stage both layers share the ten
 embedding's backward runs last and adds to the head's gradient); across stages the last one
 holds a replica and the two sum their gradients (nn/model.py, train/step.py).
 
+``model.dropout`` = p drops where nanoGPT does (``transformer.drop`` after the embedding, ``attn_dropout`` on
+the probabilities, ``resid_dropout`` and the MLP's ``dropout`` on the two residual branches) in training only,
+with masks every layout draws alike (nn/dropout.py); a layer's forward then takes the micro-batch's
+``DropoutKey`` (None: evaluation, no dropout) and saves the draws its backward redraws.
+
 Under tensor parallelism every layer is split (``split(tp)``): the blocks Megatron's way, the
 embedding and the head by vocabulary (``VocabParallelEmbedding``, ``VocabParallelHead``: a block of
 wte's rows per rank, uneven when tp does not divide the vocabulary), so the [rows, vocab] logits are
@@ -33,6 +38,7 @@ import math
 import numpy as np
 
 from ..errors import ConfigError
+from .dropout import SITES_PER_LAYER
 from .layers import GELU, Layer, LayerNorm, Linear
 from .model import ModelSpec
 from ..parallel.tensor import CopyToTensorParallel, ReduceFromTensorParallel, row_block
@@ -54,9 +60,10 @@ class Embedding(Layer):
     def split(self, tp) -> "Embedding":
         return VocabParallelEmbedding(self, tp)
 
-    def __init__(self, vocab_size: int, block_size: int, n_embd: int):
+    def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float = 0.0):
         self.params = (("wte.weight", (vocab_size, n_embd)), ("wpe.weight", (block_size, n_embd)))
         self.in_features, self.out_features = block_size, n_embd
+        self.dropout = dropout  # transformer.drop; site 0
 
     def init(self, rng):
         return {name: _normal(rng, shape, INIT_STD) for name, shape in self.params}
@@ -64,22 +71,37 @@ class Embedding(Layer):
     def flops(self) -> int:
         return 2 * self.out_features  # a row gathered and a position added: the tables' size costs nothing
 
-    def forward(self, be, idx):
+    def forward(self, be, idx, key=None):
         B, T = idx.shape
         out = be.empty((B * T, self.out_features))
         be.embedding_forward(idx, self.w["wte.weight"], self.w["wpe.weight"], out)
-        return out, idx
+        return out, (idx, self._drop(be, out, key, T))
 
-    def backward(self, be, dout, idx, accumulate=False, need_dinp=True):
+    def _drop(self, be, out, key, T):
+        """transformer.drop on out, in place; returns the draw for the backward (None: no dropout)."""
+        draw = key.rows(self.dropout, 0, T) if key is not None and self.dropout else None
+        if draw is not None:
+            be.dropout(out, out, draw)
+        return draw
+
+    def backward(self, be, dout, saved, accumulate=False, need_dinp=True):
+        idx, draw = saved
+        if draw is not None:  # the gradient through the forward's mask
+            dropped = be.empty(dout.shape)
+            be.dropout(dout, dropped, draw)
+            dout = dropped
         be.embedding_backward(dout, idx, self.g["wte.weight"], self.g["wpe.weight"],
                               accumulate_wte=accumulate or "wte.weight" in self.accumulating,
-                              accumulate_wpe=accumulate)
+                              accumulate_wpe=accumulate, **self._vocab_args())
         return None  # token ids have no gradient
 
-    def backward_input(self, be, dout, idx, accumulate=False, need_dinp=True):
+    def _vocab_args(self) -> dict:
+        return {}
+
+    def backward_input(self, be, dout, saved, accumulate=False, need_dinp=True):
         """B: nothing (token ids have no gradient); the tables' gradients are all W's, so the first stage's B
         is its blocks' alone and the zero-bubble schedule can fill its bubble with the embedding's scatter-add."""
-        return None, (dout, idx)
+        return None, (dout, saved)
 
     def backward_weight(self, be, wsaved, accumulate=False):
         self.backward(be, *wsaved, accumulate=accumulate)
@@ -99,49 +121,58 @@ class VocabParallelEmbedding(Embedding):
         self.params = (("wte.weight", (n, C)), full.params[1])
         self.in_features, self.out_features = full.in_features, full.out_features
         self.shards = {"wte.weight": "rows"}
+        self.dropout = full.dropout
 
-    def forward(self, be, idx):
+    def forward(self, be, idx, key=None):
         B, T = idx.shape
         out = be.empty((B * T, self.out_features))
         be.embedding_forward(idx, self.w["wte.weight"], self.w["wpe.weight"], out, vocab_start=self.lo,
                              vocab=self.vocab, add_positions=self.tp.rank == 0)
-        return self.reduce.forward(be, out), idx
+        out = self.reduce.forward(be, out)
+        return out, (idx, self._drop(be, out, key, T))  # whole rows after the sum: every rank the same mask
 
-    def backward(self, be, dout, idx, accumulate=False, need_dinp=True):
-        be.embedding_backward(dout, idx, self.g["wte.weight"], self.g["wpe.weight"], vocab_start=self.lo,
-                              vocab=self.vocab, accumulate_wte=accumulate or "wte.weight" in self.accumulating,
-                              accumulate_wpe=accumulate)
-        return None
+    def _vocab_args(self) -> dict:
+        return dict(vocab_start=self.lo, vocab=self.vocab)
 
 
 class CausalSelfAttention(Layer):
-    """The attention between nanoGPT's c_attn and c_proj: (B·T, 3C) q, k, v -> (B·T, C), no parameters."""
+    """The attention between nanoGPT's c_attn and c_proj: (B·T, 3C) q, k, v -> (B·T, C), no parameters.
 
-    def __init__(self, block_size: int, n_head: int):
-        self.T, self.n_head = block_size, n_head
+    Heads [head0, head0 + n_head) of the model's ``n_head_total`` (a tensor-parallel rank's); ``dropout``:
+    attn_dropout on the probabilities, drawn at ``site`` by each head's index in the whole model."""
 
-    def forward(self, be, qkv):
+    def __init__(self, block_size: int, n_head: int, *, dropout: float = 0.0, site: int = 0, head0: int = 0,
+                 n_head_total: int | None = None):
+        self.T, self.n_head, self.dropout, self.site = block_size, n_head, dropout, site
+        self.head0, self.n_head_total = head0, n_head if n_head_total is None else n_head_total
+
+    def forward(self, be, qkv, key=None):
         B, C = qkv.shape[0] // self.T, qkv.shape[1] // 3
         out, att = be.empty((B * self.T, C)), be.empty((B, self.n_head, self.T, self.T))
-        be.attention_forward(qkv, self.T, self.n_head, out, att)
-        return out, (qkv, att)
+        draw = (key.attention(self.dropout, self.site, self.T, self.head0, self.n_head, self.n_head_total)
+                if key is not None and self.dropout else None)
+        be.attention_forward(qkv, self.T, self.n_head, out, att, dropout=draw)
+        return out, (qkv, att, draw)
 
     def backward(self, be, dout, saved, accumulate=False, need_dinp=True):
-        qkv, att = saved
+        qkv, att, draw = saved
         dqkv = be.empty(qkv.shape)
-        be.attention_backward(dout, qkv, att, self.T, self.n_head, dqkv)
+        be.attention_backward(dout, qkv, att, self.T, self.n_head, dqkv, dropout=draw)
         return dqkv
 
 
 class Block(Layer):
-    """x + attn(ln_1(x)), then + mlp(ln_2(·)): nanoGPT's pre-LayerNorm ``Block``."""
+    """x + attn(ln_1(x)), then + mlp(ln_2(·)): nanoGPT's pre-LayerNorm ``Block``; with ``dropout``, its
+    attn_dropout, resid_dropout and the MLP's dropout, drawn at the sites of layer ``index`` (nn/dropout.py)."""
 
-    def __init__(self, n_embd: int, n_head: int, block_size: int, n_layer: int, bias: bool = True):
+    def __init__(self, n_embd: int, n_head: int, block_size: int, n_layer: int, bias: bool = True,
+                 dropout: float = 0.0, index: int = 1):
         C = n_embd
+        self.dropout, self.site = dropout, SITES_PER_LAYER * index
         self._assemble((("ln_1.", LayerNorm(C, bias=bias)), ("attn.c_attn.", Linear(C, 3 * C, bias)),
                         ("attn.c_proj.", Linear(C, C, bias)), ("ln_2.", LayerNorm(C, bias=bias)),
                         ("mlp.c_fc.", Linear(C, 4 * C, bias)), ("mlp.c_proj.", Linear(4 * C, C, bias))),
-                       CausalSelfAttention(block_size, n_head))
+                       CausalSelfAttention(block_size, n_head, dropout=dropout, site=self.site))
         self.in_features = self.out_features = C
         self.residual_std = INIT_STD / math.sqrt(2 * n_layer)  # nanoGPT's c_proj.weight special case
 
@@ -165,7 +196,9 @@ class Block(Layer):
                          ("attn.c_proj.", RowParallelLinear(self.attn_proj, tp)), ("ln_2.", copy.copy(self.ln_2)),
                          ("mlp.c_fc.", ColumnParallelLinear(self.c_fc, tp)),
                          ("mlp.c_proj.", RowParallelLinear(self.mlp_proj, tp))),
-                        CausalSelfAttention(self.attn.T, self.attn.n_head // tp.size))
+                        CausalSelfAttention(self.attn.T, self.attn.n_head // tp.size, dropout=self.dropout,
+                                            site=self.site, head0=tp.rank * (self.attn.n_head // tp.size),
+                                            n_head_total=self.attn.n_head))
         return local
 
     def init(self, rng):
@@ -186,28 +219,39 @@ class Block(Layer):
             names = [name for name, _ in sub.params]
             sub.bind({n: weights[prefix + n] for n in names}, {n: grads[prefix + n] for n in names})
 
-    def forward(self, be, x):
+    def forward(self, be, x, key=None):
+        """The residual branches' outputs are dropped (resid_dropout, the MLP's dropout) before they are added;
+        the row-parallel c_proj's output is whole after its sum, so every tensor-parallel rank draws alike."""
+        resid = self._residual_draws(key)
         h, s_ln1 = self.ln_1.forward(be, x)
         qkv, s_attn_in = self.c_attn.forward(be, h)
-        a, s_attn = self.attn.forward(be, qkv)
+        a, s_attn = self.attn.forward(be, qkv, key)
         x2, s_proj = self.attn_proj.forward(be, a)
+        _drop(be, x2, resid[0])
         be.add_(x2, x)  # the first residual
         h2, s_ln2 = self.ln_2.forward(be, x2)
         f, s_fc = self.c_fc.forward(be, h2)
         g, s_gelu = self.gelu.forward(be, f)
         out, s_mlp = self.mlp_proj.forward(be, g)
+        _drop(be, out, resid[1])
         be.add_(out, x2)  # the second residual
-        return out, (s_ln1, s_attn_in, s_attn, s_proj, s_ln2, s_fc, s_gelu, s_mlp)
+        return out, (s_ln1, s_attn_in, s_attn, s_proj, s_ln2, s_fc, s_gelu, s_mlp, resid)
+
+    def _residual_draws(self, key):
+        """(attention branch's draw, MLP branch's draw), or (None, None) without dropout."""
+        if key is None or not self.dropout:
+            return None, None
+        return tuple(key.rows(self.dropout, self.site + k, self.attn.T) for k in (1, 2))
 
     def backward(self, be, dout, saved, accumulate=False, need_dinp=True):
-        s_ln1, s_attn_in, s_attn, s_proj, s_ln2, s_fc, s_gelu, s_mlp = saved
+        s_ln1, s_attn_in, s_attn, s_proj, s_ln2, s_fc, s_gelu, s_mlp, resid = saved
         acc = dict(accumulate=accumulate)
-        dg = self.mlp_proj.backward(be, dout, s_mlp, **acc)
+        dg = self.mlp_proj.backward(be, _through(be, dout, resid[1]), s_mlp, **acc)
         df = self.gelu.backward(be, dg, s_gelu)
         dh2 = self.c_fc.backward(be, df, s_fc, **acc)
         dx2 = self.ln_2.backward(be, dh2, s_ln2, **acc)
         be.add_(dx2, dout)  # the residual's gradient goes straight through
-        da = self.attn_proj.backward(be, dx2, s_proj, **acc)
+        da = self.attn_proj.backward(be, _through(be, dx2, resid[0]), s_proj, **acc)
         dqkv = self.attn.backward(be, da, s_attn)
         dh = self.c_attn.backward(be, dqkv, s_attn_in, **acc)
         dx = self.ln_1.backward(be, dh, s_ln1, **acc)
@@ -216,14 +260,14 @@ class Block(Layer):
 
     def backward_input(self, be, dout, saved, accumulate=False, need_dinp=True):
         """B: ``backward`` with each Linear's weight gradient left for W (the LayerNorms write theirs here)."""
-        s_ln1, s_attn_in, s_attn, s_proj, s_ln2, s_fc, s_gelu, s_mlp = saved
+        s_ln1, s_attn_in, s_attn, s_proj, s_ln2, s_fc, s_gelu, s_mlp, resid = saved
         acc = dict(accumulate=accumulate)
-        dg, w_mlp = self.mlp_proj.backward_input(be, dout, s_mlp, **acc)
+        dg, w_mlp = self.mlp_proj.backward_input(be, _through(be, dout, resid[1]), s_mlp, **acc)
         df = self.gelu.backward(be, dg, s_gelu)
         dh2, w_fc = self.c_fc.backward_input(be, df, s_fc, **acc)
         dx2 = self.ln_2.backward(be, dh2, s_ln2, **acc)
         be.add_(dx2, dout)  # the residual's gradient goes straight through
-        da, w_proj = self.attn_proj.backward_input(be, dx2, s_proj, **acc)
+        da, w_proj = self.attn_proj.backward_input(be, _through(be, dx2, resid[0]), s_proj, **acc)
         dqkv = self.attn.backward(be, da, s_attn)
         dh, w_attn = self.c_attn.backward_input(be, dqkv, s_attn_in, **acc)
         dx = self.ln_1.backward(be, dh, s_ln1, **acc)
@@ -233,6 +277,21 @@ class Block(Layer):
     def backward_weight(self, be, wsaved, accumulate=False):
         for sub, ws in zip((self.mlp_proj, self.c_fc, self.attn_proj, self.c_attn), wsaved):
             sub.backward_weight(be, ws, accumulate=accumulate)
+
+
+def _drop(be, x, draw) -> None:
+    """Dropout on x in place (nothing when ``draw`` is None)."""
+    if draw is not None:
+        be.dropout(x, x, draw)
+
+
+def _through(be, dout, draw):
+    """The gradient through a dropout: dout itself without one, else a new array (dout is still needed)."""
+    if draw is None:
+        return dout
+    out = be.empty(dout.shape)
+    be.dropout(dout, out, draw)
+    return out
 
 
 class Head(Layer):
@@ -312,14 +371,17 @@ class GPTSpec(ModelSpec):
     input_dtype = np.int64
     unit_text = "the embedding, each transformer block, the final LayerNorm with the head"
 
-    def __init__(self, *, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, bias=True):
+    def __init__(self, *, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, bias=True,
+                 dropout: float = 0.0):
         if n_embd % n_head:
             raise ConfigError(f"model.n_embd = {n_embd} is not divisible by model.n_head = {n_head}")
+        if not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {dropout}")
         self.config = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                           n_embd=n_embd, bias=bias)
+                           n_embd=n_embd, bias=bias, dropout=dropout)
         self.positions, self.vocab_size, self.block_size = block_size, vocab_size, block_size
-        layers = ([Embedding(vocab_size, block_size, n_embd)]
-                  + [Block(n_embd, n_head, block_size, n_layer, bias) for _ in range(n_layer)]
+        layers = ([Embedding(vocab_size, block_size, n_embd, dropout)]
+                  + [Block(n_embd, n_head, block_size, n_layer, bias, dropout, index=1 + i) for i in range(n_layer)]
                   + [Head(vocab_size, n_embd, bias)])
         prefixes = ["transformer."] + [f"transformer.h.{i}." for i in range(n_layer)] + ["transformer."]
         widths = [n_embd] * (n_layer + 1) + [vocab_size]
@@ -343,7 +405,7 @@ class GPTSpec(ModelSpec):
     def from_config(cls, model_cfg) -> "GPTSpec":
         m = model_cfg
         return cls(vocab_size=m.vocab_size, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
-                   n_embd=m.n_embd, bias=m.bias)
+                   n_embd=m.n_embd, bias=m.bias, dropout=m.dropout)
 
 
 def make_model(model_cfg) -> ModelSpec:

@@ -1,6 +1,7 @@
 """Layers: forward and backward side by side, each calling backend kernels.
 
-Shape letters: B batch rows, C features. ``forward(be, x)`` returns
+Shape letters: B batch rows, C features. ``forward(be, x)`` (``forward(be, x, key)`` for a layer with
+``dropout``) returns
 ``(out, saved)``: what the backward pass needs is returned explicitly, never
 stashed on the layer. ``backward(be, dout, saved, accumulate, need_dinp)``
 writes the parameter gradients into the gradient views (adding when
@@ -27,6 +28,9 @@ class Layer:
     ties: tuple[tuple[str, tuple[int, ...]], ...] = ()
     in_features: int | None = None  # None: any width, output width = input width
     out_features: int | None = None
+    # > 0: the layer drops in training, and its ``forward(be, x, key)`` takes the micro-batch's DropoutKey
+    # (nn/dropout.py; None in evaluation); 0: ``forward(be, x)``
+    dropout: float = 0.0
 
     def init(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         return {}

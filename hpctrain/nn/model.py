@@ -335,19 +335,20 @@ class ModelPart:
                        frozenset(n for n, k in local.items() if k in written))
             written.update(local.values())
 
-    def forward(self, be, x):
+    def forward(self, be, x, key=None):
         """Return (output, saved): ``saved`` holds what each layer's backward needs, or, with ``recompute``,
-        each unit's input only (a ``UnitInputs``)."""
+        each unit's input only (a ``UnitInputs``). ``key``: the micro-batch's DropoutKey in training (None:
+        evaluation, no dropout), handed to the layers that drop."""
         if self.recompute:
             inputs = []
             for a, b in self.units:
                 inputs.append(x)
                 for layer in self.layers[a : b + 1]:
-                    x, _ = layer.forward(be, x)  # what the layer saved is dropped here and rebuilt in backward
-            return x, UnitInputs(inputs)
+                    x, _ = _forward(layer, be, x, key)  # what the layer saved is dropped and rebuilt in backward
+            return x, UnitInputs(inputs, key)
         saved = []
         for layer in self.layers:
-            x, s = layer.forward(be, x)
+            x, s = _forward(layer, be, x, key)
             saved.append(s)
         return x, saved
 
@@ -377,7 +378,7 @@ class ModelPart:
             return saved[a : b + 1]
         x, mine = saved.inputs[u], []
         for layer in self.layers[a : b + 1]:
-            x, s = layer.forward(be, x)
+            x, s = _forward(layer, be, x, saved.key)  # the same dropout draws as the first forward
             mine.append(s)
         return mine
 
@@ -406,13 +407,19 @@ class ModelPart:
                 on_final(self._first_offset[k])
 
 
+def _forward(layer, be, x, key):
+    """One layer's forward: with the dropout key when it drops (nn/layers.py: ``Layer.dropout``)."""
+    return layer.forward(be, x, key) if layer.dropout else layer.forward(be, x)
+
+
 class UnitInputs:
-    """What a forward under ``recompute = "blocks"`` keeps: each partition unit's input (one array each)."""
+    """What a forward under ``recompute = "blocks"`` keeps: each partition unit's input (one array each), and
+    the micro-batch's dropout key, so the recomputed forward draws the same masks."""
 
-    __slots__ = ("inputs",)
+    __slots__ = ("inputs", "key")
 
-    def __init__(self, inputs):
-        self.inputs = inputs
+    def __init__(self, inputs, key=None):
+        self.inputs, self.key = inputs, key
 
     @property
     def nbytes(self) -> int:

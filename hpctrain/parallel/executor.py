@@ -313,7 +313,7 @@ class StageExecutor:
     def _forward(self, ins) -> None:
         mb = ins.mb
         t0 = time.perf_counter()
-        out, saved = self.part.forward(self.be, self._x[mb])
+        out, saved = self.part.forward(self.be, self._x[mb], self.batch.key(mb))
         if self.part.is_last:
             if self._loss_rows is None:
                 self._loss_rows = self.be.zeros((len(self.batch), 3), np.float64)

@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 from ..errors import NonFiniteError
+from ..nn.dropout import DropoutKey
 from ..optim import clip_coefficient
 from ..parallel.agree import QuietExit
 from ..parallel.deterministic import norm_of, ordered_sum, tensor_norm2
@@ -52,12 +53,20 @@ class _Batch:
 
     ``rows(i)`` counts activation rows: samples × positions (a language model's every token). ``at_once``: the
     first ``load`` reads every micro-batch in one call and the others are slices of it (a training step's share
-    of the batch; one read of the file costs about as much as one micro-batch's).
+    of the batch; one read of the file costs about as much as one micro-batch's). ``dropout``: a training
+    step's (seed, global step, place of its first sample in the step's global batch), from which ``key(i)``
+    gives micro-batch i's DropoutKey (nn/dropout.py); None (evaluation): no key, no dropout.
     """
 
-    def __init__(self, data, row_lists, positions=1, at_once=False):
-        self.data, self.row_lists, self.positions = data, row_lists, positions
+    def __init__(self, data, row_lists, positions=1, at_once=False, dropout=None):
+        self.data, self.row_lists, self.positions, self.dropout = data, row_lists, positions, dropout
         self._all = None if at_once and len(row_lists) > 1 else False
+
+    def key(self, mb: int):
+        if self.dropout is None:
+            return None
+        seed, step, first = self.dropout
+        return DropoutKey(seed, step, first + sum(len(r) for r in self.row_lists[:mb]))
 
     def __len__(self) -> int:
         return len(self.row_lists)
@@ -132,7 +141,7 @@ class StepRunner:
         rows = self.sampler.local_rows(step)
         per = len(rows) // m
         batch = _Batch(self.data, [rows[i * per : (i + 1) * per] for i in range(m)], self.part.positions,
-                       at_once=True)
+                       at_once=True, dropout=(self.cfg.train.seed, step, self.sampler.dp_rank * self.sampler.local))
         if self.tracer is not None:
             self.tracer.step = step + 1
         self.sync.start_step()

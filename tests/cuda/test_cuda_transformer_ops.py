@@ -15,6 +15,8 @@ import pytest
 import reference as ref
 from cudatest import F32, rand
 from hpctrain.backend.cuda import CudaBackend
+from hpctrain.backend.dropout_mask import DropRows, dropout_reference, site_key
+from hpctrain.nn.dropout import DropoutKey
 from hpctrain.errors import BackendError
 
 ATT_SHAPES = [(1, 1, 1, 1), (2, 5, 3, 2), (1, 7, 2, 4), (1, 18, 2, 3)]  # (B, T, H, hs)
@@ -195,6 +197,42 @@ def test_attention_forward_backward(be, cpu, rng, B, T, H, hs):
     np.testing.assert_allclose(first, c_dqkv, rtol=1e-5, atol=1e-5)
     be.attention_backward(d_dout, d_qkv, att, T, H, dqkv)
     assert be.to_host(dqkv).tobytes() == first.tobytes()  # no atomics: bit-identical run to run
+
+
+@pytest.mark.parametrize("rows", [DropRows(0.2, site_key(0, 1, 2)), DropRows(0.5, site_key(4, 0, 9), 30, 6, 15)],
+                         ids=["rows", "head-groups"])
+@pytest.mark.parametrize("shape", [(1, 1), (12, 5), (3, 37)])
+def test_dropout_is_the_cpu_draw_bit_for_bit(be, cpu, rng, rows, shape):
+    x = rand(rng, *shape)
+    out = be.empty(shape)
+    be.dropout(be.asarray(x), out, rows)
+    want = np.empty_like(x)
+    cpu.dropout(x, want, rows)
+    assert be.to_host(out).tobytes() == want.tobytes() == dropout_reference(x, rows).tobytes()
+    dev = be.asarray(x)
+    be.dropout(dev, dev, rows)  # in place
+    assert be.to_host(dev).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("B,T,H,hs", [(2, 5, 3, 2), (1, 18, 2, 3)])
+def test_attention_with_dropout_agrees_with_the_cpu(be, cpu, rng, B, T, H, hs):
+    """The draw over the probabilities in forward and again in backward, as the CPU backend's."""
+    C = H * hs
+    qkv, dout = rand(rng, B * T, 3 * C), rand(rng, B * T, C)
+    draw = DropoutKey(1, 2, 3).attention(0.3, 4, T, 0, H, H)
+    out, att, dqkv = be.empty((B * T, C)), be.empty((B, H, T, T)), be.empty((B * T, 3 * C))
+    be.attention_forward(be.asarray(qkv), T, H, out, att, dropout=draw)
+    be.attention_backward(be.asarray(dout), be.asarray(qkv), att, T, H, dqkv, dropout=draw)
+    c_out, c_att, c_dqkv = (np.empty((B * T, C), np.float32), np.empty((B, H, T, T), np.float32),
+                            np.empty((B * T, 3 * C), np.float32))
+    cpu.attention_forward(qkv, T, H, c_out, c_att, dropout=draw)
+    cpu.attention_backward(dout, qkv, c_att, T, H, c_dqkv, dropout=draw)
+    np.testing.assert_allclose(be.to_host(out), c_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(be.to_host(att), c_att, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(be.to_host(dqkv), c_dqkv, rtol=1e-5, atol=1e-5)
+    plain = be.empty((B * T, C))
+    be.attention_forward(be.asarray(qkv), T, H, plain, be.empty((B, H, T, T)))
+    assert np.abs(be.to_host(plain) - be.to_host(out)).max() > 1e-3  # the draw changed the output
 
 
 def test_attention_batch_longer_than_one_launch(be, rng, monkeypatch):

@@ -75,10 +75,15 @@ def gpt(tokens, **parallel):
     return gpt_config(tokens, optim=ADAMW, train=DET, parallel={**SMALL_BUCKETS, **parallel})
 
 
-@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def gpt_dropout(tokens, **parallel):
+    return with_(gpt(tokens, **parallel), model={"dropout": 0.2})
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt", "gpt-dropout"])
 @pytest.mark.parametrize("micro", [1, 2], ids=["1-micro", "2-micro"])
 def test_every_layout_gives_the_bits_of_one_process(comm, shared_dir, data, tokens, kind, micro):
-    make = mlp if kind == "mlp" else gpt
+    """With dropout too: every layout draws one process's masks (nn/dropout.py)."""
+    make = {"mlp": mlp, "gpt": gpt, "gpt-dropout": gpt_dropout}[kind]
     want = alone(make(data if kind == "mlp" else tokens), comm, shared_dir)
     for dp, pp in layouts(comm):
         cfg = make(data if kind == "mlp" else tokens, pp=pp)

@@ -68,6 +68,25 @@ def test_pipeline_gpt_equals_one_process(comm, tokens, schedule, stages):
     assert_close(train(cfg, comm), alone(cfg))
 
 
+@pytest.mark.parametrize("layout", ["dp", "pp-zero-bubble", "pp-recompute"])
+def test_dropout_trains_every_layout_as_one_process(comm, tokens, layout):
+    """model.dropout: a sample's masks follow its place in the step's global batch, its positions and channels
+    (nn/dropout.py), so a data-parallel share, a micro-batch, a pipeline stage and a recomputed forward draw what
+    one process draws; and they do drop (the run differs from dropout = 0)."""
+    pp = 1 if layout == "dp" else 2
+    if comm.size % pp:
+        pytest.skip("a two-stage pipeline needs an even number of ranks")
+    train_keys = {"grad_clip": 1.0, "micro_batches": 2}
+    if layout == "pp-recompute":
+        train_keys["recompute"] = "blocks"
+    cfg = cfg_for(tokens, comm, pp, model={"dropout": 0.2}, train=train_keys,
+                  parallel={"schedule": "zero-bubble" if layout == "pp-zero-bubble" else "1f1b"})
+    want = alone(cfg)
+    assert_close(train(cfg, comm), want)
+    plain = alone(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=0.0)))
+    assert max_error(plain, want) > 1e-3
+
+
 def test_pipeline_gpt_checkpoint_resumes_on_one_process(comm, tokens, shared_dir):
     """Two steps on the pipeline, a checkpoint, two more on one process == four steps on one process."""
     if comm.size % 2:

@@ -180,3 +180,16 @@ def test_a_launch_cuda_core_refuses_goes_through_numba_and_numpy_sizes_become_in
     assert go.refused == [("fill", "at launch, ValueError: grid too large")]
     go(k, 4, 32, (device_array((8,)), 3))  # the pair stays on numba's path
     assert (go.fast, go.slow, len(k.numba_launches)) == (1, 3, 3)
+
+
+def test_dropouts_uint64_key_and_threshold_pass_as_numba_passes_them():
+    """The dropout kernel's site key and threshold are np.uint64, the key above 2⁶³: the same bytes as numba's."""
+    go, rec = launcher()
+    k = Dispatcher("dropout")
+    args = lambda address: (device_array((12,), address=address), device_array((12,), address=address + 4096),  # noqa: E731
+                            4, np.uint64(2**64 - 5), np.uint64(2**31), np.float32(1.25), 0, 3, 3)
+    go(k, 1, 128, args(0x10000))
+    go(k, 1, 128, args(0x20000))
+    assert (go.slow, go.fast, go.refused) == (1, 1, [])
+    kernel = next(iter(k.overloads.values()))
+    assert same_parameters(rec.launches[0][3], kernel.flat(args(0x20000)))

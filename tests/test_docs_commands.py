@@ -84,3 +84,28 @@ def test_each_cheap_command_runs(where, argv):
                           env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
     ok = (0, 1) if argv[0] == "plan" else (0,)
     assert proc.returncode in ok, f"{where}: `hpctrain {' '.join(argv)}` exited {proc.returncode}: {proc.stderr[-800:]}"
+
+
+def config_blocks():
+    """(file, block) of every fenced TOML block in the docs that is a whole config (a [model] and a [data])."""
+    import tomllib
+
+    found = []
+    for path in FILES:
+        for block in re.findall(r"^```toml\n(.*?)^```", open(path).read(), re.S | re.M):
+            table = tomllib.loads(block)
+            if "model" in table and "data" in table:
+                found.append((os.path.relpath(path, ROOT), table))
+    return found
+
+
+@pytest.mark.parametrize("where,table", config_blocks(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_whole_config_in_the_docs_is_valid(where, table):
+    """A config a user copies from the docs (the user guide's nanoGPT recipe) passes the config's own checks."""
+    from hpctrain.config import parse_config
+
+    parse_config(table)
+
+
+def test_the_docs_hold_a_whole_config():
+    assert any(where == "docs/user-guide.md" for where, _ in config_blocks())

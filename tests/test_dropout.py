@@ -36,11 +36,24 @@ def be():
 
 
 def test_the_numpy_mask_is_splitmix64_of_key_and_index():
+    """One hash a pair of neighbouring indices: the even one's draw is its high half, the odd one's the low."""
     rows = DropRows(0.3, site_key(5, 7, 9))
     mask = keep_reference(rows, 3, 5)
     for r in range(3):
         for c in range(5):
-            assert mask[r, c] == (mix64(rows.key ^ (r * 5 + c)) >> 32 >= threshold(0.3))
+            e = r * 5 + c
+            bits = mix64(rows.key ^ (e >> 1))
+            draw = bits & 0xFFFFFFFF if e & 1 else bits >> 32
+            assert mask[r, c] == (draw >= threshold(0.3))
+
+
+def test_a_causal_draw_keeps_nothing_above_each_blocks_diagonal(be):
+    rows = DropRows(0.0, 5, 0, 8, 8, causal=True)
+    x = np.ones((8, 4), np.float32)  # two 4 x 4 blocks
+    be.dropout(x, x, rows)
+    assert np.array_equal(x, np.vstack([np.tril(np.ones((4, 4)))] * 2))
+    below = keep_reference(DropRows(0.5, 5), 8, 4) & keep_reference(rows._replace(p=0.5), 8, 4)
+    assert np.array_equal(below, keep_reference(rows._replace(p=0.5), 8, 4))  # on and below: the plain draw
 
 
 @pytest.mark.parametrize("p", [0.05, 0.2, 0.5, 0.9])
@@ -62,9 +75,10 @@ def test_masks_change_with_seed_step_and_site_and_repeat_for_the_same_key():
     assert np.array_equal(masks[0], keep_reference(DropRows(0.5, site_key(0, 0, 0)), 16, 16))
 
 
-@pytest.mark.parametrize("rows", [DropRows(0.1, 12345), DropRows(0.5, site_key(3, 1, 4), 40),
-                                  DropRows(0.25, site_key(0, 9, 2), 6, 4, 10), DropRows(0.0, 77)],
-                         ids=["plain", "row0", "groups", "p0"])
+@pytest.mark.parametrize("rows", [DropRows(0.1, 12345), DropRows(0.5, site_key(3, 1, 4), 41),
+                                  DropRows(0.25, site_key(0, 9, 2), 6, 4, 10), DropRows(0.0, 77),
+                                  DropRows(0.3, site_key(1, 1, 1), 7, 6, 21, causal=True)],
+                         ids=["plain", "odd-row0", "groups", "p0", "causal"])
 def test_the_cpu_kernel_is_the_reference_bit_for_bit(be, rows):
     x = np.random.default_rng(0).standard_normal((12, 7)).astype(np.float32)
     out = np.full_like(x, np.nan)

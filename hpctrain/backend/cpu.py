@@ -65,21 +65,32 @@ def _add_inplace(out, x):
 
 _GOLDEN, _MUL1, _MUL2 = np.uint64(GOLDEN), np.uint64(MUL1), np.uint64(MUL2)
 _S27, _S30, _S31, _S32 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(32)
+_ONE64, _LOW32, _S5 = np.uint64(1), np.uint64(0xFFFFFFFF), np.uint64(5)
 
 
 @_jit
-def _dropout(x, out, key, cut, scale, row0, group, stride):
-    """out[r, c] = x[r, c] · (scale if mix64(key ^ index) >> 32 >= cut else 0), index = global row · W + c."""
+def _dropout(x, out, key, cut, scale, row0, group, stride, causal):
+    """out[r, c] = x[r, c] · (scale if the draw of index = global row · W + c is >= cut else 0): one mix64 of
+    key ^ (index >> 1) for two neighbouring indices, the even one's draw its high 32 bits, the odd one's the low
+    (dropout_mask.py); causal: out = 0 for c > r mod W, nothing drawn."""
     R, W = x.shape
     zero = np.float32(0.0)
-    for r in range(R):
+    factor = np.empty(W, np.float32)  # a row's factors first: that loop, free of x and out (which may be one
+    for r in range(R):                # array), has no branch and vectorises, 3-4x faster than one loop
         base = np.uint64(row0 + (r // group) * stride + r % group) * np.uint64(W)
-        for c in range(W):
-            z = (key ^ (base + np.uint64(c))) + _GOLDEN
+        n = r % W + 1 if causal else W
+        for c in range(n):  # each element hashes its pair again, so that no iteration depends on another
+            index = base + np.uint64(c)
+            z = (key ^ (index >> _ONE64)) + _GOLDEN
             z = (z ^ (z >> _S30)) * _MUL1
             z = (z ^ (z >> _S27)) * _MUL2
             z = z ^ (z >> _S31)
-            out[r, c] = x[r, c] * (scale if (z >> _S32) >= cut else zero)
+            draw = (z >> ((_ONE64 - (index & _ONE64)) << _S5)) & _LOW32  # even: the high half, odd: the low
+            factor[c] = scale * np.float32(draw >= cut)
+        for c in range(n):
+            out[r, c] = x[r, c] * factor[c]
+        for c in range(n, W):
+            out[r, c] = zero
 
 
 # --------------------------------------------------------------------------- activations
@@ -453,7 +464,7 @@ class CpuBackend(TransformerKernels, Backend):
         R, W = self._dropout_args(x, out, rows)
         group = rows.group or max(R, 1)
         _dropout(x, out, np.uint64(rows.key), np.uint64(threshold(rows.p)), keep_scale(rows.p), rows.row0, group,
-                 rows.stride or group)
+                 rows.stride or group, bool(rows.causal))
 
     # -- losses
     def cross_entropy(self, logits, targets, dlogits, grad_scale, *, into=None):

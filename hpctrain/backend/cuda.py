@@ -469,7 +469,8 @@ class CudaBackend(StreamWaits, Backend):
         R, W = self._dropout_args(x, out, rows)
         group = rows.group or max(R, 1)
         self._elementwise(self._k.dropout, R * W, _flat(x), _flat(out), W, np.uint64(rows.key),
-                          np.uint64(threshold(rows.p)), keep_scale(rows.p), rows.row0, group, rows.stride or group)
+                          np.uint64(threshold(rows.p)), keep_scale(rows.p), rows.row0, group, rows.stride or group,
+                          bool(rows.causal))
 
     def embedding_forward(self, idx, wte, wpe, out, *, vocab_start=0, vocab=None, add_positions=True):
         """out[B·T, C] = wte[idx[b, t]] + wpe[t] for token ids idx[B, T] (int64), wte[V, C], wpe[≥T, C]; a

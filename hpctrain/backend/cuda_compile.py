@@ -73,7 +73,7 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "fill": ((F1, f32), (I1, i64), (D1, f64)),
         "scale": ((F1, f32),),
         "add": ((F1, F1),),
-        "dropout": ((F1, F1, i64, t.u64, t.u64, f32, i64, i64, i64),),
+        "dropout": ((F1, F1, i64, t.u64, t.u64, f32, i64, i64, i64, b1),),
         "sum_squares_partial": ((F1, D1),),
         "sum_partials": ((D1, D1),),
         "bias_grad_partials": ((F2, D2, i64),), "column_finish": ((D2, F1, b1),),

@@ -48,6 +48,7 @@ _INV_SQRT_2PI = np.float32(1.0 / math.sqrt(2.0 * math.pi))
 _NEG_INF = np.float32(-np.inf)
 _GOLDEN, _MUL1, _MUL2 = np.uint64(GOLDEN), np.uint64(MUL1), np.uint64(MUL2)
 _S27, _S30, _S31, _S32 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(32)
+_ONE64, _LOW32 = np.uint64(1), np.uint64(0xFFFFFFFF)
 
 
 def reduce_shape(nt: int) -> tuple[int, int]:
@@ -106,17 +107,24 @@ def ops_kernels(nt: int) -> SimpleNamespace:
             out[i] += x[i]
 
     @kernel
-    def dropout(x, out, W, key, cut, scale, row0, group, stride):
-        """out[n] = x[n] · (scale if mix64(key ^ index) >> 32 >= cut else 0) over a flat (R, W) array, where
-        row r's elements have the global indices (row0 + (r // group)·stride + r % group)·W + c
-        (dropout_mask.py: the CPU backend's and numpy's draw, bit for bit)."""
+    def dropout(x, out, W, key, cut, scale, row0, group, stride, causal):
+        """out[n] = x[n] · (scale if the draw of its global index is >= cut else 0) over a flat (R, W) array, row
+        r's elements having the indices (row0 + (r // group)·stride + r % group)·W + c; the draw is a half of
+        mix64(key ^ (index >> 1)), the high one for an even index; causal: 0 for c > r mod W (dropout_mask.py:
+        the CPU backend's and numpy's draw, bit for bit)."""
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
             r = i // W
-            z = (key ^ (uint64(row0 + (r // group) * stride + r % group) * uint64(W) + uint64(i - r * W))) + _GOLDEN
+            c = i - r * W
+            if causal and c > r % W:
+                out[i] = _ZERO
+                continue
+            index = uint64(row0 + (r // group) * stride + r % group) * uint64(W) + uint64(c)
+            z = (key ^ (index >> _ONE64)) + _GOLDEN
             z = (z ^ (z >> _S30)) * _MUL1
             z = (z ^ (z >> _S27)) * _MUL2
             z = z ^ (z >> _S31)
-            out[i] = x[i] * (scale if (z >> _S32) >= cut else _ZERO)
+            draw = (z & _LOW32) if index & _ONE64 else (z >> _S32)
+            out[i] = x[i] * (scale if draw >= cut else _ZERO)
 
     @kernel
     def sum_squares_partial(x, partial):

@@ -3,8 +3,9 @@ and the element's global index, so every layout, every recompute and both backen
 backward pass redraws it instead of storing it (Philox-style, as torch's CUDA dropout draws from (seed, offset)).
 
     key  = site_key(seed, step, site)               one per step and dropout site (host Python ints)
-    bits = mix64(key ^ index)                        splitmix64's finaliser: a bijection of 64-bit words
-    keep = (bits >> 32) >= threshold(p)              threshold = floor(p · 2³²): P(drop) = p to 2⁻³²
+    bits = mix64(key ^ (index >> 1))                 splitmix64's finaliser: a bijection of 64-bit words,
+    draw = bits >> 32 if index is even else bits & (2³² − 1)   one hash for two neighbouring elements
+    keep = draw >= threshold(p)                      threshold = floor(p · 2³²): P(drop) = p to 2⁻³²
     out  = x · (1 / (1 − p) if keep else 0)          inverted dropout, torch's scaling (NaN stays NaN)
 
 An element's ``index`` is its place in a global array the layout never changes: rows ``grow`` of ``W`` columns,
@@ -12,7 +13,8 @@ An element's ``index`` is its place in a global array the layout never changes: 
 r % group`` (``DropRows``): for a (B·T, C) activation of a micro-batch, ``row0 = sample0 · T`` and one group
 (the sample's place in the step's global batch, so data parallel and micro-batches change nothing); for
 attention's probabilities [B, H, T, T] on a tensor-parallel rank holding heads [h0, h0 + H) of ``n_head``,
-groups of H·T rows, ``stride = n_head · T`` and ``row0 = (sample0 · n_head + h0) · T``.
+groups of H·T rows, ``stride = n_head · T`` and ``row0 = (sample0 · n_head + h0) · T``; ``causal`` then
+says the elements above each T × T block's diagonal (c > r mod W) are zero probabilities: out = 0 there, no draw.
 
 ``keep_reference`` is the numpy definition both backends are tested against bit for bit.
 """
@@ -60,6 +62,7 @@ class DropRows(NamedTuple):
     row0: int = 0
     group: int = 0  # 0: one group, the whole array
     stride: int = 0
+    causal: bool = False  # square blocks of attention probabilities: nothing drawn above the diagonal
 
     def global_rows(self, R: int) -> np.ndarray:
         r = np.arange(R, dtype=np.int64)
@@ -68,19 +71,26 @@ class DropRows(NamedTuple):
 
 
 def keep_reference(rows: DropRows, R: int, W: int) -> np.ndarray:
-    """The (R, W) keep mask, in numpy's wrapping uint64 arithmetic."""
+    """The (R, W) keep mask, in numpy's wrapping uint64 arithmetic (causal: False above the diagonals)."""
     index = (rows.global_rows(R)[:, None] * W + np.arange(W, dtype=np.int64)[None, :]).astype(np.uint64)
-    z = np.uint64(rows.key) ^ index
+    z = np.uint64(rows.key) ^ (index >> np.uint64(1))
     with np.errstate(over="ignore"):
         z = z + np.uint64(GOLDEN)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(MUL1)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(MUL2)
     z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(32)) >= np.uint64(threshold(rows.p))
+    draw = np.where(index & np.uint64(1), z & np.uint64(0xFFFFFFFF), z >> np.uint64(32))
+    keep = draw >= np.uint64(threshold(rows.p))
+    if rows.causal:
+        keep &= np.arange(W)[None, :] <= (np.arange(R) % W)[:, None]
+    return keep
 
 
 def dropout_reference(x: np.ndarray, rows: DropRows) -> np.ndarray:
     """out = x · (1 / (1 − p) where kept, else 0), float32 as the backends compute it."""
     R, W = x.shape
     factor = np.where(keep_reference(rows, R, W), keep_scale(rows.p), np.float32(0.0)).astype(np.float32)
-    return (x * factor).astype(np.float32)
+    out = (x * factor).astype(np.float32)
+    if rows.causal:  # above the diagonals: 0 itself, not x · 0
+        out[np.arange(W)[None, :] > (np.arange(R) % W)[:, None]] = 0.0
+    return out

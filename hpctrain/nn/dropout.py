@@ -41,4 +41,4 @@ class DropoutKey:
         """The draw over attention's probabilities [B, heads, T, T] (rows (b·heads + h)·T + i) of heads
         [head0, head0 + heads) of the model's ``n_head``."""
         return DropRows(p, site_key(self.seed, self.step, site), (self.sample0 * n_head + head0) * T, heads * T,
-                        n_head * T)
+                        n_head * T, causal=True)

@@ -199,8 +199,9 @@ def test_attention_forward_backward(be, cpu, rng, B, T, H, hs):
     assert be.to_host(dqkv).tobytes() == first.tobytes()  # no atomics: bit-identical run to run
 
 
-@pytest.mark.parametrize("rows", [DropRows(0.2, site_key(0, 1, 2)), DropRows(0.5, site_key(4, 0, 9), 30, 6, 15)],
-                         ids=["rows", "head-groups"])
+@pytest.mark.parametrize("rows", [DropRows(0.2, site_key(0, 1, 2)), DropRows(0.5, site_key(4, 0, 9), 31, 6, 15),
+                                  DropRows(0.3, site_key(2, 2, 2), 9, 6, 12, causal=True)],
+                         ids=["rows", "head-groups", "causal"])
 @pytest.mark.parametrize("shape", [(1, 1), (12, 5), (3, 37)])
 def test_dropout_is_the_cpu_draw_bit_for_bit(be, cpu, rng, rows, shape):
     x = rand(rng, *shape)

@@ -89,16 +89,21 @@ def _parser():
     i = sub.add_parser("inspect", help="describe a checkpoint and verify its checksums", formatter_class=RAW,
                        epilog=_epilog("hpctrain inspect runs/digits/ckpt-00000600.h5"))
     i.add_argument("path")
-    x = sub.add_parser("export", help="a checkpoint's parameters as safetensors, or the whole of it as one HDF5 file",
-                       description="Write a checkpoint's parameters (PyTorch names) as safetensors, or the whole "
-                                   "checkpoint as one self-contained HDF5 file. The checkpoint is verified first.",
+    x = sub.add_parser("export", help="a checkpoint's parameters as safetensors or nanoGPT's ckpt.pt, or the whole "
+                                      "of it as one HDF5 file",
+                       description="Write a checkpoint's parameters (PyTorch names) as safetensors or, for a GPT, as "
+                                   "nanoGPT's ckpt.pt (needs torch), or the whole checkpoint as one self-contained "
+                                   "HDF5 file. The checkpoint is verified first.",
                        formatter_class=RAW,
                        epilog=_epilog("hpctrain export runs/gpt-char/ckpt-00001500.h5 gpt.safetensors",
+                                      "hpctrain export runs/gpt-char/ckpt-00001500.h5 out-gpt/ckpt.pt",
                                       "hpctrain export runs/digits/ckpt-00000600.h5 digits-whole.h5"))
     x.add_argument("checkpoint", help="a checkpoint (ckpt-<step>.h5)")
-    x.add_argument("output", help="the file to write: .safetensors or .h5 (replaced if it exists)")
-    x.add_argument("--format", choices=("safetensors", "h5"), default="",
-                   help="default: from the output's extension; safetensors needs pip install 'hpctrain[export]'")
+    x.add_argument("output", help="the file to write: .safetensors, .pt (nanoGPT) or .h5")
+    x.add_argument("--format", choices=("safetensors", "h5", "nanogpt"), default="",
+                   help="default: from the output's extension; safetensors needs pip install 'hpctrain[export]', "
+                        "nanogpt needs torch")
+    x.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     s = sub.add_parser("sample", help="print text a GPT checkpoint writes after a prompt", formatter_class=RAW,
                        epilog=_epilog('hpctrain sample runs/gpt-char/ckpt-00001500.h5 --prompt "The " --tokens 300',
                                       'hpctrain sample runs/gpt-char/ckpt-00001500.h5 --prompt "def " '
@@ -275,7 +280,7 @@ def _inspect(args) -> int:
 def _export(args) -> int:
     from .export import export
 
-    print(export(args.checkpoint, args.output, args.format))
+    print(export(args.checkpoint, args.output, args.format, force=args.force))
     return 0
 
 

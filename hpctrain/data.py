@@ -32,6 +32,9 @@ __all__ = ["Dataset", "TokenDataset", "Sampler", "open_dataset"]
 
 SCAN_ROWS = 1 << 16
 SCAN_BYTES = 64 << 20  # the start-up scan holds at most about this much of the file at once
+# a batch's rows are read as the one slice that covers them when it is at most this many bytes (or 4x the rows'
+# own): h5py's point selection costs ~3x a slice read of a small file (digits: 293 against 97 us a batch)
+SLICE_READ_BYTES = 4 << 20
 SQRT_FLOAT32_MAX = float(np.sqrt(np.finfo(np.float32).max))  # 1.84e19
 
 
@@ -143,6 +146,14 @@ class Dataset(_Unchanged):
         lo, hi = int(rows[0]), int(rows[-1]) + 1
         if hi - lo == len(rows) and np.all(np.diff(rows) == 1):
             return self._convert(*self._fetch(slice(lo, hi)))
+        first, last = int(rows.min()), int(rows.max())
+        row_bytes = self.x.dtype.itemsize * self.features + self.y.dtype.itemsize * (self.y.size // max(1, len(self.y)))
+        if (last - first + 1) * row_bytes <= max(SLICE_READ_BYTES, 4 * len(rows) * row_bytes):
+            try:
+                x, y = self._fetch(slice(first, last + 1))  # the covering slice, then the rows out of it
+                return self._convert(x[rows - first], y[rows - first])
+            except DataError:
+                pass  # a bad chunk between the rows: read the rows themselves (which may not touch it)
         order = np.argsort(rows, kind="stable")
         sorted_rows = rows[order]
         x, y = self._fetch(sorted_rows)  # h5py reads increasing indices

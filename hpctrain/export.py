@@ -2,6 +2,7 @@
 
     hpctrain export runs/gpt/ckpt-00001500.h5 model.safetensors         # the parameters, PyTorch names
     hpctrain export runs/gpt/ckpt-00001500.h5 whole.h5 --format h5      # the whole checkpoint in one file
+    hpctrain export runs/gpt/ckpt-00001500.h5 out/ckpt.pt               # nanoGPT's checkpoint (needs torch)
 
 ``safetensors``: the parameters only, named and shaped as ``state_dict()`` (nanoGPT's names for a
 GPT), float32, written with the ``safetensors`` package's numpy API (``pip install
@@ -9,7 +10,12 @@ GPT), float32, written with the ``safetensors`` package's numpy API (``pip insta
 ``model.load_state_dict``. The file's metadata holds the step and the config. ``h5``: a
 single-file checkpoint (format version 2: every tensor and the optimizer state in the file, its
 sha256 per dataset) that needs no shard folder beside it; hpctrain resumes, samples and inspects it
-like any checkpoint. The checkpoint is read and verified first, whichever format.
+like any checkpoint. ``nanogpt`` (a ``.pt`` output): a GPT checkpoint as nanoGPT's train.py saves one,
+``torch.save`` of {"model": its state_dict (the tied ``lm_head.weight`` included), "model_args" (GPTConfig's
+keys), "iter_num", "best_val_loss", "config"}, so nanoGPT's sample.py (``init_from = "resume"``,
+``out_dir`` the folder) loads it; no optimizer state (nanoGPT's AdamW groups are not hpctrain's flat buffer), so
+nanoGPT's train.py starts its optimizer afresh from it. The checkpoint is read and verified first, whichever
+format; an existing output is replaced only with ``force``.
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ from .errors import CheckpointError, ConfigError
 
 __all__ = ["export", "FORMATS"]
 
-FORMATS = ("safetensors", "h5")
+FORMATS = ("safetensors", "h5", "nanogpt")
+EXTENSIONS = {".safetensors": "safetensors", ".h5": "h5", ".hdf5": "h5", ".pt": "nanogpt"}
 
 
-def export(path: str, out: str, fmt: str = "") -> str:
+def export(path: str, out: str, fmt: str = "", force: bool = False) -> str:
     """Write checkpoint ``path`` to ``out`` (format from ``fmt`` or ``out``'s extension); a line to print."""
     import tomllib
 
@@ -32,21 +39,33 @@ def export(path: str, out: str, fmt: str = "") -> str:
     from .config import parse_config
     from .nn import make_model
 
-    fmt = fmt or {".safetensors": "safetensors", ".h5": "h5", ".hdf5": "h5"}.get(os.path.splitext(out)[1], "")
+    fmt = fmt or EXTENSIONS.get(os.path.splitext(out)[1], "")
     if fmt not in FORMATS:
         raise ConfigError(f"export: cannot tell the format of {out} from its extension; give --format "
                           f"({' or '.join(FORMATS)})")
     if os.path.abspath(out) == os.path.abspath(path):
         raise ConfigError(f"export: {out} is the checkpoint itself")
+    if os.path.exists(out) and not force:
+        raise ConfigError(f"export: {out} exists; pass --force to replace it")
     meta = ckpt.read_meta(path)
     try:
-        layout = make_model(parse_config(tomllib.loads(meta.config_text), source=f"{path} (its config)").model).layout
+        cfg = parse_config(tomllib.loads(meta.config_text), source=f"{path} (its config)")
     except tomllib.TOMLDecodeError as e:
         raise CheckpointError(f"checkpoint {path}: its config attribute is not TOML: {e}") from None
-    state = ckpt.load_checkpoint(path, layout)
+    if fmt == "nanogpt" and cfg.model.kind != "gpt":
+        raise ConfigError(f"export: nanoGPT's ckpt.pt holds a GPT; {path} is a model.kind = {cfg.model.kind!r} "
+                          "checkpoint (export it to .safetensors)")
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
         raise ConfigError(f"export: the folder of {out} does not exist")
+    torch = _torch() if fmt == "nanogpt" else None
+    state = ckpt.load_checkpoint(path, make_model(cfg.model).layout)
+    if fmt == "nanogpt":
+        with replaced_atomically(out, f"export: cannot write {out}", CheckpointError) as tmp:
+            torch.save(nanogpt_checkpoint(torch, state, cfg), tmp)
+        return (f"{out}: nanoGPT's checkpoint of {len(state.params) + 1} tensors (lm_head.weight tied to "
+                f"transformer.wte.weight), iter_num {state.step}; sample with nanoGPT's sample.py --out_dir="
+                f"{os.path.dirname(out) or '.'}")
     if fmt == "h5":
         ckpt.write_single_file(out, state)
         return f"{out}: the whole checkpoint (step {state.step}) in one HDF5 file, format version 2"
@@ -60,3 +79,27 @@ def export(path: str, out: str, fmt: str = "") -> str:
                   metadata={"format": "pt", "hpctrain_step": str(state.step), "hpctrain_config": state.config_text})
     n = sum(a.size for a in state.params.values())
     return f"{out}: {len(state.params)} tensors, {n:,} parameters (step {state.step}), safetensors"
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise ConfigError("export to nanoGPT's ckpt.pt needs torch importable (pip install torch); "
+                          ".safetensors needs only numpy") from None
+    return torch
+
+
+def nanogpt_checkpoint(torch, state, cfg) -> dict:
+    """What nanoGPT's train.py saves (less the optimizer): the state dict with the tied head, GPTConfig's keys."""
+    from collections import OrderedDict
+
+    m = cfg.model
+    model = OrderedDict((name, torch.from_numpy(arr.copy())) for name, arr in state.params.items())
+    model["lm_head.weight"] = model["transformer.wte.weight"]  # tied, as nanoGPT's GPT holds it
+    model_args = dict(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=m.block_size, bias=m.bias,
+                      vocab_size=m.vocab_size, dropout=m.dropout)
+    return {"model": model, "model_args": model_args, "iter_num": int(state.step),
+            "best_val_loss": float("inf"),  # not recorded in hpctrain's checkpoints (its metrics file has it)
+            "config": {**model_args, "learning_rate": cfg.optim.lr, "max_iters": cfg.train.steps,
+                       "batch_size": cfg.train.batch_size, "init_from": "scratch"}}

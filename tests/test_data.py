@@ -72,6 +72,27 @@ def test_read_returns_rows_in_the_asked_order(tmp_path):
     assert d.scan(0, 20) == ""
 
 
+def test_rows_far_apart_are_read_one_by_one_and_near_ones_as_one_slice(tmp_path, monkeypatch):
+    """A batch's rows come out of the slice that covers them when it is small (data.SLICE_READ_BYTES), else h5py
+    reads the rows themselves; either way in the order asked."""
+    import hpctrain.data as data
+
+    x, y = make_classification(tmp_path / "d.h5", n=200, features=4)
+    d = Dataset(str(tmp_path / "d.h5"), "x", "y", val_fraction=0.0, loss=CrossEntropyLoss(), in_features=4,
+                out_features=3)
+    fetched = []
+    fetch = d._fetch
+    monkeypatch.setattr(d, "_fetch", lambda rows: fetched.append(rows) or fetch(rows))
+    rows = np.array([190, 5, 77, 6])
+    for limit, kind in ((1 << 20, slice), (0, np.ndarray)):
+        monkeypatch.setattr(data, "SLICE_READ_BYTES", limit)
+        xs, ys = d.read(rows)
+        np.testing.assert_array_equal(xs, x[rows])
+        np.testing.assert_array_equal(ys, y[rows])
+        assert isinstance(fetched[-1], kind)
+    d.close()
+
+
 def test_bad_data(tmp_path):
     make_classification(tmp_path / "d.h5", n=20, features=4, nan_row=13)
     kw = {"val_fraction": 0.1, "loss": CrossEntropyLoss(), "in_features": 4, "out_features": 3}
@@ -123,6 +144,8 @@ def test_corrupt_chunk_is_a_data_error_naming_file_dataset_and_rows(tmp_path, cr
         d.read(np.arange(12, 15))
     with pytest.raises(DataError, match=where + r"3, 15, 30 of dataset 'x'"):
         d.read(np.array([30, 3, 15]))
+    xs, _ = d.read(np.array([30, 3]))  # the slice covering them holds the bad chunk; the rows themselves do not
+    np.testing.assert_array_equal(xs, np.ones((2, 4), np.float32))
     d.close()
 
 

@@ -95,3 +95,80 @@ def test_export_of_a_damaged_checkpoint_is_refused(checkpoint, tmp_path):
     assert proc.returncode == 2 and "rank-00000.h5" in proc.stderr, proc.stderr
     assert not os.path.exists(tmp_path / "out.h5")
     shutil.rmtree(os.path.dirname(shard))
+
+
+def test_export_refuses_an_existing_output_without_force(checkpoint, tmp_path):
+    (tmp_path / "whole.h5").write_text("mine")
+    proc = hpctrain("export", checkpoint, "whole.h5", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == \
+        "hpctrain: error: export: whole.h5 exists; pass --force to replace it", proc.stderr
+    assert (tmp_path / "whole.h5").read_text() == "mine"
+    proc = hpctrain("export", checkpoint, "whole.h5", "--force", cwd=tmp_path)
+    assert proc.returncode == 0 and h5py.is_hdf5(tmp_path / "whole.h5"), proc.stderr
+
+
+@pytest.fixture(scope="module")
+def gpt_checkpoint(tmp_path_factory):
+    from helpers import make_tokens
+
+    folder = tmp_path_factory.mktemp("export-gpt")
+    make_tokens(folder / "t.h5", n=400)
+    (folder / "gpt.toml").write_text("\n".join([
+        "[model]", 'kind = "gpt"', "vocab_size = 12", "block_size = 8", "n_layer = 2", "n_head = 2", "n_embd = 8",
+        "bias = false", "dropout = 0.1",
+        "[data]", 'path = "t.h5"', 'tokens = "tokens"',
+        "[train]", "batch_size = 4", "steps = 3", 'backend = "cpu"', "eval_every = 0",
+        "[checkpoint]", 'dir = "ck"']))
+    proc = hpctrain("train", "gpt.toml", cwd=folder)
+    assert proc.returncode == 0, proc.stderr
+    (_, path), = list_checkpoints(str(folder / "ck"))
+    return path
+
+
+class FakeTorch:
+    """torch as export uses it: from_numpy and save, recording what nanoGPT's torch.load would get back."""
+
+    def __init__(self):
+        self.saved = []
+
+    def from_numpy(self, arr):
+        return ("tensor", arr)
+
+    def save(self, obj, path):
+        self.saved.append(obj)
+        with open(path, "wb") as f:
+            f.write(b"torch zip")
+
+
+def test_export_to_nanogpt_is_train_py_s_checkpoint_less_the_optimizer(gpt_checkpoint, tmp_path, monkeypatch):
+    """What sample.py reads: model_args for GPTConfig(**model_args) and a state dict load_state_dict takes whole
+    (strict: the tied lm_head.weight included, bias = False's names)."""
+    from hpctrain.export import export
+
+    fake = FakeTorch()
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    line = export(gpt_checkpoint, str(tmp_path / "ckpt.pt"))
+    assert "iter_num 3" in line and (tmp_path / "ckpt.pt").read_bytes() == b"torch zip"
+    (saved,) = fake.saved
+    assert saved["model_args"] == dict(n_layer=2, n_head=2, n_embd=8, block_size=8, bias=False, vocab_size=12,
+                                       dropout=0.1)
+    assert saved["iter_num"] == 3 and "optimizer" not in saved
+    params = load_checkpoint(gpt_checkpoint, _layout(gpt_checkpoint)).params
+    model = saved["model"]
+    assert list(model) == list(params) + ["lm_head.weight"]  # nanoGPT's state_dict order, then the head
+    assert not any(name.endswith(".bias") for name in model)
+    for name, arr in params.items():
+        np.testing.assert_array_equal(model[name][1], arr)
+    assert model["lm_head.weight"] is model["transformer.wte.weight"]
+
+
+def test_export_to_nanogpt_refuses_an_mlp_and_a_missing_torch(checkpoint, gpt_checkpoint, tmp_path):
+    proc = hpctrain("export", checkpoint, "ckpt.pt", cwd=tmp_path)
+    assert proc.returncode == 2 and "nanoGPT's ckpt.pt holds a GPT" in proc.stderr, proc.stderr
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        proc = hpctrain("export", gpt_checkpoint, "ckpt.pt", cwd=tmp_path)
+        assert proc.returncode == 2 and "needs torch importable" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    assert not os.path.exists(tmp_path / "ckpt.pt")

@@ -268,7 +268,8 @@ class AsyncTrainer:
             rows = self.sampler.local_rows(clock)
             per = len(rows) // m
             batch = _Batch(self.data, [rows[i * per : (i + 1) * per] for i in range(m)], self.part.positions,
-                           dropout=(t.seed, clock, self.sampler.dp_rank * self.sampler.local))
+                           dropout=(t.seed, clock, self.sampler.dp_rank * self.sampler.local)
+                           if self.cfg.model.dropout else None)
             r = self.executor.run(self.schedule.stages[0], batch, grad_scale=grad_scale,
                                   on_optimizer_step=lambda: None)
             if self.k > 0:  # this gradient is one update: its own norm clips it

@@ -131,6 +131,12 @@ class StepRunner:
                                   for lo, hi in self._norm_ranges for t in part.layout
                                   if t.offset < hi and t.end > lo]
 
+    def _dropout(self, step: int):
+        """What ``_Batch.key`` draws this step's dropout keys from (None: the model does not drop)."""
+        if not self.cfg.model.dropout:
+            return None
+        return self.cfg.train.seed, step, self.sampler.dp_rank * self.sampler.local
+
     @property
     def grad_scale(self) -> float:
         return self.loss.grad_scale(self.cfg.train.batch_size * self.part.positions, self.part.spec.out_features)
@@ -141,7 +147,7 @@ class StepRunner:
         rows = self.sampler.local_rows(step)
         per = len(rows) // m
         batch = _Batch(self.data, [rows[i * per : (i + 1) * per] for i in range(m)], self.part.positions,
-                       at_once=True, dropout=(self.cfg.train.seed, step, self.sampler.dp_rank * self.sampler.local))
+                       at_once=True, dropout=self._dropout(step))
         if self.tracer is not None:
             self.tracer.step = step + 1
         self.sync.start_step()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import config, train_params as train
+from helpers import config, gpt_config, train_params as train
 from hpctrain.config import load_config
 from hpctrain.train.async_ps import AsyncTrainer
 
@@ -68,6 +68,25 @@ def test_staleness_zero_is_synchronous_data_parallel_training(comm, data, shared
         want = alone(cfg)
         worst = max(float(np.abs(got[n] - want[n]).max() / np.abs(want[n]).max()) for n in want)
         assert step == 5 and summary["updates"] == 5 and summary["update_lag_max"] == 0
+    assert agreed(comm, worst) < 1e-6
+
+
+def test_staleness_zero_with_dropout_draws_the_synchronous_runs_masks(comm, tokens, shared_dir):
+    """A worker's samples draw their dropout masks by their place in the step's global batch, as under sync."""
+    if comm.size < 2:
+        pytest.skip("a server and a worker need two ranks")
+    S = servers(comm)
+    W = comm.size - S
+    cfg = gpt_config(tokens, optim=SGD, model={"dropout": 0.2},
+                     train={"steps": 3, "batch_size": 2 * W, "grad_clip": 0.5, "micro_batches": 2},
+                     parallel={"mode": "async_ps", "servers": S, "staleness": 0},
+                     checkpoint={"dir": f"{shared_dir}/ck-gpt"})
+    run_async(cfg)
+    worst = 1.0
+    if comm.rank == 0:
+        got, _ = checkpoint_params(f"{shared_dir}/ck-gpt")
+        want = alone(cfg)
+        worst = max(float(np.abs(got[n] - want[n]).max() / np.abs(want[n]).max()) for n in want)
     assert agreed(comm, worst) < 1e-6
 
 

@@ -9,9 +9,9 @@ servers scatter it by range), the workers' loop (the one-stage schedule of the s
 executor, then a push), the servers' updates (the optimizer on their range: with
 staleness 0 the summed gradient of the step, clipped by the global norm; with staleness
 k > 0 each worker's gradient, which its worker scaled as the mean over its own share of
-the batch and clipped), and the end: the servers' ranges gathered into one unsharded
-checkpoint (any layout, async or sync, resumes it), the final parameters evaluated by the
-workers, and world rank 0's metrics.
+the batch and clipped), and the end: a sharded checkpoint in which each server writes its
+range (any layout, async or sync, resumes it), the final parameters broadcast range by range
+and evaluated by the workers, and world rank 0's metrics.
 
 Collective over ``COMM_WORLD`` (a duplicate of it): every rank builds an ``AsyncTrainer`` and
 calls ``run()``, then ``close()``.
@@ -32,7 +32,7 @@ from ..backend.cpu import CpuBackend
 from ..errors import BackendError, LayoutError, NonFiniteError
 from ..nn import make_model
 from ..optim import clip_coefficient, lr_at, make_optimizer
-from ..parallel.agree import QuietExit, run_everywhere
+from ..parallel.agree import QuietExit, bcast_text, run_everywhere
 from ..parallel.executor import StageExecutor
 from ..parallel.mesh import Mesh
 from ..parallel.param_server import Server, WorkerLink, server_ranges
@@ -283,24 +283,15 @@ class AsyncTrainer:
     # ------------------------------------------------------------------ the end
 
     def _finish(self) -> dict:
-        """Gather the servers' ranges, write the checkpoint, evaluate on the workers (collective over the world)."""
-        from mpi4py import MPI
-
+        """Write the checkpoint (each server its range), evaluate on the workers (collective over the world)."""
         step = np.zeros(1, dtype=np.int64)
-        slots = len(self.optim.slots) if self.is_server else 0
-        full = [np.empty(self.model.layout.size, dtype=np.float32) for _ in range(1 + slots)]
-        if self.is_server:
-            counts = [hi - lo for lo, hi in self.ranges]
-            displs = [lo for lo, _ in self.ranges]
-            for buf, out in zip([self.params] + list(self.optim.slots.values()), full):
-                self.servers_comm.Gatherv(buf.data, [out, counts, displs, MPI.FLOAT] if self.rank0 else None, root=0)
+        if self.is_server and self.rank0:
             pushed = sum(self.server.pushes) - self.step * self.W  # gradients applied by this run
             step[0] = self.step + pushed // self.W  # in global batches
         self.world.Bcast(step, root=0)
-        self.world.Bcast(full[0], root=0)  # the final parameters, for the workers' evaluation
-        if self.rank0 and self.cfg.checkpoint.dir:
-            self._save(int(step[0]), full)
-        result = self._evaluate(full[0])
+        if self.cfg.checkpoint.dir:
+            self._save(int(step[0]))
+        result = self._evaluate(self._final_params())
         if not self.rank0:
             return {}
         s = self.server
@@ -314,18 +305,41 @@ class AsyncTrainer:
                                                       for k, v in summary.items()))
         return summary
 
-    def _save(self, step: int, full) -> None:
-        cfg = self.cfg
-        layout = self.model.layout
+    def _final_params(self) -> np.ndarray:
+        """The final parameters on every rank, for the workers' evaluation: each server broadcasts its range
+        (a server keeps only a scratch of its largest range, not the model)."""
+        full = np.empty(self.model.layout.size if not self.is_server else 0, dtype=np.float32)
+        scratch = np.empty(max(hi - lo for lo, hi in self.ranges) if self.is_server else 0, dtype=np.float32)
+        me = self.servers_comm.Get_rank() if self.is_server else -1
+        for s, (lo, hi) in enumerate(self.ranges):
+            buf = self.params.data if s == me else (full[lo:hi] if not self.is_server else scratch[: hi - lo])
+            self.world.Bcast(buf, root=s)  # servers are world ranks 0 .. S - 1
+        return full
+
+    def _save(self, step: int) -> None:
+        """A sharded checkpoint, each server writing its range of the parameters and of every optimizer slot (a
+        dp layout of the workers: any layout, async or sync, resumes it); the index on world rank 0."""
+        from .checkpointing import save_pieces
+
+        cfg, layout = self.cfg, self.model.layout
+        names = bcast_text(self.world, " ".join(self.optim.slots) if self.rank0 else None, 0).split()  # the
+        # workers hold no optimizer: its slots' names as world rank 0 (a server) has them
         state = ckpt.CheckpointState(
             step=step, epoch=step // self.steps_per_epoch, data_position=step % self.steps_per_epoch,
             config_text=cfg.to_toml(),
             layout={"world_size": self.W, "dp": self.W, "pp": 1, "tp": 1},  # the workers, a dp layout
-            params=layout.unpack(full[0]), optim_name=self.optim.name, optim_step=self.optim.step_count,
-            slots={name: layout.unpack(arr) for name, arr in zip(self.optim.slots, full[1:])},
+            params={}, optim_name=self.optim.name if self.is_server else cfg.optim.name,
+            optim_step=self.optim.step_count if self.is_server else 0,
+            slots={name: {} for name in names},
             rng={"data_seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "init_seed": cfg.train.seed},
-            vocabulary=self._vocabulary())
-        path = ckpt.save_checkpoint(cfg.checkpoint.dir, state, keep=cfg.checkpoint.keep)
+            vocabulary=self._vocabulary() if self.rank0 else "")
+        items = []
+        if self.is_server:
+            lo, hi = self.ranges[self.servers_comm.Get_rank()]
+            for label, buf in [("params", self.params)] + list(self.optim.slots.items()):
+                items += [(label, p, buf.data[p.at : p.at + p.size]) for p in range_pieces(layout, lo, hi)]
+        path = save_pieces(self.world, state, items, directory=cfg.checkpoint.dir, layout=layout,
+                           keep=cfg.checkpoint.keep)
         self.log(f"checkpoint {path} written")
 
     def _vocabulary(self) -> str:
@@ -383,3 +397,12 @@ class AsyncTrainer:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def range_pieces(layout, lo: int, hi: int) -> list:
+    """The pieces of range [lo, hi) of ``layout``'s flat buffer, at their places in a buffer holding the range
+    (checkpoint/pieces.py): a whole tensor, or the part of one the range cuts."""
+    from ..checkpoint.pieces import Piece
+
+    return [Piece(s.name, s.shape, None, 0, 1, max(lo, s.offset) - s.offset, min(hi, s.end) - s.offset,
+                  max(lo, s.offset) - lo) for s in layout if s.offset < hi and s.end > lo]

@@ -38,7 +38,7 @@ from ..parallel.agree import agree_error, bcast_text, gather_text, raise_agreed,
 from ..parallel.tied import broadcast_tied
 from ..parallel.zero import split_range
 
-__all__ = ["Checkpointer", "resume"]
+__all__ = ["Checkpointer", "resume", "save_pieces"]
 
 
 class Checkpointer:
@@ -64,25 +64,12 @@ class Checkpointer:
         Returns the index path on world rank 0 once committed, else ""."""
         self.finish()
         t, mesh, world = self.t, self.mesh, self.mesh.world
-        directory = t.cfg.checkpoint.dir
         t0 = time.perf_counter()
-        set_id = bcast_text(world, sharded.new_set_id() if mesh.rank == 0 else None, 0)
-        folder = os.path.join(directory, sharded.set_dir_name(state.step, set_id))
-
-        def prepare():
-            try:
-                os.makedirs(directory, exist_ok=True)
-                fmt.clean_stale_temps(directory)
-                sharded.clean_orphans(directory)
-                os.mkdir(folder)
-            except OSError as e:
-                raise CheckpointError(f"cannot write checkpoint {fmt.checkpoint_name(state.step)} in {directory}: "
-                                      f"{' '.join(str(e).split())}") from None
-
-        run_everywhere(world, prepare if mesh.rank == 0 else lambda: None)
+        set_id, folder = start_set(world, t.cfg.checkpoint.dir, state.step)
         host = {label: t.be.to_host(buf.data) for label, buf in [("params", t.params)] + list(t.optim.slots.items())} \
             if self.items else {}  # a rank that writes nothing copies nothing off a device
-        run_everywhere(world, lambda: self._check_values(state.step, host))
+        run_everywhere(world, lambda: check_values(state.step, [(label, p, self._values(label, p, host))
+                                                                for label, p in self.items]))
         if background:  # the snapshot: training may change the buffers as soon as this returns
             if self._snapshot is None:
                 self._snapshot = np.empty(self.nbytes // 4, dtype=np.float32)
@@ -95,22 +82,11 @@ class Checkpointer:
         else:
             items = [(label, p, self._values(label, p, host)) for label, p in self.items]
         host = None
-        path = os.path.join(folder, sharded.shard_name(mesh.rank))
         manifest = gather_text(world, json.dumps(sharded.shard_entries(self.items)))
         outcome = {}
 
         def write():
-            try:
-                if items:
-                    sharded.write_shard(path, set_id=set_id, rank=mesh.rank, step=state.step, items=items,
-                                        background=background)
-            except OSError as e:  # one line, whatever the library's text holds (HDF5's can hold newlines)
-                outcome["error"] = CheckpointError(f"rank {mesh.rank}: cannot write checkpoint shard {path}: "
-                                                   f"{' '.join(str(e).split())}")
-            except BaseException as e:  # noqa: BLE001 - reported at the commit, on every rank alike
-                outcome["error"] = CheckpointError(f"rank {mesh.rank}: writing checkpoint shard {path} failed: "
-                                                   f"{type(e).__name__}: {' '.join(str(e).split())}")
-            outcome["done"] = True
+            _write_shard(folder, mesh.rank, state.step, set_id, items, background, outcome)
 
         snap = time.perf_counter() - t0
         if background:
@@ -120,15 +96,6 @@ class Checkpointer:
             return ""
         write()
         return self._commit((state, set_id, manifest, outcome, t0, snap, None))
-
-    def _check_values(self, step, host) -> None:
-        for label, p in self.items:
-            problem = value_problem(label, self._values(label, p, host))
-            if problem:  # the loaders refuse it: never write one over good checkpoints
-                what = "parameter" if label == "params" else f"optimizer slot {label} of"
-                raise CheckpointError(f"step {step}: {what} {p.name} has {problem}; no checkpoint written"
-                                      + (" (the run diverged: lower optim.lr or set train.grad_clip)"
-                                         if label == "params" else ""))
 
     def poll(self) -> None:
         """Collective, once a step: commit the save in flight once every rank's shard is written."""
@@ -152,41 +119,110 @@ class Checkpointer:
         state, set_id, manifest, outcome, t0, snap, thread = pending
         if thread is not None:
             thread.join()
-        t, mesh, world = self.t, self.mesh, self.mesh.world
-        bad, error = agree_error(world, outcome.get("error"))
-        if error is not None:
-            raise_agreed(world, bad, error)
-        path = ""
-
-        def commit():
-            nonlocal path
-            shards, entries = [], []
-            for rank, text in enumerate(manifest):
-                mine = json.loads(text)
-                if mine:
-                    entries += [e + [len(shards)] for e in mine]
-                    shards.append(sharded.shard_name(rank))
-            directory = t.cfg.checkpoint.dir
-            try:
-                final = os.path.join(directory, fmt.checkpoint_name(state.step))
-                replaced = sharded.set_dir_of(final) if os.path.exists(final) else None
-                path = sharded.write_index(directory, state, set_id=set_id, shards=shards, entries=entries,
-                                           layout=t.model.layout, write_attrs=write_root_attrs)
-                if replaced and os.path.basename(replaced) != sharded.set_dir_name(state.step, set_id):
-                    import shutil
-
-                    shutil.rmtree(replaced, ignore_errors=True)
-                retain(directory, t.cfg.checkpoint.keep, path)
-            except OSError as e:
-                raise CheckpointError(f"cannot commit checkpoint {fmt.checkpoint_name(state.step)} in {directory}: "
-                                      f"{' '.join(str(e).split())}") from None
-
-        run_everywhere(world, commit if mesh.rank == 0 else lambda: None)
+        t = self.t
+        path = commit_set(self.mesh.world, t.cfg.checkpoint.dir, state, set_id=set_id, manifest=manifest,
+                          error=outcome.get("error"), layout=t.model.layout, keep=t.cfg.checkpoint.keep)
         self.last_path = path
         total = time.perf_counter() - t0
         t.log(f"checkpoint {path} written in {total:.2f} s" + (f" (training went on after a {snap:.2f} s snapshot)"
                                                                  if thread is not None else ""))
         return path
+
+
+# --------------------------------------------------------------------------- a set, whoever writes it
+
+
+def save_pieces(world, state, items, *, directory: str, layout, keep: int) -> str:
+    """Collective over ``world``: a sharded checkpoint of ``state`` (root attributes) in which each rank writes
+    its ``items`` ``(label, Piece, values)`` (none: no shard), in the foreground; its index path on rank 0.
+    What the parameter server's servers save (their ranges); a Trainer's ``Checkpointer`` uses the same steps."""
+    set_id, folder = start_set(world, directory, state.step)
+    run_everywhere(world, lambda: check_values(state.step, items))
+    manifest = gather_text(world, json.dumps(sharded.shard_entries([(label, p) for label, p, _ in items])))
+    outcome = {}
+    _write_shard(folder, world.Get_rank(), state.step, set_id, items, False, outcome)
+    return commit_set(world, directory, state, set_id=set_id, manifest=manifest, error=outcome.get("error"),
+                      layout=layout, keep=keep)
+
+
+def start_set(world, directory: str, step: int) -> tuple[str, str]:
+    """Collective: a new set's id (world rank 0's) and its folder, which world rank 0 makes (after clearing
+    what killed writers left)."""
+    set_id = bcast_text(world, sharded.new_set_id() if world.Get_rank() == 0 else None, 0)
+    folder = os.path.join(directory, sharded.set_dir_name(step, set_id))
+
+    def prepare():
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fmt.clean_stale_temps(directory)
+            sharded.clean_orphans(directory)
+            os.mkdir(folder)
+        except OSError as e:
+            raise CheckpointError(f"cannot write checkpoint {fmt.checkpoint_name(step)} in {directory}: "
+                                  f"{' '.join(str(e).split())}") from None
+
+    run_everywhere(world, prepare if world.Get_rank() == 0 else lambda: None)
+    return set_id, folder
+
+
+def check_values(step: int, items) -> None:
+    """CheckpointError for the first value the loaders would refuse: never write one over good checkpoints."""
+    for label, p, values in items:
+        problem = value_problem(label, values)
+        if problem:
+            what = "parameter" if label == "params" else f"optimizer slot {label} of"
+            raise CheckpointError(f"step {step}: {what} {p.name} has {problem}; no checkpoint written"
+                                  + (" (the run diverged: lower optim.lr or set train.grad_clip)"
+                                     if label == "params" else ""))
+
+
+def _write_shard(folder, rank, step, set_id, items, background, outcome) -> None:
+    """This rank's shard (nothing when it writes no items); a failure goes into ``outcome`` for the commit."""
+    path = os.path.join(folder, sharded.shard_name(rank))
+    try:
+        if items:
+            sharded.write_shard(path, set_id=set_id, rank=rank, step=step, items=items, background=background)
+    except OSError as e:  # one line, whatever the library's text holds (HDF5's can hold newlines)
+        outcome["error"] = CheckpointError(f"rank {rank}: cannot write checkpoint shard {path}: "
+                                           f"{' '.join(str(e).split())}")
+    except BaseException as e:  # noqa: BLE001 - reported at the commit, on every rank alike
+        outcome["error"] = CheckpointError(f"rank {rank}: writing checkpoint shard {path} failed: "
+                                           f"{type(e).__name__}: {' '.join(str(e).split())}")
+    outcome["done"] = True
+
+
+def commit_set(world, directory: str, state, *, set_id: str, manifest, error, layout, keep: int) -> str:
+    """Collective: once every rank's ``error`` is known (any one ends the save on all ranks alike), world rank 0
+    writes the index over the ranks' ``manifest`` entries, renames it into place and applies retention."""
+    bad, error = agree_error(world, error)
+    if error is not None:
+        raise_agreed(world, bad, error)
+    path = ""
+
+    def commit():
+        nonlocal path
+        shards, entries = [], []
+        for rank, text in enumerate(manifest):
+            mine = json.loads(text)
+            if mine:
+                entries += [e + [len(shards)] for e in mine]
+                shards.append(sharded.shard_name(rank))
+        try:
+            final = os.path.join(directory, fmt.checkpoint_name(state.step))
+            replaced = sharded.set_dir_of(final) if os.path.exists(final) else None
+            path = sharded.write_index(directory, state, set_id=set_id, shards=shards, entries=entries,
+                                       layout=layout, write_attrs=write_root_attrs)
+            if replaced and os.path.basename(replaced) != sharded.set_dir_name(state.step, set_id):
+                import shutil
+
+                shutil.rmtree(replaced, ignore_errors=True)
+            retain(directory, keep, path)
+        except OSError as e:
+            raise CheckpointError(f"cannot commit checkpoint {fmt.checkpoint_name(state.step)} in {directory}: "
+                                  f"{' '.join(str(e).split())}") from None
+
+    run_everywhere(world, commit if world.Get_rank() == 0 else lambda: None)
+    return path
 
 
 # --------------------------------------------------------------------------- loading

@@ -4,8 +4,8 @@
 
 The protocol is in parallel/param_server.py. Here: start-up (the same checks and data as
 a synchronous run; world rank 0, the first server, locks ``checkpoint.dir`` for the run
-(hpctrain/checkpoint/lock.py) and reads the starting point, and the
-servers scatter it by range), the workers' loop (the one-stage schedule of the stage
+(hpctrain/checkpoint/lock.py); each server reads its range of a sharded checkpoint, else
+world rank 0 reads the starting point and the servers scatter it by range), the workers' loop (the one-stage schedule of the stage
 executor, then a push), the servers' updates (the optimizer on their range: with
 staleness 0 the summed gradient of the step, clipped by the global norm; with staleness
 k > 0 each worker's gradient, which its worker scaled as the mean over its own share of
@@ -142,20 +142,35 @@ class AsyncTrainer:
                                       max_rows=max(1, self.sampler.local) * self.part.positions)
 
     def _start(self) -> None:
-        """World rank 0 reads the starting point; the servers scatter it by range; every rank learns the step."""
+        """The starting point (collective over the world): a sharded checkpoint is read by the servers, each its
+        own range (``resume`` with ``_load_range``: the newest that verifies, as a Trainer resumes); a single-file
+        checkpoint, ``checkpoint.init``'s weights or a fresh init come from world rank 0, scattered by range."""
         from mpi4py import MPI
 
+        from .checkpointing import resume
+
+        c = self.cfg.checkpoint
+        start = SimpleNamespace(cfg=self.cfg, model=self.model, optim=getattr(self, "optim", None), log=self.log,
+                                mesh=SimpleNamespace(world=self.world, rank=self.world.Get_rank()))
+        paths, auto = run_everywhere(self.world, (lambda: startup.candidates(start)) if self.rank0
+                                     else lambda: ([], False))
+        flag = np.array([1 if auto else 0], dtype=np.int8)
+        self.world.Bcast(flag, root=0)
+        state, whole = resume(start, paths, auto=bool(flag[0]),
+                              load=self._load_range if self.is_server else lambda path: None, place=lambda: None)
+        if flag[0]:  # the run found in checkpoint.dir must be this one (train/resume_check.py)
+            run_everywhere(self.world, (lambda: startup.check_settings(start, state))
+                           if self.rank0 and state is not None else lambda: None)
+        weights = run_everywhere(self.world, (lambda: ckpt.load_weights(c.init, self.model.layout))
+                                 if self.rank0 and state is None and c.init else lambda: None)
         header = np.zeros(2, dtype=np.int64)
-        full = None
-        if self.is_server:
-            start = SimpleNamespace(cfg=self.cfg, model=self.model, optim=self.optim, log=self.log)
-        state, weights = run_everywhere(self.world, (lambda: startup.read_start(start))
-                                        if self.rank0 else lambda: (None, None))
-        if self.is_server:
+        if self.rank0 and state is not None:
+            header[:] = state.step, state.optim_step
+            self.log(f"resuming from {state.path} at step {state.step}")
+            startup.warn_about_resume(start, state)
+        if self.is_server and (whole or state is None):  # rank 0's full tensors, each server its range
+            full = None
             if self.rank0:
-                if state is not None:
-                    header[:] = state.step, state.optim_step
-                    self.log(f"resuming from {state.path} at step {state.step}")
                 full = [self.model.layout.pack(state.params if state else weights or
                                                self.model.init_params(self.cfg.train.seed))]
                 full += [self.model.layout.pack(state.slots[s] if state else None) for s in self.optim.slots]
@@ -173,6 +188,24 @@ class AsyncTrainer:
             self.optim.step_count = optim_step
         self.log(f"hpctrain: parameter server, {self.S} server(s) and {self.W} worker(s), staleness {self.k}, "
                  f"{self.model.layout.size:,} parameters")
+
+    def _load_range(self, path: str):
+        """This server's range of the parameters and of every optimizer slot from sharded checkpoint ``path``,
+        straight into its buffers (each block read is verified); the set's root state."""
+        from ..checkpoint import read as ckpt_read
+        from ..checkpoint import sharded
+        from .checkpointing import check_optimizer
+
+        index = ckpt_read.open_sharded(path, self.model.layout)
+        check_optimizer(self, path, index.state.optim_name, set(index.labels[1:]))
+        lo, hi = self.ranges[self.servers_comm.Get_rank()]
+        pieces, opened = range_pieces(self.model.layout, lo, hi), {}
+        try:
+            for label, buf in [("params", self.params)] + list(self.optim.slots.items()):
+                ckpt_read.read_set(index, label, pieces, buf.data, opened=opened)
+        finally:
+            sharded.close_all(opened)
+        return index.state
 
     # ------------------------------------------------------------------ training
 

@@ -228,14 +228,18 @@ def commit_set(world, directory: str, state, *, set_id: str, manifest, error, la
 # --------------------------------------------------------------------------- loading
 
 
-def resume(t, candidates: list[str], *, auto: bool):
+def resume(t, candidates: list[str], *, auto: bool, load=None, place=None):
     """Collective: the first of ``candidates`` (checkpoint paths, given on world rank 0) that verifies
-    everywhere, loaded. Returns ``(state, whole)``: a sharded set is read into this rank's buffers and
+    everywhere, loaded. ``load(path)`` reads this rank's pieces of a sharded set and returns its root state
+    (default: a Trainer's, ``_load_here``), ``place()`` finishes once every rank loaded (default ``_place``):
+    the parameter server passes its servers' range reads. Returns ``(state, whole)``: a sharded set is read into this rank's buffers and
     ``state`` holds its root attributes (``whole`` False); a single-file checkpoint (version 2) is read
     whole on world rank 0, ``state`` with its tensors there, for train/startup.py to scatter (``whole``
     True); ``(None, False)`` when there is no candidate. With ``auto`` a failing one is logged, set aside
     once an older one loads, and the next tried; one of a newer hpctrain or another model stops the search."""
     mesh, world = t.mesh, t.mesh.world
+    load = load or (lambda path: _load_here(t, path))
+    place = place or (lambda: _place(t))
     listing = bcast_text(world, "\n".join(candidates) if mesh.rank == 0 else None, 0)
     skipped = []
     for path in filter(None, listing.split("\n")):
@@ -250,9 +254,9 @@ def resume(t, candidates: list[str], *, auto: bool):
                 whole = True
                 state = ckpt.load_checkpoint(path, t.model.layout) if mesh.rank == 0 else None
                 if state is not None:
-                    _check_optimizer(t, path, state.optim_name, set(state.slots))
+                    check_optimizer(t, path, state.optim_name, set(state.slots))
             elif error is None:
-                state = _load_here(t, path)
+                state = load(path)
         except HpctrainError as e:
             error = e
         bad, error = agree_error(world, error)
@@ -263,7 +267,7 @@ def resume(t, candidates: list[str], *, auto: bool):
                       "<name>.skipped")
                 run_everywhere(world, (lambda: ckpt_read.set_aside(skipped)) if mesh.rank == 0 else lambda: None)
             if not whole:
-                _place(t)
+                place()
             return state, whole
         if not auto or isinstance(error, (NewerFormatError, ModelMismatchError)):
             if auto and isinstance(error, NewerFormatError):
@@ -282,7 +286,7 @@ def resume(t, candidates: list[str], *, auto: bool):
     return None, False
 
 
-def _check_optimizer(t, path, name, slots) -> None:
+def check_optimizer(t, path, name, slots) -> None:
     if name != t.optim.name or not set(t.optim.slots) <= slots:
         raise OptimizerMismatchError(f"{path}: written with optimizer {name!r} (slots {', '.join(sorted(slots)) or 'none'}"
                                  f"), but optim.name is {t.optim.name!r} (slots "
@@ -298,7 +302,7 @@ def _load_here(t, path):
     hashing see it once per stage and tensor-parallel rank, spread evenly over its replicas."""
     index = ckpt_read.open_sharded(path, t.model.layout)
     state = index.state
-    _check_optimizer(t, path, state.optim_name, set(index.labels[1:]))
+    check_optimizer(t, path, state.optim_name, set(index.labels[1:]))
     params, slots = held(t.part, t.optim.pieces)
     opened, t._loaded, t._by_rows = {}, {}, []
     try:

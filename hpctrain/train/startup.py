@@ -12,8 +12,8 @@ failure on one rank ends the job on all of them before any training message:
 * ``load_start``: the starting point: each rank reads its own pieces of a sharded checkpoint
   (train/checkpointing.py, collective); a single-file checkpoint or weights file is read whole on
   world rank 0 and handed out by ``scatter_start``, one buffer at a time (parallel/sharding.py);
-* ``read_start`` (world rank 0 only; the asynchronous parameter server): the checkpoint or
-  weights file to start from, checked against this run, as full unsharded tensors.
+* ``candidates``, ``check_settings``, ``warn_about_resume`` (world rank 0): which checkpoints to try, whether
+  the one found is this run's, what a resumed run should be told; the parameter server uses them too.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from ..parallel.zero import ReleasableHost, ZeroShard
 from ..params import FlatBuffer
 from .resume_check import changed_settings, resume_problem
 
-__all__ = ["RankParts", "RankState", "prepare_data", "build", "scan_data", "scan_share", "lock_checkpoint_dir", "make_state", "load_start", "read_start",
-           "scatter_start"]
+__all__ = ["RankParts", "RankState", "prepare_data", "build", "scan_data", "scan_share", "lock_checkpoint_dir", "make_state", "load_start",
+           "candidates", "check_settings", "warn_about_resume", "scatter_start"]
 
 
 def prepare_data(t) -> None:
@@ -231,29 +231,29 @@ def load_start(t) -> None:
     from .checkpointing import resume
 
     mesh = t.mesh
-    candidates, auto = run_everywhere(mesh.world, (lambda: _candidates(t)) if mesh.rank == 0 else lambda: ([], False))
+    paths, auto = run_everywhere(mesh.world, (lambda: candidates(t)) if mesh.rank == 0 else lambda: ([], False))
     flag = np.array([1 if auto else 0], dtype=np.int8)
     mesh.world.Bcast(flag, root=0)
-    state, whole = resume(t, candidates, auto=bool(flag[0]))
+    state, whole = resume(t, paths, auto=bool(flag[0]))
     if flag[0]:  # the run found in checkpoint.dir must be this one (train/resume_check.py); rank 0 holds a state
-        run_everywhere(mesh.world, (lambda: _check_settings(t, state)) if mesh.rank == 0 and state is not None
+        run_everywhere(mesh.world, (lambda: check_settings(t, state)) if mesh.rank == 0 and state is not None
                        else lambda: None)
     if state is not None and not whole:  # every rank holds its pieces already
         t.step, t.optim.step_count = state.step, state.optim_step
         t.log(f"resuming from {state.path} at step {state.step}"
               + (f" (checkpoint.init {t.cfg.checkpoint.init} ignored)" if t.cfg.checkpoint.init else ""))
         if mesh.rank == 0:
-            _warn_about_resume(t, state)
+            warn_about_resume(t, state)
         return
     if state is not None and mesh.rank == 0:
-        _warn_about_resume(t, state)
+        warn_about_resume(t, state)
     c = t.cfg.checkpoint
     weights = run_everywhere(mesh.world, (lambda: ckpt.load_weights(c.init, t.model.layout))
                              if mesh.rank == 0 and state is None and c.init else lambda: None)
     scatter_start(t, state if whole else None, weights)
 
 
-def _candidates(t) -> tuple[list[str], bool]:
+def candidates(t) -> tuple[list[str], bool]:
     """On world rank 0: the checkpoints to try, newest first, and whether falling back past a bad one is allowed."""
     c = t.cfg.checkpoint
     if c.resume == "auto":
@@ -268,40 +268,14 @@ def _candidates(t) -> tuple[list[str], bool]:
     return [], False
 
 
-def read_start(t):
-    """On world rank 0: (checkpoint state or None, ``checkpoint.init`` weights or None), checked against this run."""
-    c, layout = t.cfg.checkpoint, t.model.layout
-    state = None
-    if c.resume == "auto":
-        state = ckpt.find_resume(c.dir, layout, t.log) if c.dir else None
-    elif c.resume != "never":
-        state = ckpt.load_checkpoint(c.resume, layout)
-    elif c.dir and ckpt.list_checkpoints(c.dir):
-        steps = ", ".join(str(step) for step, _ in ckpt.list_checkpoints(c.dir))
-        raise CheckpointError(f"checkpoint.dir {c.dir} already holds checkpoints (steps {steps}); with "
-                              "checkpoint.resume = \"never\" this run's checkpoints would mix with them (and "
-                              "retention could delete this run's): use a new checkpoint.dir or move them away")
-    if state is None:
-        return None, (ckpt.load_weights(c.init, layout) if c.init else None)
-    if c.resume == "auto":
-        _check_settings(t, state)
-    _warn_about_resume(t, state)
-    wanted = set(t.optim.slots)
-    if state.optim_name != t.optim.name or not wanted <= set(state.slots):
-        raise CheckpointError(f"{state.path}: written with optimizer {state.optim_name!r} (slots "
-                              f"{', '.join(sorted(state.slots)) or 'none'}), but optim.name is {t.optim.name!r} "
-                              f"(slots {', '.join(sorted(wanted)) or 'none'})")
-    return state, None
-
-
-def _check_settings(t, state) -> None:
+def check_settings(t, state) -> None:
     """CheckpointError when the checkpoint that resume = "auto" found was written with other settings."""
     problem = resume_problem(state.path, changed_settings(state.config_text, t.cfg))
     if problem:
         raise CheckpointError(problem)
 
 
-def _warn_about_resume(t, state) -> None:
+def warn_about_resume(t, state) -> None:
     """Log what would make a resumed run differ from the run that wrote the checkpoint."""
     c, d = t.cfg.checkpoint, t.cfg.data
     if c.dir:

@@ -118,6 +118,7 @@ def main():
     ap.add_argument("--speed-steps", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--only", choices=("memory", "speed"), help="run one half of the benchmark")
     args = ap.parse_args()
     folder = tempfile.mkdtemp(prefix="hpctrain-bench-memory-")
     try:
@@ -127,7 +128,7 @@ def main():
         print(f"MLP 3 x {args.width}^2: N = {n / 1e6:.1f} M parameters, Adam; peak RSS per rank at dp {dp} "
               f"({args.steps} steps, batch {args.batch}, buckets {args.bucket_mb:g} MB)")
         base = None
-        for zero in (0, 1, 2):
+        for zero in (0, 1, 2) if args.only != "speed" else ():
             config = write_config(folder, args.width, args.batch, args.steps, zero, args.bucket_mb)
             peaks, said = peak_rss(folder, config, dp)
             worst = max(peaks)
@@ -142,6 +143,8 @@ def main():
             print(line)
             for s in said[:1]:
                 print(f"    rank 0 says: {s}")
+        if args.only == "memory":
+            return
         print(f"step time at dp {args.speed_ranks} ({args.speed_steps} steps, median of {args.repeat} rounds):")
         times, split = {0: [], 1: [], 2: []}, {0: [], 1: [], 2: []}
         for _ in range(args.repeat):

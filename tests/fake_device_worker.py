@@ -21,7 +21,7 @@ from hpctrain.train import Trainer, startup  # noqa: E402
 LAYOUTS = [  # (name, pp, tp, model, expected waits for the stream per step)
     ("dp", 1, 1, "mlp", 1), ("pp", 2, 1, "mlp", 1), ("gpt-dp", 1, 1, "gpt", 1), ("gpt-pp", 2, 1, "gpt", 3),
     ("tp", 1, 2, "mlp", None),  # tp: one per tensor-parallel Allreduce as well (docs/gpu.md)
-    ("zero", 1, 1, "mlp", None), ("deterministic", 1, 1, "gpt", None),  # on the training thread, bucket by bucket
+    ("zero", 1, 1, "mlp", 1), ("deterministic", 1, 1, "gpt", 1),
 ]
 
 

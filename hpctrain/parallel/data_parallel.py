@@ -45,8 +45,14 @@ bucket's parameters (``Allgatherv`` in place, on the communication thread while 
 chunk updates); ``finish_gather`` waits for them. Buckets holding a tensor tied across
 pipeline stages (the GPT's token embedding) wait until ``wait()``: the two ends first sum
 their local gradients of it over ``ends_comm`` (``presum``), since after the scatter no
-rank holds the whole reduced tensor. On a device, or without MPI_THREAD_MULTIPLE, the
-buckets are reduce-scattered in ``wait()``, after backward, and gathered one by one.
+rank holds the whole reduced tensor. Without MPI_THREAD_MULTIPLE the buckets are
+reduce-scattered in ``wait()``, after backward, and gathered one by one. On a device the
+communication thread does both as it does the Allreduce: it waits for the event recorded with a
+bucket, stages it (or hands device memory to a CUDA-aware MPI), reduce-scatters it in place
+(this rank's sum lands at the bucket's start) and queues the sum's copy to the chunk's place;
+a gather waits for the event recorded after its chunk's update, stages that chunk out, and
+queues the gathered bucket's copy back. The training stream waits for those copies on the
+device, so ZeRO adds no host wait to a step.
 """
 
 from __future__ import annotations
@@ -115,9 +121,6 @@ class GradSync:
         if tree is not None and self.shard is not None:
             raise ValueError("a deterministic (tree) sum cannot reduce-scatter (ZeRO)")
         self._last_leaf, self._folded = None, size  # the tree: the step's last micro-batch, folded from here on
-        if tree is not None and self.active:
-            biggest = max(hi - lo for lo, hi in self.buckets)
-            self._tree_in = self.backend.empty((biggest,)) if self.direct else np.empty(biggest, dtype=np.float32)
         self.wait_seconds = 0.0
         self.released_bytes = 0  # zero = 2: gradient pages handed back to the kernel this step
         self._ready = 0  # buckets [0, _ready) have all their gradients written
@@ -134,13 +137,20 @@ class GradSync:
             self._scatter_out = (self.backend.empty((biggest,)) if self.direct else transport.host_buffer((biggest,)))
         # With MPI_THREAD_MULTIPLE a communication thread runs blocking collectives while backward goes on (MPI
         # progresses nonblocking collectives only inside MPI calls, so Iallreduce alone barely overlaps); on a
-        # device it also waits for the gradients and stages them, for the Allreduce (ZeRO's reduce-scatters and
-        # the deterministic tree on a device keep the caller's thread).
+        # device it also waits for the gradients and stages them, for the Allreduce, ZeRO's reduce-scatters and
+        # all-gathers, and the deterministic tree (whose sums it then adds on the host, the same float32 bits).
         self._device = self.backend.is_device
-        threaded = (self.active and overlap and MPI.Query_thread() == MPI.THREAD_MULTIPLE
-                    and not (self._device and (self.shard or tree is not None)))
+        threaded = self.active and overlap and MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self._worker = CommThread("hpctrain-grad-allreduce", on_start=self.backend.bind_thread) if threaded else None
+        if tree is not None and self.active:
+            biggest = max(hi - lo for lo, hi in self.buckets)
+            on_host = not self.direct or (self._device and threaded)  # the tree's additions on the host
+            self._tree_in = np.empty(biggest, dtype=np.float32) if on_host else self.backend.empty((biggest,))
+            # a device's thread stages the tree's buckets even under a CUDA-aware MPI
+            self._tree_host = self.host if self.host is not None or not on_host else transport.backend.pinned_host(
+                (size,))
         self._arrived = []  # device: events of the buckets' copies back, for the training stream to wait on
+        self._moves = []  # device, CUDA-aware ZeRO: (lo, a, b): a reduced chunk at [lo, lo + b - a) goes to [a, b)
 
     @property
     def threaded(self) -> bool:
@@ -162,10 +172,35 @@ class GradSync:
         if arrived is not None:
             self._arrived.append(arrived)
 
+    def _scatter_when(self, i, ready) -> None:
+        """ZeRO on a device's communication thread: bucket i reduce-scattered in place once ``ready`` is done. MPI
+        leaves this rank's summed chunk at the bucket's start; staged, its copy to the chunk's place is queued on
+        the copy stream (its event kept for ``wait``), CUDA-aware, ``wait`` queues it on the training stream."""
+        (lo, hi), parts = self.buckets[i], self.shard.parts[i]
+        a, b = parts[self.shard.rank]
+        host = None if self.direct else self.host[lo:hi]
+        buf = self.transport.outgoing_when(self.grads.data[lo:hi], host, ready)
+        self.comm.Reduce_scatter(self.MPI.IN_PLACE, buf, [y - x for x, y in parts], op=self.MPI.SUM)
+        if b > a and host is not None:
+            self._arrived.append(self.transport.incoming_async(host[: b - a], self.grads.data[a:b]))
+        elif a > lo:  # CUDA-aware, not the first chunk ([lo, lo + b - a) and [a, b) do not overlap: b - a <= a - lo)
+            self._moves.append((lo, a, b))
+
+    def _tree_when(self, i, ready) -> None:
+        """The deterministic tree on a device's communication thread: bucket i staged once ``ready`` is done (under a
+        CUDA-aware MPI too), summed by recursive doubling with host additions, and its copy back queued."""
+        lo, hi = self.buckets[i]
+        host = self._tree_host[lo:hi]
+        self.backend.stage_out(self.grads.data[lo:hi], host, ready)
+        tree_allreduce(self.comm, host, self._tree_in[: hi - lo], lambda out, x: np.add(out, x, out=out))
+        self._arrived.append(self.backend.stage_in(host, self.grads.data[lo:hi]))
+
     def _submit(self, i, ready) -> None:
         """Bucket i to the communication thread (``ready``: the device event its gradients wait for)."""
-        if self._device and not self.shard:
-            self._worker.submit(lambda: self._allreduce_when(i, ready))
+        if self._device:
+            when = self._scatter_when if self.shard else self._tree_when if self.tree is not None else \
+                self._allreduce_when
+            self._worker.submit(lambda: when(i, ready))
         else:
             self._worker.submit(lambda: self._reduce(i))
 
@@ -249,9 +284,10 @@ class GradSync:
                     self._submit(i, ready)
             self._launched = len(self.buckets)
             self._worker.join()
-            for arrived in self._arrived:  # the device waits for the copies back; this thread does not
-                self.backend.after(arrived)
-            self._arrived = []
+            self._arrivals()
+            for lo, a, b in self._moves:  # ZeRO, CUDA-aware: each summed chunk to its place, on the stream
+                self.backend.copy_(self.grads.data[a:b], self.grads.data[lo : lo + b - a])
+            self._moves = []
         else:
             self.backend.synchronize()
             for i in range(self._launched, len(self.buckets)):  # not started yet: blocking, bucket by bucket
@@ -278,28 +314,49 @@ class GradSync:
                 self.diag.end()
         self._requests = []
 
+    def _arrivals(self) -> None:
+        """The training stream waits, on the device, for the copies the communication thread queued; the host
+        does not."""
+        for arrived in self._arrived:
+            if arrived is not None:
+                self.backend.after(arrived)
+        self._arrived = []
+
     def gather_bucket(self, i: int, params) -> None:
         """ZeRO: every rank's updated chunk of bucket i of ``params`` (a backend array, this part's layout) to
         every rank with ``Allgatherv`` in place; on the communication thread when there is one, so the
-        optimizer updates the next bucket meanwhile (collective over ``comm``; ``finish_gather`` completes)."""
+        optimizer updates the next bucket meanwhile (collective over ``comm``; ``finish_gather`` completes).
+        On a device the thread waits for an event recorded now, after the update's kernels."""
         if not self.shard:
             return
         if self._worker is not None:
-            self._worker.submit(lambda: self._gather(i, params))
+            ready = self.backend.mark() if self._device else None
+            self._worker.submit(lambda: self._gather(i, params, ready))
         else:
             self._gather(i, params)
 
-    def _gather(self, i: int, params) -> None:
+    def _gather(self, i: int, params, ready=None) -> None:
         (lo, hi), parts = self.buckets[i], self.shard.parts[i]
-        buf = self.transport.outgoing(params[lo:hi], None if self.direct else self.host[lo:hi])
+        host = None if self.direct else self.host[lo:hi]
+        if ready is None:  # host memory, or a device from the training thread (which waits)
+            buf = self.transport.outgoing(params[lo:hi], host)
+        else:  # a device's communication thread: only this rank's chunk goes out (the rest MPI overwrites)
+            a, b = parts[self.shard.rank]
+            self.transport.outgoing_when(params[a:b], None if host is None else host[a - lo : b - lo], ready)
+            buf = params[lo:hi] if host is None else host
         self.comm.Allgatherv(self.MPI.IN_PLACE, [buf, [b - a for a, b in parts], [a - lo for a, _ in parts],
                                                  self.MPI.FLOAT])
-        self.transport.incoming(buf, params[lo:hi])
+        if ready is None:
+            self.transport.incoming(buf, params[lo:hi])
+        else:
+            self._arrived.append(self.transport.incoming_async(host, params[lo:hi]))
 
     def finish_gather(self) -> None:
-        """Wait for the all-gathers ``gather_bucket`` started; afterwards every rank holds the same parameters."""
+        """Complete the all-gathers ``gather_bucket`` started; afterwards every rank holds the same parameters (on
+        a device: what the stream runs next sees them)."""
         if self.shard and self._worker is not None:
             self._worker.join()
+            self._arrivals()
 
     def close(self) -> None:
         """Stop the communication thread, if any (not collective)."""

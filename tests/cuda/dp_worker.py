@@ -75,7 +75,11 @@ def waits(path, layout):
     * ``waits-gpt-pp``: the GPT at pp 2: 1, plus 2 for its tied embedding (the gradient summed over the two ends
       before the norm, the updated values sent to the replica after the optimizer);
     * ``waits-tp``: the GPT at tp 2: 1, plus 1 per tensor-parallel Allreduce (the next kernel needs its sum) and
-      2 per micro-batch for the vocab-parallel loss's row statistics, which are reduced on the host.
+      2 per micro-batch for the vocab-parallel loss's row statistics, which are reduced on the host;
+    * ``waits-zero``: the GPT at dp 2 with ``parallel.zero = 2``: 1 (the communication thread reduce-scatters and
+      all-gathers each bucket after its event, the training stream waits for the copies back on the device);
+    * ``waits-det``: the GPT at dp 2 with ``train.deterministic`` (4 shards): 1 (the thread stages each bucket
+      and adds the tree's partial sums on the host).
     """
     comm = MPI.COMM_WORLD
     gpt = layout != "waits-pp"
@@ -84,8 +88,11 @@ def waits(path, layout):
     comm.Barrier()
     pp, tp = (2, 1) if layout.endswith("-pp") else (1, 2) if layout == "waits-tp" else (1, 1)
     m = 4 if pp > 1 else 2
-    parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False, "pp": pp, "tp": tp}
+    parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False, "pp": pp, "tp": tp,
+                "zero": 2 if layout == "waits-zero" else 0}
     train = {"steps": 2, "micro_batches": m, "backend": "cuda", "grad_clip": 0.5}
+    if layout == "waits-det":
+        train = {**train, "deterministic": True, "deterministic_shards": 4}
     if gpt:
         cfg = gpt_config(path, model={"block_size": 4, "n_embd": 4}, data={"val_fraction": 0.0},
                          train={**train, "batch_size": 4}, parallel=parallel)
@@ -106,7 +113,7 @@ def waits(path, layout):
     trainer.close()
     mesh.free()
     expected = 1 + (2 if layout == "waits-gpt-pp" else 0) + (len(tp_calls) + 2 * m if tp > 1 else 0)
-    ok = n == expected and (layout != "waits-dp" or staged > 2)
+    ok = n == expected and (layout not in ("waits-dp", "waits-zero", "waits-det") or staged > 2)
     print(f"rank {comm.rank}: {layout}: {n} waits for the stream (expected {expected}), {marks} for a mark, "
           f"{staged} on other threads {'OK' if ok else 'MISMATCH'}", flush=True)
     return 0 if ok else 1

@@ -9,8 +9,8 @@ from hpctrain.errors import LayoutError
 from hpctrain.parallel.schedule import (SCHEDULES, Backward, BackwardInput, BackwardWeight, Exchange, Forward,
                                         Instruction, LoadMicroBatch, MessageKey, Op, OptimizerStep, RecvActivation,
                                         RecvGrad, ReduceGrads, Schedule, ScheduleError, SendActivation, SendGrad,
-                                        check_schedule, data_parallel, forward_only, gpipe, make_schedule,
-                                        one_f_one_b, paper_makespan, zero_bubble)
+                                        check_schedule, data_parallel, forward_only, gpipe, interleaved_1f1b,
+                                        make_schedule, one_f_one_b, paper_makespan, zero_bubble)
 
 SIZES = [(p, m) for p in range(1, 6) for m in range(1, 10)]
 
@@ -19,7 +19,7 @@ def replace_stage(schedule, s, instructions, name=None):
     """``schedule`` with stage ``s`` replaced (and optionally renamed)."""
     stages = list(schedule.stages)
     stages[s] = tuple(instructions)
-    return Schedule(name or schedule.name, tuple(stages), schedule.micro_batches)
+    return Schedule(name or schedule.name, tuple(stages), schedule.micro_batches, schedule.virtual_stages)
 
 
 def split_exchanges(schedule):
@@ -118,8 +118,8 @@ def test_make_schedule():
     for name in SCHEDULES:
         assert make_schedule(name, 3, 4).name == name
     assert make_schedule("gpipe", 3, 4) == gpipe(3, 4)
-    with pytest.raises(ValueError, match=r"'interleaved-1f1b'.*1f1b, gpipe, zero-bubble"):
-        make_schedule("interleaved-1f1b", 2, 2)
+    with pytest.raises(ValueError, match=r"'interleaved'.*1f1b, gpipe, zero-bubble, interleaved-1f1b"):
+        make_schedule("interleaved", 2, 2)
 
 
 @pytest.mark.parametrize("build", [gpipe, one_f_one_b, forward_only, partial(make_schedule, "1f1b")])
@@ -369,3 +369,90 @@ def test_unknown_instruction():
         check_schedule(replace_stage(dp, 0, dp.stages[0][:3] + (Instruction(),) + dp.stages[0][3:]))
     with pytest.raises(TypeError, match="not an Instruction"):
         Schedule("x", ((Forward(0), "Backward(0)"),), 1)
+
+
+# ---------------------------------------------------------------------------------------------- interleaved 1F1B
+
+
+def compute_order(stage):
+    """A stage's ("F" | "B", mb, chunk) in order."""
+    return [("F" if isinstance(ins, Forward) else "B", ins.mb, ins.chunk) for ins in stage
+            if isinstance(ins, (Forward, Backward))]
+
+
+def test_a_chunk_shows_in_the_instruction_and_its_messages_cross_to_the_next_virtual_stage():
+    assert str(Forward(3, chunk=1)) == "Forward(3, chunk=1)" and str(Forward(3, 0)) == "Forward(3)"
+    assert Forward(3, 1) != Forward(3) and Forward(3, 0) == Forward(3)
+    # 2 stages: stage 1's chunk 0 is virtual stage 1, whose activation goes to stage 0's chunk 1 (virtual stage 2)
+    assert SendActivation(5, 0).ops(1, 2) == (Op(True, MessageKey("activation", 5, 1, 2)),)
+    assert RecvActivation(5, 1).ops(0, 2) == (Op(False, MessageKey("activation", 5, 1, 2)),)
+    assert SendGrad(5, 1).ops(0, 2) == (Op(True, MessageKey("grad", 5, 2, 1)),)
+    assert RecvGrad(5, 0).ops(1, 2) == (Op(False, MessageKey("grad", 5, 2, 1)),)
+    assert SendActivation(5, 0).partner(1, 2) == RecvActivation(5, 1)
+    assert SendGrad(5, 1).partner(0, 2) == RecvGrad(5, 0) and SendGrad(5, 1).peer(0, 2) == 1
+    with pytest.raises(ValueError, match="chunk"):
+        Forward(0, -1)
+    with pytest.raises(ValueError, match="number of stages"):
+        SendActivation(0, 1).key(0)
+
+
+def test_interleaved_order_is_megatrons():
+    """P = 2, v = 2, m = 4: stage 0 warms up with (P − s − 1)·2 + (v − 1)·P = 4 forwards, micro-batches going
+    round in groups of P through chunk 0 then chunk 1; backwards run the chunks in reverse."""
+    s = interleaved_1f1b(2, 4, 2)
+    assert s.name == "interleaved-1f1b" and s.virtual_stages == 2
+    assert compute_order(s.stages[0]) == [
+        ("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1),
+        ("F", 2, 0), ("B", 0, 1), ("F", 3, 0), ("B", 1, 1), ("F", 2, 1), ("B", 0, 0), ("F", 3, 1), ("B", 1, 0),
+        ("B", 2, 1), ("B", 3, 1), ("B", 2, 0), ("B", 3, 0)]
+    assert compute_order(s.stages[1])[:3] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 1)]
+    # the first virtual stage reads the inputs, the last (stage 1's chunk 1) the targets
+    assert LoadMicroBatch(0, 0) in s.stages[0] and LoadMicroBatch(0, 1) not in s.stages[0]
+    assert LoadMicroBatch(0, 1) in s.stages[1] and LoadMicroBatch(0, 0) not in s.stages[1]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+@pytest.mark.parametrize("v", [2, 3, 4])
+def test_interleaved_runs_under_rendezvous_and_its_paper_bubble_is_the_formula(p, v):
+    """Proved deadlock-free, every (micro-batch, chunk) forwarded and backwarded once per stage, and the bubble on
+    paper exactly (P − 1)/(v·m + P − 1): the 1F1B bubble divided by about v."""
+    for m in (p, 2 * p, 3 * p):
+        s = interleaved_1f1b(p, m, v)
+        stats = check_schedule(s)
+        for stage in s.stages:
+            order = compute_order(stage)
+            assert sorted(order) == sorted((k, i, c) for k in "BF" for i in range(m) for c in range(v))
+        bubble = 1 - 3 * m * v / paper_makespan(s)
+        assert bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+        one = 1 - 3 * m / paper_makespan(one_f_one_b(p, m))
+        assert bubble < one
+        assert max(stats.peak_live) <= m * v and stats.peak_recv_activation[0] >= 1  # stage 0 receives chunk 1's
+        assert stats.last_backward == tuple(max(i for i, ins in enumerate(stage) if isinstance(ins, Backward))
+                                            for stage in s.stages)
+
+
+def test_interleaved_bad_shapes_name_the_settings():
+    with pytest.raises(ScheduleError, match=r"train.micro_batches \(3\) must be a multiple of parallel.pp \(2\)"):
+        interleaved_1f1b(2, 3, 2)
+    with pytest.raises(ScheduleError, match=r"parallel.pp >= 2"):
+        interleaved_1f1b(1, 4, 2)
+    with pytest.raises(ValueError, match="virtual_stages"):
+        interleaved_1f1b(2, 4, 0)
+    assert interleaved_1f1b(2, 3, 1) == one_f_one_b(2, 3)  # one chunk: plain 1F1B
+    assert make_schedule("interleaved-1f1b", 2, 4, 2) == interleaved_1f1b(2, 4, 2)
+    with pytest.raises(ScheduleError, match="interleaved-1f1b"):
+        make_schedule("1f1b", 2, 4, 2)
+
+
+def test_checker_refuses_chunk_faults():
+    s = interleaved_1f1b(2, 2, 2)
+    # a chunk the schedule does not have
+    bad = Schedule(s.name, s.stages, s.micro_batches, 1)
+    with pytest.raises(ScheduleError, match="does not exist|chunk 1"):
+        check_schedule(bad)
+    # stage 1 drops its chunk-1 forward and backward of micro-batch 1 (and their messages): unmatched or missing
+    stage = [ins for ins in s.stages[1] if not (getattr(ins, "mb", None) == 1 and getattr(ins, "chunk", 0) == 1)
+             and not (isinstance(ins, Exchange) and any(part.mb == 1 and part.chunk == 1
+                                                        for part in ins.point_to_point()))]
+    with pytest.raises(ScheduleError):
+        check_schedule(replace_stage(Schedule(s.name, s.stages, 2, 2), 1, stage))

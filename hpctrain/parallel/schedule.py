@@ -25,6 +25,14 @@ Instructions (``mb`` is a micro-batch index 0..m-1; stage s of P):
 * ``ReduceGrads()`` is the stage's data-parallel gradient reduction (collective over the
   stage's data-parallel group); ``OptimizerStep()`` follows it.
 
+Model chunks (interleaved 1F1B). With ``virtual_stages = v`` each stage holds v chunks of the
+model, round-robin: chunk c of stage s is virtual stage c·P + s, so stage 0 holds the first
+chunk and the (P+1)-th. Every micro-batch instruction then names its chunk as well
+(``Forward(3, chunk=1)``), messages go between neighbouring virtual stages (stage P − 1's
+chunk c sends its activation to stage 0's chunk c + 1), and a MessageKey names virtual
+stages. ``interleaved_1f1b`` builds such a schedule and the checker proves it as any other;
+the executor does not run chunks yet (the configuration does not offer the schedule).
+
 Rendezvous model. The checker assumes the strictest behaviour MPI allows: a send completes
 only once the matching receive is posted (``MPI_Ssend``; every MPI behaves so for large
 enough messages). A stage posts all ops of its current instruction at once, keeps them
@@ -56,9 +64,11 @@ __all__ = [
     "SendGrad", "RecvGrad", "Exchange", "ReduceGrads", "OptimizerStep", "MessageKey", "Op", "Schedule",
     "ScheduleStats", "ScheduleError", "data_parallel", "gpipe", "one_f_one_b", "zero_bubble", "forward_only",
     "make_schedule", "check_schedule", "built", "checked", "BackwardInput", "BackwardWeight", "paper_makespan",
+    "INTERLEAVED", "interleaved_1f1b",
 ]
 
-SCHEDULES = ("1f1b", "gpipe", "zero-bubble")  # training schedules make_schedule knows
+SCHEDULES = ("1f1b", "gpipe", "zero-bubble")  # training schedules with one model chunk per stage
+INTERLEAVED = "interleaved-1f1b"  # built and checked here; the executor does not run model chunks yet
 ACTIVATION, GRAD = "activation", "grad"  # message kinds in a MessageKey
 
 
@@ -93,8 +103,8 @@ class Instruction:
         """The point-to-point instructions this one posts: itself, both halves of an Exchange, or none."""
         return ()
 
-    def ops(self, stage: int) -> tuple[Op, ...]:
-        """What this instruction posts when run on ``stage`` (empty for compute)."""
+    def ops(self, stage: int, num_stages: int | None = None) -> tuple[Op, ...]:
+        """What this instruction posts when run on ``stage`` of ``num_stages`` (empty for compute)."""
         return ()
 
     def __str__(self) -> str:
@@ -107,13 +117,16 @@ class Instruction:
 @dataclass(frozen=True, repr=False)
 class _MicroBatchInstruction(Instruction):
     mb: int
+    chunk: int = 0  # interleaved schedules: which of the stage's model chunks (virtual stage chunk·P + stage)
 
     def __post_init__(self):
-        if not isinstance(self.mb, Integral) or isinstance(self.mb, bool) or self.mb < 0:
-            raise ValueError(f"{type(self).__name__}: mb must be an integer >= 0, got {self.mb!r}")
+        for name in ("mb", "chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, Integral) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{type(self).__name__}: {name} must be an integer >= 0, got {value!r}")
 
     def __str__(self) -> str:
-        return f"{type(self).__name__}({self.mb})"
+        return f"{type(self).__name__}({self.mb}{f', chunk={self.chunk}' if self.chunk else ''})"
 
 
 @dataclass(frozen=True, repr=False)
@@ -147,26 +160,39 @@ class _PointToPoint(_MicroBatchInstruction):
     is_send: ClassVar[bool]
     step: ClassVar[int]  # peer stage = stage + step
 
-    def peer(self, stage: int) -> int:
-        """The stage this op talks to when run on ``stage`` (may not exist: the checker says so)."""
-        return stage + self.step
+    def virtual(self, stage: int, num_stages: int | None = None) -> int:
+        """The virtual stage this op runs on: ``chunk · num_stages + stage`` (``stage`` itself for chunk 0)."""
+        if self.chunk == 0:
+            return stage
+        if num_stages is None:
+            raise ValueError(f"{self}: a chunk's virtual stage needs the number of stages")
+        return self.chunk * num_stages + stage
 
-    def key(self, stage: int) -> MessageKey:
-        """The message this op sends or receives when run on ``stage``."""
-        peer = stage + self.step
+    def peer(self, stage: int, num_stages: int | None = None) -> int:
+        """The virtual stage this op talks to when run on ``stage`` (may not exist: the checker says so); with
+        several chunks per stage, it runs on stage ``peer % num_stages``."""
+        return self.virtual(stage, num_stages) + self.step
+
+    def key(self, stage: int, num_stages: int | None = None) -> MessageKey:
+        """The message this op sends or receives when run on ``stage``, between virtual stages."""
+        here = self.virtual(stage, num_stages)
+        peer = here + self.step
         if self.is_send:
-            return MessageKey(self.kind, self.mb, stage, peer)
-        return MessageKey(self.kind, self.mb, peer, stage)
+            return MessageKey(self.kind, self.mb, here, peer)
+        return MessageKey(self.kind, self.mb, peer, here)
 
-    def op(self, stage: int) -> Op:
-        return Op(self.is_send, self.key(stage))
+    def op(self, stage: int, num_stages: int | None = None) -> Op:
+        return Op(self.is_send, self.key(stage, num_stages))
 
-    def ops(self, stage: int) -> tuple[Op, ...]:
-        return (self.op(stage),)
+    def ops(self, stage: int, num_stages: int | None = None) -> tuple[Op, ...]:
+        return (self.op(stage, num_stages),)
 
-    def partner(self) -> _PointToPoint:
-        """The instruction the peer stage must run to match this one: SendGrad(2) -> RecvGrad(2)."""
-        return _PARTNERS[type(self)](self.mb)
+    def partner(self, stage: int = 0, num_stages: int | None = None) -> _PointToPoint:
+        """The instruction the peer must run to match this one: SendGrad(2) -> RecvGrad(2); with chunks, on
+        stage ``peer % num_stages`` in chunk ``peer // num_stages``."""
+        if num_stages is None:
+            return _PARTNERS[type(self)](self.mb, self.chunk)
+        return _PARTNERS[type(self)](self.mb, max(0, self.peer(stage, num_stages)) // num_stages)
 
     def point_to_point(self) -> tuple:
         return (self,)
@@ -219,8 +245,8 @@ class Exchange(Instruction):
     def point_to_point(self) -> tuple:
         return (self.send, self.recv)
 
-    def ops(self, stage: int) -> tuple[Op, ...]:
-        return (self.send.op(stage), self.recv.op(stage))
+    def ops(self, stage: int, num_stages: int | None = None) -> tuple[Op, ...]:
+        return (self.send.op(stage, num_stages), self.recv.op(stage, num_stages))
 
     def __str__(self) -> str:
         return f"Exchange({self.send}, {self.recv})"
@@ -246,12 +272,14 @@ class Schedule:
     name: str
     stages: tuple[tuple[Instruction, ...], ...]
     micro_batches: int
+    virtual_stages: int = 1  # model chunks per stage (interleaved 1F1B): chunk c of stage s is virtual stage c·P + s
 
     def __post_init__(self):
         object.__setattr__(self, "stages", tuple(tuple(stage) for stage in self.stages))
         if not self.stages:
             raise ValueError(f"schedule {self.name!r}: stages must hold at least one stage")
         _check_count("micro_batches", self.micro_batches)
+        _check_count("virtual_stages", self.virtual_stages)
         for s, stage in enumerate(self.stages):
             for i, ins in enumerate(stage):
                 if not isinstance(ins, Instruction):
@@ -364,39 +392,106 @@ def zero_bubble(num_stages: int, micro_batches: int) -> Schedule:
     if p == 1:
         return Schedule("zero-bubble", data_parallel(m).stages, m)
     orders = _list_schedule(p, m)
-    stages = [list(_zero_bubble_stage(s, p, order)) for s, order in enumerate(orders)]
-    for _ in range(4 * p * m):  # each repair fuses one send with a receive: finitely many
-        schedule = Schedule("zero-bubble", tuple(st + _step_end() for st in stages), m)
+    return _without_deadlocks("zero-bubble", [list(_zero_bubble_stage(s, p, order)) for s, order in enumerate(orders)],
+                              m)
+
+
+def _without_deadlocks(name: str, stages: list, m: int, v: int = 1) -> Schedule:
+    """The schedule of ``stages`` (lists without the step's end) with each send that would deadlock under
+    rendezvous sends posted together with its stage's next receive (``Exchange``), one fusion at a time, until
+    the checker's run passes."""
+    p = len(stages)
+    for _ in range(4 * p * m * v):  # each repair fuses one send with a receive: finitely many
+        schedule = Schedule(name, tuple(st + _step_end() for st in stages), m, v)
         blocked = _blocked_sends(schedule)
         if blocked is None:
             return schedule
         # one fusion per round, the least disruptive: the send whose next receive is nearest (fewest
         # instructions wait behind the receive), the later stage on a tie
         s, i = min(blocked, key=lambda at: (_gap_to_next_receive(stages[at[0]], at[1]), -at[0]))
-        stages[s] = _fuse_with_next_receive(stages[s], i)
-    raise ScheduleError(f"zero-bubble: no deadlock-free message order found for {p} stages, {m} micro-batches")
+        stages[s] = _fuse_with_next_receive(name, stages[s], i)
+    raise ScheduleError(f"{name}: no deadlock-free message order found for {p} stages, {m} micro-batches")
+
+
+def interleaved_1f1b(num_stages: int, micro_batches: int, virtual_stages: int) -> Schedule:
+    """Megatron's interleaved 1F1B: each stage holds ``virtual_stages`` model chunks, chunk c of stage s being
+    virtual stage c·P + s (round-robin: stage 0 holds the model's first chunk and its (P+1)-th), and the pipeline's
+    bubble shrinks to (P − 1)/(v·m + P − 1) of a step, for v times the messages.
+
+    Stage s's order is Megatron-core's: forward k is micro-batch (k // (P·v))·P + k % P of chunk (k // P) % v, its
+    backward k the same micro-batch of chunk v − 1 − (k // P) % v; (P − s − 1)·2 + (v − 1)·P warm-up forwards,
+    then one forward, one backward, then the remaining backwards. Messages go to the neighbouring virtual stage
+    (stage P − 1's chunk c sends to stage 0's chunk c + 1), each posted before (a receive) or after (a send) its
+    compute, then fused with the next receive where rendezvous sends would deadlock. ``micro_batches`` must be a
+    multiple of ``num_stages`` (the micro-batches go round in groups of P).
+    """
+    _check_count("num_stages", num_stages)
+    _check_count("micro_batches", micro_batches)
+    _check_count("virtual_stages", virtual_stages)
+    p, m, v = num_stages, micro_batches, virtual_stages
+    if v == 1:  # one chunk per stage: plain 1F1B (Megatron-core falls back to it too), fewer warm-up forwards
+        return one_f_one_b(p, m)
+    if p < 2:
+        raise ScheduleError("interleaved-1f1b: needs parallel.pp >= 2 (with one stage there is nothing to interleave)")
+    if m % p:
+        raise ScheduleError(f"interleaved-1f1b: train.micro_batches ({m}) must be a multiple of parallel.pp ({p})")
+    last = p * v - 1
+    stages = []
+    for s in range(p):
+        out = []
+        for kind, mb, c in _interleaved_order(s, p, v, m):
+            here = c * p + s
+            if kind == "F":
+                out += [*([RecvActivation(mb, c)] if here > 0 else []),
+                        *([LoadMicroBatch(mb, c)] if here in (0, last) else []),
+                        Forward(mb, c), *([SendActivation(mb, c)] if here < last else [])]
+            else:
+                out += [*([RecvGrad(mb, c)] if here < last else []), Backward(mb, c),
+                        *([SendGrad(mb, c)] if here > 0 else [])]
+        stages.append(out)
+    return _without_deadlocks("interleaved-1f1b", stages, m, v)
+
+
+def _interleaved_order(s: int, p: int, v: int, m: int) -> list[tuple[str, int, int]]:
+    """Stage s's ("F" | "B", micro-batch, chunk) order under interleaved 1F1B (see ``interleaved_1f1b``)."""
+    total = m * v
+
+    def forward(k: int) -> tuple[int, int]:
+        return (k // (p * v)) * p + k % p, (k // p) % v
+
+    def backward(k: int) -> tuple[int, int]:
+        mb, c = forward(k)
+        return mb, v - 1 - c
+
+    warmup = min((p - s - 1) * 2 + (v - 1) * p, total)
+    order = [("F", *forward(k)) for k in range(warmup)]
+    for j in range(total - warmup):
+        order += [("F", *forward(warmup + j)), ("B", *backward(j))]
+    return order + [("B", *backward(k)) for k in range(total - warmup, total)]
 
 
 def paper_makespan(schedule: Schedule) -> int:
     """Units a training step takes on paper: a Forward, BackwardInput or BackwardWeight one unit, a Backward two
-    (B + W), a message there the unit after its sender finished, every stage as early as its list allows. The
-    bubble on paper is 1 − 3m / makespan: (P − 1)/(m + P − 1) for 1F1B and GPipe, ZB-H1's
-    (P − 1)/(3m + P − 1) for zero-bubble at P = 2 and m ≥ 2."""
+    (B + W), a message there the unit after its sender finished, every stage as early as its list allows (with
+    v chunks per stage, a unit is one chunk's: 1/v of a stage's forward). The bubble on paper is
+    1 − 3mv / makespan: (P − 1)/(m + P − 1) for 1F1B and GPipe, ZB-H1's (P − 1)/(3m + P − 1) for zero-bubble at
+    P = 2 and m ≥ 2, (P − 1)/(vm + P − 1) for interleaved 1F1B."""
     p = schedule.num_stages
+    last = p * schedule.virtual_stages - 1
     compute = [[ins for ins in stage if isinstance(ins, (Forward, Backward, BackwardInput, BackwardWeight))]
                for stage in schedule.stages]
-    done, pc, free, t = {}, [0] * p, [0] * p, 0
+    done, pc, free, t = {}, [0] * p, [0] * p, 0  # done: (kind, virtual stage, mb) -> when it finished
     while any(pc[s] < len(compute[s]) for s in range(p)):
         for s in range(p):
             if pc[s] == len(compute[s]) or free[s] > t:
                 continue
             ins = compute[s][pc[s]]
-            kind = type(ins)
-            if kind is Forward and s > 0 and done.get((Forward, s - 1, ins.mb), t + 1) > t:
+            kind, here = type(ins), ins.chunk * p + s
+            if kind is Forward and here > 0 and done.get((Forward, here - 1, ins.mb), t + 1) > t:
                 continue
-            if kind in (Backward, BackwardInput) and s < p - 1 and done.get((kind, s + 1, ins.mb), t + 1) > t:
+            if kind in (Backward, BackwardInput) and here < last and done.get((kind, here + 1, ins.mb), t + 1) > t:
                 continue
-            done[(kind, s, ins.mb)] = free[s] = t + (2 if kind is Backward else 1)
+            done[(kind, here, ins.mb)] = free[s] = t + (2 if kind is Backward else 1)
             pc[s] += 1
         t += 1
     return max(free)
@@ -448,7 +543,7 @@ def _zero_bubble_stage(s: int, p: int, order) -> list:
 
 def _blocked_sends(schedule: Schedule) -> list[tuple[int, int]]:
     """(stage, index) of each stage stuck at a lone send when the schedule deadlocks; None when it runs."""
-    ops = [[ins.ops(s) for ins in stage] for s, stage in enumerate(schedule.stages)]
+    ops = _all_ops(schedule)
     try:
         _check_no_deadlock(schedule, ops)
         return None
@@ -464,12 +559,12 @@ def _gap_to_next_receive(stage: list, i: int) -> int:
                 len(stage))
 
 
-def _fuse_with_next_receive(stage: list, i: int) -> list:
+def _fuse_with_next_receive(name: str, stage: list, i: int) -> list:
     """``stage`` with the send at ``i`` and the next receive after it posted together, as one Exchange there."""
     for j in range(i + 1, len(stage)):
         if isinstance(stage[j], (RecvActivation, RecvGrad)):
             return stage[:i] + [Exchange(stage[i], stage[j])] + stage[i + 1 : j] + stage[j + 1 :]
-    raise ScheduleError(f"zero-bubble: stage send {stage[i]} deadlocks and has no receive after it to pair with")
+    raise ScheduleError(f"{name}: stage send {stage[i]} deadlocks and has no receive after it to pair with")
 
 
 def forward_only(num_stages: int, micro_batches: int) -> Schedule:
@@ -481,27 +576,34 @@ def forward_only(num_stages: int, micro_batches: int) -> Schedule:
     return Schedule("forward-only", stages, m)
 
 
-def make_schedule(name: str, num_stages: int, micro_batches: int) -> Schedule:
-    """The training schedule called ``name`` (one of SCHEDULES) for ``num_stages`` stages."""
+def make_schedule(name: str, num_stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
+    """The training schedule called ``name`` (one of SCHEDULES, or INTERLEAVED with ``virtual_stages`` model
+    chunks per stage) for ``num_stages`` stages."""
     builders = {"1f1b": one_f_one_b, "gpipe": gpipe, "zero-bubble": zero_bubble}
+    if name == INTERLEAVED:
+        return interleaved_1f1b(num_stages, micro_batches, virtual_stages)
     if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
+        raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES + (INTERLEAVED,))}")
+    if virtual_stages != 1:
+        raise ScheduleError(f"{name}: one model chunk per stage; more (parallel.virtual_stages = {virtual_stages}) "
+                            f"need the {INTERLEAVED} schedule")
     return builders[name](num_stages, micro_batches)
 
 
 @functools.lru_cache(maxsize=16)
-def built(name: str, num_stages: int, micro_batches: int) -> Schedule:
-    """The schedule ``name`` (a training schedule of SCHEDULES, or "forward-only"), built once per process and
-    shape: schedules are immutable data."""
+def built(name: str, num_stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
+    """The schedule ``name`` (a training schedule of SCHEDULES or INTERLEAVED, or "forward-only"), built once per
+    process and shape: schedules are immutable data."""
     return forward_only(num_stages, micro_batches) if name == "forward-only" else \
-        make_schedule(name, num_stages, micro_batches)
+        make_schedule(name, num_stages, micro_batches, virtual_stages)
 
 
 @functools.lru_cache(maxsize=16)
-def checked(name: str, num_stages: int, micro_batches: int) -> tuple[Schedule, "ScheduleStats"]:
+def checked(name: str, num_stages: int, micro_batches: int, virtual_stages: int = 1) -> tuple[Schedule,
+                                                                                                "ScheduleStats"]:
     """``built`` and ``check_schedule``-ed, once per process and shape (a ScheduleError is raised again, not
     cached)."""
-    schedule = built(name, num_stages, micro_batches)
+    schedule = built(name, num_stages, micro_batches, virtual_stages)
     return schedule, check_schedule(schedule)
 
 
@@ -524,7 +626,7 @@ def check_schedule(schedule: Schedule) -> ScheduleStats:
     Checks, in order: every message has exactly one sender and one receiver; no set of stages
     waits on each other forever; on each stage every instruction comes after what it needs.
     """
-    ops = [[ins.ops(s) for ins in stage] for s, stage in enumerate(schedule.stages)]
+    ops = _all_ops(schedule)
     _check_messages(schedule, ops)
     _check_no_deadlock(schedule, ops)
     trains = schedule.has_backward
@@ -533,6 +635,12 @@ def check_schedule(schedule: Schedule) -> ScheduleStats:
                          last_backward=tuple(w.last_backward for w in walks),
                          peak_recv_activation=tuple(w.peak_recv for w in walks),
                          peak_recv_grad=tuple(w.peak_recv_grad for w in walks))
+
+
+def _all_ops(schedule: Schedule) -> list:
+    """``ops[s][i]``: what instruction i of stage s posts (messages between virtual stages)."""
+    p = schedule.num_stages
+    return [[ins.ops(s, p) for ins in stage] for s, stage in enumerate(schedule.stages)]
 
 
 def _where(schedule: Schedule, stage: int, index: int, ins: Instruction) -> str:
@@ -554,19 +662,25 @@ def _stage_messages(schedule: Schedule, s: int, ops: list) -> dict:
 
 def _check_messages(schedule: Schedule, ops: list) -> None:
     """Every op has a peer stage that posts the matching op; report the first that does not."""
-    p = schedule.num_stages
+    p, v = schedule.num_stages, schedule.virtual_stages
     messages = [_stage_messages(schedule, s, ops[s]) for s in range(p)]
     for s in range(p):
         for key, (i, k) in messages[s].items():
-            peer = key.to_stage if key.from_stage == s else key.from_stage
-            if 0 <= peer < p and key in messages[peer]:
-                continue
+            send = ops[s][i][k].is_send
+            peer = key.to_stage if send else key.from_stage  # a virtual stage, on stage peer % p
+            if 0 <= peer < p * v and peer % p != s and key in messages[peer % p]:
+                j, n = messages[peer % p][key]
+                if ops[peer % p][j][n].is_send != send:
+                    continue
             ins = schedule.stages[s][i]
             part = ins.point_to_point()[k]
             what = _where(schedule, s, i, ins) + ("" if ins is part else f": {part}")
-            if not 0 <= peer < p:
-                raise ScheduleError(f"{what} has no peer: stage {peer} does not exist ({p} stages)")
-            raise ScheduleError(f"{what} has no matching {part.partner()} on stage {peer}")
+            if not 0 <= peer < p * v:
+                count = f"{p} stages" if v == 1 else f"{p * v} virtual stages"
+                raise ScheduleError(f"{what} has no peer: stage {peer} does not exist ({count})")
+            if peer % p == s:
+                raise ScheduleError(f"{what} sends to its own stage")
+            raise ScheduleError(f"{what} has no matching {part.partner(s, p)} on stage {peer % p}")
 
 
 def _check_no_deadlock(schedule: Schedule, ops: list) -> None:
@@ -616,8 +730,9 @@ class _StageWalk:
 
     def __init__(self, schedule: Schedule, stage: int, trains: bool):
         self.schedule, self.stage, self.trains = schedule, stage, trains
-        self.reads_data = stage in (0, schedule.num_stages - 1)
-        self.seen = {}  # (instruction type, mb or None) -> index where it ran
+        self.p, self.v = schedule.num_stages, schedule.virtual_stages
+        self.last = self.p * self.v - 1  # the last virtual stage: the loss
+        self.seen = {}  # (instruction type, mb or None, chunk) -> index where it ran; live sets hold (mb, chunk)
         self.live, self.recv_live, self.grad_live = set(), set(), set()
         self.peak_live = self.peak_recv = self.peak_recv_grad = 0
         self.last_backward = -1
@@ -640,86 +755,97 @@ class _StageWalk:
     def _fail(self, problem: str):
         raise ScheduleError(f"{_where(self.schedule, self.stage, self.index, self.ins)} {problem}")
 
-    def _need(self, cls: type, mb: int | None = None) -> None:
-        if (cls, mb) not in self.seen:
-            self._fail(f"has no {cls() if mb is None else cls(mb)} before it")
+    def _virtual(self, ins) -> int:
+        return ins.chunk * self.p + self.stage
+
+    def _need(self, cls: type, mb: int | None = None, chunk: int = 0) -> None:
+        if (cls, mb, chunk) not in self.seen:
+            self._fail(f"has no {cls() if mb is None else cls(mb, chunk)} before it")
 
     def _record(self, ins: Instruction) -> None:
-        """Note that ``ins`` ran here; a micro-batch out of range or run twice is an error."""
-        mb = getattr(ins, "mb", None)
+        """Note that ``ins`` ran here; a micro-batch or chunk out of range, or run twice, is an error."""
+        mb, chunk = getattr(ins, "mb", None), getattr(ins, "chunk", 0)
         if mb is not None and mb >= self.schedule.micro_batches:
             self._fail(f"names micro-batch {mb}, but the schedule has {self.schedule.micro_batches}")
-        key = (type(ins), mb)
+        if chunk >= self.v:
+            self._fail(f"names chunk {chunk}, but the schedule has {self.v} per stage")
+        key = (type(ins), mb, chunk)
         if key in self.seen:
             self._fail(f"repeats #{self.seen[key]}")
         self.seen[key] = self.index
 
+    def _reads_data(self, chunk: int) -> bool:
+        return chunk * self.p + self.stage in (0, self.last)
+
     def _load(self, ins: LoadMicroBatch) -> None:
-        if not self.reads_data:
+        if not self._reads_data(ins.chunk):
             self._fail("reads data on a middle stage (only the first and last stages read data)")
         self._record(ins)
 
     def _forward(self, ins: Forward) -> None:
         self._record(ins)
-        if self.reads_data:
-            self._need(LoadMicroBatch, ins.mb)
-        if self.stage > 0:
-            self._need(RecvActivation, ins.mb)
+        if self._reads_data(ins.chunk):
+            self._need(LoadMicroBatch, ins.mb, ins.chunk)
+        if self._virtual(ins) > 0:
+            self._need(RecvActivation, ins.mb, ins.chunk)
         if self.trains:
-            self.live.add(ins.mb)
+            self.live.add((ins.mb, ins.chunk))
             self.peak_live = max(self.peak_live, len(self.live))
         else:  # evaluation keeps nothing: one micro-batch at a time, its input freed once used
             self.peak_live = 1
-            self.recv_live.discard(ins.mb)
+            self.recv_live.discard((ins.mb, ins.chunk))
 
     def _backward(self, ins: Backward) -> None:
-        if (BackwardInput, ins.mb) in self.seen:
-            self._fail(f"splits nothing: #{self.seen[BackwardInput, ins.mb]} {BackwardInput(ins.mb)} ran already")
+        if (BackwardInput, ins.mb, ins.chunk) in self.seen:
+            self._fail(f"splits nothing: #{self.seen[BackwardInput, ins.mb, ins.chunk]} "
+                       f"{BackwardInput(ins.mb, ins.chunk)} ran already")
         self._input_half(ins)
         self._weight_half(ins)
 
     def _backward_input(self, ins: BackwardInput) -> None:
-        if (Backward, ins.mb) in self.seen:
-            self._fail(f"comes after #{self.seen[Backward, ins.mb]} {Backward(ins.mb)}")
+        if (Backward, ins.mb, ins.chunk) in self.seen:
+            self._fail(f"comes after #{self.seen[Backward, ins.mb, ins.chunk]} {Backward(ins.mb, ins.chunk)}")
         self._input_half(ins)
 
     def _backward_weight(self, ins: BackwardWeight) -> None:
-        self._need(BackwardInput, ins.mb)
+        self._need(BackwardInput, ins.mb, ins.chunk)
         self._weight_half(ins)
 
     def _input_half(self, ins) -> None:
         self._record(ins)
-        self._need(Forward, ins.mb)
-        if self.stage < self.schedule.num_stages - 1:
-            self._need(RecvGrad, ins.mb)
-        if (ReduceGrads, None) in self.seen:
-            self._fail(f"comes after #{self.seen[ReduceGrads, None]} ReduceGrads()")
+        self._need(Forward, ins.mb, ins.chunk)
+        if self._virtual(ins) < self.last:
+            self._need(RecvGrad, ins.mb, ins.chunk)
+        if (ReduceGrads, None, 0) in self.seen:
+            self._fail(f"comes after #{self.seen[ReduceGrads, None, 0]} ReduceGrads()")
 
     def _weight_half(self, ins) -> None:
         """What a micro-batch holds is freed once its weight gradients are written (a W reads the input
         activation and the received gradient)."""
         if not isinstance(ins, Backward):
             self._record(ins)
-            if (ReduceGrads, None) in self.seen:
-                self._fail(f"comes after #{self.seen[ReduceGrads, None]} ReduceGrads()")
-        self.live.discard(ins.mb)
-        self.recv_live.discard(ins.mb)
-        self.grad_live.discard(ins.mb)
+            if (ReduceGrads, None, 0) in self.seen:
+                self._fail(f"comes after #{self.seen[ReduceGrads, None, 0]} ReduceGrads()")
+        held = (ins.mb, ins.chunk)
+        self.live.discard(held)
+        self.recv_live.discard(held)
+        self.grad_live.discard(held)
         self.last_backward = self.index
 
     def _p2p(self, ins: Instruction) -> None:
         for part in ins.point_to_point():
             self._record(part)
+            held = (part.mb, part.chunk)
             if isinstance(part, SendActivation):
-                self._need(Forward, part.mb)
+                self._need(Forward, *held)
             elif isinstance(part, SendGrad):
-                if (BackwardInput, part.mb) not in self.seen:
-                    self._need(Backward, part.mb)
+                if (BackwardInput, *held) not in self.seen:
+                    self._need(Backward, *held)
             elif isinstance(part, RecvActivation):
-                self.recv_live.add(part.mb)
+                self.recv_live.add(held)
                 self.peak_recv = max(self.peak_recv, len(self.recv_live))
             elif isinstance(part, RecvGrad):
-                self.grad_live.add(part.mb)
+                self.grad_live.add(held)
                 self.peak_recv_grad = max(self.peak_recv_grad, len(self.grad_live))
 
     def _reduce(self, ins: ReduceGrads) -> None:
@@ -734,15 +860,19 @@ class _StageWalk:
         self._need(ReduceGrads)
 
     def _finish(self) -> None:
-        """Everything the stage must run at least once did run."""
+        """Everything the stage must run at least once did run, in each of its chunks."""
         m = self.schedule.micro_batches
-        needed = [(Forward, i) for i in range(m)]
-        if self.reads_data:
-            needed += [(LoadMicroBatch, i) for i in range(m)]
+        needed = []
+        for c in range(self.v):
+            needed += [(Forward, i, c) for i in range(m)]
+            if self._reads_data(c):
+                needed += [(LoadMicroBatch, i, c) for i in range(m)]
+            if self.trains:
+                needed += [(Backward, i, c) if (BackwardInput, i, c) not in self.seen else (BackwardWeight, i, c)
+                           for i in range(m)]
         if self.trains:
-            needed += [(Backward, i) if (BackwardInput, i) not in self.seen else (BackwardWeight, i) for i in range(m)]
-            needed += [(ReduceGrads, None), (OptimizerStep, None)]
-        for cls, mb in needed:
-            if (cls, mb) not in self.seen:
-                missing = cls() if mb is None else cls(mb)
+            needed += [(ReduceGrads, None, 0), (OptimizerStep, None, 0)]
+        for cls, mb, c in needed:
+            if (cls, mb, c) not in self.seen:
+                missing = cls() if mb is None else cls(mb, c)
                 raise ScheduleError(f"schedule {self.schedule.name!r}: stage {self.stage} has no {missing}")

@@ -2,11 +2,15 @@
 
     python bench/bench_ps_memory.py                          # W = 2, 4, 8 workers, 1 server, staleness 2
     python bench/bench_ps_memory.py --workers 2 4 --hidden 2048 --pythonpath /path/to/other/checkout
+    python bench/bench_ps_memory.py --workers 2 --servers 2 --checkpoint   # the servers' peak while saving
 
-Runs ``hpctrain train jobs/configs/digits-ps.toml`` under ``mpiexec -n W+1`` (oversubscribed on a small
+Runs ``hpctrain train jobs/configs/digits-ps.toml`` under ``mpiexec -n W+S`` (S servers, 1 unless --servers;
+oversubscribed on a small
 machine) with the digits MLP widened to --hidden (two hidden layers: about 4.3 M parameters at 2048, 17 MB
-a copy), --steps steps, no checkpoint and no metrics file. Every rank runs under ``/usr/bin/time -f %M``;
-the table gives the server's (world rank 0) peak RSS and the largest worker's for each W, and the server's
+a copy), --steps steps, no metrics file, and no checkpoint (--checkpoint: one every --steps / 2 steps and the
+final one, as a run with ``checkpoint.dir`` writes them). Every rank runs under ``/usr/bin/time -f %M``;
+the table gives the server's (world rank 0; with --servers S, the largest of ranks 0 .. S-1) peak RSS and the
+largest worker's for each W, and the server's
 growth per added worker. --pythonpath runs another checkout's hpctrain (a before/after comparison in one run).
 """
 
@@ -43,10 +47,13 @@ def run(workers, args):
         env = dict(os.environ, RSS_DIR=tmp, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         # another checkout: ahead of an editable install's finder, which would otherwise win over sys.path
         start = ["-c", OTHER.format(path=args.pythonpath)] if args.pythonpath else ["-m", "hpctrain"]
-        cmd = [args.mpiexec, "-n", str(workers + 1), wrapper, sys.executable, *start, "train", CONFIG,
+        cmd = [args.mpiexec, "-n", str(workers + args.servers), wrapper, sys.executable, *start, "train", CONFIG,
                "--set", f"model.layers={layers}", "--set", f"train.steps={args.steps}",
                "--set", f"train.batch_size={8 * workers}", "--set", f"parallel.staleness={args.staleness}",
-               "--set", "checkpoint.dir=", "--set", "train.metrics=", "--set", "train.eval_every=0",
+               "--set", f"parallel.servers={args.servers}",
+               "--set", f"checkpoint.dir={os.path.join(tmp, 'ck') if args.checkpoint else ''}",
+               "--set", f"checkpoint.every={max(1, args.steps // 2)}", "--set", "train.metrics=",
+               "--set", "train.eval_every=0",
                "--set", f"train.log_every={args.steps}"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode:
@@ -55,7 +62,8 @@ def run(workers, args):
                for n in os.listdir(tmp) if n.startswith("rank-")}
         snapshots = [line for line in proc.stdout.splitlines() if "server_snapshots_max" in line]
         peak = snapshots[-1].split("server_snapshots_max ")[1].split(",")[0] if snapshots else "n/a"
-        return rss[0], max(v for r, v in rss.items() if r > 0), peak
+        return (max(v for r, v in rss.items() if r < args.servers), max(v for r, v in rss.items() if r >= args.servers),
+                peak)
 
 
 def main():
@@ -65,16 +73,19 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--staleness", type=int, default=2)
     p.add_argument("--pythonpath", default="", help="run the hpctrain found here (another checkout)")
+    p.add_argument("--checkpoint", action="store_true", help="write checkpoints (every --steps / 2 steps)")
+    p.add_argument("--servers", type=int, default=1, help="parameter servers (world ranks 0 .. servers - 1)")
     p.add_argument("--mpiexec", default=os.path.join(os.path.dirname(sys.executable), "mpiexec"))
     args = p.parse_args()
     params = 64 * args.hidden + args.hidden + args.hidden * args.hidden + args.hidden + args.hidden * 10 + 10
     print(f"digits MLP 64-{args.hidden}-{args.hidden}-10: {params:,} parameters ({params * 4 / 2**20:.1f} MiB a "
-          f"copy); staleness {args.staleness}, {args.steps} steps; hpctrain from {args.pythonpath or 'this checkout'}")
+          f"copy); staleness {args.staleness}, {args.steps} steps{', checkpoints' if args.checkpoint else ''}; "
+          f"hpctrain from {args.pythonpath or 'this checkout'}")
     rows = []
     for w in args.workers:
         server, worker, peak = run(w, args)
         rows.append((w, server, worker, peak))
-        print(f"W = {w}: server peak RSS {server:,.0f} MB, largest worker {worker:,.0f} MB, "
+        print(f"W = {w}: server peak RSS {server:,.0f} MB (the largest of {args.servers}), largest worker {worker:,.0f} MB, "
               f"server snapshots at most {peak}", flush=True)
     (w0, s0, _, _), (w1, s1, _, _) = rows[0], rows[-1]
     print(f"server growth per added worker: {(s1 - s0) / max(1, w1 - w0):+.1f} MB "

@@ -85,6 +85,60 @@ def test_parts_chain_to_the_whole_model_bit_for_bit():
     assert set(init) == set(spec.layout.names)
 
 
+def test_a_part_of_model_chunks_runs_each_chunk_as_its_own_stage_would():
+    """Interleaved 1F1B's parts: stage 0 of 2 with 2 chunks holds virtual stages 0 and 2 of 4. Its chunks' forward
+    and backward, chained with stage 1's, give the whole model's loss and gradients bit for bit; its layout holds
+    the two chunks' tensors one after the other, each chunk a slice of the global buffer; the "gradients final"
+    offsets fall from the end of the buffer as the chunks' backwards run in reverse."""
+    be = CpuBackend()
+    spec = ModelSpec(config("x.h5").model.layers)  # units (0, 1), (2, 3), (4, 5), (6, 6)
+    virtual = spec.partition(4)
+    parts = [spec.part(chunks=virtual[s::2]) for s in range(2)]  # stage s holds virtual stages s and s + 2
+    assert parts[0].layer_ranges == [(0, 1), (4, 5)] and parts[0].chunk_layers == [(0, 1), (2, 3)]
+    assert parts[0].chunk_widths == [(spec.in_features, spec.widths[1]), (spec.widths[3], spec.widths[5])]
+    assert parts[0].describe().startswith("layers 0..1, layers 4..5: ")
+    assert parts[0].chunk_is_first(0) and not parts[0].chunk_is_first(1) and parts[1].chunk_is_last(1)
+    assert sum(p.layout.size for p in parts) == spec.layout.size
+    for part in parts:
+        assert part.global_ranges == [spec.part(a, b).global_range for a, b in part.layer_ranges]
+    with pytest.raises(LayoutError, match="no single global range"):
+        parts[0].global_range
+    with pytest.raises(LayoutError, match="model order"):
+        spec.part(chunks=[(4, 5), (0, 1)])
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, spec.in_features)).astype(np.float32)
+    y = rng.integers(0, spec.out_features, 5)
+    loss = make_loss("cross_entropy")
+
+    def bound(part):
+        params, grads = FlatBuffer(be, part.layout), FlatBuffer(be, part.layout)
+        part.bind(params, grads)
+        params.load_host_dict(part.init_params(3))
+        return grads
+
+    whole = spec.part()
+    g = bound(whole)
+    h, saved = whole.forward(be, x)
+    value, _, d = loss(be, h, y, 1 / 5)
+    whole.backward(be, d, saved, need_dinp=False)
+    want = g.to_host_dict()
+    grads = [bound(p) for p in parts]
+    order = [(0, 0), (1, 0), (0, 1), (1, 1)]  # (stage, chunk) in virtual stage order
+    h, saved = x, {}
+    for s, c in order:
+        h, saved[s, c] = parts[s].forward(be, h, chunk=c)
+    got_value, _, d = loss(be, h, y, 1 / 5)
+    events = []
+    for s, c in reversed(order):
+        d = parts[s].backward(be, d, saved[s, c], need_dinp=not parts[s].chunk_is_first(c), chunk=c,
+                              on_final=events.append if s == 0 else None)
+    assert got_value == value
+    got = {**grads[0].to_host_dict(), **grads[1].to_host_dict()}
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert events == sorted(events, reverse=True) and events[-1] == 0  # chunk 1's offsets, then chunk 0's
+
+
 def test_gradients_final_events_cover_the_part_from_the_end():
     spec = ModelSpec(config("x.h5").model.layers)
     part = spec.part(2, 6)

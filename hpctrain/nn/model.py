@@ -172,10 +172,14 @@ class ModelSpec:
         return next(i for i, (layer, prefix) in enumerate(zip(self.layers, self.prefixes))
                     if any(prefix + n == name for n, _ in layer.params))
 
-    def part(self, lo: int = 0, hi: int | None = None, tp=None, *, split_ties: bool = False) -> "ModelPart":
+    def part(self, lo: int = 0, hi: int | None = None, tp=None, *, split_ties: bool = False,
+             chunks=None) -> "ModelPart":
         """The part running layers lo..hi (inclusive; the whole model by default), as tensor-parallel
         rank ``tp.rank`` of ``tp.size`` (parallel/tensor.py: ``TensorParallel``) when ``tp`` is given;
-        ``split_ties``: see ``ModelPart``."""
+        ``split_ties``: see ``ModelPart``. ``chunks``: instead of lo..hi, several inclusive layer ranges in
+        model order (interleaved 1F1B's model chunks of one stage)."""
+        if chunks is not None:
+            return ModelPart(self, chunks[0][0], chunks[-1][1], tp, split_ties=split_ties, chunks=chunks)
         return ModelPart(self, lo, len(self.layers) - 1 if hi is None else hi, tp, split_ties=split_ties)
 
 
@@ -231,15 +235,31 @@ class ModelPart:
     ``split_ties`` (train.deterministic): a layer tied to a tensor another layer of this same part owns
     gets a local replica too, ``<name>#tie``, so its half of the gradient is summed apart from the owner's
     half and added after the data-parallel sum, as across two stages (``local_ties``: (owner, replica)).
+
+    ``chunks`` (interleaved 1F1B): several inclusive layer ranges in model order, each run on its own
+    (``forward``/``backward`` take ``chunk``); the local layout holds their tensors one chunk after another,
+    the global order still, so chunk c's slice of the global buffer is ``global_ranges[c]``. Without it the
+    part is one chunk, lo..hi.
     """
 
-    def __init__(self, spec: ModelSpec, lo: int, hi: int, tp=None, *, split_ties: bool = False):
-        self.spec, self.lo, self.hi, self.tp = spec, lo, hi, tp
+    def __init__(self, spec: ModelSpec, lo: int, hi: int, tp=None, *, split_ties: bool = False, chunks=None):
+        chunks = [(int(a), int(b)) for a, b in (chunks or [(lo, hi)])]
+        if any(a > b for a, b in chunks) or any(b >= a2 for (_, b), (a2, _) in zip(chunks, chunks[1:])):
+            raise LayoutError(f"model chunks must be non-empty layer ranges in model order, got {chunks}")
+        self.spec, self.lo, self.hi, self.tp = spec, chunks[0][0], chunks[-1][1], tp
+        indices = [i for a, b in chunks for i in range(a, b + 1)]
         split = tp is not None and tp.size > 1
-        self.layers = [spec.tp_layer(i, tp) if split else spec.layers[i] for i in range(lo, hi + 1)]
-        self.prefixes = spec.prefixes[lo : hi + 1]
-        self.is_first, self.is_last = lo == 0, hi == len(spec.layers) - 1
-        self.in_features, self.out_features = spec.width_before(lo), spec.widths[hi]
+        self.layers = [spec.tp_layer(i, tp) if split else spec.layers[i] for i in indices]
+        self.prefixes = [spec.prefixes[i] for i in indices]
+        self.is_first, self.is_last = self.lo == 0, self.hi == len(spec.layers) - 1
+        self.in_features, self.out_features = spec.width_before(self.lo), spec.widths[self.hi]
+        # chunk c: local layers [start, end] and the widths it takes and gives (its neighbours' messages)
+        self.chunk_layers, at = [], 0
+        for a, b in chunks:
+            self.chunk_layers.append((at, at + b - a))
+            at += b - a + 1
+        self.chunk_widths = [(spec.width_before(a), spec.widths[b]) for a, b in chunks]
+        self.layer_ranges = chunks
         self.positions = spec.positions
         owned = [(prefix + name, shape) for layer, prefix in zip(self.layers, self.prefixes)
                  for name, shape in layer.params]
@@ -259,7 +279,7 @@ class ModelPart:
         self.owned_size = sum(int(np.prod(shape)) for _, shape in owned)
         self.replicas = [name for name, _ in replicas]
         self.local_ties = sorted(self._tie_names.items())  # (owner, its replica on this same part)
-        here = range(lo, hi + 1)
+        here = set(indices)
         self.shared = [name for name in owned_names if any(i not in here for i in spec.tied_by.get(name, ()))]
         cross = [name for name in self.replicas if name not in self._tie_names.values()]
         self.shared = sorted(self.shared) + sorted(cross)  # the same order on the owner and the replica
@@ -269,14 +289,17 @@ class ModelPart:
         # how each tensor-parallel tensor is cut (parallel/tensor.py: shard); absent: whole, replicated
         self.shards = {prefix + name: kind for layer, prefix in zip(self.layers, self.prefixes)
                        for name, kind in getattr(layer, "shards", {}).items()}
-        names = [name for name, _ in owned]
-        self.global_range = ((spec.layout[names[0]].offset, spec.layout[names[-1]].end) if names
-                             else (0, 0))  # this part's slice of the global flat buffer
-        # the local offset from which each layer's backward leaves every gradient final; None: it writes none
-        # of its own (a tie to a tensor another layer of this part owns and writes later)
-        # the partition units inside this part, as local layer ranges: what recompute = "blocks" keeps
+        # each chunk's slice of the global flat buffer (empty chunks: (0, 0))
+        self.global_ranges = []
+        for a, b in chunks:
+            names = [prefix + n for i in range(a, b + 1) for prefix in (spec.prefixes[i],)
+                     for n, _ in spec.layers[i].params]
+            self.global_ranges.append((spec.layout[names[0]].offset, spec.layout[names[-1]].end) if names else (0, 0))
+        # the partition units inside each chunk, as layer ranges local to the chunk: what recompute keeps
         units = spec.tp_units() if split else spec.units
-        self.units = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in units if a <= hi and b >= lo]
+        self.chunk_units = [[(max(u, a) - a, min(w, b) - a) for u, w in units if u <= b and w >= a] for a, b in chunks]
+        self.units = [(x + start, y + start) for (start, _), us in zip(self.chunk_layers, self.chunk_units)
+                      for x, y in us]  # all of them, local to the part
         self.recompute = False  # train.recompute = "blocks": keep each unit's input only, recompute in backward
         self._first_offset = []
         for layer, prefix in zip(self.layers, self.prefixes):
@@ -286,8 +309,26 @@ class ModelPart:
                                                              in self.replicas]
             self._first_offset.append(min((self.layout[n].offset for n in mine), default=None))
 
+    @property
+    def global_range(self) -> tuple[int, int]:
+        """This part's slice of the global flat buffer (one chunk; ``global_ranges`` has each chunk's)."""
+        if len(self.global_ranges) != 1:
+            raise LayoutError(f"a part of {len(self.global_ranges)} model chunks has no single global range")
+        return self.global_ranges[0]
+
     def describe(self) -> str:
+        if len(self.layer_ranges) > 1:
+            return (", ".join(f"layers {a}..{b}" for a, b in self.layer_ranges)
+                    + f": {self.layout.size:,} parameters")
         return f"layers {self.lo}..{self.hi}: {self.layout.size:,} parameters"
+
+    def chunk_is_first(self, chunk: int) -> bool:
+        """Whether chunk ``chunk`` starts the model (it takes the inputs)."""
+        return self.layer_ranges[chunk][0] == 0
+
+    def chunk_is_last(self, chunk: int) -> bool:
+        """Whether chunk ``chunk`` ends the model (its output goes to the loss)."""
+        return self.layer_ranges[chunk][1] == len(self.spec.layers) - 1
 
     def init_params(self, seed: int) -> dict[str, np.ndarray]:
         """This part's initial tensors (this rank's shards) by local name: ``init_tensors``, collected."""
@@ -335,49 +376,59 @@ class ModelPart:
                        frozenset(n for n, k in local.items() if k in written))
             written.update(local.values())
 
-    def forward(self, be, x, key=None):
-        """Return (output, saved): ``saved`` holds what each layer's backward needs, or, with ``recompute``,
-        each unit's input only (a ``UnitInputs``). ``key``: the micro-batch's DropoutKey in training (None:
-        evaluation, no dropout), handed to the layers that drop."""
+    def forward(self, be, x, key=None, chunk: int = 0):
+        """Return (output, saved) of chunk ``chunk`` (the whole part unless it has several): ``saved`` holds
+        what each layer's backward needs, or, with ``recompute``, each unit's input only (a ``UnitInputs``).
+        ``key``: the micro-batch's DropoutKey in training (None: evaluation, no dropout), handed to the layers
+        that drop."""
+        start, end = self.chunk_layers[chunk]
+        layers = self.layers[start : end + 1]
         if self.recompute:
             inputs = []
-            for a, b in self.units:
+            for a, b in self.chunk_units[chunk]:
                 inputs.append(x)
-                for layer in self.layers[a : b + 1]:
+                for layer in layers[a : b + 1]:
                     x, _ = _forward(layer, be, x, key)  # what the layer saved is dropped and rebuilt in backward
             return x, UnitInputs(inputs, key)
         saved = []
-        for layer in self.layers:
+        for layer in layers:
             x, s = _forward(layer, be, x, key)
             saved.append(s)
         return x, saved
 
-    def backward(self, be, dout, saved, *, accumulate=False, need_dinp=True, on_final=None):
-        """Backward in reverse layer order; returns the input gradient (None when not ``need_dinp``).
+    def backward(self, be, dout, saved, *, accumulate=False, need_dinp=True, on_final=None, chunk: int = 0):
+        """Backward of chunk ``chunk`` in reverse layer order; returns the input gradient (None when not
+        ``need_dinp``).
 
         ``on_final(lo)``, when given, runs as soon as every gradient from local flat offset ``lo``
-        to the end of the buffer has its final value for this step (the data-parallel sync's cue).
+        to the end of the buffer has its final value for this step (the data-parallel sync's cue; with
+        chunks, the later chunks' last backwards have run before).
         Under recompute each unit's forward runs again from its saved input just before its backward:
         the same kernels on the same values, so the gradients are bitwise those of a stored forward.
         """
-        for u in range(len(self.units) - 1, -1, -1):
-            a, b = self.units[u]
-            mine = self._unit_saved(be, saved, u)
+        start = self.chunk_layers[chunk][0]
+        units = self.chunk_units[chunk]
+        for u in range(len(units) - 1, -1, -1):
+            a, b = units[u]
+            mine = self._unit_saved(be, saved, u, chunk)
             for k in range(b, a - 1, -1):
                 last = k == 0 and not need_dinp
-                dout = self.layers[k].backward(be, dout, mine[k - a], accumulate=accumulate, need_dinp=not last)
+                layer = start + k
+                dout = self.layers[layer].backward(be, dout, mine[k - a], accumulate=accumulate, need_dinp=not last)
                 mine[k - a] = None  # this layer's activations can go now
-                if on_final is not None and self._first_offset[k] is not None:
-                    on_final(self._first_offset[k])
+                if on_final is not None and self._first_offset[layer] is not None:
+                    on_final(self._first_offset[layer])
         return dout
 
-    def _unit_saved(self, be, saved, u: int) -> list:
-        """What unit u's layers saved in forward: stored, or rebuilt from the unit's input under recompute."""
-        a, b = self.units[u]
+    def _unit_saved(self, be, saved, u: int, chunk: int = 0) -> list:
+        """What unit u of chunk ``chunk`` saved in forward: stored, or rebuilt from the unit's input under
+        recompute."""
+        a, b = self.chunk_units[chunk][u]
         if not isinstance(saved, UnitInputs):
             return saved[a : b + 1]
+        start = self.chunk_layers[chunk][0]
         x, mine = saved.inputs[u], []
-        for layer in self.layers[a : b + 1]:
+        for layer in self.layers[start + a : start + b + 1]:
             x, s = _forward(layer, be, x, saved.key)  # the same dropout draws as the first forward
             mine.append(s)
         return mine

@@ -48,7 +48,8 @@ from .schedule import (Backward, BackwardInput, BackwardWeight, Exchange, Forwar
 
 __all__ = ["StageExecutor", "StepResult", "bubble_share", "nbytes_of", "micro_rows"]
 
-ACTIVATION, GRAD = 0, 1  # message kinds; the tag of micro-batch i's message is 2·i + kind
+ACTIVATION, GRAD = 0, 1  # message kinds; the tag of micro-batch i's message is 2·(i·v + c) + kind, c: the chunk
+# of the lower of the two virtual stages it joins (2·i + kind with one chunk per stage)
 
 
 @dataclass
@@ -106,14 +107,26 @@ class _Ring:
         self.hosts = [transport.host_buffer((max_rows, width)) for _ in range(size)]
         self.free = list(range(size))
         self.ready = [None] * size
+        self.width = width
+
+    def view(self, slot: int, rows: int, width: int):
+        """Slot ``slot`` as a contiguous (rows, width) array and its host twin (None when direct): the first rows
+        of the slot, or, for a narrower message (a model chunk's), the start of its memory."""
+        arr, host = self.arrays[slot], self.hosts[slot]
+        if width == self.width:
+            return arr[:rows], None if host is None else host[:rows]
+        n = rows * width
+        return (arr.reshape(-1)[:n].reshape(rows, width),
+                None if host is None else host.reshape(-1)[:n].reshape(rows, width))
 
 
 class StageExecutor:
     """Executes stage ``stage`` of ``stages``: its instructions, its part, its messages and its gradient sync."""
 
-    def __init__(self, *, backend, part, loss, stage: int, stages: int, p2p, sync, stats, max_rows: int, tracer=None):
+    def __init__(self, *, backend, part, loss, stage: int, stages: int, p2p, sync, stats, max_rows: int, tracer=None,
+                 virtual_stages: int = 1):
         self.be, self.part, self.loss, self.p2p, self.sync, self.tracer = backend, part, loss, p2p, sync, tracer
-        self.stage, self.stages = stage, stages
+        self.stage, self.stages, self.virtual_stages = stage, stages, virtual_stages
         self.max_rows = max_rows
         self.stats = stats
         self.table = {
@@ -138,12 +151,13 @@ class StageExecutor:
         ``len``: the micro-batches)."""
         self.batch, self.grad_scale, self.on_optimizer_step = batch, grad_scale, on_optimizer_step
         self.result = StepResult()
+        # keyed by (mb, chunk): a micro-batch's input, targets, saved activations and their bytes
         self._x, self._y, self._saved, self._live_bytes = {}, {}, {}, {}
         self._out, self._dout, self._dinp = {}, {}, {}  # activation to send, gradient in, gradient to send
-        self._slots = {}  # (kind, mb) -> (ring slot, pending receive or None once waited)
+        self._slots = {}  # (kind, mb, chunk) -> (ring slot, pending receive or None once waited)
         receives, self._last_backward = self._plan(instructions)
-        self._pending = {kind: list(mbs) for kind, mbs in receives.items()}  # pop() takes the next
-        self._first_backward = True
+        self._pending = {kind: list(keys) for kind, keys in receives.items()}  # pop() takes the next
+        self._wrote = set()  # chunks whose gradients a backward has written this step (later ones add)
         self._wrote_input = self._wrote_weight = False  # zero-bubble: the first B and the first W write, not add
         self._wsaved = {}  # mb -> what its BackwardWeight needs
         self._loss_rows = None  # the last stage: [loss sum, correct, first bad row] per micro-batch, on the backend
@@ -212,18 +226,34 @@ class StageExecutor:
         self._losses = []
 
     def _plan(self, instructions):
-        """Per list, once: the receives in program order (reversed, per kind) and the last Backward's index."""
+        """Per list, once: the receives in program order (reversed, per kind: (mb, chunk)) and the index of each
+        chunk's last Backward (its gradients are final after it: the sync's cue)."""
         plan = self._plans.get(id(instructions))
         if plan is None or plan[0] is not instructions:
             receives = {ACTIVATION: [], GRAD: []}
-            for ins in instructions:
+            last = {}
+            for i, ins in enumerate(instructions):
                 for op in (ins.send, ins.recv) if isinstance(ins, Exchange) else (ins,):
                     if isinstance(op, (RecvActivation, RecvGrad)):
-                        receives[self._kind(op)].append(op.mb)
-            last = max((i for i, ins in enumerate(instructions) if isinstance(ins, (Backward, BackwardWeight))),
-                       default=-1)
-            plan = self._plans[id(instructions)] = (instructions, {k: v[::-1] for k, v in receives.items()}, last)
+                        receives[self._kind(op)].append((op.mb, op.chunk))
+                if isinstance(ins, (Backward, BackwardWeight)):
+                    last[ins.chunk] = i
+            plan = self._plans[id(instructions)] = (instructions, {k: v[::-1] for k, v in receives.items()},
+                                                    frozenset(last.values()))
         return plan[1], plan[2]
+
+    def _tag(self, kind, mb: int, chunk: int) -> int:
+        """The tag of micro-batch mb's message of ``kind`` received or sent by this stage's chunk ``chunk``: both
+        ends name the lower of the two virtual stages it joins."""
+        here = chunk * self.stages + self.stage
+        receives_from_below = kind == ACTIVATION
+        low = here - 1 if receives_from_below else here
+        return 2 * (mb * self.virtual_stages + low // self.stages) + kind
+
+    def _send_tag(self, kind, mb: int, chunk: int) -> int:
+        here = chunk * self.stages + self.stage
+        low = here if kind == ACTIVATION else here - 1
+        return 2 * (mb * self.virtual_stages + low // self.stages) + kind
 
     def _trace(self, name, mb, t0, t1):
         if self.tracer is not None:
@@ -237,7 +267,7 @@ class StageExecutor:
 
     def _ring(self, kind) -> _Ring:
         if kind not in self._rings:
-            width = self.part.in_features if kind == ACTIVATION else self.part.out_features
+            width = max(w[0 if kind == ACTIVATION else 1] for w in self.part.chunk_widths)  # fits every chunk's
             # a received activation lives until its backward; one more slot lets the next receive go up early
             grads = self.stats.peak_recv_grad[self.stage] if self.stats.peak_recv_grad else 1  # W reads its B's
             size = (self.stats.peak_recv_activation[self.stage] if kind == ACTIVATION else grads) + 1
@@ -250,19 +280,20 @@ class StageExecutor:
                 continue
             ring = self._ring(kind)
             while queue and ring.free:
-                mb = queue.pop()
+                mb, chunk = queue.pop()
                 slot = ring.free.pop()
                 if ring.ready[slot] is not None:  # a kernel or copy queued earlier may still read the buffer
                     self.be.host_wait_for(ring.ready[slot])
                     ring.ready[slot] = None
-                n = self.batch.rows(mb)
-                source = self.stage - 1 if kind == ACTIVATION else self.stage + 1
-                host = ring.hosts[slot][:n] if ring.hosts[slot] is not None else None
-                handle = self.p2p.post_recv(ring.arrays[slot][:n], source=source, tag=2 * mb + kind, host=host)
-                self._slots[(kind, mb)] = (slot, handle)
+                width = self.part.chunk_widths[chunk][0 if kind == ACTIVATION else 1]
+                arr, host = ring.view(slot, self.batch.rows(mb), width)
+                # the neighbouring virtual stage: stage s ± 1, wrapping round between chunks
+                source = (self.stage - 1 if kind == ACTIVATION else self.stage + 1) % self.stages
+                handle = self.p2p.post_recv(arr, source=source, tag=self._tag(kind, mb, chunk), host=host)
+                self._slots[(kind, mb, chunk)] = (slot, handle)
 
-    def _release(self, kind, mb) -> None:
-        slot, _ = self._slots.pop((kind, mb), (None, None))
+    def _release(self, kind, mb, chunk=0) -> None:
+        slot, _ = self._slots.pop((kind, mb, chunk), (None, None))
         if slot is not None:
             ring = self._rings[kind]
             if self.be.is_device and self.p2p.transport.direct:  # MPI will write the device array itself
@@ -270,25 +301,26 @@ class StageExecutor:
             ring.free.append(slot)
 
     def _recv(self, ins) -> None:
-        kind = self._kind(ins)
-        if (kind, ins.mb) not in self._slots:
+        kind, key = self._kind(ins), (ins.mb, ins.chunk)
+        if (kind, *key) not in self._slots:
             raise RuntimeError(f"stage {self.stage}: {ins} has no free receive buffer (ring sized too small)")
-        slot, handle = self._slots[(kind, ins.mb)]
+        slot, handle = self._slots[(kind, *key)]
         t0 = time.perf_counter()
         arr = handle.wait()
         t1 = time.perf_counter()
         if handle.uploaded is not None:  # staged: the host twin is free once the queued copy has run
             self._ring(kind).ready[slot] = handle.uploaded
-        self._slots[(kind, ins.mb)] = (slot, None)
-        (self._x if kind == ACTIVATION else self._dout)[ins.mb] = arr
+        self._slots[(kind, *key)] = (slot, None)
+        (self._x if kind == ACTIVATION else self._dout)[key] = arr
         self.result.wait += t1 - t0
         self._trace("recv " + ("activation" if kind == ACTIVATION else "grad"), ins.mb, t0, t1)
 
     def _send(self, ins) -> None:
         kind = self._kind(ins)
-        arr = (self._out if kind == ACTIVATION else self._dinp).pop(ins.mb)
+        arr = (self._out if kind == ACTIVATION else self._dinp).pop((ins.mb, ins.chunk))
+        dest = (self.stage + 1 if kind == ACTIVATION else self.stage - 1) % self.stages  # the next virtual stage
         t0 = time.perf_counter()
-        self.p2p.post_send(arr, dest=self.stage + 1 if kind == ACTIVATION else self.stage - 1, tag=2 * ins.mb + kind)
+        self.p2p.post_send(arr, dest=dest, tag=self._send_tag(kind, ins.mb, ins.chunk))
         t1 = time.perf_counter()
         self.result.wait += t1 - t0
         self._trace("send " + ("activation" if kind == ACTIVATION else "grad"), ins.mb, t0, t1)
@@ -301,39 +333,40 @@ class StageExecutor:
 
     def _load(self, ins) -> None:
         t0 = time.perf_counter()
+        key = (ins.mb, ins.chunk)
         x, y = self.batch.load(ins.mb)
-        if self.part.is_first:
-            self._x[ins.mb] = _upload(self.be, x)
-        if self.part.is_last:
-            self._y[ins.mb] = _upload(self.be, y)
+        if self.part.chunk_is_first(ins.chunk):
+            self._x[key] = _upload(self.be, x)
+        if self.part.chunk_is_last(ins.chunk):
+            self._y[key] = _upload(self.be, y)
         t1 = time.perf_counter()
         self.result.data += t1 - t0
         self._trace("load", ins.mb, t0, t1)
 
     def _forward(self, ins) -> None:
-        mb = ins.mb
+        mb, key = ins.mb, (ins.mb, ins.chunk)
         t0 = time.perf_counter()
-        out, saved = self.part.forward(self.be, self._x[mb], self.batch.key(mb))
-        if self.part.is_last:
+        out, saved = self.part.forward(self.be, self._x[key], self.batch.key(mb), chunk=ins.chunk)
+        if self.part.chunk_is_last(ins.chunk):
             if self._loss_rows is None:
                 self._loss_rows = self.be.zeros((len(self.batch), 3), np.float64)
-            loss_sum, correct, dout = self.loss(self.be, out, self._y.pop(mb), self.grad_scale,
+            loss_sum, correct, dout = self.loss(self.be, out, self._y.pop(key), self.grad_scale,
                                                 into=self._loss_rows[mb])
             self._losses.append((mb, None if loss_sum is None else (float(loss_sum), float(correct))))
             self.result.rows += self.batch.rows(mb)
-            self._dout[mb] = dout
+            self._dout[key] = dout
         else:
-            self._out[mb] = out
+            self._out[key] = out
         if self.on_optimizer_step is None:  # evaluation: nothing is kept for a backward pass
-            self._x.pop(mb)
-            self._dout.pop(mb, None)
-            self._release(ACTIVATION, mb)
+            self._x.pop(key)
+            self._dout.pop(key, None)
+            self._release(ACTIVATION, *key)
         else:
-            self._saved[mb] = saved
-            rows = self.batch.rows(mb)
+            self._saved[key] = saved
+            rows = (self.batch.rows(mb), ins.chunk)
             if rows not in self._saved_bytes:
                 self._saved_bytes[rows] = nbytes_of(saved)
-            self._live_bytes[mb] = self._saved_bytes[rows]
+            self._live_bytes[key] = self._saved_bytes[rows]
             self.result.peak_live = max(self.result.peak_live, len(self._live_bytes))  # until its W, when split
             self.result.peak_bytes = max(self.result.peak_bytes, sum(self._live_bytes.values()))
         t1 = time.perf_counter()
@@ -341,54 +374,56 @@ class StageExecutor:
         self._trace("forward", mb, t0, t1)
 
     def _backward(self, ins) -> None:
-        mb = ins.mb
+        mb, key = ins.mb, (ins.mb, ins.chunk)
         t0 = time.perf_counter()
-        last = self._index == self._last_backward
+        last = self._index in self._last_backward  # this chunk's last: its gradients are final after it
         tree = self.sync is not None and self.sync.tree is not None  # train.deterministic: one gradient per shard
         if tree and last:
             self.sync.last_leaf(mb)
-        dinp = self.part.backward(self.be, self._dout.pop(mb), self._saved.pop(mb),
-                                  accumulate=not (self._first_backward or tree), need_dinp=not self.part.is_first,
-                                  on_final=self.sync.grads_final if last and self.sync is not None else None)
+        dinp = self.part.backward(self.be, self._dout.pop(key), self._saved.pop(key),
+                                  accumulate=not (ins.chunk not in self._wrote or tree),
+                                  need_dinp=not self.part.chunk_is_first(ins.chunk),
+                                  on_final=self.sync.grads_final if last and self.sync is not None else None,
+                                  chunk=ins.chunk)
         if tree and not last:
             self.sync.leaf_done(mb)
-        self._first_backward = False
-        del self._live_bytes[mb]
-        self._x.pop(mb)
-        self._release(ACTIVATION, mb)
-        self._release(GRAD, mb)
+        self._wrote.add(ins.chunk)
+        del self._live_bytes[key]
+        self._x.pop(key)
+        self._release(ACTIVATION, *key)
+        self._release(GRAD, *key)
         if dinp is not None:
-            self._dinp[mb] = dinp  # SendGrad(mb) sends it
+            self._dinp[key] = dinp  # SendGrad(mb) sends it
         t1 = time.perf_counter()
         self.result.busy += t1 - t0
         self._trace("backward", mb, t0, t1)
 
     def _backward_input(self, ins) -> None:
         """B: the input gradient, sent on by the next instruction; what W needs stays (with the received input
-        and gradient buffers, which W reads)."""
-        mb = ins.mb
+        and gradient buffers, which W reads). One chunk per stage (the zero-bubble schedule)."""
+        mb, key = ins.mb, (ins.mb, 0)
         t0 = time.perf_counter()
-        dinp, self._wsaved[mb] = self.part.backward_input(self.be, self._dout.pop(mb), self._saved.pop(mb),
+        dinp, self._wsaved[mb] = self.part.backward_input(self.be, self._dout.pop(key), self._saved.pop(key),
                                                           accumulate=self._wrote_input,
                                                           need_dinp=not self.part.is_first)
         self._wrote_input = True
         if dinp is not None:
-            self._dinp[mb] = dinp
+            self._dinp[key] = dinp
         t1 = time.perf_counter()
         self.result.busy += t1 - t0
         self._trace("backward input", mb, t0, t1)
 
     def _backward_weight(self, ins) -> None:
-        mb = ins.mb
+        mb, key = ins.mb, (ins.mb, 0)
         t0 = time.perf_counter()
-        last = self._index == self._last_backward
+        last = self._index in self._last_backward
         self.part.backward_weight(self.be, self._wsaved.pop(mb), accumulate=self._wrote_weight,
                                   on_final=self.sync.grads_final if last and self.sync is not None else None)
         self._wrote_weight = True
-        del self._live_bytes[mb]
-        self._x.pop(mb)
-        self._release(ACTIVATION, mb)
-        self._release(GRAD, mb)
+        del self._live_bytes[key]
+        self._x.pop(key)
+        self._release(ACTIVATION, *key)
+        self._release(GRAD, *key)
         t1 = time.perf_counter()
         self.result.busy += t1 - t0
         self._trace("backward weight", mb, t0, t1)

@@ -141,6 +141,7 @@ class ParallelConfig:
     pp: int = 1
     tp: int = 1
     schedule: str = "1f1b"
+    virtual_stages: int = 1  # model chunks per pipeline stage (schedule = "interleaved-1f1b")
     stages: tuple[tuple[int, int], ...] = ()
     bucket_mb: float = 25.0
     overlap: bool = True
@@ -183,7 +184,7 @@ CHOICES = {
     ("train", "backend"): ("auto", "cpu", "cuda"),
     ("optim", "name"): ("sgd", "adam", "adamw"),
     ("optim", "schedule"): ("constant", "cosine", "linear", "nanogpt"),
-    ("parallel", "schedule"): ("1f1b", "gpipe", "zero-bubble"),
+    ("parallel", "schedule"): ("1f1b", "gpipe", "zero-bubble", "interleaved-1f1b"),
     ("train", "progress"): ("auto", "bar", "lines"),
     ("parallel", "mode"): ("sync", "async_ps"),
 }
@@ -406,6 +407,18 @@ def _check_ranges(cfg: Config) -> None:
     need(p.dp == "auto" or p.dp >= 1, "parallel.dp", f'must be >= 1 or "auto", got {p.dp}')
     need(p.pp >= 1, "parallel.pp", f"must be >= 1, got {p.pp}")
     need(p.tp >= 1, "parallel.tp", f"must be >= 1, got {p.tp}")
+    need(p.virtual_stages >= 1, "parallel.virtual_stages", f"must be >= 1, got {p.virtual_stages}")
+    if p.schedule == "interleaved-1f1b":
+        need(p.virtual_stages >= 2, "parallel.virtual_stages", 'schedule = "interleaved-1f1b" needs virtual_stages '
+             f">= 2 (model chunks per stage), got {p.virtual_stages}")
+        need(p.pp >= 2, "parallel.schedule", f'"interleaved-1f1b" needs parallel.pp >= 2, got pp = {p.pp}')
+        need(t.micro_batches % p.pp == 0, "train.micro_batches", f"must be a multiple of parallel.pp = {p.pp} for "
+             f'schedule = "interleaved-1f1b" (micro-batches go round in groups of pp), got {t.micro_batches}')
+        need(not t.deterministic, "train.deterministic", 'not with parallel.schedule = "interleaved-1f1b" yet (a '
+             'micro-batch\'s gradient is written by several chunks); use "1f1b"')
+    else:
+        need(p.virtual_stages == 1, "parallel.virtual_stages", f"= {p.virtual_stages} needs parallel.schedule = "
+             f'"interleaved-1f1b" (schedule {p.schedule!r} runs one model chunk per stage)')
     if p.stages and m.kind == "gpt":  # units: the embedding, the blocks, the head; each holds parameters
         _check_stages(p, m.n_layer + 2, lambda lo, hi: True, "the embedding 0, blocks 1..n_layer, the head")
     elif p.stages:
@@ -433,9 +446,11 @@ def _check_ranges(cfg: Config) -> None:
 
 
 def _check_stages(p: "ParallelConfig", n: int, has_params, what: str) -> None:
-    """parallel.stages: pp inclusive [first, last] ranges covering the n layers in order, each with parameters."""
-    if len(p.stages) != p.pp:
-        raise ConfigError(f"parallel.stages lists {len(p.stages)} stage(s) but parallel.pp = {p.pp}")
+    """parallel.stages: pp (times virtual_stages: each model chunk) inclusive [first, last] ranges covering the n
+    layers in order, each with parameters."""
+    if len(p.stages) != p.pp * p.virtual_stages:
+        each = f" x virtual_stages = {p.virtual_stages} (a range per model chunk)" if p.virtual_stages > 1 else ""
+        raise ConfigError(f"parallel.stages lists {len(p.stages)} stage(s) but parallel.pp = {p.pp}{each}")
     expect = 0
     for s, (lo, hi) in enumerate(p.stages):
         where = f"parallel.stages[{s}] = [{lo}, {hi}]"

@@ -114,27 +114,30 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
     t = deterministic_layout(cfg, dp=dp, tp=tp).train  # train.deterministic: shards / dp micro-batches
     model = make_model(cfg.model)
     model.check_tp(tp)
-    stages = model.partition(pp, p.stages, tp=tp)
-    stats = checked(p.schedule if pp > 1 else "1f1b", pp, t.micro_batches)[1]
+    v = p.virtual_stages if pp > 1 else 1  # model chunks per stage (interleaved 1F1B)
+    stages = model.partition(pp * v, p.stages, tp=tp)  # stage s holds stages[s::pp]
+    stats = checked(p.schedule if pp > 1 else "1f1b", pp, t.micro_batches, v)[1]
     zero = p.zero if dp > 1 else 0
     slots = (1 if cfg.optim.momentum else 0) if cfg.optim.name == "sgd" else 2
     bucket_elems = max(1, int(p.bucket_mb * 1e6 / 4))
     local_rows = t.batch_size // dp  # samples per rank per step
     runtime = RUNTIME_BYTES["gpt" if cfg.model.kind == "gpt" else "mlp"]
     out = []
-    for s, (lo, hi) in enumerate(stages):
+    for s in range(pp):
         for r in range(tp):
-            part = model.part(lo, hi, tp=_ShapeOnlyTP(r, tp) if tp > 1 else None, split_ties=t.deterministic)
+            part = model.part(chunks=stages[s::pp], tp=_ShapeOnlyTP(r, tp) if tp > 1 else None,
+                              split_ties=t.deterministic)
             part.recompute = t.recompute == "blocks"
             acts = _activation_bytes(part, model, local_rows // t.micro_batches, stats.peak_live[s])
             rows = micro_rows(local_rows, t.micro_batches) * model.positions  # one micro-batch a ring slot
             rings = 0
-            if pp > 1:  # the executor's receive rings (parallel/executor.py), per kind it receives
-                if not part.is_first:
-                    rings += (stats.peak_recv_activation[s] + 1) * rows * part.in_features * 4
-                if not part.is_last:  # received gradients: one (+ 1), or what zero-bubble's W passes still read
-                    grads = stats.peak_recv_grad[s] if stats.peak_recv_grad else 1
-                    rings += (grads + 1) * rows * part.out_features * 4
+            if pp > 1:  # the executor's receive rings (parallel/executor.py), per kind it receives, slots as wide
+                chunks = range(len(part.layer_ranges))  # as the widest chunk's messages
+                if not all(part.chunk_is_first(c) for c in chunks):
+                    rings += (stats.peak_recv_activation[s] + 1) * rows * max(w for w, _ in part.chunk_widths) * 4
+                if not all(part.chunk_is_last(c) for c in chunks):  # received gradients: one (+ 1), or what
+                    grads = stats.peak_recv_grad[s] if stats.peak_recv_grad else 1  # zero-bubble's W passes read
+                    rings += (grads + 1) * rows * max(w for _, w in part.chunk_widths) * 4
             for d in range(dp):
                 shard = ZeroShard(make_buckets(part.layout.size, bucket_elems), dp, d, limit=part.owned_size) \
                     if zero else None
@@ -155,26 +158,31 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
 
 def _activation_bytes(part, model, mb_samples: int, peak_live: int) -> int:
     """Saved bytes of ``peak_live`` micro-batches of ``mb_samples`` samples, plus the working set of one backward:
-    the unit being recomputed (recompute) and the part's output with its gradient."""
+    the unit being recomputed (recompute) and the part's output with its gradient. With model chunks (interleaved
+    1F1B) ``peak_live`` counts chunk passes, each taken at the largest chunk's bytes."""
     from .parallel.executor import nbytes_of
     from .params import FlatBuffer
 
     be = _Shapes()
     buf = FlatBuffer(be, part.layout)
     part.bind(buf, buf)
-    if part.is_first:
-        x = be.empty((mb_samples, model.positions), np.int64) if model.positions > 1 else \
-            be.empty((mb_samples, part.in_features))
-    else:
-        x = be.empty((mb_samples * model.positions, part.in_features))
-    out, saved = part.forward(be, x)
-    kept = nbytes_of(saved)
-    working = 2 * int(out.nbytes)  # the output and, in backward, its gradient
-    if part.recompute:  # one unit's activations are rebuilt at a time
-        part.recompute = False
-        _, full = part.forward(be, x)
-        part.recompute = True
-        working += max(nbytes_of(full[a : b + 1]) for a, b in part.units)
+    kept = working = 0
+    for c in range(len(part.layer_ranges)):
+        width = part.chunk_widths[c][0]
+        if part.chunk_is_first(c):
+            x = be.empty((mb_samples, model.positions), np.int64) if model.positions > 1 else \
+                be.empty((mb_samples, width))
+        else:
+            x = be.empty((mb_samples * model.positions, width))
+        out, saved = part.forward(be, x, chunk=c)
+        kept = max(kept, nbytes_of(saved))
+        mine = 2 * int(out.nbytes)  # the output and, in backward, its gradient
+        if part.recompute:  # one unit's activations are rebuilt at a time
+            part.recompute = False
+            _, full = part.forward(be, x, chunk=c)
+            part.recompute = True
+            mine += max(nbytes_of(full[a : b + 1]) for a, b in part.chunk_units[c])
+        working = max(working, mine)
     return peak_live * kept + working
 
 

@@ -84,7 +84,22 @@ def test_round_trip_through_toml(tmp_path):
     ("[checkpoint]\nkeep = 9223372036854775808", "checkpoint.keep: must fit in a 64-bit signed integer"),
     ("[parallel]\ndp = 9223372036854775808", "parallel.dp: must fit in a 64-bit signed integer"),
     ("[parallel]\ntp = -9223372036854775809", "parallel.tp: must fit in a 64-bit signed integer"),
-    ("[parallel]\nschedule = 'interleaved'", "parallel.schedule: expected one of '1f1b', 'gpipe', 'zero-bubble', got 'interleaved'"),
+    ("[parallel]\nschedule = 'interleaved'", "parallel.schedule: expected one of '1f1b', 'gpipe', 'zero-bubble', "
+     "'interleaved-1f1b', got 'interleaved'"),
+    ("[parallel]\npp = 2\nschedule = 'interleaved-1f1b'", "parallel.virtual_stages: schedule = \"interleaved-1f1b\" "
+     "needs virtual_stages >= 2"),
+    ("[parallel]\nschedule = 'interleaved-1f1b'\nvirtual_stages = 2", "parallel.schedule: \"interleaved-1f1b\" needs "
+     "parallel.pp >= 2, got pp = 1"),
+    ("[train]\nmicro_batches = 3\n[parallel]\npp = 2\nschedule = 'interleaved-1f1b'\nvirtual_stages = 2",
+     "train.micro_batches: must be a multiple of parallel.pp = 2"),
+    ("[train]\nmicro_batches = 2\ndeterministic = true\n[parallel]\npp = 2\nschedule = 'interleaved-1f1b'\n"
+     "virtual_stages = 2", "train.deterministic: not with parallel.schedule = \"interleaved-1f1b\" yet"),
+    ("[parallel]\npp = 2\nvirtual_stages = 2", "parallel.virtual_stages: = 2 needs parallel.schedule = "
+     "\"interleaved-1f1b\""),
+    ("[parallel]\nvirtual_stages = 0", "parallel.virtual_stages: must be >= 1, got 0"),
+    ("[train]\nmicro_batches = 2\n[parallel]\npp = 2\nschedule = 'interleaved-1f1b'\nvirtual_stages = 2\n"
+     "stages = [[0, 1], [2, 2]]",
+     r"parallel.stages lists 2 stage\(s\) but parallel.pp = 2 x virtual_stages = 2 \(a range per model chunk\)"),
     ("[parallel]\npp = 2\nstages = [[0, 1]]", "parallel.stages lists 1 stage\\(s\\) but parallel.pp = 2"),
     ("[parallel]\npp = 2\nstages = [[0, 1], [1, 2]]", r"parallel.stages\[1\] = \[1, 2\] overlaps the stage before it"),
     ("[parallel]\npp = 2\nstages = [[0, 0], [2, 2]]", r"parallel.stages\[1\] = \[2, 2\] leaves out layer\(s\) 1..1"),

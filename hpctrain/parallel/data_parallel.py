@@ -175,7 +175,7 @@ class GradSync:
     def _scatter_when(self, i, ready) -> None:
         """ZeRO on a device's communication thread: bucket i reduce-scattered in place once ``ready`` is done. MPI
         leaves this rank's summed chunk at the bucket's start; staged, its copy to the chunk's place is queued on
-        the copy stream (its event kept for ``wait``), CUDA-aware, ``wait`` queues it on the training stream."""
+        the upload stream (its event kept for ``wait``), CUDA-aware, ``wait`` queues it on the training stream."""
         (lo, hi), parts = self.buckets[i], self.shard.parts[i]
         a, b = parts[self.shard.rank]
         host = None if self.direct else self.host[lo:hi]
@@ -183,7 +183,8 @@ class GradSync:
         self.comm.Reduce_scatter(self.MPI.IN_PLACE, buf, [y - x for x, y in parts], op=self.MPI.SUM)
         if b > a and host is not None:
             self._arrived.append(self.transport.incoming_async(host[: b - a], self.grads.data[a:b]))
-        elif a > lo:  # CUDA-aware, not the first chunk ([lo, lo + b - a) and [a, b) do not overlap: b - a <= a - lo)
+        elif host is None and b > a > lo:  # CUDA-aware, not the first chunk: [lo, lo + b - a) and [a, b) do not
+            # overlap, since split_range gives chunk r the offset r * per and each chunk at most per values
             self._moves.append((lo, a, b))
 
     def _tree_when(self, i, ready) -> None:

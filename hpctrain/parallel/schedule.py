@@ -396,13 +396,13 @@ def zero_bubble(num_stages: int, micro_batches: int) -> Schedule:
                               m)
 
 
-def _without_deadlocks(name: str, stages: list, m: int, v: int = 1) -> Schedule:
-    """The schedule of ``stages`` (lists without the step's end) with each send that would deadlock under
+def _without_deadlocks(name: str, stages: list, m: int, v: int = 1, end=_step_end) -> Schedule:
+    """The schedule of ``stages`` (lists without the step's ``end``) with each send that would deadlock under
     rendezvous sends posted together with its stage's next receive (``Exchange``), one fusion at a time, until
     the checker's run passes."""
     p = len(stages)
     for _ in range(4 * p * m * v):  # each repair fuses one send with a receive: finitely many
-        schedule = Schedule(name, tuple(st + _step_end() for st in stages), m, v)
+        schedule = Schedule(name, tuple(st + end() for st in stages), m, v)
         blocked = _blocked_sends(schedule)
         if blocked is None:
             return schedule
@@ -567,13 +567,23 @@ def _fuse_with_next_receive(name: str, stage: list, i: int) -> list:
     raise ScheduleError(f"{name}: stage send {stage[i]} deadlocks and has no receive after it to pair with")
 
 
-def forward_only(num_stages: int, micro_batches: int) -> Schedule:
-    """Evaluation: each micro-batch flows through once; no backward, no reduction, no step."""
+def forward_only(num_stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
+    """Evaluation: each micro-batch flows through once (through every chunk of a stage in turn, with
+    ``virtual_stages`` chunks per stage); no backward, no reduction, no step."""
     _check_count("num_stages", num_stages)
     _check_count("micro_batches", micro_batches)
-    p, m = num_stages, micro_batches
-    stages = tuple(tuple(ins for i in range(m) for ins in _forward_block(s, p, i)) for s in range(p))
-    return Schedule("forward-only", stages, m)
+    _check_count("virtual_stages", virtual_stages)
+    p, m, v = num_stages, micro_batches, virtual_stages
+    if v == 1:
+        stages = tuple(tuple(ins for i in range(m) for ins in _forward_block(s, p, i)) for s in range(p))
+        return Schedule("forward-only", stages, m)
+    last = p * v - 1
+    stages = [[ins for i in range(m) for c in range(v)
+               for ins in (*([RecvActivation(i, c)] if c * p + s > 0 else []),
+                           *([LoadMicroBatch(i, c)] if c * p + s in (0, last) else []),
+                           Forward(i, c), *([SendActivation(i, c)] if c * p + s < last else []))]
+              for s in range(p)]
+    return _without_deadlocks("forward-only", stages, m, v, end=list)
 
 
 def make_schedule(name: str, num_stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
@@ -594,7 +604,7 @@ def make_schedule(name: str, num_stages: int, micro_batches: int, virtual_stages
 def built(name: str, num_stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
     """The schedule ``name`` (a training schedule of SCHEDULES or INTERLEAVED, or "forward-only"), built once per
     process and shape: schedules are immutable data."""
-    return forward_only(num_stages, micro_batches) if name == "forward-only" else \
+    return forward_only(num_stages, micro_batches, virtual_stages) if name == "forward-only" else \
         make_schedule(name, num_stages, micro_batches, virtual_stages)
 
 

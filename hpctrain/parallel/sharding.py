@@ -16,8 +16,10 @@ or one optimizer slot) moves at a time, with buffer-based calls:
   ``Bcast`` over each stage's data-parallel group.
 
 Both are collective over the whole mesh: every rank calls them in the same order, with
-the same ``ranges`` (one ``(lo, hi)`` per stage, from the same partition) and its own
-``part``.
+the same ``ranges`` (per stage, the ``(lo, hi)`` of each of its model chunks: one range, or
+several under interleaved 1F1B, from the same partition; ``stage_ranges`` builds them) and
+its own ``part``. A stage of several chunks holds their slices one after another; the slices
+then travel in stage order and rank 0 puts each in its place.
 """
 
 from __future__ import annotations
@@ -26,11 +28,48 @@ import numpy as np
 
 from .tensor import shard, shard_shape, unshard
 
-__all__ = ["gather_flat", "scatter_flat", "gather_shards"]
+__all__ = ["gather_flat", "scatter_flat", "gather_shards", "stage_ranges"]
+
+
+def stage_ranges(model, stages, pp: int) -> list[list[tuple[int, int]]]:
+    """Per pipeline stage, the global flat range of each of its model chunks (``stages``: the virtual stages'
+    layer ranges, stage s holding ``stages[s::pp]``)."""
+    return [[model.part(lo, hi).global_range for lo, hi in stages[s::pp]] for s in range(pp)]
+
+
+def _in_place(ranges) -> bool:
+    """Whether every stage is one slice: MPI then moves each straight into (or out of) its place."""
+    return all(len(r) == 1 for r in ranges)
 
 
 def _counts(ranges):
-    return [hi - lo for lo, hi in ranges], [lo for lo, _ in ranges]
+    """Gatherv/Scatterv counts and displacements over the pipeline group: each stage's slice in place, or, for
+    stages of several chunks, their slices one after another in stage order."""
+    counts = [sum(hi - lo for lo, hi in r) for r in ranges]
+    if _in_place(ranges):
+        return counts, [r[0][0] for r in ranges]
+    return counts, [int(x) for x in np.concatenate([[0], np.cumsum(counts)[:-1]])]
+
+
+def _stage_order(ranges):
+    """(global lo, global hi, position in the stage-ordered buffer) of every chunk, stage by stage."""
+    out, at = [], 0
+    for r in ranges:
+        for lo, hi in r:
+            out.append((lo, hi, at))
+            at += hi - lo
+    return out
+
+
+def _position(part, offset: int) -> int:
+    """Where global offset ``offset`` (inside one of the part's chunks) lies in the stage's slices, one after
+    another."""
+    at = 0
+    for lo, hi in part.global_ranges:
+        if lo <= offset < hi or (offset == hi == lo):
+            return at + offset - lo
+        at += hi - lo
+    raise ValueError(f"offset {offset} lies in none of the part's chunks {part.global_ranges}")
 
 
 def _owned(part):
@@ -52,28 +91,28 @@ def _local_offsets(part, size: int):
 
 
 def _assemble(part, pieces: np.ndarray, size: int) -> np.ndarray:
-    """The stage's slice of the global buffer from the tensor-parallel ranks' owned local buffers, one after
+    """The stage's slices of the global buffer from the tensor-parallel ranks' owned local buffers, one after
     another in ``pieces``."""
-    lo = part.global_range[0]
-    out = np.empty(part.global_range[1] - lo, dtype=np.float32)
+    out = np.empty(sum(hi - lo for lo, hi in part.global_ranges), dtype=np.float32)
     tensors, totals = _local_offsets(part, size)
     base = np.concatenate([[0], np.cumsum(totals)])
     for g, kind, starts, sizes in tensors:
         parts = [pieces[base[r] + starts[r] : base[r] + starts[r] + sizes[r]]
                  .reshape(shard_shape(g.shape, kind, r, size) if kind else g.shape) for r in range(size)]
-        out[g.offset - lo : g.end - lo] = (parts[0] if kind is None else unshard(parts, kind)).reshape(-1)
+        at = _position(part, g.offset)
+        out[at : at + g.size] = (parts[0] if kind is None else unshard(parts, kind)).reshape(-1)
     return out
 
 
 def _split(part, stage: np.ndarray, size: int) -> tuple[np.ndarray, list[int]]:
-    """Tensor-parallel rank r's owned local buffer, cut from the stage's slice of the global buffer, one after
-    another; and each one's size."""
-    lo = part.global_range[0]
+    """Tensor-parallel rank r's owned local buffer, cut from the stage's slices of the global buffer (one after
+    another), one after another; and each one's size."""
     tensors, totals = _local_offsets(part, size)
     base = np.concatenate([[0], np.cumsum(totals)])
     out = np.empty(int(base[-1]), dtype=np.float32)
     for g, kind, starts, sizes in tensors:
-        full = stage[g.offset - lo : g.end - lo].reshape(g.shape)
+        at = _position(part, g.offset)
+        full = stage[at : at + g.size].reshape(g.shape)
         for r in range(size):
             at = base[r] + starts[r]
             out[at : at + sizes[r]] = (full if kind is None else shard(full, kind, r, size)).reshape(-1)
@@ -105,7 +144,13 @@ def gather_flat(mesh, local: np.ndarray, ranges, total: int, part) -> np.ndarray
     counts, displs = _counts(ranges)
     if comm.Get_rank() == 0:
         out = np.empty(total, dtype=np.float32)
-        comm.Gatherv(local, [out, counts, displs, MPI.FLOAT], root=0)
+        if _in_place(ranges):
+            comm.Gatherv(local, [out, counts, displs, MPI.FLOAT], root=0)
+            return out
+        ordered = np.empty(sum(counts), dtype=np.float32)  # model chunks: in stage order, then each to its place
+        comm.Gatherv(local, [ordered, counts, displs, MPI.FLOAT], root=0)
+        for lo, hi, at in _stage_order(ranges):
+            out[lo:hi] = ordered[at : at + hi - lo]
         return out
     comm.Gatherv(local, None, root=0)
     return None
@@ -116,15 +161,19 @@ def scatter_flat(mesh, full: np.ndarray | None, ranges, part, *, out=None) -> np
     rank, in ``out`` when given (collective over the mesh)."""
     from mpi4py import MPI
 
-    lo, hi = ranges[mesh.pp_rank]
+    size = sum(hi - lo for lo, hi in ranges[mesh.pp_rank])
     local = np.empty(part.owned_size, dtype=np.float32) if out is None else out
     if mesh.dp_rank == 0:
-        stage = np.empty(hi - lo, dtype=np.float32) if mesh.tp > 1 else local
+        stage = np.empty(size, dtype=np.float32) if mesh.tp > 1 else local
         if mesh.tp_rank == 0:
             comm = mesh.pp_comm
             counts, displs = _counts(ranges)
-            send = [np.ascontiguousarray(full, dtype=np.float32), counts, displs, MPI.FLOAT] \
-                if comm.Get_rank() == 0 else None
+            send = None
+            if comm.Get_rank() == 0:
+                full = np.ascontiguousarray(full, dtype=np.float32)
+                if not _in_place(ranges):  # model chunks: each stage's slices one after another
+                    full = np.concatenate([full[lo:hi] for lo, hi, _ in _stage_order(ranges)])
+                send = [full, counts, displs, MPI.FLOAT]
             comm.Scatterv(send, stage, root=0)
         if mesh.tp > 1:
             counts, displs = _tp_counts(part, mesh.tp)

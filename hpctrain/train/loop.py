@@ -33,7 +33,7 @@ from ..parallel.agree import QuietExit, check_same_everywhere, run_everywhere
 from ..parallel import deterministic
 from ..parallel.data_parallel import GradSync
 from ..parallel.deterministic import ShardTree
-from ..parallel.sharding import gather_flat, gather_shards
+from ..parallel.sharding import gather_flat, gather_shards, stage_ranges
 from ..parallel.tied import sum_tied_grads
 from ..parallel.transport import PointToPoint
 from ..parallel.watch import Diagnostics, enabled_by_env
@@ -182,11 +182,16 @@ class Trainer:
             s = self.runner.schedule
             total = self.model.flops(0, len(self.model.layers) - 1)
             how = "parallel.stages" if cfg.parallel.stages else "the default cut, by estimated FLOPs per row"
-            self.log(f"pipeline: schedule {s.name}, {cfg.train.micro_batches} micro-batch(es), stages ({how}) "
-                     + ", ".join(f"{i}: layers {lo}..{hi} ({self.model.flops(lo, hi) / max(total, 1):.0%} of the "
+            v = s.virtual_stages
+            names = [str(i) if v == 1 else f"{i} (stage {i % mesh.pp}, chunk {i // mesh.pp})"
+                     for i in range(len(self.stages))]
+            self.log(f"pipeline: schedule {s.name}{f', {v} model chunks per stage' if v > 1 else ''}, "
+                     f"{cfg.train.micro_batches} micro-batch(es), {'virtual ' if v > 1 else ''}stages ({how}) "
+                     + ", ".join(f"{name}: layers {lo}..{hi} ({self.model.flops(lo, hi) / max(total, 1):.0%} of the "
                                  f"FLOPs, {self.model.param_count(lo, hi):,} parameters)"
-                                 for i, (lo, hi) in enumerate(self.stages))
-                     + "; peak live micro-batches per stage " + ", ".join(map(str, self.runner.stats.peak_live)))
+                                 for name, (lo, hi) in zip(names, self.stages))
+                     + f"; peak live micro-batches{' (of one chunk)' if v > 1 else ''} per stage "
+                     + ", ".join(map(str, self.runner.stats.peak_live)))
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -195,7 +200,7 @@ class Trainer:
 
         Each buffer is gathered from the stages one at a time (parallel/sharding.py).
         """
-        ranges = [self.model.part(lo, hi).global_range for lo, hi in self.stages]
+        ranges = stage_ranges(self.model, self.stages, self.mesh.pp)
         out = []
         for buf in [self.params] + list(self.optim.slots.values()):  # a tied tensor's replica stays behind
             local = self.be.to_host(buf.data)

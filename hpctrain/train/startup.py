@@ -34,7 +34,7 @@ from ..nn import make_loss, make_model
 from ..optim import make_optimizer
 from ..parallel.agree import bcast_text, run_everywhere
 from ..parallel.mesh import mpi_cuda_aware
-from ..parallel.sharding import scatter_flat
+from ..parallel.sharding import scatter_flat, stage_ranges
 from ..parallel.slurm import node_local
 from ..parallel.tensor import TensorParallel
 from ..parallel.tied import broadcast_tied
@@ -63,7 +63,8 @@ class RankParts:
     """What one rank runs, as start-up (``build``) makes it: read here to see what a rank holds.
 
     ``be`` the backend; ``cuda_aware`` whether MPI takes device arrays (else ``transport`` stages them through
-    host memory); ``model`` the whole model's spec and ``stages`` its layer ranges per pipeline stage; ``tensor``
+    host memory); ``model`` the whole model's spec and ``stages`` its layer ranges per virtual pipeline stage (stage s runs
+    ``stages[s::pp]``: one range, or interleaved 1F1B's model chunks); ``tensor``
     the tensor-parallel group (None when tp = 1); ``part`` this rank's layers and local layout (its shards under
     tp); ``loss`` (vocab-parallel under tp for the GPT); ``data`` the open data file and ``sampler`` this rank's
     rows of each step."""
@@ -111,10 +112,11 @@ def build(cfg, mesh, log) -> RankParts:
     transport = Transport(be, cuda_aware=cuda_aware)
     model = make_model(cfg.model)
     model.check_tp(mesh.tp)
-    stages = model.partition(mesh.pp, cfg.parallel.stages, tp=mesh.tp)
+    # the virtual stages' layer ranges: stage s runs stages[s::pp] (one each unless interleaved 1F1B's chunks)
+    stages = model.partition(mesh.pp * cfg.parallel.virtual_stages, cfg.parallel.stages, tp=mesh.tp)
     tensor = TensorParallel(mesh.tp_comm, transport) if mesh.tp > 1 else None
     # train.deterministic: a tied tensor's two halves summed apart on one stage too (parallel/deterministic.py)
-    part = model.part(*stages[mesh.pp_rank], tp=tensor, split_ties=cfg.train.deterministic)
+    part = model.part(chunks=stages[mesh.pp_rank :: mesh.pp], tp=tensor, split_ties=cfg.train.deterministic)
     if cfg.train.deterministic and not be.is_device:
         from threadpoolctl import threadpool_limits
 
@@ -319,7 +321,7 @@ def scatter_start(t, state, weights) -> None:
 
         run_everywhere(mesh.world, draw)
         return
-    ranges = [t.model.part(lo, hi).global_range for lo, hi in t.stages]
+    ranges = stage_ranges(t.model, t.stages, mesh.pp)
     full = t.model.layout.pack(weights) if rank0 else None  # one full buffer at a time, on rank 0 only
     weights = None  # a fresh start's named arrays: dropped once packed
     _scatter_buffer(t, ranges, full, t.params)

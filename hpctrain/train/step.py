@@ -85,21 +85,21 @@ class _Batch:
         return tuple(a[lo * (len(a) // n) : hi * (len(a) // n)] for a in self._all)
 
 
-def agreed_schedule(comm, name: str, num_stages: int, micro_batches: int):
+def agreed_schedule(comm, name: str, num_stages: int, micro_batches: int, virtual_stages: int = 1):
     """Collective over ``comm``: (schedule, its ScheduleStats), checked on ``comm``'s rank 0 only and the stats (or
     the ScheduleError) shared, each rank building the instruction lists itself; both cached per process and
     shape (parallel/schedule.py: ``checked``, ``built``), so a rank checks a shape once at most."""
     text = None
     if comm.Get_rank() == 0:
         try:
-            text = json.dumps(dataclasses.asdict(checked(name, num_stages, micro_batches)[1]))
+            text = json.dumps(dataclasses.asdict(checked(name, num_stages, micro_batches, virtual_stages)[1]))
         except ScheduleError as e:
             text = "error:" + str(e)
     text = bcast_text(comm, text, 0)
     if text.startswith("error:"):
         raise ScheduleError(text[len("error:"):])
     stats = ScheduleStats(**{k: tuple(v) for k, v in json.loads(text).items()})
-    return built(name, num_stages, micro_batches), stats
+    return built(name, num_stages, micro_batches, virtual_stages), stats
 
 
 class StepRunner:
@@ -110,12 +110,13 @@ class StepRunner:
         self.cfg, self.mesh, self.be, self.part, self.loss, self.transport = cfg, mesh, backend, part, loss, transport
         self.data, self.sampler, self.sync, self.optim, self.grads, self.log = data, sampler, sync, optim, grads, log
         m = cfg.train.micro_batches
+        self.virtual_stages = v = cfg.parallel.virtual_stages if mesh.pp > 1 else 1  # model chunks per stage
         self.schedule, self.stats = agreed_schedule(mesh.world, cfg.parallel.schedule if mesh.pp > 1 else "1f1b",
-                                                    mesh.pp, m)
+                                                    mesh.pp, m, v)
         self.executor = StageExecutor(backend=backend, part=part, loss=loss, stage=mesh.pp_rank, stages=mesh.pp,
                                       p2p=p2p, sync=sync, stats=self.stats,
                                       max_rows=micro_rows(sampler.local, m) * part.positions,
-                                      tracer=tracer)
+                                      tracer=tracer, virtual_stages=v)
         self.tracer = tracer
         self.shard = sync.shard  # ZeRO: the chunks this rank reduces and updates (None: every gradient)
         self._norm_ranges = part.norm_ranges()
@@ -292,7 +293,8 @@ class StepRunner:
         r = None
         if row_lists:
             m = len(row_lists)
-            schedule, _ = agreed_schedule(mesh.pp_comm, "forward-only", mesh.pp, m)  # one pipeline: the same m
+            schedule, _ = agreed_schedule(mesh.pp_comm, "forward-only", mesh.pp, m,  # one pipeline: the same m
+                                          self.virtual_stages)
             r = self.executor.run(schedule.stages[mesh.pp_rank],
                                   _Batch(data, row_lists, self.part.positions))
             if self.holds_loss:

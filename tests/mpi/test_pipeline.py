@@ -199,7 +199,7 @@ def test_the_schedule_is_checked_once_on_rank_0_and_shared(comm, data, monkeypat
     counts = comm.allgather(len(calls))
     assert counts == [1] + [0] * (comm.size - 1)
 
-    def faulty(name, p, m):
+    def faulty(name, p, m, v=1):
         raise sched.ScheduleError(f"schedule {name!r}: stage 1 deadlocks")
 
     monkeypatch.setattr(sched, "checked", faulty)

@@ -26,7 +26,8 @@ MAY_DIFFER = frozenset({
     "train.backend", "train.micro_batches", "train.recompute", "train.skip_nonfinite", "train.max_skipped_steps",
     "train.debug_collectives", "train.collective_timeout", "train.progress",
     "data.path", "data.allow_external", "data.corpus",
-    "parallel.dp", "parallel.pp", "parallel.tp", "parallel.schedule", "parallel.stages", "parallel.bucket_mb",
+    "parallel.dp", "parallel.pp", "parallel.tp", "parallel.schedule", "parallel.virtual_stages", "parallel.stages",
+    "parallel.bucket_mb",
     "parallel.overlap", "parallel.cuda_aware", "parallel.servers", "parallel.zero",
     "parallel.mode",  # staleness 0 is synchronous training in either mode; parallel.staleness changes the math
 })  # and every checkpoint.* setting

@@ -34,7 +34,8 @@ def cfg_for(path, comm, pp, *, schedule="1f1b", micro=2, optim=None, **sections)
 
 def alone(cfg):
     """The same job on one process: pp = 1, no explicit stages."""
-    single = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=1, stages=(), dp="auto"))
+    single = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=1, stages=(), dp="auto",
+                                                                   schedule="1f1b", virtual_stages=1))
     return train(single, MPI.COMM_SELF)
 
 
@@ -54,6 +55,56 @@ def test_pipeline_equals_single_process(comm, data, schedule, micro, optim):
     for pp in pipeline_sizes(comm):
         cfg = cfg_for(data, comm, pp, schedule=schedule, micro=micro, optim=optim, train={"grad_clip": 0.5})
         assert_close(train(cfg, comm), alone(cfg))
+
+
+@pytest.mark.parametrize("micro", [2, 4])
+@pytest.mark.parametrize("optim", [{"name": "sgd", "lr": 0.1, "momentum": 0.9}, {"name": "adamw", "lr": 0.01}],
+                         ids=["sgd", "adamw"])
+def test_interleaved_equals_single_process(comm, data, micro, optim):
+    """pp = 2 with two model chunks per stage (the helper model's 4 units: stage 0 runs units 0 and 2, stage 1
+    units 1 and 3), any dp the world leaves, clipping on: the parameters of one process."""
+    if comm.size < 2 or comm.size % 2:
+        pytest.skip("needs an even number of ranks")
+    cfg = cfg_for(data, comm, 2, schedule="interleaved-1f1b", micro=micro, optim=optim,
+                  train={"grad_clip": 0.5}, parallel={"virtual_stages": 2})
+    assert_close(train(cfg, comm), alone(cfg))
+
+
+def test_interleaved_with_explicit_chunks_evaluates_and_checkpoints_as_one_process(comm, data, shared_dir):
+    """``parallel.stages`` names the 4 virtual stages; the logged losses and the evaluation equal one process's;
+    a checkpoint of the interleaved run resumes on one process, and one of one process resumes interleaved."""
+    if comm.size < 2 or comm.size % 2:
+        pytest.skip("needs an even number of ranks")
+    metrics = f"{shared_dir}/m-{{}}.jsonl"
+    base = cfg_for(data, comm, 2, schedule="interleaved-1f1b", micro=2, optim={"name": "adamw", "lr": 0.01},
+                   train={"steps": 10, "eval_every": 5, "log_every": 1},
+                   parallel={"virtual_stages": 2, "stages": [[0, 1], [2, 3], [4, 5], [6, 6]]})
+
+    def run(cfg, c, name, **checkpoint):
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, metrics=metrics.format(name)),
+                                  checkpoint=dataclasses.replace(cfg.checkpoint, **checkpoint))
+        return train(cfg, c)
+
+    pipe_dir = f"{shared_dir}/pipe"
+    straight = run(base, comm, "pipe", dir=pipe_dir, every=5)
+    single = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, pp=1, stages=(), dp="auto",
+                                                                     schedule="1f1b", virtual_stages=1))
+    assert_close(straight, run(single, MPI.COMM_SELF, f"alone-{comm.rank}"))
+    if comm.rank == 0:
+        lines = {name: [json.loads(line) for line in open(metrics.format(name))] for name in ("pipe", "alone-0")}
+        for key in ("loss", "val_loss", "val_accuracy"):
+            got = [r[key] for r in lines["pipe"] if key in r]
+            want = [r[key] for r in lines["alone-0"] if key in r]
+            assert got and np.allclose(got, want, rtol=1e-5), key
+    comm.Barrier()
+    mine = f"{shared_dir}/alone-ck-{comm.rank}"
+    os.makedirs(mine)
+    copy_checkpoint(f"{pipe_dir}/ckpt-00000005.h5", mine)
+    assert_close(run(single, MPI.COMM_SELF, f"resumed-{comm.rank}", dir=mine), straight)
+    solo = f"{shared_dir}/solo-{comm.rank}"
+    run(single, MPI.COMM_SELF, f"solo-{comm.rank}", dir=solo, every=5)
+    resumed = run(base, comm, "pipe2", dir=f"{shared_dir}/pipe2", resume=f"{shared_dir}/solo-0/ckpt-00000005.h5")
+    assert_close(resumed, straight)
 
 
 def test_explicit_stages_equal_single_process(comm, data):

@@ -2,6 +2,7 @@
 
     mpiexec -n 2 python bench/bench_pipeline.py                    # P = 2, m = 1, 2, 4, 8, every schedule
     mpiexec -n 2 python bench/bench_pipeline.py --width 2048 --batch 512 --micro 4 8 --schedules 1f1b zero-bubble
+    mpiexec -n 2 python bench/bench_pipeline.py --width 2048 --batch 512 --micro 4 8 --schedules 1f1b interleaved-1f1b
     mpiexec -n 4 python bench/bench_pipeline.py --stages 4         # P = 4 (on a node with >= 4 cores)
     srun -n 4 python bench/bench_pipeline.py --stages 4            # P = 4 on a cluster
 
@@ -23,6 +24,9 @@ once m ≥ P ((P − 1)(F + B − W) idle against m(F + B + W) busy; at m = 1 th
 largest total of what forward passes kept for their backward passes on a stage. ``--batch`` fixes
 the step's rows instead (``batch / m`` per micro-batch, the issue's comparison of schedules at one
 batch size); each line then also gives the step time and samples/s against 1F1B's at the same m.
+``interleaved-1f1b`` cuts the same layers into P · v virtual stages (``--virtual-stages``, default 2: one
+width × width Linear each), stage s running chunks s, s + P, ...; its formula is (P − 1)/(v·m + P − 1), and its
+peak live count is of chunk passes (each 1/v of a stage's activations).
 Run with one rank per core: oversubscribed ranks measure the scheduler, not the pipeline.
 """
 
@@ -52,24 +56,27 @@ def say(*a):
         print(*a, flush=True)
 
 
-def pipeline_config(path, stages, width, rows, micro, schedule):
+def pipeline_config(path, stages, width, rows, micro, schedule, virtual=1):
     # a cheap input layer on the first stage: its two wide layers then need their input gradients
     # too, so every stage does 2 forward and 4 backward width x width GEMMs per micro-batch
-    layers, ranges = [{"type": "linear", "in": FEATURES, "out": width}, {"type": "relu"}], []
+    layers, wide = [{"type": "linear", "in": FEATURES, "out": width}, {"type": "relu"}], []
     for s in range(stages):
-        lo = 0 if s == 0 else len(layers)
-        layers += [{"type": "linear", "in": width, "out": width}, {"type": "relu"},
-                   {"type": "linear", "in": width, "out": width}, {"type": "relu"}]
-        if s == stages - 1:
-            layers.append({"type": "linear", "in": width, "out": 10})
-        ranges.append([lo, len(layers) - 1])
+        for _ in range(2):
+            wide.append(len(layers))
+            layers += [{"type": "linear", "in": width, "out": width}, {"type": "relu"}]
+    layers.append({"type": "linear", "in": width, "out": 10})
+    chunks = stages * virtual  # (virtual) stages of 2 / virtual wide layers each, the input layer and head outside
+    per = len(wide) // chunks
+    starts = [0] + [wide[c * per] for c in range(1, chunks)]
+    ranges = [[lo, hi - 1] for lo, hi in zip(starts, starts[1:] + [len(layers)])]
+    extra = {"virtual_stages": virtual} if virtual > 1 else {}
     return parse_config({
         "model": {"layers": layers},
         "data": {"path": path, "inputs": "x", "targets": "y", "val_fraction": 0.0, "shuffle": False},
         "train": {"batch_size": rows * micro, "micro_batches": micro, "steps": 10**6, "backend": "cpu",
                   "eval_every": 0},
         "optim": {"name": "sgd", "lr": 1e-4},
-        "parallel": {"pp": stages, "schedule": schedule, "stages": ranges},
+        "parallel": {"pp": stages, "schedule": schedule, "stages": ranges, **extra},
     })
 
 
@@ -103,7 +110,8 @@ def main():
     p.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=0, help="rows per step (batch / m per micro-batch); 0: --rows each")
-    p.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "zero-bubble"])
+    p.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "zero-bubble", "interleaved-1f1b"])
+    p.add_argument("--virtual-stages", type=int, default=2, help="model chunks per stage for interleaved-1f1b")
     a = p.parse_args()
     world = MPI.COMM_WORLD
     if world.size != a.stages:
@@ -118,23 +126,28 @@ def main():
     say(f"{MPI.Get_library_version().splitlines()[0].strip()}; P = {a.stages} stages of two {a.width}x{a.width} "
         f"Linear layers, {per}, {a.steps} steps each; "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    say(f"{'schedule':>11} {'m':>3} {'formula':>8} {'measured':>9} {'ratio':>6} {'step ms':>8} {'vs 1f1b':>8}   "
+    say(f"{'schedule':>16} {'m':>3} {'formula':>8} {'measured':>9} {'ratio':>6} {'step ms':>8} {'vs 1f1b':>8}   "
         "per stage: bubble, peak live micro-batches, peak activation MiB")
     step_1f1b = {}
     for schedule in a.schedules:
+        v = a.virtual_stages if schedule == "interleaved-1f1b" else 1
         for m in a.micro:
+            if v > 1 and m % a.stages:
+                say(f"{schedule:>16} {m:>3}   (m must be a multiple of P = {a.stages})")
+                continue
             rows_per = a.batch // m if a.batch else a.rows
-            cfg = pipeline_config(path, a.stages, a.width, rows_per, m, schedule)
+            cfg = pipeline_config(path, a.stages, a.width, rows_per, m, schedule, v)
             rows = measure(mesh, cfg, a.steps)
             P = a.stages
-            formula = 1 - 3 * m / paper_makespan(make_schedule(schedule, P, m))  # (P - 1)/(m + P - 1) for 1F1B
+            # (P - 1)/(m + P - 1) for 1F1B, (P - 1)/(v m + P - 1) interleaved
+            formula = 1 - 3 * m * v / paper_makespan(make_schedule(schedule, P, m, v))
             measured = float(rows[:, 0].mean())
             step = float(rows[:, 3].max())
             if schedule == "1f1b":
                 step_1f1b[m] = step
             speed = f"{step_1f1b[m] / step:8.3f}" if m in step_1f1b else f"{'':>8}"
             stages = "  ".join(f"s{s}: {b:.3f} {int(n)} {nb / 2**20:.2f}" for s, (b, n, nb, _) in enumerate(rows))
-            say(f"{schedule:>11} {m:>3} {formula:8.3f} {measured:9.3f} {measured / formula:6.3f} {step * 1e3:8.2f} "
+            say(f"{schedule:>16} {m:>3} {formula:8.3f} {measured:9.3f} {measured / formula:6.3f} {step * 1e3:8.2f} "
                 f"{speed}   {stages}")
     mesh.free()
     world.Barrier()

@@ -70,6 +70,32 @@ def test_interleaved_equals_single_process(comm, data, micro, optim):
     assert_close(train(cfg, comm), alone(cfg))
 
 
+def eight_linears(data, comm, pp, tp=1, micro=4):
+    """An MLP of 8 Linear layers (tanh between): 8 partition units, or 4 column/row-parallel pairs under tp = 2."""
+    layers = []
+    for i in range(8):
+        layers.append({"type": "linear", "in": 6 if i == 0 else 8, "out": 3 if i == 7 else 8})
+        if i < 7:
+            layers.append({"type": "tanh"})
+    dp = comm.size // (pp * tp)
+    return config(data, model={"layers": layers}, optim={"name": "adamw", "lr": 0.01},
+                  train={"steps": 4, "batch_size": 8 * dp, "micro_batches": micro, "grad_clip": 0.5},
+                  data={"shuffle": True},
+                  parallel={"pp": pp, "tp": tp, "schedule": "interleaved-1f1b", "virtual_stages": 2})
+
+
+def test_interleaved_four_stages_and_with_tensor_parallel_equal_single_process(comm, data):
+    """Under ``-n 4``: pp = 4 with two chunks each (8 virtual stages, stage 3's chunk 0 sending to stage 0's
+    chunk 1), and pp = 2 × tp = 2 with two chunks each (each chunk one column/row-parallel pair)."""
+    if comm.size != 4:
+        pytest.skip("needs four ranks")
+    cfg = eight_linears(data, comm, 4)
+    assert_close(train(cfg, comm), alone(cfg))
+    cfg = eight_linears(data, comm, 2, tp=2, micro=2)
+    single = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1))
+    assert_close(train(cfg, comm), alone(single))
+
+
 def test_interleaved_with_explicit_chunks_evaluates_and_checkpoints_as_one_process(comm, data, shared_dir):
     """``parallel.stages`` names the 4 virtual stages; the logged losses and the evaluation equal one process's;
     a checkpoint of the interleaved run resumes on one process, and one of one process resumes interleaved."""

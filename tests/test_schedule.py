@@ -426,9 +426,8 @@ def test_interleaved_runs_under_rendezvous_and_its_paper_bubble_is_the_formula(p
         assert bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
         one = 1 - 3 * m / paper_makespan(one_f_one_b(p, m))
         assert bubble < one
-        assert max(stats.peak_live) <= m * v and stats.peak_recv_activation[0] >= 1  # stage 0 receives chunk 1's
-        assert stats.last_backward == tuple(max(i for i, ins in enumerate(stage) if isinstance(ins, Backward))
-                                            for stage in s.stages)
+        # stage 0 keeps Megatron's warm-up of (P − 1)·2 + (v − 1)·P chunk passes, plus the one of its first 1F1B pair
+        assert stats.peak_live[0] == min((p - 1) * 2 + (v - 1) * p + 1, m * v)
 
 
 def test_interleaved_bad_shapes_name_the_settings():
@@ -446,13 +445,36 @@ def test_interleaved_bad_shapes_name_the_settings():
 
 def test_checker_refuses_chunk_faults():
     s = interleaved_1f1b(2, 2, 2)
-    # a chunk the schedule does not have
-    bad = Schedule(s.name, s.stages, s.micro_batches, 1)
-    with pytest.raises(ScheduleError, match="does not exist|chunk 1"):
-        check_schedule(bad)
-    # stage 1 drops its chunk-1 forward and backward of micro-batch 1 (and their messages): unmatched or missing
-    stage = [ins for ins in s.stages[1] if not (getattr(ins, "mb", None) == 1 and getattr(ins, "chunk", 0) == 1)
-             and not (isinstance(ins, Exchange) and any(part.mb == 1 and part.chunk == 1
-                                                        for part in ins.point_to_point()))]
-    with pytest.raises(ScheduleError):
-        check_schedule(replace_stage(Schedule(s.name, s.stages, 2, 2), 1, stage))
+    # chunk 1 in a schedule of one chunk per stage: its messages go to virtual stages that do not exist
+    with pytest.raises(ScheduleError, match=r"SendActivation\(0, chunk=1\) has no peer: stage 3 does not exist "
+                                            r"\(2 stages\)"):
+        check_schedule(Schedule(s.name, s.stages, s.micro_batches, 1))
+    # a chunk beyond the schedule's
+    with pytest.raises(ScheduleError, match="names chunk 2, but the schedule has 2 per stage"):
+        check_schedule(replace_stage(s, 0, [*s.stages[0][:-2], Forward(0, 2), *s.stages[0][-2:]]))
+    # stage 0's chunk 1 forwards micro-batch 0 before receiving its input (the receive moved after it)
+    stage = list(s.stages[0])
+    recv = next(i for i, ins in enumerate(stage) if ins == RecvActivation(0, 1))
+    forward = stage.index(Forward(0, 1))
+    stage.insert(forward, stage.pop(recv))
+    with pytest.raises(ScheduleError, match=r"Forward\(0, chunk=1\) has no RecvActivation\(0, chunk=1\) before it"):
+        check_schedule(replace_stage(s, 0, stage))
+    # a load on a chunk that neither starts nor ends the model (stage 0's chunk 1 is virtual stage 2 of 4)
+    stage = list(s.stages[0])
+    stage.insert(stage.index(Forward(0, 1)), LoadMicroBatch(0, 1))
+    with pytest.raises(ScheduleError, match="reads data on a middle stage"):
+        check_schedule(replace_stage(s, 0, stage))
+    # stage 1 leaves out its chunk-0 backward of micro-batch 1 (sending its gradient anyway): refused
+    stage = [ins for ins in s.stages[1] if ins != Backward(1, 0)]
+    with pytest.raises(ScheduleError, match=r"SendGrad\(1\) has no Backward\(1\) before it|has no Backward\(1\)"):
+        check_schedule(replace_stage(s, 1, stage))
+
+
+def test_forward_only_goes_through_every_chunk():
+    s = forward_only(2, 3, 2)
+    assert s.virtual_stages == 2 and not s.has_backward
+    stats = check_schedule(s)
+    assert stats.peak_live == (1, 1)
+    assert [("F", i.mb, i.chunk) for i in s.stages[0] if isinstance(i, Forward)] == [
+        ("F", mb, c) for mb in range(3) for c in range(2)]
+    assert LoadMicroBatch(2, 1) in s.stages[1] and LoadMicroBatch(2, 0) in s.stages[0]

@@ -45,6 +45,22 @@ def test_pipeline_and_tensor_parallel_split_the_parameters():
     assert all(m.buffer_bytes > 0 for m in four)  # the pipeline's receive rings
 
 
+def test_interleaved_chunks_split_each_stage_and_hold_more_passes():
+    """pp = 2 with two chunks per stage: each stage holds two of the GPT's four units (stage 0 the embedding and
+    block 1, with the tied table; stage 1 block 0 and the head), the same parameters in all as 1F1B's cut, and
+    plans Megatron's larger peak of chunk passes."""
+    base = dict(train={"batch_size": 8, "micro_batches": 4})
+    plain = plan(gpt_config("t.h5", parallel={"pp": 2}, **base), 2)
+    chunked = plan(gpt_config("t.h5", parallel={"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2},
+                              **base), 2)
+    assert [m.stage for m in chunked] == [0, 1]
+    whole = plan(gpt_config("t.h5", **base), 1)[0].params_bytes
+    wte = 4 * 12 * 8  # the tied table's replica on the last stage
+    assert sum(m.params_bytes for m in chunked) == sum(m.params_bytes for m in plain) == whole + wte
+    assert all(m.activation_bytes > 0 and m.buffer_bytes > 0 for m in chunked)
+    assert chunked[0].buffer_bytes > plain[0].buffer_bytes  # stage 0 now receives activations (for its chunk 1)
+
+
 def test_recompute_plans_less_activation_memory():
     base = dict(train={"batch_size": 8, "micro_batches": 2})
     stored = plan(gpt_config("t.h5", **base), 1)[0]

@@ -242,17 +242,12 @@ class StageExecutor:
                                                     frozenset(last.values()))
         return plan[1], plan[2]
 
-    def _tag(self, kind, mb: int, chunk: int) -> int:
-        """The tag of micro-batch mb's message of ``kind`` received or sent by this stage's chunk ``chunk``: both
-        ends name the lower of the two virtual stages it joins."""
+    def _tag(self, kind, mb: int, chunk: int, *, send: bool) -> int:
+        """The tag of micro-batch mb's message of ``kind`` that this stage's chunk ``chunk`` sends or receives: both
+        ends name the chunk of the lower of the two virtual stages it joins (an activation's sender, a gradient's
+        receiver)."""
         here = chunk * self.stages + self.stage
-        receives_from_below = kind == ACTIVATION
-        low = here - 1 if receives_from_below else here
-        return 2 * (mb * self.virtual_stages + low // self.stages) + kind
-
-    def _send_tag(self, kind, mb: int, chunk: int) -> int:
-        here = chunk * self.stages + self.stage
-        low = here if kind == ACTIVATION else here - 1
+        low = here if (kind == ACTIVATION) == send else here - 1
         return 2 * (mb * self.virtual_stages + low // self.stages) + kind
 
     def _trace(self, name, mb, t0, t1):
@@ -289,7 +284,8 @@ class StageExecutor:
                 arr, host = ring.view(slot, self.batch.rows(mb), width)
                 # the neighbouring virtual stage: stage s ± 1, wrapping round between chunks
                 source = (self.stage - 1 if kind == ACTIVATION else self.stage + 1) % self.stages
-                handle = self.p2p.post_recv(arr, source=source, tag=self._tag(kind, mb, chunk), host=host)
+                handle = self.p2p.post_recv(arr, source=source, tag=self._tag(kind, mb, chunk, send=False),
+                                            host=host)
                 self._slots[(kind, mb, chunk)] = (slot, handle)
 
     def _release(self, kind, mb, chunk=0) -> None:
@@ -320,7 +316,7 @@ class StageExecutor:
         arr = (self._out if kind == ACTIVATION else self._dinp).pop((ins.mb, ins.chunk))
         dest = (self.stage + 1 if kind == ACTIVATION else self.stage - 1) % self.stages  # the next virtual stage
         t0 = time.perf_counter()
-        self.p2p.post_send(arr, dest=dest, tag=self._send_tag(kind, ins.mb, ins.chunk))
+        self.p2p.post_send(arr, dest=dest, tag=self._tag(kind, ins.mb, ins.chunk, send=True))
         t1 = time.perf_counter()
         self.result.wait += t1 - t0
         self._trace("send " + ("activation" if kind == ACTIVATION else "grad"), ins.mb, t0, t1)
@@ -381,7 +377,7 @@ class StageExecutor:
         if tree and last:
             self.sync.last_leaf(mb)
         dinp = self.part.backward(self.be, self._dout.pop(key), self._saved.pop(key),
-                                  accumulate=not (ins.chunk not in self._wrote or tree),
+                                  accumulate=ins.chunk in self._wrote and not tree,
                                   need_dinp=not self.part.chunk_is_first(ins.chunk),
                                   on_final=self.sync.grads_final if last and self.sync is not None else None,
                                   chunk=ins.chunk)

@@ -1,6 +1,7 @@
 """Run by test_fake_device.py under ``mpiexec -n 2``: data parallel, pipeline and tensor parallel on FakeDevice
 (tests/fake_device.py), CUDA-aware and staged, against the CPU backend: the same bits, and one wait for the whole
-stream per step where the layout allows it (docs/gpu.md's table).
+stream per step where the layout allows it (docs/gpu.md's table). Under ``-n 4``: ZeRO with a table tied across
+the stages.
 
     mpiexec -n 2 python tests/fake_device_worker.py DIR
 """
@@ -23,19 +24,22 @@ LAYOUTS = [  # (name, pp, tp, model, expected waits for the stream per step)
     ("tp", 1, 2, "mlp", None),  # tp: one per tensor-parallel Allreduce as well (docs/gpu.md)
     ("zero", 1, 1, "mlp", 1), ("deterministic", 1, 1, "gpt", 1),
 ]
+# on 4 ranks: ZeRO at dp 2 with the GPT's table tied across pp 2, whose buckets wait for the two ends' sum and are
+# reduce-scattered on the training thread (a whole-stream wait each), the others on the communication thread
+LAYOUTS_4 = [("gpt-pp-zero", 2, 1, "gpt", None)]
 
 
 def run(folder, name, pp, tp, model, backend, cuda_aware):
     """Final parameters (gathered to every rank) and the waits of the third step."""
     path = os.path.join(folder, f"{model}.h5")
     parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": cuda_aware, "pp": pp, "tp": tp,
-                "zero": 2 if name == "zero" else 0}
+                "zero": 2 if name.endswith("zero") else 0}
     train = {"steps": 3, "micro_batches": 2 * pp, "grad_clip": 0.5}
     if name == "deterministic":
         train = {**train, "deterministic": True, "deterministic_shards": 2}
     if model == "gpt":
         cfg = gpt_config(path, model={"block_size": 4, "n_embd": 8}, data={"val_fraction": 0.0},
-                         train={**train, "batch_size": 4}, parallel=parallel)
+                         train={**train, "batch_size": 4 * MPI.COMM_WORLD.size // (pp * tp)}, parallel=parallel)
     else:
         cfg = config(path, train={**train, "batch_size": 8}, parallel=parallel)
     real = startup.get_backend
@@ -66,7 +70,7 @@ def main(folder):
         make_tokens(os.path.join(folder, "gpt.h5"), n=300)
     comm.Barrier()
     failed = 0
-    for name, pp, tp, model, expected in LAYOUTS:
+    for name, pp, tp, model, expected in (LAYOUTS if comm.size == 2 else LAYOUTS_4):
         want, _ = run(folder, name, pp, tp, model, "cpu", False)
         for cuda_aware in (True, False):
             got, waits = run(folder, name, pp, tp, model, "fake", cuda_aware)

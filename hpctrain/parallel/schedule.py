@@ -678,18 +678,16 @@ def _check_messages(schedule: Schedule, ops: list) -> None:
         for key, (i, k) in messages[s].items():
             send = ops[s][i][k].is_send
             peer = key.to_stage if send else key.from_stage  # a virtual stage, on stage peer % p
-            if 0 <= peer < p * v and peer % p != s and key in messages[peer % p]:
-                j, n = messages[peer % p][key]
-                if ops[peer % p][j][n].is_send != send:
-                    continue
+            # (a key names its sender and receiver, so the stage that posts it too is the peer; with one stage of
+            # several chunks both ends would be this stage, and _stage_messages refused the repeated key already)
+            if 0 <= peer < p * v and key in messages[peer % p]:
+                continue
             ins = schedule.stages[s][i]
             part = ins.point_to_point()[k]
             what = _where(schedule, s, i, ins) + ("" if ins is part else f": {part}")
             if not 0 <= peer < p * v:
                 count = f"{p} stages" if v == 1 else f"{p * v} virtual stages"
                 raise ScheduleError(f"{what} has no peer: stage {peer} does not exist ({count})")
-            if peer % p == s:
-                raise ScheduleError(f"{what} sends to its own stage")
             raise ScheduleError(f"{what} has no matching {part.partner(s, p)} on stage {peer % p}")
 
 

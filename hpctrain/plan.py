@@ -115,7 +115,7 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
     model = make_model(cfg.model)
     model.check_tp(tp)
     v = p.virtual_stages if pp > 1 else 1  # model chunks per stage (interleaved 1F1B)
-    stages = model.partition(pp * v, p.stages, tp=tp)  # stage s holds stages[s::pp]
+    stages = model.partition(pp, p.stages, tp=tp, virtual_stages=v)  # stage s holds stages[s::pp]
     stats = checked(p.schedule if pp > 1 else "1f1b", pp, t.micro_batches, v)[1]
     zero = p.zero if dp > 1 else 0
     slots = (1 if cfg.optim.momentum else 0) if cfg.optim.name == "sgd" else 2

@@ -40,6 +40,10 @@ def test_more_stages_than_units_is_an_error():
     with pytest.raises(LayoutError, match="parallel.pp = 3 is more stages than the model has partition units "
                                           r"\(2: a linear or layernorm layer with the activations after it\)"):
         spec.partition(3)
+    with pytest.raises(LayoutError, match="parallel.pp × parallel.virtual_stages = 2 × 2 is more stages than the "
+                                          r"model has partition units \(2: "):
+        spec.partition(2, virtual_stages=2)
+    assert spec_of([4, 5, 5, 5, 3]).partition(2, virtual_stages=2) == [(0, 1), (2, 3), (4, 5), (6, 6)]
 
 
 def test_parts_chain_to_the_whole_model_bit_for_bit():

@@ -128,17 +128,21 @@ class ModelSpec:
         """Forward FLOPs per row of layers lo..hi (inclusive): what ``partition`` balances."""
         return sum(layer.flops() for layer in self.layers[lo : hi + 1])
 
-    def partition(self, pp: int, stages=(), tp: int = 1) -> list[tuple[int, int]]:
-        """Inclusive layer ranges of the ``pp`` stages: ``stages`` when given, else units balanced by their
-        estimated time, the FLOPs per row (``flops``: for a dense layer 2 per weight, so an MLP's cut is its
-        parameters'; a GPT's head counts its logits product through the tied table, its embedding only a
-        lookup, its blocks their attention too).
+    def partition(self, pp: int, stages=(), tp: int = 1, virtual_stages: int = 1) -> list[tuple[int, int]]:
+        """Inclusive layer ranges of the ``pp`` stages (``pp × virtual_stages`` virtual stages, in order, for
+        interleaved 1F1B's model chunks): ``stages`` when given, else units balanced by their estimated time, the
+        FLOPs per row (``flops``: for a dense layer 2 per weight, so an MLP's cut is its parameters'; a GPT's head
+        counts its logits product through the tied table, its embedding only a lookup, its blocks their attention
+        too).
 
         With ``tp > 1`` a tensor-parallel pair is one unit: no stage boundary falls inside it."""
         units = self.tp_units() if tp > 1 else self.units
+        what = f"parallel.pp = {pp}" if virtual_stages == 1 else \
+            f"parallel.pp × parallel.virtual_stages = {pp} × {virtual_stages}"
+        pp *= virtual_stages
         if stages:  # checked against the layers when the config was parsed
             if len(stages) != pp:
-                raise ConfigError(f"parallel.stages lists {len(stages)} stage(s) but parallel.pp = {pp}")
+                raise ConfigError(f"parallel.stages lists {len(stages)} stage(s) but {what}")
             for s, (lo, hi) in enumerate(stages[:-1]):
                 inside = [(a, b) for a, b in self.tp_pairs if a <= hi < b] if tp > 1 else []
                 if inside:
@@ -148,7 +152,7 @@ class ModelSpec:
             return [tuple(r) for r in stages]
         if pp > len(units):
             merged = "; with tp > 1 a column/row-parallel pair is one unit" if len(units) < len(self.units) else ""
-            raise LayoutError(f"parallel.pp = {pp} is more stages than the model has partition units "
+            raise LayoutError(f"{what} is more stages than the model has partition units "
                               f"({len(units)}: {self.unit_text}{merged})")
         return _balanced([self.flops(lo, hi) for lo, hi in units], units, pp)
 

@@ -113,7 +113,7 @@ def build(cfg, mesh, log) -> RankParts:
     model = make_model(cfg.model)
     model.check_tp(mesh.tp)
     # the virtual stages' layer ranges: stage s runs stages[s::pp] (one each unless interleaved 1F1B's chunks)
-    stages = model.partition(mesh.pp * cfg.parallel.virtual_stages, cfg.parallel.stages, tp=mesh.tp)
+    stages = model.partition(mesh.pp, cfg.parallel.stages, tp=mesh.tp, virtual_stages=cfg.parallel.virtual_stages)
     tensor = TensorParallel(mesh.tp_comm, transport) if mesh.tp > 1 else None
     # train.deterministic: a tied tensor's two halves summed apart on one stage too (parallel/deterministic.py)
     part = model.part(chunks=stages[mesh.pp_rank :: mesh.pp], tp=tensor, split_ties=cfg.train.deterministic)

@@ -39,7 +39,8 @@ def test_rank_0_writes_each_track_before_it_receives_the_next():
             if r:  # the previous rank's spans were written before this rank's rows exist here
                 assert f.getvalue().count(f'"tid": {r - 1}, "ts"') == heads[r - 1][0]
             asked.append(r)
-            yield r, np.array([[1, r, 0, 0.001 * i, 0.0005] for i in range(n)])
+            yield r, np.array([[1, r, i if r == 2 else 0, 0, 0.001 * i, 0.0005] for i in range(n)])  # kind, mb,
+            # chunk (rank 2: an interleaved stage's), step, start, duration
 
     n = trace._write_events(f, heads, tracks())
     assert asked == [0, 1, 2]
@@ -48,4 +49,5 @@ def test_rank_0_writes_each_track_before_it_receives_the_next():
     assert n == len(doc["traceEvents"]) == 6 + 6 and [e["tid"] for e in spans] == [0, 0, 1, 2, 2, 2]
     assert spans[2] == {"name": "forward 1", "cat": "forward", "ph": "X", "pid": 0, "tid": 1, "ts": 0.0,
                         "dur": 500.0, "args": {"step": 0, "micro_batch": 1}}
+    assert spans[4]["name"] == "forward 2 chunk 1" and spans[4]["args"] == {"step": 0, "micro_batch": 2, "chunk": 1}
     assert doc["otherData"] == {"spans_dropped": 5}

@@ -250,9 +250,9 @@ class StageExecutor:
         low = here if (kind == ACTIVATION) == send else here - 1
         return 2 * (mb * self.virtual_stages + low // self.stages) + kind
 
-    def _trace(self, name, mb, t0, t1):
+    def _trace(self, name, mb, t0, t1, chunk=0):
         if self.tracer is not None:
-            self.tracer.span(name, mb, t0, t1)
+            self.tracer.span(name, mb, t0, t1, chunk)
 
     @staticmethod
     def _kind(op) -> int:
@@ -309,7 +309,7 @@ class StageExecutor:
         self._slots[(kind, *key)] = (slot, None)
         (self._x if kind == ACTIVATION else self._dout)[key] = arr
         self.result.wait += t1 - t0
-        self._trace("recv " + ("activation" if kind == ACTIVATION else "grad"), ins.mb, t0, t1)
+        self._trace("recv " + ("activation" if kind == ACTIVATION else "grad"), ins.mb, t0, t1, ins.chunk)
 
     def _send(self, ins) -> None:
         kind = self._kind(ins)
@@ -319,7 +319,7 @@ class StageExecutor:
         self.p2p.post_send(arr, dest=dest, tag=self._tag(kind, ins.mb, ins.chunk, send=True))
         t1 = time.perf_counter()
         self.result.wait += t1 - t0
-        self._trace("send " + ("activation" if kind == ACTIVATION else "grad"), ins.mb, t0, t1)
+        self._trace("send " + ("activation" if kind == ACTIVATION else "grad"), ins.mb, t0, t1, ins.chunk)
 
     def _exchange(self, ins) -> None:
         self._send(ins.send)  # posted together with the receive, which is already up
@@ -337,7 +337,7 @@ class StageExecutor:
             self._y[key] = _upload(self.be, y)
         t1 = time.perf_counter()
         self.result.data += t1 - t0
-        self._trace("load", ins.mb, t0, t1)
+        self._trace("load", ins.mb, t0, t1, ins.chunk)
 
     def _forward(self, ins) -> None:
         mb, key = ins.mb, (ins.mb, ins.chunk)
@@ -367,7 +367,7 @@ class StageExecutor:
             self.result.peak_bytes = max(self.result.peak_bytes, sum(self._live_bytes.values()))
         t1 = time.perf_counter()
         self.result.busy += t1 - t0
-        self._trace("forward", mb, t0, t1)
+        self._trace("forward", mb, t0, t1, ins.chunk)
 
     def _backward(self, ins) -> None:
         mb, key = ins.mb, (ins.mb, ins.chunk)
@@ -392,7 +392,7 @@ class StageExecutor:
             self._dinp[key] = dinp  # SendGrad(mb) sends it
         t1 = time.perf_counter()
         self.result.busy += t1 - t0
-        self._trace("backward", mb, t0, t1)
+        self._trace("backward", mb, t0, t1, ins.chunk)
 
     def _backward_input(self, ins) -> None:
         """B: the input gradient, sent on by the next instruction; what W needs stays (with the received input

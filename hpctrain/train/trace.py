@@ -43,18 +43,19 @@ class Tracer:
         self.limit = max(1, MAX_SPANS // mesh.size)  # this rank's share of the run's budget
         self.dropped = 0
 
-    def span(self, kind: str, mb: int, t0: float, t1: float) -> None:
+    def span(self, kind: str, mb: int, t0: float, t1: float, chunk: int = 0) -> None:
+        """One span of ``kind`` (micro-batch ``mb``, -1 for none; ``chunk``: interleaved 1F1B's model chunk)."""
         if len(self.rows) >= self.limit:
             self.dropped += 1
             return
-        self.rows.append((KINDS.index(kind), mb, self.step, t0 - self.origin, t1 - t0))
+        self.rows.append((KINDS.index(kind), mb, chunk, self.step, t0 - self.origin, t1 - t0))
 
     def write(self, path: str) -> int:
         """Stream every rank's spans to a trace file written on rank 0; returns the number of events written there
         (0 elsewhere). Every other rank sends its rows to rank 0, which receives them one rank at a time, even when
         its file cannot be written (then a ConfigError once all are in), so no rank is left in a send."""
         comm = self.mesh.world
-        local = np.array(self.rows, dtype=np.float64).reshape(-1, 5)
+        local = np.array(self.rows, dtype=np.float64).reshape(-1, 6)
         head = np.array([local.shape[0], self.dropped, self.mesh.pp_rank, self.mesh.dp_rank, self.mesh.tp_rank],
                         dtype=np.int64)
         heads = np.empty((comm.Get_size(), 5), dtype=np.int64) if comm.Get_rank() == 0 else None
@@ -66,7 +67,7 @@ class Tracer:
         def tracks():
             yield 0, local
             for r in range(1, comm.Get_size()):
-                rows = np.empty((int(heads[r, 0]), 5), dtype=np.float64)
+                rows = np.empty((int(heads[r, 0]), 6), dtype=np.float64)
                 comm.Recv(rows, source=r, tag=_TAG)
                 yield r, rows
 
@@ -102,12 +103,15 @@ def _write_events(f, heads, blocks) -> int:
              "args": {"name": f"rank {r} (stage {p}, dp {d}, tp {t})"}})
         put({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}})
     for r, rows in blocks:
-        for kind, mb, step, start, dur in rows:
+        for kind, mb, chunk, step, start, dur in rows:
             name = KINDS[int(kind)]
             args = {"step": int(step)}
             if mb >= 0:
                 args["micro_batch"] = int(mb)
                 name = f"{name} {int(mb)}"
+            if chunk > 0:  # interleaved 1F1B: which of the stage's model chunks
+                args["chunk"] = int(chunk)
+                name = f"{name} chunk {int(chunk)}"
             put({"name": name, "cat": KINDS[int(kind)], "ph": "X", "pid": 0, "tid": r,
                  "ts": round(start * 1e6, 3), "dur": round(dur * 1e6, 3), "args": args})
     f.write("\n]}\n")

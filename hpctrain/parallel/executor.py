@@ -116,8 +116,8 @@ class _Ring:
         if width == self.width:
             return arr[:rows], None if host is None else host[:rows]
         n = rows * width
-        return (arr.reshape(-1)[:n].reshape(rows, width),
-                None if host is None else host.reshape(-1)[:n].reshape(rows, width))
+        return (arr.reshape(arr.size)[:n].reshape(rows, width),
+                None if host is None else host.reshape(host.size)[:n].reshape(rows, width))
 
 
 class StageExecutor:

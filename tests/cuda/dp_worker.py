@@ -2,11 +2,12 @@
 pipeline (its tied embedding summed across the stages) or tensor parallelism on the CUDA backend vs the CPU
 backend.
 
-    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|tp|gpt-tp|zero|gpt-det]
+    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|il|tp|gpt-tp|zero|gpt-det]
 
 Under ``pp`` activations and gradients between the stages take the same host-staged path, as do the tied
 gradient (``gpt-pp``, under the zero-bubble schedule: each block's split backward on the device) and the
 tensor-parallel Allreduces (``tp``; ``gpt-tp`` adds the GPT's vocab-parallel embedding, head and loss);
+``il`` is an MLP at pp 2 under interleaved 1F1B (two chunks a stage, boundaries of three widths);
 ``zero`` is data parallel with ``parallel.zero = 2``: device gradients reduce-scattered through host staging,
 the parameters all-gathered; ``gpt-det`` is ``train.deterministic``: dp 2 bitwise equal to one process on the
 device.
@@ -128,7 +129,7 @@ def main(path, layout):
     if layout.startswith("waits-"):
         return waits(path, layout)
     comm = MPI.COMM_WORLD
-    pp = 2 if layout in ("pp", "gpt-pp") else 1
+    pp = 2 if layout in ("pp", "gpt-pp", "il") else 1
     tp = 2 if layout in ("tp", "gpt-tp") else 1
     gpt = layout.startswith("gpt")
     if comm.rank == 0:
@@ -139,15 +140,23 @@ def main(path, layout):
         parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False, "pp": pp, "tp": tp,
                     "zero": 2 if layout == "zero" else 0,
                     "schedule": "zero-bubble" if layout == "gpt-pp" else "1f1b"}  # the MLP's pp runs 1F1B
+        if layout == "il":  # interleaved 1F1B, two chunks a stage, boundaries 8, 12 and 5 wide: ring slots as wide
+            parallel.update(schedule="interleaved-1f1b", virtual_stages=2)  # as the widest, narrower ones reshaped
         if gpt:  # gpt-tp: the vocab-parallel embedding, head and loss, 13 ids in blocks of 7 and 6
             model = {"block_size": 4, "n_embd": 4, **({"vocab_size": 13} if tp > 1 else {})}
             cfg = gpt_config(path, model=model, data={"val_fraction": 0.0},
                              train={"steps": 2, "batch_size": 2, "micro_batches": 2, "backend": backend},
                              optim={"name": "sgd", "lr": 0.1, "momentum": 0.9}, parallel=parallel)
         else:
+            layers = {}
+            if layout == "il":
+                widths = [6, 8, 12, 5, 3]
+                layers = {"model": {"layers": [item for i, (a, b) in enumerate(zip(widths, widths[1:]))
+                                               for item in [{"type": "linear", "in": a, "out": b}]
+                                               + ([{"type": "tanh"}] if i < 3 else [])]}}
             cfg = config(path, train={"steps": 2, "batch_size": 8, "log_every": 1, "backend": backend,
                                       "micro_batches": pp},
-                         optim={"name": "adamw", "lr": 0.01}, parallel=parallel)
+                         optim={"name": "adamw", "lr": 0.01}, parallel=parallel, **layers)
         mesh = Mesh(pp=pp, tp=tp)
         trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
         final = trainer.run()

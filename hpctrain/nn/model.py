@@ -305,6 +305,8 @@ class ModelPart:
         self.units = [(x + start, y + start) for (start, _), us in zip(self.chunk_layers, self.chunk_units)
                       for x, y in us]  # all of them, local to the part
         self.recompute = False  # train.recompute = "blocks": keep each unit's input only, recompute in backward
+        # the local offset from which each layer's backward leaves every gradient final; None: it writes none
+        # of its own (a tie to a tensor another layer of this part owns and writes later)
         self._first_offset = []
         for layer, prefix in zip(self.layers, self.prefixes):
             mine = [prefix + n for n, _ in layer.params] + [self._tie_names.get(prefix + n, prefix + n)

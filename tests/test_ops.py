@@ -52,6 +52,32 @@ def test_linear_kernels(B, K, N):
     np.testing.assert_allclose(db, 2 * db_ref, **F32)
 
 
+@pytest.mark.parametrize("K,M,N", [(0, 3, 4), (1, 1, 1), (64, 96, 80), (7, 130, 3)])
+def test_weight_gradient_accumulates_inside_the_gemm_as_numpy_adds_it(K, M, N):
+    """matmul_tn(accumulate=True) through numpy's BLAS with beta = 1 (backend/blas.py) and through the temporary
+    and add it replaces: both equal the float64 sum, and an empty product leaves the gradient as it was."""
+    a, b, start = rand(K, M), rand(K, N), rand(M, N)
+    expected = start.astype(np.float64) + a.astype(np.float64).T @ b.astype(np.float64)
+    fallback = CpuBackend()
+    fallback._sgemm = None
+    for backend in (be, fallback):
+        out = start.copy()
+        backend.matmul_tn(a, b, out, accumulate=True)
+        np.testing.assert_allclose(out, expected, **F32)
+
+
+def test_numpy_wheels_bundled_blas_is_found():
+    """numpy's own wheels link scipy-openblas: there the beta = 1 product must be in use, not the slower fallback."""
+    from hpctrain.backend.blas import Sgemm
+
+    blas = (np.show_config(mode="dicts") or {}).get("Build Dependencies", {}).get("blas", {})
+    if blas.get("name") != "scipy-openblas":
+        pytest.skip(f"numpy built against {blas.get('name')!r}: the fallback is the expected path")
+    found = Sgemm.find()
+    assert found is not None and found.name == "scipy_cblas_sgemm64_"
+    assert be._sgemm is not None
+
+
 def test_linear_reference_gradient_matches_finite_differences():
     x, w, b = (rng.standard_normal(s) for s in [(3, 4), (5, 4), (5,)])
     c = rng.standard_normal((3, 5))  # loss = sum(c * y)

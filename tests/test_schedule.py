@@ -10,7 +10,8 @@ from hpctrain.parallel.schedule import (SCHEDULES, Backward, BackwardInput, Back
                                         Instruction, LoadMicroBatch, MessageKey, Op, OptimizerStep, RecvActivation,
                                         RecvGrad, ReduceGrads, Schedule, ScheduleError, SendActivation, SendGrad,
                                         check_schedule, data_parallel, forward_only, gpipe, interleaved_1f1b,
-                                        make_schedule, one_f_one_b, paper_makespan, zero_bubble)
+                                        make_schedule, makespan, one_f_one_b, paper_makespan,
+                                        zero_bubble)
 
 SIZES = [(p, m) for p in range(1, 6) for m in range(1, 10)]
 
@@ -201,6 +202,23 @@ def test_zero_bubble_is_shorter_than_one_f_one_b(p, m):
     assert paper_makespan(zero_bubble(p, m)) <= 3 * m + 2 * (p - 1)
     if p == 2:
         assert paper_makespan(zero_bubble(p, m)) == 3 * m + p - 1
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_makespan_on_unequal_stages(m):
+    """With measured costs per stage: the slower stage sets the pace. 1F1B at P = 2 with stage 1 twice as slow as
+    stage 0 (F 1, B 2 against F 2, B 4) takes stage 0's first forward, stage 1's m forwards and backwards and stage
+    0's last backward; unit costs give paper_makespan; a slow stage's bubble on paper grows with m."""
+    schedule = one_f_one_b(2, m)
+
+    def costs(*per_stage):
+        return lambda s, ins: per_stage[s][0 if isinstance(ins, Forward) else 1]
+
+    assert makespan(schedule, costs((1, 2), (2, 4))) == 1 + m * 6 + 2
+    assert makespan(schedule, costs((1, 2), (1, 2))) == paper_makespan(schedule) == 3 * (m + 1)
+    fast = makespan(schedule, costs((1.0, 2.0), (1.1, 2.2)))  # 10% apart: stage 0 idles for (F + B)/10 per mb more
+    assert fast == pytest.approx(1 + m * 3.3 + 2)
+    assert 1 - 3 * m / fast > 1 / (m + 1)
 
 
 def test_split_backward_rules():

@@ -16,6 +16,7 @@ import numba
 import numpy as np
 
 from .base import Backend
+from .blas import Sgemm
 from .dropout_mask import GOLDEN, MUL1, MUL2, keep_scale, threshold
 from .cpu_transformer import TransformerKernels
 
@@ -374,6 +375,10 @@ class CpuBackend(TransformerKernels, Backend):
     name = "cpu"
     is_device = False
 
+    def __init__(self):
+        # out += aᵀ·b inside the GEMM where numpy's BLAS allows it (backend/blas.py); None: a temporary and an add
+        self._sgemm = Sgemm.find()
+
     # -- memory
     def empty(self, shape, dtype=np.float32):
         return np.empty(shape, dtype=dtype)
@@ -409,7 +414,9 @@ class CpuBackend(TransformerKernels, Backend):
     def matmul_tn(self, a, b, out, accumulate=False):
         """out[M,N] (+)= a[K,M]ᵀ @ b[K,N]: the Linear weight gradient dYᵀ·X."""
         self._matmul_args("matmul_tn", a, b, out)
-        if accumulate:
+        if accumulate and self._sgemm is not None:
+            self._sgemm.tn_accumulate(a, b, out)
+        elif accumulate:
             _add_inplace(out, a.T @ b)
         else:
             np.matmul(a.T, b, out=out)

@@ -70,6 +70,7 @@ class StepResult:
     peak_live: int = 0  # micro-batches forwarded but not yet backwarded
     peak_bytes: int = 0  # bytes their saved activations held
     extra: dict = field(default_factory=dict)  # what on_optimizer_step returns (less its "wait" seconds)
+    kernels: dict = field(default_factory=dict)  # host seconds per compute instruction kind ("Forward": ...)
 
     @property
     def bubble(self) -> float:
@@ -183,11 +184,15 @@ class StageExecutor:
         return self.result
 
     def _timed_by(self, method):
-        """``method`` (a forward or backward instruction) between two timing events on a GPU."""
+        """``method`` (a forward or backward instruction) between two timing events on a GPU; its host time added
+        to ``result.kernels`` under the instruction's class name (what ``schedule.makespan`` takes as the stage's costs)."""
 
         def run(ins) -> None:
             start = self.be.timer()
+            t0 = time.perf_counter()
             method(ins)
+            kind = type(ins).__name__
+            self.result.kernels[kind] = self.result.kernels.get(kind, 0.0) + time.perf_counter() - t0
             if start is not None:
                 self._timed.append((start, self.be.timer()))
                 self._timed_mark = self.be.mark()

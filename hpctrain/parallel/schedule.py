@@ -64,7 +64,7 @@ __all__ = [
     "SendGrad", "RecvGrad", "Exchange", "ReduceGrads", "OptimizerStep", "MessageKey", "Op", "Schedule",
     "ScheduleStats", "ScheduleError", "data_parallel", "gpipe", "one_f_one_b", "zero_bubble", "forward_only",
     "make_schedule", "check_schedule", "built", "checked", "BackwardInput", "BackwardWeight", "paper_makespan",
-    "INTERLEAVED", "interleaved_1f1b",
+    "INTERLEAVED", "interleaved_1f1b", "makespan",
 ]
 
 SCHEDULES = ("1f1b", "gpipe", "zero-bubble")  # training schedules with one model chunk per stage
@@ -472,28 +472,43 @@ def _interleaved_order(s: int, p: int, v: int, m: int) -> list[tuple[str, int, i
 
 def paper_makespan(schedule: Schedule) -> int:
     """Units a training step takes on paper: a Forward, BackwardInput or BackwardWeight one unit, a Backward two
-    (B + W), a message there the unit after its sender finished, every stage as early as its list allows (with
-    v chunks per stage, a unit is one chunk's: 1/v of a stage's forward). The bubble on paper is
-    1 − 3mv / makespan: (P − 1)/(m + P − 1) for 1F1B and GPipe, ZB-H1's (P − 1)/(3m + P − 1) for zero-bubble at
-    P = 2 and m ≥ 2, (P − 1)/(vm + P − 1) for interleaved 1F1B."""
+    (B + W), every stage as early as its list allows (with v chunks per stage, a unit is one chunk's: 1/v of a
+    stage's forward). The bubble on paper is 1 − 3mv / makespan: (P − 1)/(m + P − 1) for 1F1B and GPipe, ZB-H1's
+    (P − 1)/(3m + P − 1) for zero-bubble at P = 2 and m ≥ 2, (P − 1)/(vm + P − 1) for interleaved 1F1B."""
+    return int(makespan(schedule, lambda stage, ins: 2 if isinstance(ins, Backward) else 1))
+
+
+def makespan(schedule: Schedule, cost) -> float:
+    """The time a step takes when instruction ``ins`` of stage ``s`` costs ``cost(s, ins)`` (a Forward, Backward,
+    BackwardInput or BackwardWeight; everything else is free), messages arrive the moment their sender finishes, and
+    every stage starts each instruction as early as its list allows. With unit costs it is ``paper_makespan``; with
+    the costs a run measured per stage (``StepResult.kernels``) it is the step that run's stages allow: a
+    measured step longer than that lost the difference outside the kernels (messages, the executor), one longer
+    than ``paper_makespan`` predicts may only have unequal stages."""
     p = schedule.num_stages
     last = p * schedule.virtual_stages - 1
     compute = [[ins for ins in stage if isinstance(ins, (Forward, Backward, BackwardInput, BackwardWeight))]
                for stage in schedule.stages]
-    done, pc, free, t = {}, [0] * p, [0] * p, 0  # done: (kind, virtual stage, mb) -> when it finished
-    while any(pc[s] < len(compute[s]) for s in range(p)):
+    done, pc, free = {}, [0] * p, [0.0] * p  # done: (kind, virtual stage, mb) -> when it finished
+    moved = True
+    while moved:
+        moved = False
         for s in range(p):
-            if pc[s] == len(compute[s]) or free[s] > t:
-                continue
-            ins = compute[s][pc[s]]
-            kind, here = type(ins), ins.chunk * p + s
-            if kind is Forward and here > 0 and done.get((Forward, here - 1, ins.mb), t + 1) > t:
-                continue
-            if kind in (Backward, BackwardInput) and here < last and done.get((kind, here + 1, ins.mb), t + 1) > t:
-                continue
-            done[(kind, here, ins.mb)] = free[s] = t + (2 if kind is Backward else 1)
-            pc[s] += 1
-        t += 1
+            while pc[s] < len(compute[s]):
+                ins = compute[s][pc[s]]
+                kind, here = type(ins), ins.chunk * p + s
+                after = 0.0  # when what it needs from the neighbouring virtual stage is there
+                if kind is Forward and here > 0:
+                    after = done.get((Forward, here - 1, ins.mb))
+                elif kind in (Backward, BackwardInput) and here < last:
+                    after = done.get((kind, here + 1, ins.mb))
+                if after is None:
+                    break
+                done[(kind, here, ins.mb)] = free[s] = max(free[s], after) + cost(s, ins)
+                pc[s] += 1
+                moved = True
+    if any(pc[s] < len(compute[s]) for s in range(p)):
+        raise ScheduleError(f"{schedule.name}: its compute instructions wait on each other (stage pcs {pc})")
     return max(free)
 
 

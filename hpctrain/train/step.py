@@ -161,7 +161,8 @@ class StepRunner:
         if self.deterministic and self.holds_loss:  # the shards' loss sums in shard order, on dp rank 0 only
             r.loss_sum = self._ordered_over_dp([r.losses[i] for i in range(m)])
         return dict(compute=r.busy, comm=r.comm, optim=r.optim, data=r.data, busy=r.busy, wait=r.wait, span=r.span,
-                    bubble=r.bubble, loss_sum=r.loss_sum, peak_live=r.peak_live, peak_bytes=r.peak_bytes, **r.extra)
+                    bubble=r.bubble, loss_sum=r.loss_sum, peak_live=r.peak_live, peak_bytes=r.peak_bytes,
+                    kernels=r.kernels, **r.extra)
 
     def _finish(self, step: int, lr: float) -> dict:
         """The OptimizerStep instruction: the tied gradients' sum (``ends_comm``), the norm over the tp ranks and

@@ -27,6 +27,10 @@ batch size); each line then also gives the step time and samples/s against 1F1B'
 ``interleaved-1f1b`` cuts the same layers into P · v virtual stages (``--virtual-stages``, default 2: one
 width × width Linear each), stage s running chunks s, s + P, ...; its formula is (P − 1)/(v·m + P − 1), and its
 peak live count is of chunk passes (each 1/v of a stage's activations).
+"replayed" is the bubble (mean over stages of the median over steps, as measured) of the same step replayed with each compute instruction's measured host time
+(``schedule.makespan``; messages, data reads and the executor cost nothing there): what the kernels alone
+allow, with stages that are unequal in practice and kernel times that vary. measured / replayed is what the
+messages, the data reads and the executor add; replayed / formula what the kernels' own times do.
 Run with one rank per core: oversubscribed ranks measure the scheduler, not the pipeline.
 """
 
@@ -43,12 +47,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import shared_tempdir, synthetic_classification  # noqa: E402
 
 from hpctrain.config import parse_config  # noqa: E402
-from hpctrain.parallel.schedule import make_schedule, makespan, paper_makespan  # noqa: E402
+from hpctrain.parallel.schedule import (Backward, BackwardInput, BackwardWeight, Forward, make_schedule,  # noqa: E402
+                                        makespan, paper_makespan)
 from hpctrain.parallel.mesh import Mesh  # noqa: E402
 from hpctrain.train import Trainer  # noqa: E402
 
 
 FEATURES = 64
+COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
 
 
 def say(*a):
@@ -80,17 +86,14 @@ def pipeline_config(path, stages, width, rows, micro, schedule, virtual=1):
     })
 
 
-KINDS = ("Forward", "Backward", "BackwardInput", "BackwardWeight")
-
-
 def measure(mesh, cfg, steps):
-    """Per stage: median bubble, peak live micro-batches and bytes, median step seconds; and the mean seconds of
-    one instruction of each of KINDS (0 where the stage's list has none)."""
+    """Per stage: median bubble, peak live micro-batches and bytes, median step seconds, and the median bubble of
+    the step replayed with each compute instruction's measured time (``replayed_bubble``)."""
     import time
 
     t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
-    bubbles, peaks, spans = [], [], []
-    kernels = dict.fromkeys(KINDS, 0.0)
+    schedule = t.runner.schedule
+    bubbles, peaks, spans, replays = [], [], [], []
     for s in range(steps + 2):
         mesh.world.Barrier()
         t0 = time.perf_counter()
@@ -100,27 +103,29 @@ def measure(mesh, cfg, steps):
             bubbles.append(timing["bubble"])
             peaks.append((timing["peak_live"], timing["peak_bytes"]))
             spans.append(time.perf_counter() - t0)
-            for kind, seconds in timing["kernels"].items():
-                kernels[kind] += seconds
-    counts = {kind: sum(type(ins).__name__ == kind for ins in t.runner.schedule.stages[mesh.pp_rank]) for kind in KINDS}
-    costs = np.array([kernels[k] / (steps * counts[k]) if counts[k] else 0.0 for k in KINDS])
+            replays.append(replayed_bubble(mesh, schedule, timing["kernels"]))
     t.close()
-    mine = np.array([np.median(bubbles), max(p[0] for p in peaks), max(p[1] for p in peaks), np.median(spans)],
-                    dtype=np.float64)
-    every = np.zeros((mesh.size, 4), dtype=np.float64)
+    mine = np.array([np.median(bubbles), max(p[0] for p in peaks), max(p[1] for p in peaks), np.median(spans),
+                     np.median(replays)], dtype=np.float64)
+    every = np.zeros((mesh.size, len(mine)), dtype=np.float64)
     mesh.world.Allgather(mine, every)
-    per_stage = np.zeros((mesh.size, len(KINDS)), dtype=np.float64)
-    mesh.world.Allgather(costs, per_stage)
-    return every, per_stage  # one row per stage (dp = 1)
+    return every  # one row per stage (dp = 1)
 
 
-def bubble_on_costs(schedule, per_stage) -> float:
-    """The mean over stages of the bubble the schedule has when each instruction costs what the run measured on
-    its stage (``schedule.makespan``): the unequal stages' share of the bubble, messages and the executor free."""
-    cost = lambda s, ins: per_stage[s][KINDS.index(type(ins).__name__)]  # noqa: E731
-    span = makespan(schedule, cost)
-    busy = [sum(cost(s, ins) for ins in stage if type(ins).__name__ in KINDS) for s, stage in enumerate(schedule.stages)]
-    return float(np.mean([1 - b / span for b in busy]))
+def replayed_bubble(mesh, schedule, kernels) -> float:
+    """This stage's bubble in ``schedule`` replayed with each compute instruction's measured host time on its stage
+    (``schedule.makespan``): messages, data reads and the executor free, so what the kernels alone allow, unequal
+    stages and varying kernel times included. Collective over the stages."""
+    s = mesh.pp_rank
+    compute = [[ins for ins in stage if type(ins) in COMPUTE] for stage in schedule.stages]
+    mine = np.array([kernels[ins] for ins in compute[s]], dtype=np.float64)
+    counts = [len(c) for c in compute]
+    every = np.zeros(sum(counts), dtype=np.float64)
+    mesh.world.Allgatherv(mine, [every, counts])
+    seconds = np.split(every, np.cumsum(counts)[:-1])
+    cost = {(st, ins): seconds[st][i] for st, stage in enumerate(compute) for i, ins in enumerate(stage)}
+    span = makespan(schedule, lambda st, ins: cost[(st, ins)])
+    return float(1 - seconds[s].sum() / span)
 
 
 def main():
@@ -147,7 +152,7 @@ def main():
     say(f"{MPI.Get_library_version().splitlines()[0].strip()}; P = {a.stages} stages of two {a.width}x{a.width} "
         f"Linear layers, {per}, {a.steps} steps each; "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    say(f"{'schedule':>16} {'m':>3} {'formula':>8} {'measured':>9} {'ratio':>6} {'on costs':>8} {'ratio':>6} "
+    say(f"{'schedule':>16} {'m':>3} {'formula':>8} {'measured':>9} {'ratio':>6} {'replayed':>8} {'ratio':>6} "
         f"{'step ms':>8} {'vs 1f1b':>8}   "
         "per stage: bubble, peak live micro-batches, peak activation MiB")
     step_1f1b = {}
@@ -159,19 +164,19 @@ def main():
                 continue
             rows_per = a.batch // m if a.batch else a.rows
             cfg = pipeline_config(path, a.stages, a.width, rows_per, m, schedule, v)
-            rows, per_stage = measure(mesh, cfg, a.steps)
+            rows = measure(mesh, cfg, a.steps)
             P = a.stages
             # (P - 1)/(m + P - 1) for 1F1B, (P - 1)/(v m + P - 1) interleaved
             formula = 1 - 3 * m * v / paper_makespan(make_schedule(schedule, P, m, v))
-            on_costs = bubble_on_costs(make_schedule(schedule, P, m, v), per_stage)
+            replayed = float(rows[:, 4].mean())
             measured = float(rows[:, 0].mean())
             step = float(rows[:, 3].max())
             if schedule == "1f1b":
                 step_1f1b[m] = step
             speed = f"{step_1f1b[m] / step:8.3f}" if m in step_1f1b else f"{'':>8}"
-            stages = "  ".join(f"s{s}: {b:.3f} {int(n)} {nb / 2**20:.2f}" for s, (b, n, nb, _) in enumerate(rows))
-            say(f"{schedule:>16} {m:>3} {formula:8.3f} {measured:9.3f} {measured / formula:6.3f} {on_costs:8.3f} "
-                f"{measured / on_costs if on_costs > 0 else 0:6.3f} {step * 1e3:8.2f} {speed}   {stages}")
+            stages = "  ".join(f"s{s}: {b:.3f} {int(n)} {nb / 2**20:.2f}" for s, (b, n, nb, _, _) in enumerate(rows))
+            say(f"{schedule:>16} {m:>3} {formula:8.3f} {measured:9.3f} {measured / formula:6.3f} {replayed:8.3f} "
+                f"{measured / replayed if replayed > 0 else 0:6.3f} {step * 1e3:8.2f} {speed}   {stages}")
     mesh.free()
     world.Barrier()
     if world.rank == 0:

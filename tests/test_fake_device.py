@@ -16,31 +16,29 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def test_device_paths_cuda_aware_and_staged_give_the_cpu_bits(tmp_path):
+def _run_worker(ranks: int, tmp_path) -> str:
+    """tests/fake_device_worker.py under ``mpiexec -n ranks``; its output, once it exited cleanly."""
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         pytest.skip("mpiexec not found: install hpctrain[mpich] or load your site's MPI module")
     env = launcher_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    proc = subprocess.run(mpi_command(mpiexec, 2, sys.executable, os.path.join(HERE, "fake_device_worker.py"),
+    proc = subprocess.run(mpi_command(mpiexec, ranks, sys.executable, os.path.join(HERE, "fake_device_worker.py"),
                                       str(tmp_path)), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+def test_device_paths_cuda_aware_and_staged_give_the_cpu_bits(tmp_path):
+    output = _run_worker(2, tmp_path)
     assert output.count(" OK") == 2 * 2 * 7, output[-4000:]  # 2 ranks × (CUDA-aware, staged) × 7 layouts
 
 
 def test_zero_with_a_table_tied_across_stages_on_four_ranks(tmp_path):
     """dp 2 × pp 2, ZeRO 2, the GPT: the tied table's buckets wait for its two ends' sum on the training thread while
     the others go through the communication thread; the CPU backend's bits, CUDA-aware and staged."""
-    mpiexec = shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("mpiexec not found: install hpctrain[mpich] or load your site's MPI module")
-    env = launcher_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    proc = subprocess.run(mpi_command(mpiexec, 4, sys.executable, os.path.join(HERE, "fake_device_worker.py"),
-                                      str(tmp_path)), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
+    output = _run_worker(4, tmp_path)
     assert output.count(" OK") == 4 * 2, output[-4000:]  # 4 ranks × (CUDA-aware, staged)
 
 

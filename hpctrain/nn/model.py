@@ -323,10 +323,8 @@ class ModelPart:
         return self.global_ranges[0]
 
     def describe(self) -> str:
-        if len(self.layer_ranges) > 1:
-            return (", ".join(f"layers {a}..{b}" for a, b in self.layer_ranges)
-                    + f": {self.layout.size:,} parameters")
-        return f"layers {self.lo}..{self.hi}: {self.layout.size:,} parameters"
+        """"layers 0..3: 1,234 parameters", one range per model chunk ("layers 0..1, layers 4..5: ...")."""
+        return ", ".join(f"layers {a}..{b}" for a, b in self.layer_ranges) + f": {self.layout.size:,} parameters"
 
     def chunk_is_first(self, chunk: int) -> bool:
         """Whether chunk ``chunk`` starts the model (it takes the inputs)."""

@@ -396,13 +396,15 @@ def zero_bubble(num_stages: int, micro_batches: int) -> Schedule:
                               m)
 
 
-def _without_deadlocks(name: str, stages: list, m: int, v: int = 1, end=_step_end) -> Schedule:
-    """The schedule of ``stages`` (lists without the step's ``end``) with each send that would deadlock under
-    rendezvous sends posted together with its stage's next receive (``Exchange``), one fusion at a time, until
-    the checker's run passes."""
+def _without_deadlocks(name: str, stages: list, m: int, v: int = 1, *, training: bool = True) -> Schedule:
+    """The schedule of ``stages`` (lists without the step's end: ``_step_end()`` is added to each when
+    ``training``, nothing for an evaluation pass) with each send that would deadlock under rendezvous sends
+    posted together with its stage's next receive (``Exchange``), one fusion at a time, until the checker's run
+    passes."""
     p = len(stages)
+    end = _step_end() if training else []
     for _ in range(4 * p * m * v):  # each repair fuses one send with a receive: finitely many
-        schedule = Schedule(name, tuple(st + end() for st in stages), m, v)
+        schedule = Schedule(name, tuple(st + end for st in stages), m, v)
         blocked = _blocked_sends(schedule)
         if blocked is None:
             return schedule
@@ -598,7 +600,7 @@ def forward_only(num_stages: int, micro_batches: int, virtual_stages: int = 1) -
                            *([LoadMicroBatch(i, c)] if c * p + s in (0, last) else []),
                            Forward(i, c), *([SendActivation(i, c)] if c * p + s < last else []))]
               for s in range(p)]
-    return _without_deadlocks("forward-only", stages, m, v, end=list)
+    return _without_deadlocks("forward-only", stages, m, v, training=False)
 
 
 def make_schedule(name: str, num_stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:

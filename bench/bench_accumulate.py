@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 python bench/bench_accumulate.py
     OMP_NUM_THREADS=1 python bench/bench_accumulate.py --repeat 50
 
-For each shape, ``CpuBackend.matmul_tn`` (out[M,N] (+)= a[K,M]ᵀ·b[K,N]) timed three ways in one run,
-interleaved, median of ``--repeat``: writing the product (the first micro-batch), adding it through numpy's
+For each shape, ``CpuBackend.matmul_tn`` (out[M,N] (+)= a[K,M]ᵀ·b[K,N]) timed three ways in one run, one
+after another, the median of ``--repeat`` calls each: writing the product (the first micro-batch), adding it through numpy's
 BLAS with beta = 1 (backend/blas.py; what a later micro-batch runs), and adding it through a temporary and a
 second pass (what it ran before, and the fallback where numpy's BLAS is not found). The shapes: a Linear
 of the pipeline benchmark (64 rows, 1024 and 2048 wide), a gpt-char projection (K = B·T = 2048), and a

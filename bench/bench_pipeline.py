@@ -31,6 +31,8 @@ peak live count is of chunk passes (each 1/v of a stage's activations).
 (``schedule.makespan``; messages, data reads and the executor cost nothing there): what the kernels alone
 allow, with stages that are unequal in practice and kernel times that vary. measured / replayed is what the
 messages, the data reads and the executor add; replayed / formula what the kernels' own times do.
+``--detail`` adds a line per row: each stage's least and most kernel time in a step (unequal stages and
+varying kernel times), and how long messages took to arrive once both ends were at them (``Messages``).
 Run with one rank per core: oversubscribed ranks measure the scheduler, not the pipeline.
 """
 
@@ -38,6 +40,7 @@ import argparse
 import os
 import shutil
 import sys
+import time
 
 import hpctrain  # noqa: F401  (first: it shares the cores between the ranks before numpy starts BLAS)
 import numpy as np
@@ -47,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import shared_tempdir, synthetic_classification  # noqa: E402
 
 from hpctrain.config import parse_config  # noqa: E402
+from hpctrain.parallel.executor import ACTIVATION  # noqa: E402
 from hpctrain.parallel.schedule import (Backward, BackwardInput, BackwardWeight, Forward, make_schedule,  # noqa: E402
                                         makespan, paper_makespan)
 from hpctrain.parallel.mesh import Mesh  # noqa: E402
@@ -86,30 +90,98 @@ def pipeline_config(path, stages, width, rows, micro, schedule, virtual=1):
     })
 
 
-def measure(mesh, cfg, steps):
-    """Per stage: median bubble, peak live micro-batches and bytes, median step seconds, and the median bubble of
-    the step replayed with each compute instruction's measured time (``replayed_bubble``)."""
-    import time
-
+def measure(mesh, cfg, steps, detail=False):
+    """Per stage: median bubble, peak live micro-batches and bytes, median step seconds, the median bubble of the
+    step replayed with each compute instruction's measured time (``replayed_bubble``); with ``detail`` also the
+    least and most kernel seconds of a step, and the messages' delivery times (``Messages``)."""
     t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
     schedule = t.runner.schedule
-    bubbles, peaks, spans, replays = [], [], [], []
+    messages = Messages(t.runner.executor) if detail else None
+    bubbles, peaks, spans, replays, kernels = [], [], [], [], []
     for s in range(steps + 2):
         mesh.world.Barrier()
+        if messages is not None:
+            messages.clear()
         t0 = time.perf_counter()
         timing = t.train_step(s, 1e-4)
         mesh.world.Barrier()
         if s >= 2:
+            kernels.append(sum(timing["kernels"].values()))
+            if messages is not None:
+                messages.settle(mesh)
             bubbles.append(timing["bubble"])
             peaks.append((timing["peak_live"], timing["peak_bytes"]))
             spans.append(time.perf_counter() - t0)
             replays.append(replayed_bubble(mesh, schedule, timing["kernels"]))
     t.close()
     mine = np.array([np.median(bubbles), max(p[0] for p in peaks), max(p[1] for p in peaks), np.median(spans),
-                     np.median(replays)], dtype=np.float64)
+                     np.median(replays), min(kernels), max(kernels)], dtype=np.float64)
     every = np.zeros((mesh.size, len(mine)), dtype=np.float64)
     mesh.world.Allgather(mine, every)
-    return every  # one row per stage (dp = 1)
+    return every, messages  # one row per stage (dp = 1)
+
+
+class Messages:
+    """Wraps an executor's send and receive so that each message's delivery is timed: from the later of its send
+    being posted and its receiver starting to wait, to the receive's return (``time.perf_counter``, one clock for
+    the ranks of one node: run the stages on one node). Matched by (sender, tag) over the stages each step."""
+
+    def __init__(self, executor):
+        self.ex = executor
+        self.sent, self.received, self.delays = [], [], []  # (tag, t); (source, tag, start, end); seconds
+        send, recv = executor._send, executor._recv
+
+        def timed_send(ins):
+            send(ins)
+            self.sent.append((executor._tag(executor._kind(ins), ins.mb, ins.chunk, send=True), time.perf_counter()))
+
+        def timed_recv(ins):
+            kind = executor._kind(ins)
+            source = (executor.stage + (-1 if kind == ACTIVATION else 1)) % executor.stages
+            t0 = time.perf_counter()
+            recv(ins)
+            self.received.append((source, executor._tag(kind, ins.mb, ins.chunk, send=False), t0, time.perf_counter()))
+
+        executor._send, executor._recv = timed_send, timed_recv  # Exchange calls these
+        for kind, method in list(executor.table.items()):
+            if method == send:
+                executor.table[kind] = timed_send
+            elif method == recv:
+                executor.table[kind] = timed_recv
+
+    def clear(self):
+        self.sent, self.received = [], []
+
+    def settle(self, mesh):
+        """Each stage's sends to every stage, then this stage's receives matched with them (collective)."""
+        mine = np.array([(tag, t) for tag, t in self.sent], dtype=np.float64).reshape(-1, 2)
+        counts = counts_of(mesh, len(mine))
+        every = np.zeros((sum(counts), 2), dtype=np.float64)
+        mesh.world.Allgatherv(mine, [every, [2 * c for c in counts]])
+        posted, at = {}, 0
+        for stage, n in enumerate(counts):
+            for tag, t in every[at : at + n]:
+                posted[(stage, int(tag))] = t
+            at += n
+        for source, tag, start, end in self.received:
+            self.delays.append(end - max(start, posted[(source, tag)]))
+
+
+def counts_of(mesh, n: int) -> list:
+    """Every stage's ``n`` (collective)."""
+    every = np.zeros(mesh.size, dtype=np.int64)
+    mesh.world.Allgather(np.array([n], dtype=np.int64), every)
+    return [int(c) for c in every]
+
+
+def delivery(mesh, messages) -> str:
+    """Median, 90th percentile and largest delivery time over every stage's receives (collective)."""
+    mine = np.array(messages.delays, dtype=np.float64)
+    counts = counts_of(mesh, len(mine))
+    every = np.zeros(sum(counts), dtype=np.float64)
+    mesh.world.Allgatherv(mine, [every, counts])
+    return (f"{len(every)} deliveries: median {np.median(every) * 1e3:.3f} ms, 90% {np.percentile(every, 90) * 1e3:.3f},"
+            f" most {every.max() * 1e3:.3f} ms")
 
 
 def replayed_bubble(mesh, schedule, kernels) -> float:
@@ -138,6 +210,8 @@ def main():
     p.add_argument("--batch", type=int, default=0, help="rows per step (batch / m per micro-batch); 0: --rows each")
     p.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "zero-bubble", "interleaved-1f1b"])
     p.add_argument("--virtual-stages", type=int, default=2, help="model chunks per stage for interleaved-1f1b")
+    p.add_argument("--detail", action="store_true",
+                   help="also each stage's least and most kernel ms in a step, and the messages' delivery times")
     a = p.parse_args()
     world = MPI.COMM_WORLD
     if world.size != a.stages:
@@ -164,7 +238,7 @@ def main():
                 continue
             rows_per = a.batch // m if a.batch else a.rows
             cfg = pipeline_config(path, a.stages, a.width, rows_per, m, schedule, v)
-            rows = measure(mesh, cfg, a.steps)
+            rows, messages = measure(mesh, cfg, a.steps, a.detail)
             P = a.stages
             # (P - 1)/(m + P - 1) for 1F1B, (P - 1)/(v m + P - 1) interleaved
             formula = 1 - 3 * m * v / paper_makespan(make_schedule(schedule, P, m, v))
@@ -174,9 +248,13 @@ def main():
             if schedule == "1f1b":
                 step_1f1b[m] = step
             speed = f"{step_1f1b[m] / step:8.3f}" if m in step_1f1b else f"{'':>8}"
-            stages = "  ".join(f"s{s}: {b:.3f} {int(n)} {nb / 2**20:.2f}" for s, (b, n, nb, _, _) in enumerate(rows))
+            stages = "  ".join(f"s{s}: {r[0]:.3f} {int(r[1])} {r[2] / 2**20:.2f}" for s, r in enumerate(rows))
             say(f"{schedule:>16} {m:>3} {formula:8.3f} {measured:9.3f} {measured / formula:6.3f} {replayed:8.3f} "
                 f"{measured / replayed if replayed > 0 else 0:6.3f} {step * 1e3:8.2f} {speed}   {stages}")
+            if messages is not None:
+                text = delivery(mesh, messages)
+                kernels = "  ".join(f"s{s}: {r[5] * 1e3:.1f}-{r[6] * 1e3:.1f}" for s, r in enumerate(rows))
+                say(f"{'':>20} kernel ms a step, least-most: {kernels}; messages: {text}")
     mesh.free()
     world.Barrier()
     if world.rank == 0:

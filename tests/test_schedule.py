@@ -221,6 +221,19 @@ def test_makespan_on_unequal_stages(m):
     assert 1 - 3 * m / fast > 1 / (m + 1)
 
 
+def test_makespan_waits_where_the_list_receives():
+    """A stage waits at a receive, as the executor does, even when the instructions after it need nothing from it:
+    stage 0 receiving micro-batch 0's gradient before its second forward cannot run that forward early, so this
+    order takes 10 units against 1F1B's 9."""
+    s0 = (LoadMicroBatch(0), Forward(0), SendActivation(0), RecvGrad(0), LoadMicroBatch(1), Forward(1),
+          SendActivation(1), Backward(0), RecvGrad(1), Backward(1), ReduceGrads(), OptimizerStep())
+    s1 = (RecvActivation(0), LoadMicroBatch(0), Forward(0), Backward(0), SendGrad(0), RecvActivation(1),
+          LoadMicroBatch(1), Forward(1), Backward(1), SendGrad(1), ReduceGrads(), OptimizerStep())
+    late = Schedule("late-forward", (s0, s1), 2)
+    check_schedule(late)
+    assert paper_makespan(late) == 10 and paper_makespan(one_f_one_b(2, 2)) == 9
+
+
 def test_split_backward_rules():
     one = one_f_one_b(1, 1).stages[0]
     b = one.index(Backward(0))

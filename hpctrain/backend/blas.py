@@ -1,14 +1,18 @@
 """``out += aᵀ·b`` inside one GEMM (beta = 1): a later micro-batch's weight gradient added where BLAS writes it.
 
 numpy's ``matmul`` has no beta, so ``out += a.T @ b`` makes a temporary the size of ``out`` and adds it in a
-second pass: for a 1024 × 1024 weight, 4 MB allocated, faulted in and read twice per micro-batch, 15–25% of
+second pass: for a 1024 × 1024 weight, 4 MB allocated, faulted in and read twice per micro-batch, 12–15% of
 the product's own time (``python bench/bench_accumulate.py``); for a tied GPT-2 token table, 154 MB per
-micro-batch. This module calls ``cblas_sgemm`` of the OpenBLAS that numpy itself links, found once by
-symbol in numpy's extension module: numpy's Linux and Windows wheels bundle it as ``scipy_openblas64``
-(64-bit integers, ``scipy_cblas_sgemm64_``); a numpy built against a system BLAS may export
-``cblas_sgemm``. A candidate is used only after it has multiplied a small product exactly as numpy does.
-Where none is found (Accelerate, MKL without cblas symbols, a build this does not know), ``Sgemm.find()``
-returns None and the caller does it numpy's way: the same sums, one pass slower.
+micro-batch (52%). This module calls ``cblas_sgemm`` of the OpenBLAS that numpy itself links, found once by
+symbol through numpy's extension module (``dlsym`` searches the libraries it links): numpy's Linux and
+macOS-x86 wheels bundle ``scipy_openblas64`` (``scipy_cblas_sgemm64_``), a numpy built against OpenBLAS
+may export ``cblas_sgemm64_``; both take 64-bit integers, which their ``64_`` suffix says. Only such
+symbols, and scipy-openblas32's ``scipy_cblas_sgemm`` (32-bit integers), are bound: an unsuffixed
+``cblas_sgemm`` may take either width (MKL's ILP64 does), and a call with the wrong width can crash rather
+than give a wrong result, so it is not tried. A symbol found is then used only after it has multiplied a
+small product exactly as numpy does (a wrong argument order shows there). Where none is found (Windows,
+where the library is not searched through the extension module; Accelerate; MKL; a build this does not
+know), ``Sgemm.find()`` returns None and the caller does it numpy's way: the same sums, one pass slower.
 
 The call goes through ctypes, which releases the GIL, as numpy's own BLAS calls do: another thread (the
 gradient sync) runs meanwhile. Threads are OpenBLAS's own, set by ``OMP_NUM_THREADS`` like numpy's.
@@ -23,9 +27,10 @@ import numpy as np
 __all__ = ["Sgemm"]
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
-# (symbol, integer type) in the order tried: numpy's bundled ILP64 OpenBLAS first
+# (symbol, integer type) in the order tried: numpy's bundled ILP64 OpenBLAS first; only symbols whose name
+# fixes the integer width (see the module's docstring)
 _CANDIDATES = (("scipy_cblas_sgemm64_", ctypes.c_int64), ("cblas_sgemm64_", ctypes.c_int64),
-               ("scipy_cblas_sgemm", ctypes.c_int), ("cblas_sgemm", ctypes.c_int))
+               ("scipy_cblas_sgemm", ctypes.c_int))
 
 
 class Sgemm:
@@ -62,14 +67,14 @@ class Sgemm:
         """out[M,N] += a[K,M]ᵀ·b[K,N]; float32, C-contiguous (the backend's argument checks saw to both)."""
         K, M = a.shape
         N = b.shape[1]
-        if K == 0 or out.size == 0:  # nothing to add (and BLAS refuses a leading dimension of 0)
+        if K == 0 or out.size == 0:  # nothing to add (and with M = 0 BLAS refuses the leading dimension 0)
             return
         self.function(_ROW_MAJOR, _TRANS, _NO_TRANS, M, N, K, 1.0, a.ctypes.data, M, b.ctypes.data, N, 1.0,
                       out.ctypes.data, N)
 
     def _agrees_with_numpy(self) -> bool:
         """A 5 × 3 product of small integers added to an integer matrix: exact in float32 whatever the order, so a
-        wrong integer width or argument order shows as a mismatch, not as rounding."""
+        wrong argument order or transposition shows as a mismatch, not as rounding."""
         a = np.arange(15, dtype=np.float32).reshape(5, 3) - 7
         b = np.arange(20, dtype=np.float32).reshape(5, 4) % 7 - 3
         out = np.arange(12, dtype=np.float32).reshape(3, 4)

@@ -70,7 +70,8 @@ class StepResult:
     peak_live: int = 0  # micro-batches forwarded but not yet backwarded
     peak_bytes: int = 0  # bytes their saved activations held
     extra: dict = field(default_factory=dict)  # what on_optimizer_step returns (less its "wait" seconds)
-    kernels: dict = field(default_factory=dict)  # compute instruction -> its host seconds (Forward(3): 0.0051)
+    kernels: dict = field(default_factory=dict)  # compute instruction -> its host seconds (Forward(3): 0.0051); on a
+    # GPU the host's time to queue it, not the kernels' (those are in ``busy``)
 
     @property
     def bubble(self) -> float:

@@ -482,36 +482,50 @@ def paper_makespan(schedule: Schedule) -> int:
 
 def makespan(schedule: Schedule, cost) -> float:
     """The time a step takes when instruction ``ins`` of stage ``s`` costs ``cost(s, ins)`` (a Forward, Backward,
-    BackwardInput or BackwardWeight; everything else is free), messages arrive the moment their sender finishes, and
-    every stage starts each instruction as early as its list allows. With unit costs it is ``paper_makespan``; with
-    the costs a run measured per stage (``StepResult.kernels``) it is the step that run's stages allow: a
-    measured step longer than that lost the difference outside the kernels (messages, the executor), one longer
+    BackwardInput or BackwardWeight; everything else is free), a message arrives the moment its sender's compute
+    finished, and each stage runs its list in order, waiting where the executor waits: at a receive (alone or in
+    an ``Exchange``) until the message is there. With unit costs it is ``paper_makespan``; with the costs a run
+    measured per instruction (``StepResult.kernels``) it is the step that run's kernels allow: a measured step
+    longer than that lost the difference outside the kernels (messages, data reads, the executor), one longer
     than ``paper_makespan`` predicts may only have unequal stages."""
     p = schedule.num_stages
     last = p * schedule.virtual_stages - 1
-    compute = [[ins for ins in stage if isinstance(ins, (Forward, Backward, BackwardInput, BackwardWeight))]
-               for stage in schedule.stages]
-    done, pc, free = {}, [0] * p, [0.0] * p  # done: (kind, virtual stage, mb) -> when it finished
+    done = {}  # (Forward | "dx", virtual stage, mb) -> when its output (activation, input gradient) was ready
+    pc, free = [0] * p, [0.0] * p
     moved = True
     while moved:
         moved = False
         for s in range(p):
-            while pc[s] < len(compute[s]):
-                ins = compute[s][pc[s]]
-                kind, here = type(ins), ins.chunk * p + s
-                after = 0.0  # when what it needs from the neighbouring virtual stage is there
-                if kind is Forward and here > 0:
-                    after = done.get((Forward, here - 1, ins.mb))
-                elif kind in (Backward, BackwardInput) and here < last:
-                    after = done.get((kind, here + 1, ins.mb))
-                if after is None:
+            stage = schedule.stages[s]
+            while pc[s] < len(stage):
+                ins = stage[pc[s]]
+                after = _input_ready(ins, s, p, last, done)
+                if after is None:  # its message is not there yet: the stage waits here
                     break
-                done[(kind, here, ins.mb)] = free[s] = max(free[s], after) + cost(s, ins)
+                free[s] = max(free[s], after)
+                if isinstance(ins, (Forward, Backward, BackwardInput, BackwardWeight)):
+                    free[s] += cost(s, ins)
+                    if not isinstance(ins, BackwardWeight):
+                        done[(Forward if isinstance(ins, Forward) else "dx", ins.chunk * p + s, ins.mb)] = free[s]
                 pc[s] += 1
                 moved = True
-    if any(pc[s] < len(compute[s]) for s in range(p)):
-        raise ScheduleError(f"{schedule.name}: its compute instructions wait on each other (stage pcs {pc})")
+    if any(pc[s] < len(schedule.stages[s]) for s in range(p)):
+        raise ScheduleError(f"{schedule.name}: its stages wait on each other (stage positions {pc})")
     return max(free)
+
+
+def _input_ready(ins, s: int, p: int, last: int, done: dict):
+    """When what ``ins`` on stage ``s`` waits for from the neighbouring virtual stage is there (0.0: nothing to
+    wait for; None: not yet known)."""
+    if isinstance(ins, Exchange):
+        ins = ins.recv
+    if isinstance(ins, (RecvActivation, Forward)):
+        here = ins.chunk * p + s
+        return done.get((Forward, here - 1, ins.mb)) if here > 0 else 0.0
+    if isinstance(ins, (RecvGrad, Backward, BackwardInput)):
+        here = ins.chunk * p + s
+        return done.get(("dx", here + 1, ins.mb)) if here < last else 0.0
+    return 0.0
 
 
 def _list_schedule(p: int, m: int) -> list[list[tuple[str, int]]]:

@@ -217,7 +217,7 @@ def _operand_io(width: int, BK: int, NT: int, kmajor: bool):
     EVEN = ELEMS % NT == 0  # every thread loads the same count: no check
     uW, uBK, uNT, uELEMS = U(width), U(BK), U(NT), U(ELEMS)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda_sim.inlined_device_jit()
     def load(src, regs, tid, r0, k0, rows, uk, ro, co):
         e = tid
         for slot in range(LOADS):
@@ -232,7 +232,7 @@ def _operand_io(width: int, BK: int, NT: int, kmajor: bool):
             regs[slot] = v
             e += uNT
 
-    @cuda.jit(device=True, inline="always")
+    @cuda_sim.inlined_device_jit()
     def store(tile, stage, regs, tid):
         e = tid
         for slot in range(LOADS):
@@ -262,7 +262,7 @@ def _make_gemm(tile: GemmTile, *, a_kmajor: bool, b_kmajor: bool, batched: bool 
     uBM, uBN, uBK, uNTX, uTM, uTN = U(BM), U(BN), U(BK), U(NTX), U(TM), U(TN)
     ZERO, ONE = U(0), U(1)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda_sim.inlined_device_jit()
     def tile_product(a, b, c, bias, um, un, uk, k0, epilogue, ar, ac, br, bc, cr, cc):
         """This block's BM×BN tile of c (at row cr, column cc of the array) from k0 to uk."""
         a_tile = cuda.shared.array((2, BK, AW), float32)  # two stages: one computed from, one filled

@@ -33,7 +33,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["install", "kernel_jit"]
+__all__ = ["install", "kernel_jit", "inlined_device_jit"]
 
 _lock = threading.Lock()
 _installed = False
@@ -54,6 +54,23 @@ def kernel_jit(threads: int):
     from numba import cuda
 
     return cuda.jit if _simulator() or threads <= 256 else cuda.jit(launch_bounds=threads)
+
+
+def inlined_device_jit():
+    """``cuda.jit`` for a device function that its kernels inline (the GEMM's operand loads and tile product).
+
+    NVVM inlines it (``forceinline``: an ``alwaysinline`` attribute in the IR) rather than numba's IR-level
+    ``inline="always"``, which deep-copies the function's IR into each caller: the GEMM kernels' machine code is
+    the same instruction for instruction on sm_80 and sm_90, and they compile in half the time (a GPU job's first
+    step, and tests/test_cuda_compile.py). The simulator's ``cuda.jit`` has no such option (nor do numba-cuda
+    releases before it); there the function is inlined at the IR level as before."""
+    import inspect
+
+    from numba import cuda
+
+    if not _simulator() and "forceinline" in inspect.signature(cuda.jit).parameters:
+        return cuda.jit(device=True, forceinline=True)
+    return cuda.jit(device=True, inline="always")
 
 
 def install() -> None:

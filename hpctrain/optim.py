@@ -116,7 +116,7 @@ class Optimizer:
                         i = lo + int(np.argmax(~np.isfinite(new)))
                         name = next((s.name for s in self.params.layout if s.offset <= i < s.end), "?")
                         return name, slot if self.slots else "update", float(np.abs(g).max())
-            at += b - a
+                at += b - a  # the next piece's optimizer state follows this one's
         return "", "", 0.0
 
     def warm_up(self) -> None:

@@ -152,6 +152,28 @@ def test_the_optimizer_finds_an_update_that_would_overflow_its_float32_state():
         assert got[:2] == ("b.weight", slot) and got[2] >= 1e21, (name, got)
 
 
+def test_the_overflow_check_reads_each_zero_pieces_own_optimizer_state():
+    """Under ZeRO a rank updates several pieces (one chunk per bucket), their optimizer state one after another:
+    each piece is checked against its own slots, not the first piece's."""
+    from hpctrain.backend import get_backend
+    from hpctrain.config import OptimConfig
+    from hpctrain.optim import Optimizer
+    from hpctrain.params import FlatBuffer, ParamLayout
+
+    be = get_backend("cpu")
+    layout = ParamLayout([("a.weight", (16,)), ("b.weight", (16,)), ("c.weight", (16,))])
+    params, grads = FlatBuffer(be, layout), FlatBuffer(be, layout)
+    optim = Optimizer(OptimConfig(name="sgd", lr=1e-3, momentum=0.9), be, params, grads, pieces=[(32, 48), (0, 16)])
+    grads.data[:] = 0.0
+    grads.data[0:16] = 3e38  # a.weight, the second piece: its state is slots 16..31
+    assert optim.overflow() == ("", "", 0.0)  # 0.9 · 0 + 3e38 is finite
+    optim.slots["momentum_buffer"].data[16:] = 3e38  # 0.9 · 3e38 + 3e38 is not
+    assert optim.overflow()[:2] == ("a.weight", "momentum_buffer")
+    optim.slots["momentum_buffer"].data[:] = 0.0
+    optim.slots["momentum_buffer"].data[:16] = 3e38  # the first piece's state (c.weight, whose gradient is 0): finite
+    assert optim.overflow() == ("", "", 0.0)
+
+
 def test_huge_inputs_are_refused_by_the_data_scan(tmp_path, mesh):
     from hpctrain.errors import DataError
 

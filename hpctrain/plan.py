@@ -59,15 +59,18 @@ class RankMemory:
 
 
 def state_bytes(*, part_size: int, owned_size: int, shard, zero: int, device: bool, slots: int,
-                bucket_elems: int) -> dict:
-    """Parameters, gradients and optimizer state of one rank's part (``shard``: its ZeroShard, or None).
+                bucket_elems: int, micro_batches: int) -> dict:
+    """Parameters, gradients and optimizer state of one rank's part (``shard``: its ZeroShard, or None) at the
+    step's peak.
 
-    zero = 2 on the CPU: the gradients resident between and during steps are this rank's chunks plus the
-    buckets written but not yet reduced, at most two (the backward pass writes one while the
-    communication thread scatters the other)."""
+    zero = 2 on the CPU with one micro-batch a rank: the gradients resident are this rank's chunks plus the
+    buckets written but not yet reduced, at most two (the backward pass writes one while the communication
+    thread scatters the other). With several (``micro_batches``, a rank's per step) the buckets are
+    scattered once, after the last backward (accumulate, then scatter: docs/architecture.md), so the whole
+    buffer is resident while they accumulate, as with zero = 1."""
     owned = shard.size if shard is not None else owned_size  # a tied replica (beyond owned_size) has no slots
     grads = part_size
-    if shard is not None and zero == 2 and not device:
+    if shard is not None and zero == 2 and not device and micro_batches == 1:
         grads = min(part_size, owned + 2 * bucket_elems)
     return dict(params_bytes=4 * part_size, grads_bytes=4 * grads, optimizer_bytes=4 * slots * owned)
 
@@ -142,7 +145,8 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
                 shard = ZeroShard(make_buckets(part.layout.size, bucket_elems), dp, d, limit=part.owned_size) \
                     if zero else None
                 state = state_bytes(part_size=part.layout.size, owned_size=part.owned_size, shard=shard, zero=zero,
-                                    device=device, slots=slots, bucket_elems=bucket_elems)
+                                    device=device, slots=slots, bucket_elems=bucket_elems,
+                                    micro_batches=t.micro_batches)
                 buffers = rings + (4 * max((p[d][1] - p[d][0] for p in shard.parts), default=0) if shard else 0)
                 if t.deterministic:  # parallel/deterministic.py: the shard tree's parked sums, the tree's receive
                     buffers += 4 * part.layout.size * (t.micro_batches.bit_length() - 1) + \

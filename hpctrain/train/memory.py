@@ -38,7 +38,8 @@ def rank_memory(t, activation_bytes: int) -> RankMemory:
     cfg, mesh = t.cfg, t.mesh
     state = state_bytes(part_size=t.part.layout.size, owned_size=t.part.owned_size, shard=t.shard, zero=t.zero,
                         device=t.be.is_device, slots=len(t.optim.slots),
-                        bucket_elems=max(1, int(cfg.parallel.bucket_mb * 1e6 / 4)))
+                        bucket_elems=max(1, int(cfg.parallel.bucket_mb * 1e6 / 4)),
+                        micro_batches=cfg.train.micro_batches)
     state["optimizer_bytes"] = t.optim.slot_bytes  # what the slots really hold
     buffers = nbytes_of([getattr(t.sync, "_scatter_out", None), t.sync.host])  # None: not allocated
     if t.sync.tree is not None:  # train.deterministic: the shard tree's parked sums and the tree's receive buffer

@@ -5,6 +5,7 @@ is tests/mpi/test_sharded_checkpoint.py; resuming across layouts is also covered
 tests/mpi/test_checkpoint_resharding.py and tests/mpi/test_zero.py.
 """
 
+import dataclasses
 import glob
 import os
 import shutil
@@ -20,6 +21,7 @@ from helpers import config, folder_listing, make_classification, run_trainer as 
 from hpctrain.checkpoint import format as fmt
 from hpctrain.checkpoint import inspect, list_checkpoints, load_checkpoint, load_weights, save_checkpoint
 from hpctrain.errors import CheckpointError
+from hpctrain.nn import Layer
 from hpctrain.train import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,6 +63,96 @@ def test_a_checkpoint_is_an_index_and_a_folder_of_shards_that_plain_h5py_reads_a
     n = sum(a.size for a in params.values())  # one rank wrote everything: each tensor, each slot of it
     assert f"  rank-00000.h5: {3 * len(params)} piece(s), {4 * 3 * n / 1024:.1f} KiB (params, exp_avg, " \
            "exp_avg_sq)" in text, text
+
+
+class Gains(Layer):
+    """y = x · s + Σ t: a registered layer with a scalar and a 3-D parameter, both trained."""
+
+    def __init__(self, dim: int):
+        self.in_features = self.out_features = dim
+        self.params = (("s", ()), ("t", (2, 3, dim)))
+
+    def init(self, rng):
+        return {"s": np.float32(1.0) + np.zeros((), np.float32),
+                "t": (rng.standard_normal((2, 3, self.in_features)) * 0.1).astype(np.float32)}
+
+    def forward(self, be, x):
+        return x * self.w["s"] + self.w["t"].sum(axis=(0, 1)), x
+
+    def backward(self, be, dout, x, accumulate=False, need_dinp=True):
+        ds, dt = (dout * x).sum(), np.broadcast_to(dout.sum(axis=0), self.g["t"].shape)
+        self.g["s"][...] = self.g["s"] + ds if accumulate else ds
+        self.g["t"][...] = self.g["t"] + dt if accumulate else dt
+        return dout * self.w["s"]
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4), (3, 1, 5, 2), (4, 6), (7,)])
+def test_any_run_of_a_whole_tensor_maps_to_its_own_dimensions_in_the_index(shape):
+    """A ZeRO chunk may start and end anywhere in a tensor's C order: the index's hyperslabs (in the tensor's own
+    dimensions, more than two for a registered layer's) put each value of the run where it belongs."""
+    from hpctrain.checkpoint.pieces import Piece, segments
+    from hpctrain.checkpoint.sharded import _virtual_boxes
+
+    size = int(np.prod(shape))
+    rng = np.random.default_rng(0)
+    for lo, hi in [(0, size), (0, 1), (size - 1, size)] + [tuple(sorted(rng.integers(0, size + 1, 2))) for _ in
+                                                           range(40)]:
+        got = np.full(shape, np.nan)
+        source = np.arange(lo, hi, dtype=np.float64)  # the piece's values, one after another as a shard holds them
+        for segment in segments(Piece("t", shape, None, 0, 1, lo, hi)):
+            for start, count, off, n in _virtual_boxes(shape, *segment):
+                box = tuple(slice(a, a + c) for a, c in zip(start, count))
+                assert np.isnan(got[box]).all(), (lo, hi, start, count)  # no value mapped twice
+                got[box] = source[off : off + n].reshape(count)
+        want = np.full(size, np.nan)
+        want[lo:hi] = source
+        np.testing.assert_array_equal(got.reshape(-1), want, err_msg=f"[{lo}, {hi})")
+
+
+def test_a_column_split_needs_columns_for_every_rank_not_rows():
+    """A row-parallel Linear with fewer outputs than tp ranks (3 classes at tp = 4) is split by its 12 columns:
+    its checkpoint covers it; a split its shape cannot have is still refused."""
+    from types import SimpleNamespace
+
+    from hpctrain.checkpoint.pieces import Piece
+    from hpctrain.checkpoint.sharded import _coverage_problem
+
+    def split(shape, kind, tp, per):
+        return [(Piece("w", shape, kind, r, tp, 0, per), r, 0, 0) for r in range(tp)]
+
+    assert _coverage_problem(split((3, 12), "cols", 4, 9), SimpleNamespace(shape=(3, 12))) == ""
+    assert "does not allow" in _coverage_problem(split((2, 6), "cols", 4, 2), SimpleNamespace(shape=(2, 6)))
+    assert "does not allow" in _coverage_problem(split((3, 12), "rows", 4, 9), SimpleNamespace(shape=(3, 12)))
+
+
+def test_a_registered_layers_scalar_and_many_dimensional_parameters_checkpoint_and_resume(tmp_path, mesh):
+    """Shapes the built-in layers do not have: each is written whole, read back by plain h5py in its own shape,
+    and the run resumes from it."""
+    from hpctrain.layer_kinds import register_layer, registered
+
+    if registered("test_gains") is None:
+        register_layer("test_gains", Gains, keys={"dim": int}, required=("dim",))
+    layers = [{"type": "linear", "in": 6, "out": 8}, {"type": "test_gains", "dim": 8},
+              {"type": "linear", "in": 8, "out": 3}]
+    make_classification(tmp_path / "d.h5", n=96)
+    cfg = config(tmp_path / "d.h5", model={"layers": layers}, optim=ADAMW, train={"steps": 6},
+                 checkpoint={"dir": str(tmp_path / "ck"), "every": 3})
+    t = run(cfg, mesh)
+    params = t.params.to_host_dict()
+    assert params["1.s"].shape == () and params["1.s"] != 1.0 and params["1.t"].shape == (2, 3, 8)
+    with h5py.File(tmp_path / "ck" / "ckpt-00000006.h5", "r") as f:
+        for name, arr in params.items():
+            assert f["params"][name].shape == arr.shape
+            np.testing.assert_array_equal(f["params"][name][()], arr)
+        np.testing.assert_array_equal(f["optim/exp_avg_sq/1.t"][()], t.optim.slots["exp_avg_sq"].to_host_dict()["1.t"])
+    longer = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=9))
+    resumed = Trainer(longer, mesh=mesh, log=lambda *a: None)
+    try:
+        assert resumed.step == 6
+        for name, arr in resumed.params.to_host_dict().items():
+            np.testing.assert_array_equal(arr, params[name])
+    finally:
+        resumed.close()
 
 
 def test_keep_removes_whole_sets_and_a_save_that_never_committed_is_cleared(tmp_path, mesh):

@@ -45,9 +45,10 @@ class Piece:
 
 
 def _matrix(shape) -> tuple[int, int]:
-    if len(shape) > 2:
-        raise ValueError(f"tensors of more than 2 dimensions are not sharded in checkpoints, got {shape}")
-    return (int(shape[0]), 1) if len(shape) == 1 else (int(shape[0]), int(shape[1])) if shape else (1, 1)
+    """The tensor as (rows, columns): a scalar 1 × 1, a vector a column, more dimensions (a registered layer's;
+    tensor parallelism splits matrices only) the first by the product of the rest, which is their C order."""
+    return (int(shape[0]), int(np.prod(shape[1:], dtype=np.int64))) if len(shape) > 1 else \
+        (int(shape[0]), 1) if shape else (1, 1)
 
 
 def local_matrix(p: Piece) -> tuple[int, int]:

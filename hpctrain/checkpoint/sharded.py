@@ -200,20 +200,63 @@ def _write_virtual(f, folder, shards, entries, labels, layout) -> None:
     for label in labels:
         group = f["params"] if label == "params" else optim[label]
         for spec in layout:
-            shape = spec.shape or (1,)
+            shape = tuple(spec.shape)
             dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
             dcpl.set_fill_value(nan)
             for _, name, kind, tp_rank, tp, lo, hi, at, _, shard in by_tensor.get((label, spec.name), []):
                 source = f"{folder}/{shards[shard]}".encode()
-                for r, c, h, w, off in segments(Piece(name, spec.shape, kind, tp_rank, tp, lo, hi)):
-                    vspace = h5py.h5s.create_simple(shape)
-                    start, count = ((r,), (h,)) if len(shape) == 1 else ((r, c), (h, w))
-                    vspace.select_hyperslab(start, count)
-                    src = h5py.h5s.create_simple((sizes[shard],))
-                    src.select_hyperslab((at + off,), (h * w,))
-                    dcpl.set_virtual(vspace, source, b"values", src)
-            h5py.h5d.create(group.id, spec.name.encode(), h5py.h5t.IEEE_F32LE, h5py.h5s.create_simple(shape),
-                            dcpl=dcpl)
+                for segment in segments(Piece(name, spec.shape, kind, tp_rank, tp, lo, hi)):
+                    for start, count, off, n in _virtual_boxes(shape, *segment):
+                        vspace = _space(shape)
+                        if shape:
+                            vspace.select_hyperslab(start, count)
+                        src = h5py.h5s.create_simple((sizes[shard],))
+                        src.select_hyperslab((at + off,), (n,))
+                        dcpl.set_virtual(vspace, source, b"values", src)
+            h5py.h5d.create(group.id, spec.name.encode(), h5py.h5t.IEEE_F32LE, _space(shape), dcpl=dcpl)
+
+
+def _space(shape: tuple):
+    """The dataspace of a tensor of ``shape``: a scalar's has no dimensions, as in the single-file format."""
+    return h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
+
+
+def _virtual_boxes(shape: tuple, r: int, c: int, h: int, w: int, off: int) -> list:
+    """A ``segments`` rectangle (rows r.., columns c.. of the tensor as a matrix, h × w) as (start, count,
+    offset, values) hyperslabs of the tensor's own dimensions, each with its first value's piece-relative
+    offset. A matrix or a vector is one; a tensor of more dimensions (held whole: its rectangles are runs of
+    its C order) is cut where a run leaves an inner dimension part-way."""
+    if len(shape) <= 2:
+        return [((r, c)[: len(shape)], (h, w)[: len(shape)], off, h * w)]
+    cols = int(np.prod(shape[1:], dtype=np.int64))
+    assert h == 1 or (c == 0 and w == cols), "a tensor of more than 2 dimensions is sharded only whole"
+    lo = r * cols + c
+    return [(start, count, off + at - lo, int(np.prod(count))) for start, count, at in _runs(lo, lo + h * w, shape)]
+
+
+def _runs(lo: int, hi: int, shape: tuple) -> list:
+    """Flat C-order values [lo, hi) of a tensor of ``shape`` as boxes (start, count, flat start), in order."""
+    if hi <= lo:
+        return []
+    if len(shape) == 1:
+        return [((lo,), (hi - lo,), lo)]
+    inner = int(np.prod(shape[1:], dtype=np.int64))
+    (r0, o0), (r1, o1) = divmod(lo, inner), divmod(hi, inner)
+
+    def within(row, a, b):  # a part of one outer index
+        return [((row,) + s, (1,) + n, row * inner + at) for s, n, at in _runs(a, b, shape[1:])]
+
+    if r0 == r1:
+        return within(r0, o0, o1)
+    out = []
+    if o0:
+        out += within(r0, o0, inner)
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + tuple(shape[1:]), r0 * inner))
+    if o1:
+        out += within(r1, 0, o1)
+    return out
 
 
 # --------------------------------------------------------------------------- reading
@@ -310,7 +353,7 @@ def _coverage_problem(pieces, spec) -> str:
     pers = [size] if kind is None else [int(np.prod(local_matrix(dataclasses.replace(pieces[0][0], tp_rank=r))))
                                         for r in range(tp)]
     if kind is not None and (kind != "rows" and size % tp or kind == "rows3" and (spec.shape[0] // 3) % tp
-                             or spec.shape[0] < tp or sum(pers) != size):
+                             or kind != "cols" and spec.shape[0] < tp or sum(pers) != size):
         return not_allowed  # rows may be cut unevenly (parallel/tensor.py: row_block); rows3 and cols may not
     for r, per in enumerate(pers):
         ranges = sorted((p.lo, p.hi) for p, *_ in pieces if p.tp_rank == r)

@@ -217,8 +217,11 @@ def commit_set(world, directory: str, state, *, set_id: str, manifest, error, la
 
                 shutil.rmtree(replaced, ignore_errors=True)
             retain(directory, keep, path)
-        except OSError as e:
+        except HpctrainError:
+            raise
+        except Exception as e:  # OSError, or anything else: one message on every rank, none left waiting
             raise CheckpointError(f"cannot commit checkpoint {fmt.checkpoint_name(state.step)} in {directory}: "
+                                  f"{type(e).__name__ + ': ' if not isinstance(e, OSError) else ''}"
                                   f"{' '.join(str(e).split())}") from None
 
     run_everywhere(world, commit if world.Get_rank() == 0 else lambda: None)

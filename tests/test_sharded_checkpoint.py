@@ -145,6 +145,13 @@ def test_a_registered_layers_scalar_and_many_dimensional_parameters_checkpoint_a
             assert f["params"][name].shape == arr.shape
             np.testing.assert_array_equal(f["params"][name][()], arr)
         np.testing.assert_array_equal(f["optim/exp_avg_sq/1.t"][()], t.optim.slots["exp_avg_sq"].to_host_dict()["1.t"])
+    from hpctrain.export import export
+
+    export(str(tmp_path / "ck" / "ckpt-00000006.h5"), str(tmp_path / "whole.h5"))  # the single-file format too
+    state = load_checkpoint(str(tmp_path / "whole.h5"), t.model.layout)
+    for name, arr in params.items():
+        assert state.params[name].shape == arr.shape and state.slots["exp_avg"][name].shape == arr.shape
+        np.testing.assert_array_equal(state.params[name], arr)
     longer = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=9))
     resumed = Trainer(longer, mesh=mesh, log=lambda *a: None)
     try:

@@ -131,7 +131,7 @@ def _float32(arr, label: str) -> np.ndarray:
     arr = np.asarray(arr)
     if arr.dtype != np.float32:
         raise TypeError(f"{label} must be float32, got {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype="<f4")
+    return np.asarray(arr, dtype="<f4", order="C")  # a scalar stays one (ascontiguousarray makes it (1,))
 
 
 def write_root_attrs(f: h5py.File, state: CheckpointState, version: int = fmt.SINGLE_FILE_VERSION, *,

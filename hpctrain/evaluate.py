@@ -58,7 +58,8 @@ def eval_config(target: str, *, data: str = "", overrides=(), ranks: int = 1):
         weights = _weights_of(parse_config(own, base_dir=base, source=source, cwd_keys=given), source)
     # evaluate, nothing else: a fresh data-parallel layout (the overrides may choose another), no steps, no
     # files written, no resume
-    tables.setdefault("parallel", {}).update(dp="auto", pp=1, tp=1, stages=[], zero=0, mode="sync")
+    tables.setdefault("parallel", {}).update(dp="auto", pp=1, tp=1, stages=[], zero=0, mode="sync", schedule="1f1b",
+                                             virtual_stages=1)
     tables.setdefault("train", {}).update(steps=0, metrics="", trace="", deterministic=False)
     apply_overrides(tables, overrides)
     tables.setdefault("checkpoint", {}).update(dir="", resume="never", lock=False, every=0, init="")  # whatever --set
@@ -69,11 +70,15 @@ def eval_config(target: str, *, data: str = "", overrides=(), ranks: int = 1):
     if data:  # a test file may hold fewer samples than a training batch: the batch only sizes the chunks here
         n = _samples(cfg)
         dp = max(1, ranks // (cfg.parallel.pp * cfg.parallel.tp))
-        batch = min(cfg.train.batch_size, n) // dp * dp
+        # one micro-batch a rank, or one per stage where the schedule goes round the stages in groups (a pipeline
+        # chosen again with --set)
+        micro = cfg.parallel.pp if cfg.parallel.schedule == "interleaved-1f1b" else 1
+        batch = min(cfg.train.batch_size, n) // (dp * micro) * (dp * micro)
         if batch < 1:
-            raise ConfigError(f"{data} holds {n} sample(s), fewer than the {dp} data-parallel ranks evaluating it")
+            raise ConfigError(f"{data} holds {n} sample(s), fewer than the {dp} data-parallel ranks evaluating it"
+                              + (f" times the {micro} micro-batches of its schedule" if micro > 1 else ""))
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_fraction=0.0),
-                                  train=dataclasses.replace(cfg.train, batch_size=batch, micro_batches=1))
+                                  train=dataclasses.replace(cfg.train, batch_size=batch, micro_batches=micro))
     what = f"every sample of {data}" if data else f"the validation split of {cfg.data.path}"
     return cfg, weights, what
 

@@ -71,6 +71,22 @@ def test_a_config_evaluates_its_newest_checkpoint(trained):
     assert got["val_loss"] == logged["val_loss"] and lines[0].startswith(checkpoint)
 
 
+def test_a_pipelined_runs_config_evaluates_as_data_parallel(trained, tmp_path):
+    """eval lays any job out as data parallel: an interleaved 1F1B job's config too (its schedule needs pp >= 2)."""
+    folder, checkpoint, logged = trained
+    (folder / "il.toml").write_text(toml_job(
+        data={"val_fraction": 0.25}, train={"steps": 6, "micro_batches": 2}, checkpoint={"dir": "ck"},
+        parallel={"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2}))
+    got = evaluate(str(folder / "il.toml"), log=lambda *a: None)  # in its 2 micro-batches: the sum's order differs
+    assert got["val_loss"] == pytest.approx(logged["val_loss"], rel=1e-12)
+    assert got["val_accuracy"] == logged["val_accuracy"]
+    with h5py.File(folder / "d.h5", "r") as f:
+        x, y = f["x"][72:], f["y"][72:]
+    with h5py.File(tmp_path / "test.h5", "w") as f:
+        f["x"], f["y"] = x, y
+    assert evaluate(str(folder / "il.toml"), data=str(tmp_path / "test.h5"), log=lambda *a: None)["samples"] == 24
+
+
 def test_no_validation_split_and_command_line_paths(trained, tmp_path, monkeypatch):
     folder, checkpoint, _ = trained
     with pytest.raises(ConfigError, match=r"the validation split of .*d.h5 is empty \(data.val_fraction = 0.0\): "

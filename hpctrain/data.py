@@ -295,7 +295,8 @@ class TokenDataset(_Unchanged):
                             f"model.vocab_size = {self.vocab_size}; set vocab_size >= {len(self.vocabulary)}")
         self._label = f"dataset {name!r} (data.tokens)"
         self.scan_checks = None if self.allow_external else \
-            f"tokens: {self._label} {self.tokens.shape} {self.tokens.dtype}, vocabulary {self.vocab_size}"
+            f"tokens: {self._label} {self.tokens.shape} {self.tokens.dtype}, vocabulary {self.vocab_size}, " \
+            f"windows of {T}"  # the scan reads the tokens whole windows reach: another block size reaches others
         n = (count - 1) // T
         self.n_val = validation_count(n, val_fraction)
         self.n_train = n - self.n_val

@@ -3,8 +3,10 @@
 The scan (data.py: ``Dataset.scan``, ``TokenDataset.scan``) reads every value of the data file at every
 start: gigabytes on a shared file system before the first step. After a scan that every rank found clean,
 world rank 0 records the file's identity and what was checked; a later start whose record matches skips
-the scan. The identity is the file's size, its modification time and a SHA-256 of 16 blocks of 64 KiB
-spread over it (the first and last included), so a file rewritten, truncated or replaced is scanned again;
+the scan. The identity is the file's size, inode, modification and change times and a SHA-256 of 16 blocks
+of 64 KiB spread over it (the first and last included), so a file rewritten, truncated or replaced is scanned
+again, also when a copy kept the modification time (``cp -p``, ``rsync -a``, ``os.utime``: the change time
+cannot be set, and every write moves it);
 ``checks`` names the rules (the scan's version, the datasets, the loss or the vocabulary, the widths), so a
 config that checks something else is scanned again too.
 
@@ -27,7 +29,7 @@ from ._files import replaced_atomically
 
 __all__ = ["scan_key", "is_clean", "remember_clean", "cache_dir", "SCAN_VERSION"]
 
-SCAN_VERSION = 1  # raise when the scan's rules change: every record is then stale
+SCAN_VERSION = 2  # raise when the scan's rules change: every record is then stale
 BLOCKS, BLOCK = 16, 64 << 10
 
 
@@ -57,8 +59,9 @@ def scan_key(path: str, checks: str) -> dict | None:
         return None
     finally:
         os.close(fd)
-    return {"version": SCAN_VERSION, "path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "sample_sha256": digest.hexdigest(), "checks": checks}
+    return {"version": SCAN_VERSION, "path": os.path.abspath(path), "size": st.st_size, "inode": st.st_ino,
+            "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "sample_sha256": digest.hexdigest(),
+            "checks": checks}
 
 
 def _record(key: dict) -> str | None:

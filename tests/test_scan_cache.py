@@ -73,6 +73,44 @@ def test_the_same_size_and_time_with_other_bytes_is_scanned_again(tmp_path, mesh
         start(path, mesh)
 
 
+def test_a_change_the_sampled_blocks_miss_is_scanned_again_though_the_time_was_kept(tmp_path, mesh, cache, scans,
+                                                                                   monkeypatch):
+    """A large file's digest samples part of it; a change elsewhere, its modification time put back (a copy with
+    -p, rsync -a), still moves the change time, which no one can set back."""
+    monkeypatch.setattr(scan_cache, "BLOCKS", 2)  # the first and the last 64 KiB only
+    path = tmp_path / "d.h5"
+    make_classification(path, n=20000)  # 480 kB of inputs: row 10000 lies in neither sampled block
+    start(path, mesh)
+    st = os.stat(path)
+    with h5py.File(path, "r+") as f:
+        f["x"][10000, 1] = np.inf
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    key = scan_cache.scan_key(str(path), "x")
+    assert key["mtime_ns"] == st.st_mtime_ns and key["size"] == st.st_size
+    with pytest.raises(DataError, match="inputs contain NaN or Inf .first in row 10000"):
+        start(path, mesh)
+
+
+def test_a_token_files_record_holds_for_its_block_size_only(tmp_path, mesh, cache):
+    """A window of block_size + 1 tokens: the scan reads the tokens whole windows reach, so another block size
+    (reaching a bad id the first never read) scans again."""
+    from helpers import gpt_config, make_tokens
+
+    path = tmp_path / "t.h5"
+    make_tokens(path, n=100)
+    with h5py.File(path, "r+") as f:
+        f["tokens"][98] = 50  # outside the vocabulary; windows of 8 reach token 96, windows of 9 token 99
+
+    def run(block):
+        cfg = gpt_config(path, model={"block_size": block, "n_embd": 4}, data={"val_fraction": 0.0},
+                         train={"steps": 1, "batch_size": 2})
+        run_trainer(cfg, mesh)
+
+    run(8)
+    with pytest.raises(DataError, match="token id 50 at position 98"):
+        run(9)
+
+
 def test_other_checks_on_the_same_file_scan_again(tmp_path, mesh, cache, scans):
     path = tmp_path / "d.h5"
     make_classification(path, classes=3)

@@ -194,12 +194,9 @@ class Dataset(_Unchanged):
             bad = ~np.isfinite(x).all(axis=1)
             if bad.any():
                 return self._nonfinite("inputs", lo, int(np.argmax(bad)), x_raw)
-            huge = (np.abs(x) >= SQRT_FLOAT32_MAX).any(axis=1)  # its square, in Adam's state, overflows float32
-            if huge.any():
-                i = int(np.argmax(huge))
-                value = x[i][np.argmax(np.abs(x[i]))]
-                return (f"{self.path}: inputs contain a value whose square overflows float32 ({value:.6g} in row "
-                        f"{lo + i}; the limit is {SQRT_FLOAT32_MAX:.3g}): rescale the data")
+            huge = _huge("inputs", x, lo)  # its square, in Adam's state, overflows float32
+            if huge:
+                return f"{self.path}: {huge}"
             if self.loss.classification:
                 bad = (y_raw < 0) | (y_raw >= self.out_features)  # on the file's integers: a cast could wrap
                 if bad.any():
@@ -210,6 +207,9 @@ class Dataset(_Unchanged):
                 bad = ~np.isfinite(y).all(axis=1)
                 if bad.any():
                     return self._nonfinite("targets", lo, int(np.argmax(bad)), y_raw)
+                huge = _huge("targets", y, lo)  # the squared error overflows float32
+                if huge:
+                    return f"{self.path}: {huge}"
         return ""
 
     def _nonfinite(self, what, lo, i, raw):
@@ -220,6 +220,17 @@ class Dataset(_Unchanged):
             return (f"{self.path}: {what} contain a value beyond the float32 range ({value:.6g} in row {lo + i}); "
                     "rescale the data")
         return f"{self.path}: {what} contain NaN or Inf (first in row {lo + i})"
+
+
+def _huge(what: str, values: np.ndarray, lo: int) -> str:
+    """'' unless a row of ``values`` (rows lo..) holds a value whose square overflows float32; else why."""
+    huge = (np.abs(values) >= SQRT_FLOAT32_MAX).any(axis=1)
+    if not huge.any():
+        return ""
+    i = int(np.argmax(huge))
+    value = values[i][np.argmax(np.abs(values[i]))]
+    return (f"{what} contain a value whose square overflows float32 ({value:.6g} in row {lo + i}; the limit is "
+            f"{SQRT_FLOAT32_MAX:.3g}): rescale the data")
 
 
 def validation_count(n: int, val_fraction: float) -> int:

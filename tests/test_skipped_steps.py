@@ -186,6 +186,22 @@ def test_huge_inputs_are_refused_by_the_data_scan(tmp_path, mesh):
         Trainer(config(tmp_path / "d.h5", train={"steps": 3}), mesh=mesh, log=lambda *a: None)
 
 
+def test_huge_regression_targets_are_refused_by_the_data_scan(tmp_path, mesh):
+    """Their squared error overflows float32: named at start-up, not blamed on the optimizer at some step."""
+    from helpers import make_regression
+    from hpctrain.errors import DataError
+
+    make_regression(tmp_path / "r.h5", n=64, features=6, outputs=3)
+    import h5py
+
+    with h5py.File(tmp_path / "r.h5", "r+") as f:
+        f["y"][40, 1] = -1e25
+    cfg = config(tmp_path / "r.h5", loss="mse", train={"steps": 3},
+                 model={"layers": [{"type": "linear", "in": 6, "out": 3}]})
+    with pytest.raises(DataError, match=r"targets contain a value whose square overflows float32 \(-1e\+25 in row 40;"):
+        Trainer(cfg, mesh=mesh, log=lambda *a: None)
+
+
 @pytest.mark.parametrize("skip", [False, True], ids=["stop", "skip"])
 def test_a_gradient_that_would_overflow_adam_is_found_at_its_step(tmp_path, mesh, monkeypatch, skip):
     """Before: the run trained on with exp_avg_sq = Inf and lost everything at the next checkpoint."""

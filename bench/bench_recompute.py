@@ -22,16 +22,18 @@ import sys
 import tempfile
 
 
-def write_config(folder, recompute, args):
-    path = os.path.join(folder, f"{recompute}.toml")
+def write_config(folder, name, args, *, recompute="none", attention="math"):
+    """The bench's GPT config as ``<name>.toml`` in ``folder`` (bench/bench_attention.py uses it too)."""
+    path = os.path.join(folder, f"{name}.toml")
     with open(path, "w") as f:
         f.write(f"""[model]
 kind = "gpt"
 vocab_size = 128
 block_size = {args.block_size}
 n_layer = {args.n_layer}
-n_head = 4
+n_head = {getattr(args, "n_head", 4)}
 n_embd = {args.n_embd}
+attention = "{attention}"
 [data]
 path = "{folder}/pydoc.h5"
 corpus = "pydoc"
@@ -44,7 +46,7 @@ log_every = 1
 eval_every = 0
 backend = "cpu"
 recompute = "{recompute}"
-metrics = "m-{recompute}.jsonl"
+metrics = "m-{name}.jsonl"
 [optim]
 name = "adamw"
 lr = 1e-3
@@ -52,9 +54,10 @@ lr = 1e-3
     return path
 
 
-def run_once(folder, config, recompute):
+def run_once(folder, config, name):
+    """(peak RSS in MB, median step seconds) of ``hpctrain train config``."""
     hpctrain = os.path.join(os.path.dirname(sys.executable), "hpctrain")
-    metrics = os.path.join(folder, f"m-{recompute}.jsonl")
+    metrics = os.path.join(folder, f"m-{name}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
     proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", "rss", hpctrain, "train", config], cwd=folder,
@@ -82,7 +85,8 @@ def main():
         got = {"none": [], "blocks": []}
         for _ in range(args.repeat):
             for recompute in got:
-                got[recompute].append(run_once(folder, write_config(folder, recompute, args), recompute))
+                config = write_config(folder, recompute, args, recompute=recompute)
+                got[recompute].append(run_once(folder, config, recompute))
         print(f"GPT n_layer {args.n_layer}, n_embd {args.n_embd}, block_size {args.block_size}, batch {args.batch}, "
               f"one process, {args.steps} steps, median of {args.repeat} rounds:")
         base_rss = statistics.median(p for p, _ in got["none"])

@@ -49,7 +49,7 @@ class LayerSpec:
         return {"type": self.type, **dict(self.args)}
 
 
-GPT_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "dropout")
+GPT_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "dropout", "attention")
 GPT_SIZES = GPT_KEYS[:5]
 
 
@@ -65,6 +65,9 @@ class ModelConfig:
     n_embd: int = 768
     bias: bool = True
     dropout: float = 0.0  # nanoGPT's: on the embedding, attention's probabilities and both residual branches
+    # "math": attention keeps its probabilities [B, H, T, T] for the backward; "flash": each row's log-sum-exp
+    # only, the probabilities recomputed in backward (no T² tensor per head is kept: long block_size)
+    attention: str = "math"
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,7 @@ PATH_KEYS = {("data", "path"), ("train", "metrics"), ("train", "trace"), ("train
              ("checkpoint", "dir")}
 CHOICES = {
     ("model", "kind"): ("mlp", "gpt"),
+    ("model", "attention"): ("math", "flash"),
     ("data", "corpus"): ("", "pydoc"),
     ("train", "loss"): ("cross_entropy", "mse"),
     ("train", "recompute"): ("none", "blocks"),

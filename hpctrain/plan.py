@@ -131,7 +131,7 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
             part = model.part(chunks=stages[s::pp], tp=_ShapeOnlyTP(r, tp) if tp > 1 else None,
                               split_ties=t.deterministic)
             part.recompute = t.recompute == "blocks"
-            acts = _activation_bytes(part, model, local_rows // t.micro_batches, stats.peak_live[s])
+            acts = _activation_bytes(part, model, local_rows // t.micro_batches, stats.peak_live[s], device)
             rows = micro_rows(local_rows, t.micro_batches) * model.positions  # one micro-batch a ring slot
             rings = 0
             if pp > 1:  # the executor's receive rings (parallel/executor.py), per kind it receives, slots as wide
@@ -160,10 +160,11 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
     return sorted(out, key=lambda m: m.rank)
 
 
-def _activation_bytes(part, model, mb_samples: int, peak_live: int) -> int:
+def _activation_bytes(part, model, mb_samples: int, peak_live: int, device: bool = False) -> int:
     """Saved bytes of ``peak_live`` micro-batches of ``mb_samples`` samples, plus the working set of one backward:
-    the unit being recomputed (recompute) and the part's output with its gradient. With model chunks (interleaved
-    1F1B) ``peak_live`` counts chunk passes, each taken at the largest chunk's bytes."""
+    the unit being recomputed (recompute), the part's output with its gradient, and the largest scratch a
+    layer's kernels take (attention's [B, H, T, T] arrays: ``Layer.scratch_bytes``). With model chunks
+    (interleaved 1F1B) ``peak_live`` counts chunk passes, each taken at the largest chunk's bytes."""
     from .parallel.executor import nbytes_of
     from .params import FlatBuffer
 
@@ -186,6 +187,9 @@ def _activation_bytes(part, model, mb_samples: int, peak_live: int) -> int:
             _, full = part.forward(be, x, chunk=c)
             part.recompute = True
             mine += max(nbytes_of(full[a : b + 1]) for a, b in part.chunk_units[c])
+        first, last = part.chunk_layers[c]
+        rows = mb_samples * model.positions
+        mine += max(layer.scratch_bytes(rows, device) for layer in part.layers[first : last + 1])
         working = max(working, mine)
     return peak_live * kept + working
 
@@ -265,6 +269,8 @@ def advice(cfg, world_size: int, limit: int, *, device: bool = False) -> list[st
             tries.append((f"parallel.zero={zero}", dict(parallel=dict(zero=zero))))
     if t.recompute != "blocks":
         tries.append(("train.recompute=blocks", dict(train=dict(recompute="blocks"))))
+    if cfg.model.kind == "gpt" and cfg.model.attention != "flash":
+        tries.append(('model.attention=\'"flash"\'', dict(model=dict(attention="flash"))))
     for key in ("pp", "tp"):
         n = getattr(p, key)
         while n * 2 <= world_size:

@@ -76,6 +76,11 @@ def contract_cases():
         ("attention_backward", {"dout": _f(B * T, C), "qkv": _f(B * T, 3 * C), "att": _f(B, H, T, T),
                                 "dqkv": _f(B * T, 3 * C)},
          lambda be, a: be.attention_backward(a["dout"], a["qkv"], a["att"], T, H, a["dqkv"])),
+        ("flash_attention_forward", {"qkv": _f(B * T, 3 * C), "out": _f(B * T, C), "lse": _f(B, H, T)},
+         lambda be, a: be.flash_attention_forward(a["qkv"], T, H, a["out"], a["lse"])),
+        ("flash_attention_backward", {"dout": _f(B * T, C), "qkv": _f(B * T, 3 * C), "out": _f(B * T, C),
+                                      "lse": _f(B, H, T), "dqkv": _f(B * T, 3 * C)},
+         lambda be, a: be.flash_attention_backward(a["dout"], a["qkv"], a["out"], a["lse"], T, H, a["dqkv"])),
     ]
 
 

@@ -252,6 +252,20 @@ def test_dropout_outside_zero_one_is_refused(tmp_path, p):
         gpt_config(tmp_path / "t.h5", model={"dropout": p})
 
 
+def test_attention_is_a_gpt_key_of_two_choices(tmp_path):
+    from hpctrain.config import config_to_toml, load_config, parse_config
+
+    with pytest.raises(ConfigError, match=r"model.attention: expected one of 'math', 'flash', got 'sdpa'"):
+        gpt_config(tmp_path / "t.h5", model={"attention": "sdpa"})
+    with pytest.raises(ConfigError, match=r'model.attention: only used by kind = "gpt"'):
+        parse_config({"model": {"layers": [{"type": "linear", "in": 2, "out": 2}], "attention": "flash"},
+                      "data": {"path": "x.h5", "inputs": "x", "targets": "y"}})
+    cfg = gpt_config(tmp_path / "t.h5", model={"attention": "flash"})
+    (tmp_path / "c.toml").write_text(config_to_toml(cfg))
+    assert load_config(tmp_path / "c.toml").model.attention == "flash"
+    assert gpt_config(tmp_path / "t.h5").model.attention == "math"  # the default keeps the probabilities
+
+
 def test_dropout_is_a_gpt_key(tmp_path):
     from hpctrain.config import config_to_toml, load_config, parse_config
 

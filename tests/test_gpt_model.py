@@ -81,10 +81,10 @@ def _run(be, spec, parts, params_full, idx, targets):
     return value / n, grads
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_golden_forward_and_backward_against_the_numpy_reference(bias):
+@pytest.mark.parametrize("bias,attention", [(True, "math"), (False, "math"), (True, "flash")])
+def test_golden_forward_and_backward_against_the_numpy_reference(bias, attention):
     be = CpuBackend()
-    spec = GPTSpec(**SMALL, bias=bias)
+    spec = GPTSpec(**SMALL, bias=bias, attention=attention)
     params = spec.init_params(1)
     # larger weights than the init, so every path carries signal
     rng = np.random.default_rng(5)

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 import reference as ref
+from hpctrain.backend import cpu_transformer
 from hpctrain.backend.cpu import CpuBackend
+from hpctrain.nn.dropout import DropoutKey
 from hpctrain.errors import BackendError
 from test_ops import numeric_grad
 
@@ -107,6 +109,63 @@ def test_attention_rejects_shapes_that_do_not_fit():
         be.attention_forward(rand(6, 12), 4, 2, be.empty((6, 4)), be.empty((1, 2, 4, 4)))
     with pytest.raises(BackendError, match="divisible by n_head = 3"):
         be.attention_forward(rand(4, 12), 4, 3, be.empty((4, 4)), be.empty((1, 3, 4, 4)))
+
+
+def _lse_reference(qkv, T, H):
+    """log Σ_j≤i exp(q_i·k_j/√hs) per row, float64: the flash forward's kept statistic, [B, H, T]."""
+    qkv = qkv.astype(np.float64)
+    B, C = qkv.shape[0] // T, qkv.shape[1] // 3
+    q, k = (qkv[:, i * C:(i + 1) * C].reshape(B, T, H, -1).transpose(0, 2, 1, 3) for i in range(2))
+    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(C // H)
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    mx = s.max(axis=-1, keepdims=True)
+    return (mx + np.log(np.exp(s - mx).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+@pytest.mark.parametrize("B,T,H,hs", [(1, 1, 1, 1), (2, 5, 3, 2), (3, 7, 2, 4), (1, 16, 4, 8)])
+@pytest.mark.parametrize("heads_at_once", [None, 1, 2])
+def test_flash_attention_kernels(B, T, H, hs, heads_at_once, monkeypatch):
+    """The flash path (lse kept, probabilities recomputed) against the numpy reference, taking the heads all at
+    once and in chunks of one or two (the scratch budget made small)."""
+    if heads_at_once:
+        monkeypatch.setattr(cpu_transformer, "FLASH_SCRATCH", 4 * T * T * heads_at_once)
+    C = H * hs
+    qkv, dout = rand(B * T, 3 * C), rand(B * T, C)
+    out, lse = np.full((B * T, C), 3.0, np.float32), np.full((B, H, T), 3.0, np.float32)
+    be.flash_attention_forward(qkv, T, H, out, lse)
+    np.testing.assert_allclose(out, ref.attention(qkv, T, H)[0], **F32)
+    np.testing.assert_allclose(lse, _lse_reference(qkv, T, H), **F32)
+    dqkv = np.full((B * T, 3 * C), 5.0, np.float32)  # overwritten
+    be.flash_attention_backward(dout, qkv, out, lse, T, H, dqkv)
+    np.testing.assert_allclose(dqkv, ref.attention_backward(dout, qkv, T, H), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads_at_once", [None, 1, 2])
+def test_flash_attention_with_dropout_is_the_math_path(heads_at_once, monkeypatch):
+    """The same masks (a tensor-parallel rank's heads of a larger model: rows grouped and strided) whatever the
+    chunking: the flash path equals the stored-probabilities path to float32 rounding."""
+    B, T, H, hs = 3, 6, 3, 4
+    if heads_at_once:
+        monkeypatch.setattr(cpu_transformer, "FLASH_SCRATCH", 4 * T * T * heads_at_once)
+    draw = DropoutKey(seed=3, step=1, sample0=2).attention(0.3, 5, T, 3, H, 2 * H)
+    C = H * hs
+    qkv, dout = rand(B * T, 3 * C), rand(B * T, C)
+    out, att, want = be.empty((B * T, C)), be.empty((B, H, T, T)), be.empty((B * T, 3 * C))
+    be.attention_forward(qkv, T, H, out, att, dropout=draw)
+    be.attention_backward(dout, qkv, att, T, H, want, dropout=draw)
+    out2, lse, got = be.empty((B * T, C)), be.empty((B, H, T)), be.empty((B * T, 3 * C))
+    be.flash_attention_forward(qkv, T, H, out2, lse, dropout=draw)
+    be.flash_attention_backward(dout, qkv, out2, lse, T, H, got, dropout=draw)
+    np.testing.assert_allclose(out2, out, **F32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert (out != ref.attention(qkv, T, H)[0]).any()  # the mask dropped something
+
+
+def test_flash_attention_rejects_shapes_that_do_not_fit():
+    with pytest.raises(BackendError, match=r"lse has shape \(1, 2, 3\), expected \(1, 2, 4\)"):
+        be.flash_attention_forward(rand(4, 12), 4, 2, be.empty((4, 4)), be.empty((1, 2, 3)))
+    with pytest.raises(BackendError, match="not a multiple of T = 4"):
+        be.flash_attention_backward(rand(6, 4), rand(6, 12), rand(6, 4), be.empty((1, 2, 4)), 4, 2, rand(6, 12))
 
 
 def test_add():

@@ -73,6 +73,32 @@ def test_recompute_plans_less_activation_memory():
     assert kept.activation_bytes < stored.activation_bytes
 
 
+def test_flash_attention_plans_no_probabilities():
+    """model.attention = "flash" keeps lse[B, H, T] where "math" keeps att[B, H, T, T] (its output is c_proj's
+    input, counted once), per block; and the working set's attention scratch: math's backward takes datt and
+    dscores [B, H, T, T] (one [B, H, T, T] on a GPU), flash two arrays of the heads it takes at once (here all
+    H) on the CPU, a float per row on a GPU."""
+    model = {"block_size": 16, "n_head": 2, "n_layer": 3}
+    B, H, T, L = 4, 2, 16, 3  # gpt_config's batch_size, one micro-batch
+    for device, math_scratch, flash_scratch in ((False, 2 * B * H * T * T, 2 * H * T * T),
+                                                (True, B * H * T * T, B * H * T)):
+        math_plan = plan(gpt_config("t.h5", model=model), 1, device=device)[0]
+        flash_plan = plan(gpt_config("t.h5", model={**model, "attention": "flash"}), 1, device=device)[0]
+        assert math_plan.activation_bytes - flash_plan.activation_bytes == \
+            (L * B * H * (T * T - T) + math_scratch - flash_scratch) * 4
+
+
+def test_advice_offers_flash_attention_where_the_probabilities_do_not_fit():
+    model = {"block_size": 256, "n_head": 2, "n_layer": 2}
+    cfg = gpt_config("t.h5", model=model)
+    flash = max(m.total_bytes for m in plan(gpt_config("t.h5", model={**model, "attention": "flash"}), 1))
+    worst = max(m.total_bytes for m in plan(cfg, 1))
+    said = advice(cfg, 1, (worst + flash) // 2)
+    assert any(line.startswith("--set model.attention='\"flash\"': largest rank") for line in said), said
+    assert not any("attention" in line for line in advice(gpt_config("t.h5", model={**model, "attention": "flash"}),
+                                                          1, flash - 1))
+
+
 def test_the_planned_state_is_what_a_trainer_allocates(tmp_path):
     """The planner's parameter, gradient and optimizer bytes against a Trainer's buffers (one rank)."""
     from mpi4py import MPI

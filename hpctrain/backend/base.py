@@ -118,7 +118,8 @@ class Backend:
     backward: dropout_mask.py). ``layernorm_forward/backward``.
     Transformer: ``embedding_forward/backward`` (token + position tables, a deterministic
     scatter-add), ``attention_forward/backward`` (causal multi-head attention on a fused
-    q/k/v projection).
+    q/k/v projection, keeping the probabilities att[B, H, T, T]) and ``flash_attention_forward/backward``
+    (the same, keeping each row's log-sum-exp lse[B, H, T] and recomputing the probabilities in backward).
     Losses return host scalars: ``cross_entropy`` -> (loss sum, correct),
     ``mse`` -> loss sum; given ``into`` (a float64 backend array of 3: a loss row) they
     write there instead and return None, so a device backend need not wait: cross_entropy
@@ -323,6 +324,16 @@ class Backend:
         B, H, C, hs = self._attention_shapes(op, qkv, T, n_head)
         T = int(T)
         self._arg(op, "att", att, shape=(B, H, T, T))
+        for name, arr in arrays.items():
+            self._arg(op, name, arr, shape=(B * T, 3 * C if name == "dqkv" else C))
+        return B, H, C, hs, T
+
+    def _flash_args(self, op, qkv, T, n_head, lse, **arrays):
+        """(B, H, C, hs, T) of a flash attention op, after checking qkv, lse[B, H, T] and ``arrays``: out and
+        dout [B·T, C], dqkv[B·T, 3C]."""
+        B, H, C, hs = self._attention_shapes(op, qkv, T, n_head)
+        T = int(T)
+        self._arg(op, "lse", lse, shape=(B, H, T))
         for name, arr in arrays.items():
             self._arg(op, name, arr, shape=(B * T, 3 * C if name == "dqkv" else C))
         return B, H, C, hs, T

@@ -15,7 +15,7 @@ import math
 import numba
 import numpy as np
 
-__all__ = ["TransformerKernels"]
+__all__ = ["TransformerKernels", "heads_at_once", "FLASH_SCRATCH"]
 
 # as in cpu.py: numpy's error model lets LLVM vectorise; reductions may reassociate their sums
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -78,8 +78,9 @@ def _embedding_backward(dout, idx, dwte, dwpe, lo, vocab, accumulate_wte, accumu
 
 
 @_jit_reduce
-def _causal_shift(scores, scale, att):
-    """att[..., i, j] = scale · (scores[..., i, j] − max_{j'≤i} scores[..., i, j']) for j ≤ i, −inf above."""
+def _causal_shift(scores, scale, att, shift):
+    """att[..., i, j] = scale · scores[..., i, j] − shift[..., i] for j ≤ i, −inf above, where shift is the row's
+    scaled maximum."""
     N, T, _ = scores.shape
     for n in range(N):
         for i in range(T):
@@ -90,11 +91,12 @@ def _causal_shift(scores, scale, att):
                 att[n, i, j] = (scores[n, i, j] - mx) * scale
             for j in range(i + 1, T):
                 att[n, i, j] = -np.inf
+            shift[n, i] = mx * scale
 
 
 @_jit_reduce
-def _normalise_rows(att):
-    """Divide each row (of exponentials, zero above the diagonal) by its sum."""
+def _normalise_rows(att, lse):
+    """Divide each row (of exponentials, zero above the diagonal) by its sum; lse[..., i] += log of the sum."""
     N, T, _ = att.shape
     for n in range(N):
         for i in range(T):
@@ -104,13 +106,28 @@ def _normalise_rows(att):
             inv = np.float32(1.0 / z)
             for j in range(i + 1):
                 att[n, i, j] *= inv
+            lse[n, i] += np.log(z)
 
 
-def _causal_softmax(scores, scale, att):
-    """att[..., i, j] = softmax_j≤i(scale · scores[..., i, j]), 0 above the diagonal; the exp is numpy's SIMD one."""
-    _causal_shift(scores, np.float32(scale), att)
+def _causal_softmax(scores, scale, att, lse=None):
+    """att[..., i, j] = softmax_j≤i(scale · scores[..., i, j]), 0 above the diagonal; the exp is numpy's SIMD one.
+    ``lse`` (N, T), if given, receives each row's log Σ_j exp(scale · scores[i, j])."""
+    lse = np.empty(scores.shape[:2], np.float32) if lse is None else lse
+    _causal_shift(scores, np.float32(scale), att, lse)
     np.exp(att, out=att)
-    _normalise_rows(att)
+    _normalise_rows(att, lse)
+
+
+@_jit
+def _causal_log_probabilities(scores, scale, lse, att):
+    """att[..., i, j] = scale · scores[..., i, j] − lse[..., i] for j ≤ i, −inf above (exp: the probabilities)."""
+    N, T, _ = scores.shape
+    for n in range(N):
+        for i in range(T):
+            for j in range(i + 1):
+                att[n, i, j] = scores[n, i, j] * scale - lse[n, i]
+            for j in range(i + 1, T):
+                att[n, i, j] = -np.inf
 
 
 @_jit
@@ -126,6 +143,25 @@ def _causal_softmax_backward(att, datt, scale, dscores):
                 dscores[n, i, j] = scale * att[n, i, j] * (datt[n, i, j] - dot)
             for j in range(i + 1, T):
                 dscores[n, i, j] = 0.0
+
+
+FLASH_SCRATCH = 8 << 20  # bytes of each [heads, T, T] scratch array of the flash path
+
+
+def heads_at_once(H: int, T: int) -> int:
+    """How many heads of one sample the flash path takes at a time."""
+    return max(1, min(H, FLASH_SCRATCH // (4 * T * T)))
+
+
+def _head_chunks(B: int, H: int, T: int):
+    """(b, h0, h1): the flash path's chunks, heads [h0, h1) of sample b."""
+    n = heads_at_once(H, T)
+    return ((b, h0, min(H, h0 + n)) for b in range(B) for h0 in range(0, H, n))
+
+
+def _chunk_draw(dropout, b: int, h0: int, H: int, T: int):
+    """The draw over heads [h0, ..) of sample b's att rows, as its own (heads·T, T) array (None: no dropout)."""
+    return None if dropout is None else dropout.from_row((b * H + h0) * T)
 
 
 def _heads(qkv, B, T, H, hs):
@@ -185,6 +221,49 @@ class TransformerKernels:
                                  dscores.reshape(B * H, T, T))
         np.matmul(dscores, k, out=dq)
         np.matmul(dscores.transpose(0, 1, 3, 2), q, out=dk)
+
+    # -- the same attention without att[B, H, T, T] (model.attention = "flash")
+    def flash_attention_forward(self, qkv, T, n_head, out, lse, *, dropout=None):
+        """out as ``attention_forward``'s, keeping lse[B, H, T] (each row's log Σ_j exp(q·k_j/√hs)) instead of the
+        probabilities: a few heads of one sample at a time (at most ``FLASH_SCRATCH`` bytes of [T, T] each), so
+        a step holds no [B, H, T, T] array; ``dropout`` as ``attention_forward``'s."""
+        B, H, C, hs, T = self._flash_args("flash_attention_forward", qkv, T, n_head, lse, out=out)
+        q, k, v = _heads(qkv, B, T, H, hs)
+        o = out.reshape(B, T, H, hs).transpose(0, 2, 1, 3)
+        scores, att = (np.empty((heads_at_once(H, T), T, T), np.float32) for _ in range(2))
+        for b, h0, h1 in _head_chunks(B, H, T):
+            s, a = scores[: h1 - h0], att[: h1 - h0]
+            np.matmul(q[b, h0:h1], k[b, h0:h1].transpose(0, 2, 1), out=s)
+            _causal_softmax(s, 1.0 / math.sqrt(hs), a, lse[b, h0:h1])
+            np.matmul(self._dropped(a, _chunk_draw(dropout, b, h0, H, T), s), v[b, h0:h1], out=o[b, h0:h1])
+
+    def flash_attention_backward(self, dout, qkv, out, lse, T, n_head, dqkv, *, dropout=None):
+        """dqkv[B·T, 3C] from dout, the forward's qkv, out and lse: the probabilities recomputed a few heads at a
+        time from q·kᵀ and lse; overwritten, never accumulated."""
+        B, H, C, hs, T = self._flash_args("flash_attention_backward", qkv, T, n_head, lse, out=out, dout=dout,
+                                          dqkv=dqkv)
+        q, k, v = _heads(qkv, B, T, H, hs)
+        dq, dk, dv = _heads(dqkv, B, T, H, hs)
+        dy = dout.reshape(B, T, H, hs).transpose(0, 2, 1, 3)
+        scale = 1.0 / math.sqrt(hs)
+        n = heads_at_once(H, T)
+        scores, att = (np.empty((n, T, T), np.float32) for _ in range(2))
+        spare = np.empty((n, T, T), np.float32) if dropout is not None else None
+        for b, h0, h1 in _head_chunks(B, H, T):
+            g = h1 - h0
+            s, a = scores[:g], att[:g]
+            np.matmul(q[b, h0:h1], k[b, h0:h1].transpose(0, 2, 1), out=s)
+            _causal_log_probabilities(s, np.float32(scale), lse[b, h0:h1], a)
+            np.exp(a, out=a)
+            draw = _chunk_draw(dropout, b, h0, H, T)
+            np.matmul(self._dropped(a, draw, None if spare is None else spare[:g]).transpose(0, 2, 1), dy[b, h0:h1],
+                      out=dv[b, h0:h1])
+            np.matmul(dy[b, h0:h1], v[b, h0:h1].transpose(0, 2, 1), out=s)  # datt, of the dropped att
+            if draw is not None:
+                self.dropout(s.reshape(-1, T), s.reshape(-1, T), draw)
+            _causal_softmax_backward(a, s, scale, s)  # in place: each row's sum is taken before it is written
+            np.matmul(s, k[b, h0:h1], out=dq[b, h0:h1])
+            np.matmul(s.transpose(0, 2, 1), q[b, h0:h1], out=dk[b, h0:h1])
 
     def _dropped(self, att, dropout, scratch):
         """att, or its dropout into ``scratch`` (an array of att's shape free for it)."""

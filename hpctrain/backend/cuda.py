@@ -50,6 +50,8 @@ from numba import cuda
 
 from ..errors import BackendError
 from .base import Backend, Mark, StreamWaits, check_array
+from .cuda_flash import NT as FLASH_THREADS
+from .cuda_flash import flash_kernels, rows_per_block
 from .cuda_gemm import (EPI_ACCUMULATE, EPI_BIAS, EPI_STORE, GPU_SMALL_TILE, GPU_TILE, GPU_TILES, GPU_TN_TILES,
                         MAX_GRID_Z, MODE_CAUSAL_K_BELOW,
                         MODE_CAUSAL_K_FROM, MODE_CAUSAL_UPPER, MODE_SPLIT_K, SIM_TILE, GemmTile,
@@ -57,8 +59,8 @@ from .cuda_gemm import (EPI_ACCUMULATE, EPI_BIAS, EPI_STORE, GPU_SMALL_TILE, GPU
 from .cuda_launch import Launcher
 from .cuda_mem import DevicePool, is_out_of_memory, out_of_memory_error
 from .cuda_ops import ops_kernels
-from .dropout_mask import keep_scale, threshold
 from .cuda_transformer import transformer_kernels
+from .dropout_mask import keep_scale, threshold
 
 __all__ = ["CudaBackend", "simulator"]
 
@@ -586,6 +588,43 @@ class CudaBackend(StreamWaits, Backend):
         self._attention_rows(self._tk.attention_softmax_backward_rows, B * H * T, att2, dscores, T, scale)
         self._batched(tile, NN, dscores, qkv, dqkv, T, hs, T, T, H, Z, rows, k, q, MODE_CAUSAL_K_BELOW)  # dq
         self._batched(tile, TN, dscores, qkv, dqkv, T, hs, T, T, H, Z, rows, q, k, MODE_CAUSAL_K_FROM)  # dk
+
+    def flash_attention_forward(self, qkv, T, n_head, out, lse, *, dropout=None):
+        """out as ``attention_forward``'s, keeping lse[B, H, T] instead of att: one fused kernel, an online
+        softmax over tiles of keys (cuda_flash.py); heads of at most 128 channels."""
+        op = "flash_attention_forward"
+        B, H, C, hs, T = self._flash_args(op, qkv, T, n_head, lse, out=out)
+        if B == 0:
+            return
+        fk = flash_kernels(hs)
+        grid = B * H * -(-T // rows_per_block(hs))
+        self._launch(fk.flash_forward, grid, FLASH_THREADS, qkv, out, lse.reshape(B * H * T), T, H,
+                     np.float32(1.0 / math.sqrt(hs)), *self._flash_draw(dropout, B * H * T))
+
+    def flash_attention_backward(self, dout, qkv, out, lse, T, n_head, dqkv, *, dropout=None):
+        """dqkv[B·T, 3C] from dout, the forward's qkv, out and lse: a dq kernel (which leaves each row's
+        dout·out), then a dk/dv kernel; overwritten, never accumulated."""
+        op = "flash_attention_backward"
+        B, H, C, hs, T = self._flash_args(op, qkv, T, n_head, lse, out=out, dout=dout, dqkv=dqkv)
+        if B == 0:
+            return
+        fk = flash_kernels(hs)
+        rows = B * H * T
+        dsum = self._alloc(op, (rows,), np.float32)
+        grid, lse1 = B * H * -(-T // rows_per_block(hs)), lse.reshape(rows)
+        scale, draw = np.float32(1.0 / math.sqrt(hs)), self._flash_draw(dropout, rows)
+        self._launch(fk.flash_backward_dq, grid, FLASH_THREADS, qkv, dout, out, lse1, dsum, dqkv, T, H, scale,
+                     *draw)
+        self._launch(fk.flash_backward_dkdv, grid, FLASH_THREADS, qkv, dout, lse1, dsum, dqkv, T, H, scale, *draw)
+
+    @staticmethod
+    def _flash_draw(dropout, rows):
+        """The flash kernels' dropout arguments: key, cut, keep scale, row0, group, stride, drop."""
+        if dropout is None:
+            return np.uint64(0), np.uint64(0), np.float32(1.0), 0, 1, 1, False
+        group = dropout.group or max(rows, 1)
+        return (np.uint64(dropout.key), np.uint64(threshold(dropout.p)), keep_scale(dropout.p), dropout.row0, group,
+                dropout.stride or group, True)
 
     def _dropped(self, op, att2, dropout):
         """att2, or its dropout into a new array (the mask drawn again in the backward pass)."""

@@ -35,6 +35,7 @@ __all__ = ["signatures", "FLOAT64_KERNELS", "Kernel", "kernels", "ptx", "assembl
            "occupancy", "sass", "k_loop_ffma_share", "ARCHS"]
 
 ARCHS = ((8, 0), (9, 0))  # A100, H100/H200
+FLASH_HS = (64, 128)  # the flash kernels' head sizes checked: the GPT-2 family's, and the largest they take
 
 FLOAT64_KERNELS = frozenset({
     "sum_squares_partial", "sum_partials", "mse_partial", "cross_entropy_rows", "cross_entropy_finish",
@@ -60,7 +61,8 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
     i64, f32, f64, b1, U4 = t.i64, t.f32, t.f64, t.b1, t.U4
     gemm = ((F2, F2, F2, F1, i64, i64, i64, i64),)
     batched = ((F2, F2, F2) + (i64,) * 6 + (U4, U4, U4, i64),)
-    return {
+    flash = (i64, i64, f32, t.u64, t.u64, f32, i64, i64, i64, b1)
+    table = {
         # cuda_gemm.py: c = a·b in three layouts, the epilogue a launch argument, at the default tiling, the
         # small one (_small) and, for X·Wᵀ and dY·W, the tiny one (_tiny); the batched kernels (attention,
         # split-K: a GPU runs them at the small tiling only) and split-K's second stage
@@ -97,7 +99,21 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "embedding_backward_wpe": ((F2, i64, i64, F2, b1),),
         "attention_softmax_rows": ((F2, i64, f32),),
         "attention_softmax_backward_rows": ((F2, F2, i64, f32),),
+        # cuda_flash.py, at each of FLASH_HS (flash_forward_hs128, ..): dropout's key, cut, scale, row0, group,
+        # stride and flag after T, H and the scale
+        "flash_forward": ((F2, F2, F1) + flash,),
+        "flash_backward_dq": ((F2, F2, F2, F1, F1, F2) + flash,),
+        "flash_backward_dkdv": ((F2, F2, F1, F1, F2) + flash,),
     }
+    for hs in FLASH_HS:
+        for name in ("flash_forward", "flash_backward_dq", "flash_backward_dkdv"):
+            table[_flash_name(name, hs)] = table[name]
+    return table
+
+
+def _flash_name(name: str, hs: int) -> str:
+    """A flash kernel's name in the tables: with its head size but at the first of FLASH_HS."""
+    return name if hs == FLASH_HS[0] else f"{name}_hs{hs}"
 
 
 
@@ -115,6 +131,8 @@ def kernels(block: int = 256, tile=None) -> list[Kernel]:
     (or the reverse)."""
     from numba.cuda.dispatcher import CUDADispatcher
 
+    from .cuda_flash import NT as FLASH_THREADS
+    from .cuda_flash import flash_kernels
     from .cuda_gemm import GPU_SMALL_TILE, GPU_TILE, GPU_TINY_TILE, batched_gemm_kernels, gemm_kernels
     from .cuda_ops import ops_kernels
     from .cuda_transformer import transformer_kernels
@@ -135,6 +153,10 @@ def kernels(block: int = 256, tile=None) -> list[Kernel]:
         found["gemm_tiny_" + layout] = k
         threads["gemm_tiny_" + layout] = tiny.threads[0] * tiny.threads[1]
     found["sum_splits"] = batched_gemm_kernels(small)[3]
+    for hs in FLASH_HS:
+        for name, k in vars(flash_kernels(hs)).items():
+            name = _flash_name(name, hs)
+            found[name], threads[name] = k, FLASH_THREADS
     table = signatures()
     unknown, missing = sorted(set(found) - set(table)), sorted(set(table) - set(found))
     if unknown or missing:

@@ -64,6 +64,13 @@ class DropRows(NamedTuple):
     stride: int = 0
     causal: bool = False  # square blocks of attention probabilities: nothing drawn above the diagonal
 
+    def from_row(self, r0: int) -> "DropRows":
+        """The draw over rows r0, r0 + 1, .. of the array, as an array of its own: the rows must lie in one group
+        (the flash attention's chunk of one sample's heads), and r0 start a T × T block when ``causal``."""
+        group = self.group or 0
+        row0 = self.row0 + ((r0 // group) * (self.stride or group) + r0 % group if group else r0)
+        return DropRows(self.p, self.key, row0, 0, 0, self.causal)
+
     def global_rows(self, R: int) -> np.ndarray:
         r = np.arange(R, dtype=np.int64)
         group = self.group or max(R, 1)

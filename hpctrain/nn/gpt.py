@@ -139,25 +139,51 @@ class CausalSelfAttention(Layer):
     """The attention between nanoGPT's c_attn and c_proj: (B·T, 3C) q, k, v -> (B·T, C), no parameters.
 
     Heads [head0, head0 + n_head) of the model's ``n_head_total`` (a tensor-parallel rank's); ``dropout``:
-    attn_dropout on the probabilities, drawn at ``site`` by each head's index in the whole model."""
+    attn_dropout on the probabilities, drawn at ``site`` by each head's index in the whole model.
+    ``attention`` (model.attention): "math" keeps the probabilities att[B, H, T, T] for the backward pass,
+    "flash" only each row's log-sum-exp lse[B, H, T] and the output (which c_proj keeps anyway), and the
+    backward recomputes the probabilities: no tensor of T² per head outlives a kernel."""
 
     def __init__(self, block_size: int, n_head: int, *, dropout: float = 0.0, site: int = 0, head0: int = 0,
-                 n_head_total: int | None = None):
+                 n_head_total: int | None = None, attention: str = "math"):
         self.T, self.n_head, self.dropout, self.site = block_size, n_head, dropout, site
         self.head0, self.n_head_total = head0, n_head if n_head_total is None else n_head_total
+        self.flash = attention == "flash"
 
     def forward(self, be, qkv, key=None):
         B, C = qkv.shape[0] // self.T, qkv.shape[1] // 3
-        out, att = be.empty((B * self.T, C)), be.empty((B, self.n_head, self.T, self.T))
         draw = (key.attention(self.dropout, self.site, self.T, self.head0, self.n_head, self.n_head_total)
                 if key is not None and self.dropout else None)
+        out = be.empty((B * self.T, C))
+        if self.flash:
+            lse = be.empty((B, self.n_head, self.T))
+            be.flash_attention_forward(qkv, self.T, self.n_head, out, lse, dropout=draw)
+            return out, (qkv, (out, lse), draw)
+        att = be.empty((B, self.n_head, self.T, self.T))
         be.attention_forward(qkv, self.T, self.n_head, out, att, dropout=draw)
         return out, (qkv, att, draw)
 
+    def scratch_bytes(self, rows: int, device: bool) -> int:
+        """The largest scratch of either pass. math: the backward's datt and dscores [B, H, T, T] on the CPU; on a
+        GPU dscores, and the dropped probabilities with dropout. flash: a few heads' [T, T] on the CPU (two
+        arrays, three with dropout: backend/cpu_transformer.py), a float per row on a GPU."""
+        B, H, T = rows // self.T, self.n_head, self.T
+        if self.flash:
+            if device:
+                return B * H * T * 4
+            from ..backend.cpu_transformer import heads_at_once
+
+            return (3 if self.dropout else 2) * heads_at_once(H, T) * T * T * 4
+        return (2 if self.dropout or not device else 1) * B * H * T * T * 4
+
     def backward(self, be, dout, saved, accumulate=False, need_dinp=True):
-        qkv, att, draw = saved
+        qkv, kept, draw = saved
         dqkv = be.empty(qkv.shape)
-        be.attention_backward(dout, qkv, att, self.T, self.n_head, dqkv, dropout=draw)
+        if self.flash:
+            out, lse = kept
+            be.flash_attention_backward(dout, qkv, out, lse, self.T, self.n_head, dqkv, dropout=draw)
+        else:
+            be.attention_backward(dout, qkv, kept, self.T, self.n_head, dqkv, dropout=draw)
         return dqkv
 
 
@@ -166,19 +192,22 @@ class Block(Layer):
     attn_dropout, resid_dropout and the MLP's dropout, drawn at the sites of layer ``index`` (nn/dropout.py)."""
 
     def __init__(self, n_embd: int, n_head: int, block_size: int, n_layer: int, bias: bool = True,
-                 dropout: float = 0.0, index: int = 1):
+                 dropout: float = 0.0, index: int = 1, attention: str = "math"):
         C = n_embd
         self.dropout, self.site = dropout, SITES_PER_LAYER * index
         self._assemble((("ln_1.", LayerNorm(C, bias=bias)), ("attn.c_attn.", Linear(C, 3 * C, bias)),
                         ("attn.c_proj.", Linear(C, C, bias)), ("ln_2.", LayerNorm(C, bias=bias)),
                         ("mlp.c_fc.", Linear(C, 4 * C, bias)), ("mlp.c_proj.", Linear(4 * C, C, bias))),
-                       CausalSelfAttention(block_size, n_head, dropout=dropout, site=self.site))
+                       CausalSelfAttention(block_size, n_head, dropout=dropout, site=self.site, attention=attention))
         self.in_features = self.out_features = C
         self.residual_std = INIT_STD / math.sqrt(2 * n_layer)  # nanoGPT's c_proj.weight special case
 
     def flops(self) -> int:
         C = self.in_features
         return super().flops() + 2 * self.attn.T * C  # q·kᵀ and att·v: 2·T·C each, half of it under the mask
+
+    def scratch_bytes(self, rows: int, device: bool) -> int:
+        return self.attn.scratch_bytes(rows, device)
 
     def _assemble(self, subs, attn):
         self.subs, self.attn, self.gelu = subs, attn, GELU()
@@ -198,7 +227,8 @@ class Block(Layer):
                          ("mlp.c_proj.", RowParallelLinear(self.mlp_proj, tp))),
                         CausalSelfAttention(self.attn.T, self.attn.n_head // tp.size, dropout=self.dropout,
                                             site=self.site, head0=tp.rank * (self.attn.n_head // tp.size),
-                                            n_head_total=self.attn.n_head))
+                                            n_head_total=self.attn.n_head,
+                                            attention="flash" if self.attn.flash else "math"))
         return local
 
     def init(self, rng):
@@ -372,16 +402,19 @@ class GPTSpec(ModelSpec):
     unit_text = "the embedding, each transformer block, the final LayerNorm with the head"
 
     def __init__(self, *, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, bias=True,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, attention: str = "math"):
         if n_embd % n_head:
             raise ConfigError(f"model.n_embd = {n_embd} is not divisible by model.n_head = {n_head}")
         if not 0.0 <= dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {dropout}")
+        if attention not in ("math", "flash"):
+            raise ConfigError(f'model.attention: expected "math" or "flash", got {attention!r}')
         self.config = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                           n_embd=n_embd, bias=bias, dropout=dropout)
+                           n_embd=n_embd, bias=bias, dropout=dropout, attention=attention)
         self.positions, self.vocab_size, self.block_size = block_size, vocab_size, block_size
         layers = ([Embedding(vocab_size, block_size, n_embd, dropout)]
-                  + [Block(n_embd, n_head, block_size, n_layer, bias, dropout, index=1 + i) for i in range(n_layer)]
+                  + [Block(n_embd, n_head, block_size, n_layer, bias, dropout, index=1 + i, attention=attention)
+                     for i in range(n_layer)]
                   + [Head(vocab_size, n_embd, bias)])
         prefixes = ["transformer."] + [f"transformer.h.{i}." for i in range(n_layer)] + ["transformer."]
         widths = [n_embd] * (n_layer + 1) + [vocab_size]
@@ -405,7 +438,7 @@ class GPTSpec(ModelSpec):
     def from_config(cls, model_cfg) -> "GPTSpec":
         m = model_cfg
         return cls(vocab_size=m.vocab_size, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
-                   n_embd=m.n_embd, bias=m.bias, dropout=m.dropout)
+                   n_embd=m.n_embd, bias=m.bias, dropout=m.dropout, attention=m.attention)
 
 
 def make_model(model_cfg) -> ModelSpec:

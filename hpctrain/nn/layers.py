@@ -40,6 +40,11 @@ class Layer:
         dense layer's multiply-add per weight (the backward costs about twice that everywhere alike)."""
         return 2 * sum(int(np.prod(shape)) for _, shape in self.params)
 
+    def scratch_bytes(self, rows: int, device: bool) -> int:
+        """Bytes the layer's forward or backward allocates for itself and frees before it returns (a kernel's
+        scratch), at ``rows`` input rows on a device (or host) backend: part of the memory plan's working set."""
+        return 0
+
     def bind(self, weights: dict, grads: dict, accumulating=frozenset()) -> None:
         """Give the layer its parameter and gradient views (local names). ``accumulating`` names the
         gradients another layer of the same part writes first in the backward pass: this layer adds to them."""

@@ -42,11 +42,13 @@ def test_golden_forward_and_backward_against_the_numpy_reference(be):
         assert err < 2e-5, (name, err)
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_training_on_cuda_matches_the_cpu_backend(tmp_path, dropout):
-    """With dropout too: both backends draw the same masks (backend/dropout_mask.py)."""
+@pytest.mark.parametrize("dropout,attention", [(0.0, "math"), (0.2, "math"), (0.2, "flash")])
+def test_training_on_cuda_matches_the_cpu_backend(tmp_path, dropout, attention):
+    """With dropout too: both backends draw the same masks (backend/dropout_mask.py); flash attention's kernels
+    draw them inside their own passes."""
     make_tokens(tmp_path / "t.h5", n=400)
-    cfg = gpt_config(tmp_path / "t.h5", model={"vocab_size": 12, "block_size": 4, "n_embd": 4, "dropout": dropout},
+    cfg = gpt_config(tmp_path / "t.h5", model={"vocab_size": 12, "block_size": 4, "n_embd": 4, "dropout": dropout,
+                                               "attention": attention},
                      train={"batch_size": 2, "steps": 2, "micro_batches": 2},
                      data={"val_fraction": 0.02},
                      optim={"name": "sgd", "lr": 0.1, "momentum": 0.9})  # AdamW would amplify rounding (tests/mpi)

@@ -236,6 +236,45 @@ def test_attention_with_dropout_agrees_with_the_cpu(be, cpu, rng, B, T, H, hs):
     assert np.abs(be.to_host(plain) - be.to_host(out)).max() > 1e-3  # the draw changed the output
 
 
+# (B, T, H, hs, p): one thread per row (hs ≤ 16, 128 rows a block); four lanes of 10 channels a row, 32 rows a
+# block, so T = 40 takes two row blocks; two lanes of 9 channels for hs = 17 (the last lane's last one unused);
+# several key tiles of 16 (T > 16)
+FLASH_CASES = [(2, 5, 3, 2, 0.0), (2, 9, 2, 4, 0.3), (1, 40, 1, 40, 0.0), (1, 35, 1, 17, 0.3)]
+
+
+@pytest.mark.parametrize("B,T,H,hs,p", FLASH_CASES)
+def test_flash_attention_agrees_with_the_cpu(be, cpu, rng, B, T, H, hs, p):
+    """The fused kernels (cuda_flash.py) against the CPU backend's flash path and the numpy reference: out, lse
+    and dqkv (overwritten), with dropout's draw in forward and again in backward; bit-identical run to run."""
+    C = H * hs
+    qkv, dout = rand(rng, B * T, 3 * C), rand(rng, B * T, C)
+    draw = DropoutKey(1, 2, 3).attention(p, 4, T, 1, H, 2 * H) if p else None
+    d_qkv, d_dout = be.asarray(qkv), be.asarray(dout)
+    out, lse = be.empty((B * T, C)), be.empty((B, H, T))  # NaN under the simulator: all of it must be written
+    be.flash_attention_forward(d_qkv, T, H, out, lse, dropout=draw)
+    c_out, c_lse = np.empty((B * T, C), np.float32), np.empty((B, H, T), np.float32)
+    cpu.flash_attention_forward(qkv, T, H, c_out, c_lse, dropout=draw)
+    np.testing.assert_allclose(be.to_host(out), c_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(be.to_host(lse), c_lse, rtol=1e-5, atol=1e-6)
+    dqkv = be.asarray(np.full((B * T, 3 * C), 5.0, np.float32))
+    be.flash_attention_backward(d_dout, d_qkv, out, lse, T, H, dqkv, dropout=draw)
+    first = be.to_host(dqkv)
+    c_dqkv = np.full((B * T, 3 * C), 5.0, np.float32)
+    cpu.flash_attention_backward(dout, qkv, c_out, c_lse, T, H, c_dqkv, dropout=draw)
+    np.testing.assert_allclose(first, c_dqkv, rtol=1e-5, atol=1e-5)
+    if draw is None:
+        np.testing.assert_allclose(be.to_host(out), ref.attention(qkv, T, H)[0], **F32)
+        np.testing.assert_allclose(first, ref.attention_backward(dout, qkv, T, H), rtol=1e-5, atol=1e-5)
+    be.flash_attention_backward(d_dout, d_qkv, out, lse, T, H, dqkv, dropout=draw)
+    assert be.to_host(dqkv).tobytes() == first.tobytes()  # no atomics: bit-identical run to run
+
+
+def test_flash_attention_refuses_heads_wider_than_its_kernels(be, rng):
+    T, H, hs = 2, 1, 129
+    with pytest.raises(BackendError, match=r'at most 128 channels \(n_embd / n_head = 129\).*model.attention = "math"'):
+        be.flash_attention_forward(be.asarray(rand(rng, T, 3 * hs)), T, H, be.empty((T, hs)), be.empty((1, H, T)))
+
+
 def test_attention_batch_longer_than_one_launch(be, rng, monkeypatch):
     """B·H batched products beyond CUDA's grid limit go in several launches (here: limit 2, 6 products)."""
     import hpctrain.backend.cuda as cuda_backend

@@ -84,6 +84,20 @@ def test_interleaved_gpt_equals_one_process(comm, tokens, variant):
 
 
 @pytest.mark.parametrize("layout", ["dp", "pp-zero-bubble", "pp-recompute"])
+def test_flash_attention_trains_every_layout_as_one_process_on_the_math_attention(comm, tokens, layout):
+    """model.attention = "flash" (no probabilities kept, recomputed in backward; with dropout, its mask drawn
+    inside the flash passes) trains as one process on the math attention, to float32 rounding."""
+    pp = 1 if layout == "dp" else 2
+    if comm.size % pp:
+        pytest.skip("a two-stage pipeline needs an even number of ranks")
+    train_keys = {"grad_clip": 1.0, "micro_batches": 2, "recompute": "blocks" if layout == "pp-recompute" else "none"}
+    cfg = cfg_for(tokens, comm, pp, model={"dropout": 0.2, "attention": "flash"}, train=train_keys,
+                  parallel={"schedule": "zero-bubble" if layout == "pp-zero-bubble" else "1f1b"})
+    assert_close(train(cfg, comm), alone(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                                          attention="math"))))
+
+
+@pytest.mark.parametrize("layout", ["dp", "pp-zero-bubble", "pp-recompute"])
 def test_dropout_trains_every_layout_as_one_process(comm, tokens, layout):
     """model.dropout: a sample's masks follow its place in the step's global batch, its positions and channels
     (nn/dropout.py), so a data-parallel share, a micro-batch, a pipeline stage and a recomputed forward draw what

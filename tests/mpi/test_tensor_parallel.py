@@ -87,17 +87,20 @@ def test_tensor_parallel_gpt_equals_one_process(comm, tokens, vocab):
         assert max_error(train(cfg, comm), alone(cfg)) < 1e-6, (tp, pp)
 
 
-def test_tensor_parallel_gpt_with_dropout_equals_one_process(comm, tokens):
+@pytest.mark.parametrize("attention", ["math", "flash"])
+def test_tensor_parallel_gpt_with_dropout_equals_one_process(comm, tokens, attention):
     """model.dropout: each rank draws attention's mask for its own heads by their index in the whole model, and
-    the residual branches' masks on the whole rows after the row-parallel sum, so tp trains as one process."""
+    the residual branches' masks on the whole rows after the row-parallel sum, so tp trains as one process;
+    flash attention (which draws the mask inside its own passes) against one process on the math attention."""
     if not layouts(comm):
         pytest.skip("tp = 2 needs an even number of ranks")
     for tp, pp in layouts(comm):
         dp = comm.size // (tp * pp)
-        cfg = gpt_config(tokens, optim=SGD, model={"dropout": 0.2},
+        cfg = gpt_config(tokens, optim=SGD, model={"dropout": 0.2, "attention": attention},
                          train={"batch_size": 4 * dp, "micro_batches": 2, "grad_clip": 1.0},
                          parallel={"tp": tp, "pp": pp})
-        assert max_error(train(cfg, comm), alone(cfg)) < 1e-6, (tp, pp)
+        want = alone(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="math")))
+        assert max_error(train(cfg, comm), want) < 1e-6, (tp, pp)
 
 
 def refused(cfg, comm, **mesh_args):

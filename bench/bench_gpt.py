@@ -190,6 +190,7 @@ def make_trainer(a, path):
             'checkpoint.resume="never"']
     sets += [f"model.{k}={getattr(a, k)}" for k in MODEL_KEYS if getattr(a, k) is not None]
     sets += [f"model.dropout={a.dropout}"] if a.dropout is not None else []
+    sets += [f'model.attention="{a.attention}"'] if a.attention else []
     mesh = Mesh()
     return mesh, Trainer(load_config(a.config, sets), mesh=mesh, log=lambda *args: None)
 
@@ -269,6 +270,8 @@ def main():
         p.add_argument("--" + key.replace("_", "-"), type=int, help=f"override model.{key}")
     p.add_argument("--dropout", type=float, help="override model.dropout (both sides drop where nanoGPT does; the "
                    "masks differ, so the equality check is skipped)")
+    p.add_argument("--attention", choices=("math", "flash"), help="override model.attention (torch's side is SDPA "
+                   "either way)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu", help="hpctrain's backend and torch's device")

@@ -8,7 +8,8 @@
 # 3. the GEMM variants' own sweeps (bench/cuda_gemm_3_regblock.py, bench/cuda_gemm_4_pipelined.py);
 # 4. one MLP training step against PyTorch (bench/bench_cuda_step.py, batch 1024, hidden 4096);
 # 5. one GPT training step against PyTorch (bench/bench_gpt.py --backend cuda): gpt-char's shape (gpt_step),
-#    nanoGPT shakespeare-char's (gpt_nanogpt), and that with dropout 0.2 on both sides (gpt_dropout);
+#    nanoGPT shakespeare-char's (gpt_nanogpt), and that with dropout 0.2 on both sides (gpt_dropout), and with
+#    model.attention = "flash" (gpt_flash);
 # 6. the compile report of every kernel (bench/cuda_sass_report.py), beside the measured figures.
 # Each step's full output is kept in OUT_DIR/<step>.log; a failing step is marked in the table and
 # the others still run. Needs numba-cuda, PyTorch (or CuPy) with CUDA, mpi4py and h5py.
@@ -44,7 +45,7 @@ PY
 # STEPS picks and orders the steps, each NAME or NAME:SECONDS (its own timeout), e.g. for a short lease:
 #     STEPS="gpt_step:120 gpt_nanogpt:150 cuda_suite:240" bash bench/gpu_all.sh $OUT/gpu
 # PYTEST_ARGS adds to the suite's pytest line (e.g. "-n 8" where pytest-xdist is there, to compile in parallel).
-all_steps="cuda_suite gemm_vs_cublas gemm_variant_3 gemm_variant_4 mlp_step gpt_step gpt_nanogpt gpt_dropout sass_report"
+all_steps="cuda_suite gemm_vs_cublas gemm_variant_3 gemm_variant_4 mlp_step gpt_step gpt_nanogpt gpt_dropout gpt_flash sass_report"
 ran=""
 read -ra pytest_extra <<<"${PYTEST_ARGS:-}"
 for spec in ${STEPS:-$all_steps}; do
@@ -62,6 +63,8 @@ for spec in ${STEPS:-$all_steps}; do
                           --n-head 6 --block-size 256 --batch 64 --steps 5 --repeats 3 --profile 3) ;;
         gpt_dropout) cmd=("$py" bench/bench_gpt.py --backend cuda --torch-python "$py" --n-layer 6 --n-embd 384
                           --n-head 6 --block-size 256 --batch 64 --steps 5 --repeats 3 --dropout 0.2) ;;
+        gpt_flash) cmd=("$py" bench/bench_gpt.py --backend cuda --torch-python "$py" --n-layer 6 --n-embd 384
+                        --n-head 6 --block-size 256 --batch 64 --steps 5 --repeats 3 --attention flash) ;;
         sass_report) cmd=("$py" bench/cuda_sass_report.py) ;;
         *) echo "gpu_all.sh: no step named $name (steps: $all_steps)" >&2; exit 2 ;;
     esac
@@ -83,6 +86,7 @@ done
     row gpt_step "$(grep -E '^(hpctrain|PyTorch|ratio|profile)' "$out/gpt_step.log" | tr '\n' ';')"
     row gpt_nanogpt "$(grep -E '^(hpctrain|PyTorch|ratio|profile)' "$out/gpt_nanogpt.log" | tr '\n' ';')"
     row gpt_dropout "$(grep -E '^(hpctrain|PyTorch|ratio)' "$out/gpt_dropout.log" | tr '\n' ';')"
+    row gpt_flash "$(grep -E '^(hpctrain|PyTorch|ratio)' "$out/gpt_flash.log" | tr '\n' ';')"
     row sass_report "$(grep -E '^GEMM targets' "$out/sass_report.log")"
 } >"$summary"
 cat "$summary"

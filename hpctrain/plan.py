@@ -260,6 +260,7 @@ def plan_table(ranks: list[RankMemory], limit: int | None = None) -> str:
 
 def advice(cfg, world_size: int, limit: int, *, device: bool = False) -> list[str]:
     """Which single change of zero / recompute / pp / tp (keeping the world size) makes every rank fit."""
+    from .backend.base import FLASH_MAX_HS
     from .errors import HpctrainError
 
     p, t = cfg.parallel, cfg.train
@@ -269,8 +270,9 @@ def advice(cfg, world_size: int, limit: int, *, device: bool = False) -> list[st
             tries.append((f"parallel.zero={zero}", dict(parallel=dict(zero=zero))))
     if t.recompute != "blocks":
         tries.append(("train.recompute=blocks", dict(train=dict(recompute="blocks"))))
-    if cfg.model.kind == "gpt" and cfg.model.attention != "flash":
-        tries.append(('model.attention=\'"flash"\'', dict(model=dict(attention="flash"))))
+    if cfg.model.kind == "gpt" and cfg.model.attention != "flash" and (
+            not device or cfg.model.n_embd // cfg.model.n_head <= FLASH_MAX_HS):
+        tries.append(("model.attention=flash", dict(model=dict(attention="flash"))))
     for key in ("pp", "tp"):
         n = getattr(p, key)
         while n * 2 <= world_size:

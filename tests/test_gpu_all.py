@@ -43,7 +43,7 @@ def test_gpu_all_runs_every_step_and_writes_one_table(tmp_path):
     assert "on Fake GPU compute capability (9, 0)" in table
     rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ") and "---" not in line}
     assert set(rows) == {"step", "cuda_suite", "gemm_vs_cublas", "gemm_variant_3", "gemm_variant_4", "mlp_step",
-                         "gpt_step", "gpt_nanogpt", "gpt_dropout", "sass_report"}
+                         "gpt_step", "gpt_nanogpt", "gpt_dropout", "gpt_flash", "sass_report"}
     assert "157 passed" in rows["cuda_suite"] and "60.0 % -> met" in rows["gemm_vs_cublas"]
     assert "12.000 ms" in rows["gemm_variant_4"] and "1.50x -> met" in rows["mlp_step"]
     assert "| 3 |" in rows["gpt_step"] and "0.80" in rows["gpt_step"] and "| 0 |" in rows["sass_report"]

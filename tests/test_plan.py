@@ -94,9 +94,17 @@ def test_advice_offers_flash_attention_where_the_probabilities_do_not_fit():
     flash = max(m.total_bytes for m in plan(gpt_config("t.h5", model={**model, "attention": "flash"}), 1))
     worst = max(m.total_bytes for m in plan(cfg, 1))
     said = advice(cfg, 1, (worst + flash) // 2)
-    assert any(line.startswith("--set model.attention='\"flash\"': largest rank") for line in said), said
+    assert any(line.startswith("--set model.attention=flash: largest rank") for line in said), said
     assert not any("attention" in line for line in advice(gpt_config("t.h5", model={**model, "attention": "flash"}),
                                                           1, flash - 1))
+    # on a GPU only where the kernels take the heads (at most 128 channels)
+    wide = {**model, "n_head": 1, "n_embd": 256}
+    cfg = gpt_config("t.h5", model=wide, train={"backend": "cuda"})
+    flash = max(m.total_bytes for m in plan(gpt_config("t.h5", model={**wide, "attention": "flash"}), 1, device=True))
+    worst = max(m.total_bytes for m in plan(cfg, 1, device=True))
+    assert flash < worst
+    assert not any("attention" in line for line in advice(cfg, 1, (worst + flash) // 2, device=True))
+    assert any("attention" in line for line in advice(cfg, 1, (worst + flash) // 2))
 
 
 def test_the_planned_state_is_what_a_trainer_allocates(tmp_path):

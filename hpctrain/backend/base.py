@@ -21,6 +21,8 @@ import numpy as np
 
 from ..errors import BackendError
 
+FLASH_MAX_HS = 128  # the widest head (channels) the CUDA backend's flash attention kernels take (cuda_flash.py)
+
 __all__ = ["Backend", "StreamWaits", "Mark", "check_array"]
 
 

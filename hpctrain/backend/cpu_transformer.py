@@ -132,7 +132,8 @@ def _causal_log_probabilities(scores, scale, lse, att):
 
 @_jit
 def _causal_softmax_backward(att, datt, scale, dscores):
-    """dscores = scale · att ⊙ (datt − Σ_j att·datt), in place of nothing: a separate output."""
+    """dscores = scale · att ⊙ (datt − Σ_j att·datt); dscores may be datt (each row's sum is taken before the
+    row is written)."""
     N, T, _ = att.shape
     for n in range(N):
         for i in range(T):

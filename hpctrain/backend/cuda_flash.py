@@ -12,13 +12,15 @@ Layout (cuda_transformer.py's): qkv[B·T, 3C] with head h of sample b in columns
     datt[i, j] = dout_i · v_j (through dropout's mask)   ds = P · (datt − dsum)
     dq_i = scale · Σ_j ds · k_j,  dk_j = scale · Σ_i ds · q_i,  dv_j = Σ_i dropout(P)[i, j] · dout_i
 
-Launch shape: ``BR`` threads a block, one thread per row (a query row in the forward and dq kernels, a key row
-in the dk/dv kernel), a block's rows of one head, the longest causal rows launched first. The other operand
-streams through shared memory in tiles that every thread reads at the same address (a broadcast). A thread's
-accumulators, hs floats each, are registers; where a kernel needs a second row of its own (dout's in dq, k's and
-v's in dk/dv) it sits in shared memory padded to hs + 1 floats, so a warp's reads fall in distinct banks. The
-head size is compiled in (``flash_kernels(hs)``) up to ``MAX_HS`` = 64, the GPT-2 family's: two accumulators
-of 64 floats are what a thread holds without spilling (tests/test_cuda_compile.py). Arithmetic is float32.
+Launch shape: ``NT`` = 128 threads a block, ``lanes(hs)`` = 1, 2, 4 or 8 threads per row, each holding at most
+16 of the row's channels (lane-major: a warp's threads share a lane); a block's rows are of one head, a query row
+in the forward and dq kernels (the longest causal rows launched first), a key row in the dk/dv kernel (the
+earliest keys, which see the most queries, first). The other operand streams through shared memory in tiles of
+``BC`` = 16 rows that a block's threads read at the same address (a broadcast); each lane's part of a dot
+product goes to shared memory and the row's lanes add the parts in lane order, so every lane of a row holds the
+same score. A thread's accumulators and its own row's channels are registers. The head size is compiled in
+(``flash_kernels(hs)``), up to ``MAX_HS`` = 128; every kernel assembles without spills for sm_80 and sm_90
+(tests/test_cuda_compile.py, at hs = 64 and 128). Arithmetic is float32.
 
 Dropout (``drop``) draws dropout_mask.py's mask from each element's global index, as ``CudaBackend.dropout``
 does on a stored att: row r at (row0 + (r // group)·stride + r % group)·T + j. The forward's normaliser sums
@@ -36,11 +38,12 @@ from numba import cuda, float32, uint64
 
 from ..errors import BackendError
 from . import cuda_sim
+from .base import FLASH_MAX_HS
 from .dropout_mask import GOLDEN, MUL1, MUL2
 
 __all__ = ["flash_kernels", "MAX_HS", "NT", "rows_per_block"]
 
-MAX_HS = 128
+MAX_HS = FLASH_MAX_HS
 NT = 128  # threads per block: ``lanes`` threads per row, NT // lanes rows
 BC = 16  # rows of a shared tile of the other operand
 
@@ -272,7 +275,7 @@ def flash_kernels(hs: int) -> SimpleNamespace:
         row, lane = place()
         nb = (T + BR - 1) // BR
         z = cuda.blockIdx.x // nb
-        r0 = (nb - 1 - cuda.blockIdx.x % nb) * BR  # the longest columns (the earliest keys) first
+        r0 = (cuda.blockIdx.x % nb) * BR  # the earliest keys, which see the most queries, first
         b = z // H
         h = z - b * H
         C = H * HS

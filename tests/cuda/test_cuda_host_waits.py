@@ -60,12 +60,13 @@ def test_a_regression_step_waits_once(tmp_path, mesh):
     assert waits_per_step(cfg, mesh) == [1]
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_a_gpt_step_with_four_micro_batches_waits_once(tmp_path, mesh, deterministic):
+@pytest.mark.parametrize("deterministic,attention", [(False, "math"), (True, "math"), (False, "flash")])
+def test_a_gpt_step_with_four_micro_batches_waits_once(tmp_path, mesh, deterministic, attention):
     """Was 14: a wait per micro-batch in the embedding's id check, its backward's id readback and the loss,
-    then the norm and the step's end."""
+    then the norm and the step's end. Flash attention's kernels read nothing back either."""
     make_tokens(tmp_path / "t.h5", n=300)
-    cfg = gpt_config(tmp_path / "t.h5", model={"block_size": 4, "n_embd": 4}, data={"val_fraction": 0.0},
+    cfg = gpt_config(tmp_path / "t.h5", model={"block_size": 4, "n_embd": 4, "attention": attention},
+                     data={"val_fraction": 0.0},
                      train={"steps": 3, "batch_size": 4, "micro_batches": 4, "backend": "cuda", "grad_clip": 0.5,
                             "deterministic": deterministic})
     assert waits_per_step(cfg, mesh) == [1]

@@ -79,11 +79,16 @@ def gpt_dropout(tokens, **parallel):
     return with_(gpt(tokens, **parallel), model={"dropout": 0.2})
 
 
-@pytest.mark.parametrize("kind", ["mlp", "gpt", "gpt-dropout"])
+def gpt_flash(tokens, **parallel):
+    return with_(gpt(tokens, **parallel), model={"dropout": 0.2, "attention": "flash"})
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt", "gpt-dropout", "gpt-flash"])
 @pytest.mark.parametrize("micro", [1, 2], ids=["1-micro", "2-micro"])
 def test_every_layout_gives_the_bits_of_one_process(comm, shared_dir, data, tokens, kind, micro):
-    """With dropout too: every layout draws one process's masks (nn/dropout.py)."""
-    make = {"mlp": mlp, "gpt": gpt, "gpt-dropout": gpt_dropout}[kind]
+    """With dropout too: every layout draws one process's masks (nn/dropout.py); flash attention computes a
+    sample's heads alike whatever micro-batch holds it."""
+    make = {"mlp": mlp, "gpt": gpt, "gpt-dropout": gpt_dropout, "gpt-flash": gpt_flash}[kind]
     want = alone(make(data if kind == "mlp" else tokens), comm, shared_dir)
     for dp, pp in layouts(comm):
         cfg = make(data if kind == "mlp" else tokens, pp=pp)

@@ -99,10 +99,17 @@ def flash_kernels(hs: int) -> SimpleNamespace:
         return uint64(row0 + (r // group) * stride + r % group) * uint64(T)
 
     @device
-    def place():
-        """(this thread's row in the block, its lane): lane-major, so a warp's threads share a lane."""
+    def place(T, H, longest_first):
+        """(row, lane, z, b, h, r0): this thread's row in the block and its lane (lane-major, so a warp's threads
+        share a lane), the block's head z = b·H + h and its first row r0; the blocks of a head ordered with the
+        last rows (the longest causal query rows) first, or else the first rows (the keys most queries see)."""
         tid = cuda.threadIdx.x
-        return tid % BR, tid // BR
+        nb = (T + BR - 1) // BR
+        z = cuda.blockIdx.x // nb
+        k = cuda.blockIdx.x % nb
+        r0 = (nb - 1 - k if longest_first else k) * BR
+        b = z // H
+        return tid % BR, tid // BR, z, b, z - b * H, r0
 
     @device
     def load_tile(tile, src, base, t0, T, col, scale):
@@ -147,12 +154,7 @@ def flash_kernels(hs: int) -> SimpleNamespace:
         part = cuda.shared.array((TR, BR, SP), float32)  # each lane's part of q_i · k_j
         q = cuda.local.array(HL, float32)
         acc = cuda.local.array(HL, float32)
-        row, lane = place()
-        nb = (T + BR - 1) // BR
-        z = cuda.blockIdx.x // nb
-        r0 = (nb - 1 - cuda.blockIdx.x % nb) * BR  # the longest rows first
-        b = z // H
-        h = z - b * H
+        row, lane, z, b, h, r0 = place(T, H, True)
         C = H * HS
         base = b * T
         i = r0 + row
@@ -210,12 +212,7 @@ def flash_kernels(hs: int) -> SimpleNamespace:
         q = cuda.local.array(HL, float32)
         dy = cuda.local.array(HL, float32)
         dq = cuda.local.array(HL, float32)
-        row, lane = place()
-        nb = (T + BR - 1) // BR
-        z = cuda.blockIdx.x // nb
-        r0 = (nb - 1 - cuda.blockIdx.x % nb) * BR
-        b = z // H
-        h = z - b * H
+        row, lane, z, b, h, r0 = place(T, H, True)
         C = H * HS
         base = b * T
         i = r0 + row
@@ -272,12 +269,7 @@ def flash_kernels(hs: int) -> SimpleNamespace:
         vr = cuda.local.array(HL, float32)
         dk = cuda.local.array(HL, float32)
         dv = cuda.local.array(HL, float32)
-        row, lane = place()
-        nb = (T + BR - 1) // BR
-        z = cuda.blockIdx.x // nb
-        r0 = (cuda.blockIdx.x % nb) * BR  # the earliest keys, which see the most queries, first
-        b = z // H
-        h = z - b * H
+        row, lane, z, b, h, r0 = place(T, H, False)
         C = H * HS
         base = b * T
         j = r0 + row

@@ -40,6 +40,8 @@ def _write_table(path: str, x: np.ndarray, y: np.ndarray, regression: bool = Fal
         raise DataError(f"the inputs must be a non-empty table of samples × features, got shape {x.shape}")
     if len(y) != len(x):
         raise DataError(f"{len(x)} rows of inputs but {len(y)} targets")
+    if y.ndim not in (1, 2):  # a model's output is one row of values per sample
+        raise DataError(f"the targets must be one value or one row of values per sample, got shape {y.shape}")
     if not (np.issubdtype(x.dtype, np.number) and np.issubdtype(y.dtype, np.number)) or \
             np.issubdtype(x.dtype, np.complexfloating) or np.issubdtype(y.dtype, np.complexfloating):
         raise DataError(f"inputs and targets must be real numbers, got {x.dtype} and {y.dtype}")

@@ -43,7 +43,8 @@ def export(path: str, out: str, fmt: str = "", force: bool = False) -> str:
     if fmt not in FORMATS:
         raise ConfigError(f"export: cannot tell the format of {out} from its extension; give --format "
                           f"({' or '.join(FORMATS)})")
-    if os.path.abspath(out) == os.path.abspath(path):
+    if os.path.abspath(out) == os.path.abspath(path) or (os.path.exists(out) and os.path.exists(path)
+                                                         and os.path.samefile(out, path)):
         raise ConfigError(f"export: {out} is the checkpoint itself")
     if os.path.exists(out) and not force:
         raise ConfigError(f"export: {out} exists; pass --force to replace it")

@@ -40,6 +40,8 @@ def predict(checkpoint: str, data: str, out: str, *, inputs: str = "", batch: in
     if os.path.exists(out):
         if os.path.exists(data) and os.path.samefile(data, out):
             raise DataError(f"{out} is the input file itself")
+        if os.path.exists(checkpoint) and os.path.samefile(checkpoint, out):  # --force would destroy it
+            raise DataError(f"{out} is the checkpoint itself")
         if not force:
             raise DataError(f"{out} exists; pass --force to replace it")
     meta = ckpt.read_meta(checkpoint)

@@ -64,6 +64,11 @@ def test_npz_arrays_without_pickle(tmp_path):
     np.savez(tmp_path / "n.npz", X=np.zeros((3, 2)), y=np.zeros(2))
     with pytest.raises(DataError, match="3 rows of inputs but 2 targets"):
         npz_to_h5(str(tmp_path / "n.npz"), str(tmp_path / "n.h5"), inputs="X", targets="y")
+    np.savez(tmp_path / "t.npz", X=np.ones((4, 3)), y=np.ones((4, 2, 2)))  # a model's output is one row a sample
+    with pytest.raises(DataError, match=r"the targets must be one value or one row of values per sample, got shape "
+                                        r"\(4, 2, 2\)"):
+        npz_to_h5(str(tmp_path / "t.npz"), str(tmp_path / "t.h5"), inputs="X", targets="y")
+    assert not (tmp_path / "t.h5").exists()
 
 
 def test_a_nanogpt_bin_with_its_vocabulary_trains_and_decodes(tmp_path):

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -73,6 +74,10 @@ def test_bad_input_is_one_line(mlp, tmp_path):
     (tmp_path / "o.h5").write_text("")
     with pytest.raises(DataError, match="o.h5 exists; pass --force to replace it"):
         predict(checkpoint, str(folder / "d.h5"), str(tmp_path / "o.h5"))
+    before = Path(checkpoint).read_bytes()
+    with pytest.raises(DataError, match="is the checkpoint itself"):  # --force must not destroy what it reads
+        predict(checkpoint, str(folder / "d.h5"), checkpoint, force=True)
+    assert Path(checkpoint).read_bytes() == before
     proc = subprocess.run([sys.executable, "-m", "hpctrain", "predict", checkpoint, "--data", "missing.h5", "--out",
                            "x.h5"], cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 2 and "missing.h5" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -51,6 +51,9 @@ def eval_config(target: str, *, data: str = "", overrides=(), ranks: int = 1):
     try:
         tables = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
+        if weights is None and not target.endswith(".toml"):  # an export (.safetensors, .pt), a data file, ...
+            raise ConfigError(f"{target} is neither an hpctrain checkpoint nor a TOML config: eval takes a "
+                              "checkpoint (ckpt-*.h5) or a config file (.toml)") from None
         raise ConfigError(f"{source}: malformed TOML: {e}") from None
     given = frozenset(tuple(_parse_override(item)[:2]) for item in overrides)  # paths on the command line: cwd
     if weights is None:  # a config: its checkpoint.init, else the newest checkpoint in its checkpoint.dir

@@ -104,6 +104,16 @@ def test_no_weights_is_one_line(tmp_path):
         evaluate(str(tmp_path / "job.toml"))
 
 
+def test_a_file_that_is_neither_checkpoint_nor_config_says_so(tmp_path):
+    (tmp_path / "m.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")  # an export
+    with pytest.raises(ConfigError, match=r"m.safetensors is neither an hpctrain checkpoint nor a TOML config: eval "
+                                          r"takes a checkpoint \(ckpt-\*.h5\) or a config file \(.toml\)"):
+        evaluate(str(tmp_path / "m.safetensors"))
+    (tmp_path / "bad.toml").write_text("[train\n")
+    with pytest.raises(ConfigError, match="bad.toml: malformed TOML"):  # a config: its own error
+        evaluate(str(tmp_path / "bad.toml"))
+
+
 def test_the_command_and_its_bad_input(trained):
     folder, checkpoint, _ = trained
     env = {**os.environ, "PYTHONPATH": ROOT}

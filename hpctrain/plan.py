@@ -233,7 +233,7 @@ def parse_size(text: str) -> int:
         i -= 1
     try:
         value, unit = float(s[:i]), s[i:].strip()
-        if unit not in units or value <= 0:
+        if unit not in units or not 0 < value * units[unit] < 2**63:
             raise ValueError
     except ValueError:
         raise ValueError(f"{text!r} is not a memory size (say 5.5GB, 40GiB or 512MB)") from None

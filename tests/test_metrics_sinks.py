@@ -2,6 +2,7 @@
 ``.csv``, TensorBoard scalars in ``train.tensorboard``; both resume at the checkpoint's step."""
 
 import csv
+import json
 import math
 import struct
 
@@ -47,6 +48,23 @@ def test_a_csv_table_widens_its_header_when_a_new_name_comes(tmp_path):
     assert [r["step"] for r in rows] == ["1", "2", "2"]
     assert rows[0] == {"step": "1", "loss": "2.5", "lr": "0.1", "skipped": "", "val_loss": "", "val_accuracy": ""}
     assert math.isnan(float(rows[1]["loss"])) and rows[1]["skipped"] == "1" and rows[2]["val_accuracy"] == "0.5"
+
+
+def test_numpy_scalars_are_written_as_numbers(tmp_path):
+    """The parameter server's loss is a numpy float64, whose repr is "np.float64(...)": hpctrain plot refused it."""
+    import numpy as np
+
+    path = tmp_path / "m.csv"
+    m = MetricsFile(str(path))
+    m.write({"step": np.int64(1), "loss": np.float64(0.69), "rate": np.float32(2.5)})
+    m.close()
+    assert path.read_text().splitlines()[1] == "1,0.69,2.5"
+    series, _ = read_metrics(str(path), path.read_text())  # hpctrain plot refused "np.float64(0.69)"
+    assert list(series["loss"][1]) == [0.69]
+    m = MetricsFile(str(tmp_path / "m.jsonl"))  # and in JSON lines, where numpy's ints and float32 would not go
+    m.write({"step": np.int64(1), "loss": np.float64(0.69), "rate": np.float32(2.5)})
+    m.close()
+    assert json.loads((tmp_path / "m.jsonl").read_text()) == {"step": 1, "loss": 0.69, "rate": 2.5}
 
 
 def test_a_file_that_is_not_a_metrics_table_is_refused_not_overwritten(tmp_path):

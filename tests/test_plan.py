@@ -165,7 +165,7 @@ def test_sizes(text, want):
     assert parse_size(text) == want
 
 
-@pytest.mark.parametrize("text", ["", "GB", "-1GB", "5.5XB", "lots"])
+@pytest.mark.parametrize("text", ["", "GB", "-1GB", "5.5XB", "lots", "1e300GB", "1e400GB", "infGB", "nanGB"])
 def test_bad_sizes(text):
     with pytest.raises(ValueError, match="is not a memory size"):
         parse_size(text)

@@ -118,3 +118,26 @@ def test_a_run_on_a_terminal_shows_the_status_line_and_in_a_pipe_only_log_lines(
     assert "\r\033[K[" in live and "/40" in live and "ETA" in live, live
     # the status line is erased before the next log line (the memory line after step 1, or step 20's)
     assert "\r\033[Kmemory: peak RSS" in live or "\r\033[Kstep     20/40" in live.replace("\r\n", "\n"), live
+
+
+def test_the_parameter_server_draws_the_status_line_when_asked(tmp_path):
+    """train.progress = "bar" under mpiexec with its output in a pipe: the status line, as the synchronous trainer
+    draws it (the parameter server's trainer used to leave it out)."""
+    import shutil
+
+    from launch import launcher_env, mpi_command
+
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("mpiexec not found (pip install hpctrain[mpich])")
+    make_classification(tmp_path / "d.h5", n=64)
+    (tmp_path / "job.toml").write_text(toml_job(train={"steps": 40, "log_every": 20, "progress": "bar"},
+                                                parallel={"mode": "async_ps", "staleness": 1}))
+    env = launcher_env({"PYTHONPATH": ROOT})
+    env.pop("PYTHONUNBUFFERED", None)
+    proc = subprocess.run(mpi_command(mpiexec, 3, sys.executable, "-m", "hpctrain", "train", str(tmp_path / "job.toml")),
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout  # text mode: each "\r" reads as a newline
+    assert "\033[K[" in out and "40/40  100%" in out, out
+    assert "\033[Kstep     40/40" in out, out  # erased before the log line

@@ -41,7 +41,7 @@ from ..params import FlatBuffer, ParamLayout
 from . import startup
 from .loop import log_line
 from .metrics import MetricsFile
-from .progress import Progress
+from .progress import Progress, status_line_wanted
 from .step import _Batch
 from .stop import StopFlag
 
@@ -260,10 +260,17 @@ class AsyncTrainer:
         server = self.server
         every = t.log_every * (1 if self.k == 0 else self.W)
         last = [time.perf_counter(), 0]
-        progress = Progress(t.steps, self.step, live=False)  # the ETA, as the synchronous trainer's lines have
+        # the ETA, as the synchronous trainer's lines have; where wanted, the status line between them
+        progress = Progress(t.steps, self.step, live=self.rank0 and self.log is log_line
+                            and status_line_wanted(t.progress))
+        log = progress.wrap(self.log)
 
         def on_update(version):
-            if not self.rank0 or version % every:
+            if not self.rank0:
+                return
+            step = self.step + (version if self.k == 0 else version // self.W)  # in global batches
+            progress.advance(step)
+            if version % every:
                 return
             now = time.perf_counter()
             rate = (version - last[1]) / max(now - last[0], 1e-9)
@@ -271,18 +278,20 @@ class AsyncTrainer:
             per = self.model.out_features if t.loss == "mse" else 1
             loss = server.loss_sum / max(server.rows * per, 1)
             server.loss_sum = server.rows = 0.0
-            step = self.step + (version if self.k == 0 else version // self.W)  # in global batches
-            progress.advance(step)
             # two figures, two units: how old an applied gradient's parameters were (updates), and how far apart
             # the workers ran (steps, what parallel.staleness bounds)
             record = dict(step=step, updates=version, loss=loss, server_updates_per_s=rate,
                           update_lag_max=max(server.staleness, default=0), steps_ahead_max=server.ahead_max)
             metrics.write(record)
-            self.log(f"step {step:>6}/{t.steps}  loss {loss:.4f}  {rate:,.0f} updates/s  (gradients up to "
-                     f"{record['update_lag_max']} updates old, workers up to {server.ahead_max} steps apart of "
-                     f"parallel.staleness = {self.k})  ETA {progress.eta()}")
+            log(f"step {step:>6}/{t.steps}  loss {loss:.4f}  {rate:,.0f} updates/s  (gradients up to "
+                f"{record['update_lag_max']} updates old, workers up to {server.ahead_max} steps apart of "
+                f"parallel.staleness = {self.k})  ETA {progress.eta()}")
+            progress.summary = f"loss {loss:.4f}  {rate:,.0f} updates/s"
 
-        server.run(on_update)
+        try:
+            server.run(on_update)
+        finally:
+            progress.clear()  # what is printed next starts on a line of its own
 
     def _work(self) -> None:
         t = self.cfg.train

@@ -8,6 +8,8 @@ import math
 import os
 import time
 
+import numpy as np
+
 from .._files import open_for_writing, replaced_atomically
 from ..errors import ConfigError
 from ..parallel.executor import bubble_share
@@ -112,6 +114,8 @@ def _claim(path: str) -> None:
 
 
 def _finite(value):
+    if isinstance(value, np.generic):  # a numpy scalar: json writes Python numbers only
+        value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):

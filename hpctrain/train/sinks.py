@@ -17,6 +17,8 @@ import csv
 import math
 import os
 
+import numpy as np
+
 from ..errors import ConfigError
 
 __all__ = ["CsvTable", "TensorBoard", "scalars"]
@@ -31,6 +33,8 @@ def scalars(record: dict, prefix: str = "") -> dict:
         if not prefix and key in SKIPPED:
             continue
         name = f"{prefix}{key}"
+        if isinstance(value, np.generic):  # a numpy scalar (the parameter server's loss): a Python number
+            value = value.item()
         if isinstance(value, dict):
             out.update(scalars(value, name + "."))
         elif isinstance(value, (list, tuple)):

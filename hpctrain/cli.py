@@ -223,8 +223,16 @@ def _train(args) -> int:
     from .train.stop import StopFlag
 
     # first, before MPI starts: a SIGTERM or SIGUSR1 from here to the process's exit is recorded, never fatal
-    # (a rank killed during start-up, or after its part of the stop checkpoint, loses the checkpoint)
+    # (a rank killed during start-up, or after its part of the stop checkpoint, loses the checkpoint); once
+    # the command is over, ignored through the interpreter's exit
     stop = StopFlag()
+    try:
+        return _train_with(args, stop)
+    finally:
+        stop.ignore_until_exit()
+
+
+def _train_with(args, stop) -> int:
     MPI = _load_mpi()
 
     from .errors import LaunchError

@@ -123,6 +123,28 @@ def test_a_second_signal_during_the_stop_checkpoint_loses_nothing(tmp_path, mpi,
 
 
 @pytest.mark.parametrize("mpi", _launchers())
+def test_signals_while_the_ranks_exit_after_the_stop_checkpoint_are_not_fatal(tmp_path, mpi):
+    """Python's finalization puts the default action back on a signal with a Python handler: SIGTERM killed a
+    rank that had written its checkpoint and was exiting (exit status 15 or 143 for a finished job)."""
+    proc, marks, lines, kind = _start(tmp_path, mpi)
+    try:
+        _wait_for(lambda: any("step " in line for line in lines) and (marks / "pid1").exists())
+        _signal(proc, marks, kind, signal.SIGTERM)
+        _wait_for(lambda: any(" written" in line for line in lines) or proc.poll() is not None, deadline=90)
+        t0 = time.monotonic()
+        while proc.poll() is None and time.monotonic() - t0 < 60:  # every 10 ms until the job is gone
+            try:
+                _signal(proc, marks, kind, signal.SIGTERM)
+            except ProcessLookupError:  # a rank already gone
+                pass
+            time.sleep(0.01)
+    finally:
+        out = _finish(proc, lines)
+    assert proc.returncode == 0, out[-3000:]
+    assert len(folder_listing(tmp_path / "ck")) == 2
+
+
+@pytest.mark.parametrize("mpi", _launchers())
 def test_a_signal_during_start_up_stops_the_job_at_step_0_with_a_checkpoint(tmp_path, mpi):
     proc, marks, lines, kind = _start(tmp_path, mpi)
     try:

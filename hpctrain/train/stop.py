@@ -67,6 +67,15 @@ class StopFlag:
             self.name = "from another rank"
         return bool(flag[0])
 
+    def ignore_until_exit(self) -> None:
+        """The command is over: SIGTERM and SIGUSR1 are ignored from here to the process's exit. (Python's
+        finalization puts the default, fatal action back on every signal with a Python handler, so a second
+        signal while the process exits, after a stop checkpoint, would otherwise kill it: exit status 143 for
+        a run that did its part.) SIGINT keeps its action: a Ctrl-C still ends a teardown that hangs."""
+        for sig in self._old:
+            if sig != signal.SIGINT:
+                signal.signal(sig, signal.SIG_IGN)
+
     def restore(self) -> None:
         """The handlers there were before this flag (not collective)."""
         for sig, old in self._old.items():

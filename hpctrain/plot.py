@@ -198,11 +198,14 @@ def read_metrics(path: str, text: str, *, first=None, last=None):
     (a skipped non-finite step) becomes NaN. A last line without its newline that does not
     parse is a run still writing it: it is left out, and the note says so.
     """
+    note = ""
     if path.endswith(".csv"):  # train.metrics as a CSV table (train/sinks.py): the same records
+        if text and not text.endswith("\n") and text.count("\n") >= 2:  # a row cut off: the run is writing it
+            text = text[: text.rindex("\n") + 1]
+            note = f" (line {text.count(chr(10)) + 1} is incomplete and was left out: is the run still writing it?)"
         text = _csv_as_jsonl(path, text)
     series = {key: ([], []) for key in SERIES}
     lines = text.split("\n")
-    note = ""
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue

@@ -103,6 +103,13 @@ def test_a_line_still_being_written_is_left_out_with_a_note(tmp_path):
     path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
     series, note = read_metrics(str(path), path.read_text())
     assert series["loss"] == ([1], [1.0]) and "line 2 is incomplete" in note
+    table = tmp_path / "m.csv"  # the CSV table of a run killed mid-row: its last row was read as a record
+    table.write_text("step,loss,val_loss\n1,1.0,\n2,0.5,0.7\n3,0.2")
+    series, note = read_metrics(str(table), table.read_text())
+    assert series["loss"] == ([1, 2], [1.0, 0.5]) and series["val_loss"] == ([2], [0.7])
+    assert "line 4 is incomplete" in note
+    table.write_text("step,loss\n1,1.0\n")  # whole: no note
+    assert read_metrics(str(table), table.read_text())[1] == ""
 
 
 def test_a_real_trace_becomes_a_timeline(run, tmp_path):

@@ -331,6 +331,8 @@ class AsyncTrainer:
             pushed = sum(self.server.pushes) - self.step * self.W  # gradients applied by this run
             step[0] = self.step + pushed // self.W  # in global batches
         self.world.Bcast(step, root=0)
+        if self._stop.any_rank(self.world) and step[0] < self.cfg.train.steps:  # as the synchronous trainer says
+            self.log(f"signal {self._stop.name} received: stopping at step {int(step[0])}")
         if self.cfg.checkpoint.dir:
             self._save(int(step[0]))
         result = self._evaluate(self._final_params())

@@ -121,6 +121,12 @@ def _tokenizer(meta, cfg, vocab: str):
         raise DataError(f"{source}: no vocabulary attribute to decode with; name a token file written by "
                         "`hpctrain data text2h5` with --vocab")
     if stored is not None and tok.vocabulary != stored.vocabulary:
-        raise DataError(f"--vocab {vocab}: its vocabulary ({len(tok)} characters) is not the one the checkpoint "
-                        f"was trained with ({len(stored)} characters); leave --vocab out to use the checkpoint's")
+        if len(tok) == len(stored):  # the same size: say where they part
+            i = next(i for i, (a, b) in enumerate(zip(tok.vocabulary, stored.vocabulary)) if a != b)
+            how = (f"both {len(tok)} characters, but id {i} is {tok.vocabulary[i]!r} there and "
+                   f"{stored.vocabulary[i]!r} in the checkpoint's")
+        else:
+            how = f"{len(tok)} characters against the checkpoint's {len(stored)}"
+        raise DataError(f"--vocab {vocab}: its vocabulary is not the one the checkpoint was trained with ({how}); "
+                        "leave --vocab out to use the checkpoint's")
     return tok

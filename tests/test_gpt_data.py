@@ -221,7 +221,15 @@ def test_sample_decodes_with_the_checkpoints_own_vocabulary(tmp_path):
     other.write_text("xyz")
     assert hpctrain("data", "text2h5", str(other), str(tmp_path / "other.h5")).returncode == 0
     r = hpctrain("sample", ck, "--prompt", "ab", "--tokens", "3", "--vocab", str(tmp_path / "other.h5"))
-    assert r.returncode == 2 and "is not the one the checkpoint was trained with" in r.stderr
+    assert r.returncode == 2 and "is not the one the checkpoint was trained with (3 characters against" in r.stderr
+    from hpctrain.text import read_vocabulary
+
+    trained = read_vocabulary(str(tmp_path / "moved.h5"), "tokens").vocabulary
+    same_size = "".join(trained[:-1]) + "\u00e9"  # one character swapped: as many, not the same
+    (tmp_path / "same.txt").write_text(same_size, encoding="utf-8")
+    assert hpctrain("data", "text2h5", str(tmp_path / "same.txt"), str(tmp_path / "same.h5")).returncode == 0
+    r = hpctrain("sample", ck, "--prompt", "ab", "--tokens", "3", "--vocab", str(tmp_path / "same.h5"))
+    assert r.returncode == 2 and f"(both {len(trained)} characters, but id" in r.stderr, r.stderr
     for bad in ("nan", "inf", "-1"):
         r = hpctrain("sample", ck, "--prompt", "ab", "--tokens", "3", "--temperature", bad)
         assert r.returncode == 2 and "--temperature must be a finite number >= 0" in r.stderr

@@ -447,8 +447,6 @@ def _check_ranges(cfg: Config) -> None:
         for key in ("debug_collectives", "collective_timeout"):
             need(not getattr(t, key), f"train.{key}", 'not supported with mode = "async_ps" yet (its servers and '
                  "workers talk point to point, by their own protocol)")
-        need(not c.every, "checkpoint.every", 'not supported with mode = "async_ps" yet: its checkpoint is written '
-             "at the end of the run and on a stop signal (SIGTERM, SIGUSR1); set checkpoint.every = 0")
 
 
 def _check_stages(p: "ParallelConfig", n: int, has_params, what: str) -> None:

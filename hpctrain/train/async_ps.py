@@ -29,7 +29,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from .._memory import keep_freed_memory
 from ..backend.cpu import CpuBackend
-from ..errors import BackendError, LayoutError, NonFiniteError
+from ..errors import BackendError, HpctrainError, LayoutError, NonFiniteError
 from ..nn import make_model
 from ..optim import clip_coefficient, lr_at, make_optimizer
 from ..parallel.agree import QuietExit, bcast_text, run_everywhere
@@ -58,6 +58,7 @@ class AsyncTrainer:
         # StopFlag the command line installed at entry, else one of this trainer's, restored by close()
         self._own_stop = stop is None
         self._stop = StopFlag() if stop is None else stop
+        self._saved_step = -1  # the step of the last checkpoint the servers wrote between updates
         keep_freed_memory()
         self.cfg, p = cfg, cfg.parallel
         self.world = MPI.COMM_WORLD.Dup()
@@ -265,10 +266,15 @@ class AsyncTrainer:
                             and status_line_wanted(t.progress))
         log = progress.wrap(self.log)
 
+        save_every = self.cfg.checkpoint.every if self.cfg.checkpoint.dir else 0
+
         def on_update(version):
+            step = self.step + (version if self.k == 0 else version // self.W)  # in global batches
+            if save_every and (self.k == 0 or version % self.W == 0) and step % save_every == 0 \
+                    and step < t.steps:  # every server at this same update (the end's checkpoint: _finish)
+                self._save_between_updates(step, log)
             if not self.rank0:
                 return
-            step = self.step + (version if self.k == 0 else version // self.W)  # in global batches
             progress.advance(step)
             if version % every:
                 return
@@ -326,14 +332,15 @@ class AsyncTrainer:
 
     def _finish(self) -> dict:
         """Write the checkpoint (each server its range), evaluate on the workers (collective over the world)."""
-        step = np.zeros(1, dtype=np.int64)
+        step = np.zeros(2, dtype=np.int64)  # the step, and whether the servers saved it already (every)
         if self.is_server and self.rank0:
             pushed = sum(self.server.pushes) - self.step * self.W  # gradients applied by this run
             step[0] = self.step + pushed // self.W  # in global batches
+            step[1] = step[0] == self._saved_step
         self.world.Bcast(step, root=0)
         if self._stop.any_rank(self.world) and step[0] < self.cfg.train.steps:  # as the synchronous trainer says
             self.log(f"signal {self._stop.name} received: stopping at step {int(step[0])}")
-        if self.cfg.checkpoint.dir:
+        if self.cfg.checkpoint.dir and not step[1]:
             self._save(int(step[0]))
         result = self._evaluate(self._final_params())
         if not self.rank0:
@@ -360,13 +367,26 @@ class AsyncTrainer:
             self.world.Bcast(buf, root=s)  # servers are world ranks 0 .. S - 1
         return full
 
-    def _save(self, step: int) -> None:
+    def _save_between_updates(self, step: int, log) -> None:
+        """``checkpoint.every``: the servers alone write one, each at the same update of its own count (each
+        applies every gradient a worker pushed, so each reaches it without the others; the workers wait for
+        their next parameters meanwhile). A failure is the servers' agreement only, so the job is aborted:
+        the workers are not in it and would wait for ever."""
+        try:
+            self._save(step, self.servers_comm, log)
+        except HpctrainError as e:
+            e.collective = False  # the CLI aborts the world for an error that is not every rank's
+            raise
+        self._saved_step = step
+
+    def _save(self, step: int, comm=None, log=None) -> None:
         """A sharded checkpoint, each server writing its range of the parameters and of every optimizer slot (a
-        dp layout of the workers: any layout, async or sync, resumes it); the index on world rank 0."""
+        dp layout of the workers: any layout, async or sync, resumes it); the index on world rank 0. Collective
+        over ``comm``: the world (the end of the run), or the servers alone (``_save_between_updates``)."""
         from .checkpointing import save_pieces
 
-        cfg, layout = self.cfg, self.model.layout
-        names = bcast_text(self.world, " ".join(self.optim.slots) if self.rank0 else None, 0).split()  # the
+        cfg, layout, comm = self.cfg, self.model.layout, comm or self.world
+        names = bcast_text(comm, " ".join(self.optim.slots) if self.rank0 else None, 0).split()  # the
         # workers hold no optimizer: its slots' names as world rank 0 (a server) has them
         state = ckpt.CheckpointState(
             step=step, epoch=step // self.steps_per_epoch, data_position=step % self.steps_per_epoch,
@@ -382,9 +402,8 @@ class AsyncTrainer:
             lo, hi = self.ranges[self.servers_comm.Get_rank()]
             for label, buf in [("params", self.params)] + list(self.optim.slots.items()):
                 items += [(label, p, buf.data[p.at : p.at + p.size]) for p in range_pieces(layout, lo, hi)]
-        path = save_pieces(self.world, state, items, directory=cfg.checkpoint.dir, layout=layout,
-                           keep=cfg.checkpoint.keep)
-        self.log(f"checkpoint {path} written")
+        path = save_pieces(comm, state, items, directory=cfg.checkpoint.dir, layout=layout, keep=cfg.checkpoint.keep)
+        (log or self.log)(f"checkpoint {path} written")
 
     def _vocabulary(self) -> str:
         """A language model's vocabulary for its checkpoint (rank 0 serves and has no dataset open)."""

@@ -263,3 +263,38 @@ def test_checkpoints_move_between_async_and_sync_mode(comm, data, shared_dir, fi
         want = alone(at("sync", 4))
         worst = max(float(np.abs(got[n] - want[n]).max() / np.abs(want[n]).max()) for n in want) if step == 4 else 1
     assert agreed(comm, worst) < 1e-4  # AdamW amplifies rounding (tests/mpi/test_gpt_parallel.py)
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_checkpoint_every_writes_between_updates_and_resumes(comm, data, shared_dir, staleness):
+    """checkpoint.every: the servers alone write a checkpoint every `every` steps while the workers go on (they
+    were ignored: a crashed async run lost everything); the end's is written once; a run resumes from one.
+    At staleness 0 the step-4 checkpoint is exactly the synchronous run's after 4 steps."""
+    if comm.size < 2:
+        pytest.skip("a server and a worker need two ranks")
+    S = servers(comm)
+    W = comm.size - S
+    ck = f"{shared_dir}/ck-every-{staleness}"
+    cfg = config(data, optim=SGD, train={"steps": 6, "batch_size": 4 * W},
+                 parallel={"mode": "async_ps", "servers": S, "staleness": staleness},
+                 checkpoint={"dir": ck, "every": 2, "keep": 10})
+    run_async(cfg)
+    problem = None
+    if comm.rank == 0:
+        names = sorted(n for n in os.listdir(ck) if n.endswith(".h5"))
+        if names != ["ckpt-00000002.h5", "ckpt-00000004.h5", "ckpt-00000006.h5"]:
+            problem = f"checkpoints {names}"
+        elif staleness == 0:
+            with h5py.File(f"{ck}/ckpt-00000004.h5", "r") as f:
+                got = {k: f["params"][k][()] for k in f["params"]}
+            short = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=4))
+            want = alone(short)
+            worst = max(float(np.abs(got[n] - want[n]).max() / np.abs(want[n]).max()) for n in want)
+            problem = None if worst < 1e-6 else f"step 4 differs from the synchronous run by {worst}"
+    problem = comm.bcast(problem, root=0)
+    assert problem is None, problem
+    # a later run resumes from the newest (step 6) and trains to 8
+    longer = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=8))
+    summary = run_async(longer)
+    if comm.rank == 0:
+        assert summary["step"] == 8 and summary["updates_per_worker"] and sum(summary["updates_per_worker"]) == 2 * W

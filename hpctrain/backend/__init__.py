@@ -10,6 +10,8 @@ __all__ = ["Backend", "check_array", "get_backend", "cuda_available"]
 
 def cuda_available() -> bool:
     """True when numba-cuda is installed and sees a GPU (or runs the simulator)."""
+    if not (_simulator() or _driver_loads()):
+        return False  # no driver: numba.cuda would say so after a 0.4 s import (a CPU rank's start-up, ``auto``)
     try:
         from numba import cuda
     except ImportError:
@@ -18,6 +20,25 @@ def cuda_available() -> bool:
         return bool(cuda.is_available())
     except Exception:
         return False
+
+
+def _driver_loads() -> bool:
+    """Whether the CUDA driver library loads, tried where numba-cuda looks for it on Linux (a dlopen, about a
+    millisecond); elsewhere, or when ``NUMBA_CUDA_DRIVER`` names it, numba-cuda is asked."""
+    import ctypes
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux") or os.environ.get("NUMBA_CUDA_DRIVER"):
+        return True
+    names = ["libcuda.so", "libcuda.so.1"]
+    for path in names + [os.path.join(d, n) for d in ("/usr/lib", "/usr/lib64") for n in names]:
+        try:
+            ctypes.CDLL(path)
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def _simulator() -> bool:

@@ -263,6 +263,38 @@ def test_naive_one_f_one_b_deadlocks():
     assert isinstance(info.value, LayoutError)
 
 
+def repaired_from_the_start(name, stages, m, v):
+    """The deadlock repair done the slow way: the whole run on paper again after each fusion."""
+    from hpctrain.parallel import schedule as sched
+
+    stages = [list(st) for st in stages]
+    while True:
+        try:
+            check_schedule(Schedule(name, tuple(tuple(st + sched._step_end()) for st in stages), m, v))
+            return stages
+        except ScheduleError as e:
+            sends = [(s, i) for s, i in e.at if isinstance(stages[s][i], (SendActivation, SendGrad))]
+            s, i = min(sends, key=lambda at: (sched._gap_to_next_receive(stages[at[0]], at[1]), -at[0]))
+            stages[s] = sched._fuse_with_next_receive(name, stages[s], i)
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("zero-bubble", 5, 7, 1), ("zero-bubble", 3, 9, 1),
+                                        ("interleaved-1f1b", 3, 6, 2), ("interleaved-1f1b", 4, 8, 3)])
+def test_the_one_pass_deadlock_repair_fuses_what_re_running_from_the_start_fuses(name, p, m, v):
+    """Building goes on from where the run on paper stopped after each fusion (one pass, so pp 16 x 64
+    micro-batches builds in a fraction of a second); re-running from the start after each fusion finds the same."""
+    from hpctrain.parallel.schedule import _step_end, _without_deadlocks
+
+    built = make_schedule(name, p, m, v)
+    naive = [[part for ins in st[: len(st) - len(_step_end())]
+              for part in (ins.point_to_point() if isinstance(ins, Exchange) else (ins,))] for st in built.stages]
+    fast = _without_deadlocks(name, [list(st) for st in naive], m, v)
+    slow = repaired_from_the_start(name, naive, m, v)
+    assert [list(st[: len(st) - len(_step_end())]) for st in fast.stages] == slow
+    assert any(isinstance(ins, Exchange) for st in fast.stages for ins in st)
+    check_schedule(fast)
+
+
 @pytest.mark.parametrize("p,m", [(3, 4), (4, 8), (5, 3)])
 def test_naive_one_f_one_b_deadlocks_on_more_stages(p, m):
     with pytest.raises(ScheduleError, match="deadlocks under rendezvous sends: stage"):

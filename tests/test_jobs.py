@@ -209,21 +209,22 @@ def test_a_sweep_array_gives_each_task_its_own_run_and_one_table(tmp_path):
     (checkpoints and metrics); sweep-summary.sh makes one table of both; a task past LRS is one line."""
     script = os.path.join(ROOT, "jobs", "slurm", "sweep-lr.sbatch")
     env, shim = fake_slurm(tmp_path)
-    env.update(HPCTRAIN_SWEEP_DIR=str(tmp_path / "sweep"), HPCTRAIN_ARGS="--set train.steps=4 --set train.eval_every=4",
+    sweep = tmp_path / "my sweep"  # a space in the runs' folder: the task's own settings are quoted
+    env.update(HPCTRAIN_SWEEP_DIR=str(sweep), HPCTRAIN_ARGS="--set train.steps=4 --set train.eval_every=4",
                SLURM_ARRAY_JOB_ID="4242")
     for task in ("0", "2"):
         env.update(SLURM_ARRAY_TASK_ID=task, SLURM_JOB_ID=str(4242 + int(task)))
         rc, out, err = run_job([script, "--set", f"train.trace={tmp_path}/trace-{task}.json"], env)
         assert rc == 0, out + err
     for lr in ("0.001", "0.01"):
-        run = tmp_path / "sweep" / f"lr-{lr}"
+        run = sweep / f"lr-{lr}"
         assert "ckpt-00000004.h5" in os.listdir(run) and (run / "metrics.jsonl").is_file()
         with h5py.File(run / "ckpt-00000004.h5", "r") as f:  # the run's config, as the checkpoint stores it
             config = f.attrs["config"]
             config = config.decode() if isinstance(config, bytes) else str(config)
             assert f"\nlr = {lr}\n" in config, config
-    summary = subprocess.run(["bash", os.path.join(ROOT, "jobs", "slurm", "sweep-summary.sh"),
-                              str(tmp_path / "sweep")], capture_output=True, text=True, timeout=60)
+    summary = subprocess.run(["bash", os.path.join(ROOT, "jobs", "slurm", "sweep-summary.sh"), str(sweep)],
+                             capture_output=True, text=True, timeout=60)
     assert summary.returncode == 0, summary.stderr
     lines = summary.stdout.splitlines()
     assert lines[0].split() == ["run", "steps", "eval", "at", "val_loss", "val_acc"]
@@ -232,6 +233,46 @@ def test_a_sweep_array_gives_each_task_its_own_run_and_one_table(tmp_path):
     env["SLURM_ARRAY_TASK_ID"] = "7"
     rc, _, err = run_job([script], env, timeout=60)
     assert rc == 2 and err.count("\n") == 1 and "array task 7 has no learning rate" in err, err
+
+
+def test_the_sweep_table_shows_a_diverged_run_last_as_nan(tmp_path):
+    """A loss that went NaN or infinite is written as null in metrics.jsonl: the table still comes, that run last."""
+    for name, loss in (("lr-1e20", "null"), ("lr-0.01", "0.25"), ("lr-0.1", "0.5")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(
+            f'{{"step": 3, "loss": {loss}}}\n{{"step": 3, "val_loss": {loss}, "val_accuracy": {loss}}}\n')
+    summary = subprocess.run(["bash", os.path.join(ROOT, "jobs", "slurm", "sweep-summary.sh"), str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0, summary.stderr
+    rows = [line.split() for line in summary.stdout.splitlines()[1:]]
+    assert [row[0] for row in rows] == ["lr-0.01", "lr-0.1", "lr-1e20"]
+    assert rows[-1][3:] == ["nan", "nan"], summary.stdout
+
+
+def test_a_stop_signal_before_the_launch_requeues_without_starting_a_rank(tmp_path):
+    """USR1 while the script still prepares (here: as it loads the environment) is kept: nothing is launched,
+    the job requeues itself and ends 0, where it used to kill the batch shell with no checkpoint or requeue."""
+    env, shim = fake_slurm(tmp_path)
+    activate = Path(env["HPCTRAIN_VENV"]) / "bin" / "activate"
+    activate.write_text(activate.read_text() + "kill -USR1 $$\n")  # sourced by the batch shell itself
+    rc, out, err = run_job([os.path.join(ROOT, "jobs", "slurm", "digits.sbatch"), *paths(tmp_path)[1]], env,
+                           timeout=60)
+    assert rc == 0, out + err
+    assert "hpctrain: the stop signal came before the launch, nothing trained: requeueing job 4242" in out, out
+    assert (shim / "scontrol.log").read_text() == "requeue 4242\n"
+    assert not (shim / "srun.log").exists()
+
+
+def test_the_local_script_without_a_launcher_says_so(tmp_path):
+    tools = tmp_path / "bin"  # what the script needs besides a launcher
+    tools.mkdir()
+    for tool in ("dirname",):
+        os.symlink(shutil.which(tool), tools / tool)
+    proc = subprocess.run(["/bin/bash", os.path.join(ROOT, "jobs", "local", "digits.sh")], cwd=tmp_path,
+                          env={"PATH": str(tools)}, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("hpctrain: error: no mpiexec or mpirun on PATH: install an MPI (pip install "
+                           "'hpctrain[mpich]') or set MPIEXEC\n")
 
 
 def test_hpctrain_args_with_an_unclosed_quote_is_one_line_before_srun(tmp_path):

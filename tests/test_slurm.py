@@ -21,22 +21,38 @@ STEP = {"SLURM_JOB_ID": "777", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4"
 
 
 @pytest.mark.parametrize("world, env, bad", [
-    (1, STEP, True),                                                    # srun without a common PMI
-    (4, STEP, False),                                                   # connected
-    (1, dict(STEP, SLURM_STEP_NUM_TASKS="1", SLURM_NTASKS="1"), False),  # srun -n 1
-    (1, {"SLURM_JOB_ID": "777", "SLURM_NTASKS": "4"}, False),           # the batch script's own shell
-    (1, {"SLURM_JOB_ID": "777", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}, True),  # no SLURM_STEP_NUM_TASKS
-    (1, dict(STEP, OMPI_COMM_WORLD_SIZE="1"), False),                   # mpirun -n 1 inside the allocation
-    (1, dict(STEP, PMI_SIZE="1"), False),                               # mpiexec -n 1 inside the allocation
-    (1, dict(STEP, PMI_SIZE="4"), True),                                # PMI says 4, MPI did not use it
-    (1, {}, False),                                                     # no Slurm at all
+    (1, STEP, "slurm"),                                                 # srun without a common PMI
+    (4, STEP, None),                                                    # connected
+    (1, dict(STEP, SLURM_STEP_NUM_TASKS="1", SLURM_NTASKS="1"), None),  # srun -n 1
+    (1, {"SLURM_JOB_ID": "777", "SLURM_NTASKS": "4"}, None),            # the batch script's own shell
+    (1, {"SLURM_JOB_ID": "777", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}, "slurm"),  # no SLURM_STEP_NUM_TASKS
+    (1, dict(STEP, OMPI_COMM_WORLD_SIZE="1"), None),                    # mpirun -n 1 inside the allocation
+    (1, dict(STEP, PMI_SIZE="1"), None),                                # mpiexec -n 1 inside the allocation
+    (1, dict(STEP, PMI_SIZE="4"), "slurm"),                             # PMI says 4, MPI did not use it
+    (1, {}, None),                                                      # no Slurm, no launcher
+    (1, {"PMI_SIZE": "1", "PMI_RANK": "0"}, None),                      # mpiexec -n 1
+    (1, {"PMI_SIZE": "2", "PMI_RANK": "1"}, "launcher"),                # MPICH's mpiexec, Open MPI's mpi4py
+    (1, {"OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_RANK": "2"}, "launcher"),  # and the other way round
+    (2, {"PMI_SIZE": "2", "PMI_RANK": "1"}, None),                      # connected
 ])
 def test_singleton_world(world, env, bad):
     problem = slurm.singleton_world(world, env)
-    assert (problem is not None) == bad
-    if bad:
-        assert "Slurm started 4 tasks in job step 777.0" in problem and "srun --mpi=pmix" in problem
+    assert (problem is not None) == (bad is not None)
+    if problem:
         assert "\n" not in problem
+    if bad == "slurm":
+        assert "Slurm started 4 tasks in job step 777.0" in problem and "srun --mpi=pmix" in problem
+        assert problem.startswith("task ") == ("SLURM_PROCID" in env)
+    if bad == "launcher":
+        rank = env.get("PMI_RANK") or env.get("OMPI_COMM_WORLD_RANK")
+        size = env.get("PMI_SIZE") or env.get("OMPI_COMM_WORLD_SIZE")
+        assert problem.startswith(f"task {rank}: the launcher started {size} ranks (")
+        assert "another MPI than the one mpi4py was built with" in problem
+
+
+def test_a_singleton_of_slurm_names_its_task():
+    problem = slurm.singleton_world(1, dict(STEP, SLURM_PROCID="3"))
+    assert problem.startswith("task 3: Slurm started 4 tasks in job step 777.0")
 
 
 def test_a_lock_held_by_the_same_job_step_says_so(tmp_path, monkeypatch):

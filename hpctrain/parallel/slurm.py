@@ -10,7 +10,9 @@ and an Open MPI 5 or a PMIx-only MPICH) every task initialises MPI alone: N worl
 rank, each a complete training run writing the same folder. Slurm's step size
 (``SLURM_STEP_NUM_TASKS``, set by ``srun``) against a world of one says so at start-up.
 A launcher inside the allocation (``mpirun``, ``mpiexec``) that started one rank on purpose
-says so too (``OMPI_COMM_WORLD_SIZE`` / ``PMI_SIZE`` = 1), and is left alone.
+says so too (``OMPI_COMM_WORLD_SIZE`` / ``PMI_SIZE`` = 1), and is left alone. Outside Slurm the
+same mistake is an ``mpiexec`` of another MPI than mpi4py's: its size variable (``PMI_SIZE`` from
+MPICH's Hydra and Intel MPI, ``OMPI_COMM_WORLD_SIZE`` from Open MPI) against a world of one.
 
 **Node-local size.** ``MPI.COMM_WORLD.Split_type(COMM_TYPE_SHARED)`` answers for any
 launcher; Slurm's ``SLURM_NTASKS_PER_NODE`` exists only with ``--ntasks-per-node``.
@@ -43,15 +45,34 @@ def step_tasks(environ=os.environ) -> int:
 
 
 def singleton_world(world_size: int, environ=os.environ) -> str | None:
-    """The one-line error when Slurm started several tasks but MPI gave this one a world of its own, else None."""
-    tasks = step_tasks(environ)
-    if world_size != 1 or tasks <= 1:
+    """The one-line error when a launcher started several ranks but MPI gave this one a world of its own (srun
+    without a PMI the MPI library speaks; an ``mpiexec`` of another MPI than mpi4py's), else None."""
+    if world_size != 1:
         return None
-    if any(environ.get(var) == "1" for var in _LAUNCHER_SIZE_VARS):
-        return None  # mpirun / mpiexec inside the allocation, asked for one rank
-    step = f"{environ.get('SLURM_JOB_ID', '?')}.{environ.get('SLURM_STEP_ID', '?')}"
-    return (f"Slurm started {tasks} tasks in job step {step} but MPI gives this one a world of 1 rank: srun and the "
-            f"MPI library did not connect the tasks (no common PMI), so each would train alone; {SRUN_MPI_HINT}")
+    launched = {var: int(environ[var]) for var in _LAUNCHER_SIZE_VARS if environ.get(var, "").isdigit()}
+    if 1 in launched.values():
+        return None  # mpirun / mpiexec (inside an allocation or not), asked for one rank
+    task = _task(environ)
+    tasks = step_tasks(environ)
+    if tasks > 1:
+        step = f"{environ.get('SLURM_JOB_ID', '?')}.{environ.get('SLURM_STEP_ID', '?')}"
+        return (f"{task}Slurm started {tasks} tasks in job step {step} but MPI gives this one a world of 1 rank: srun "
+                f"and the MPI library did not connect the tasks (no common PMI), so each would train alone; "
+                f"{SRUN_MPI_HINT}")
+    for var, n in launched.items():
+        if n > 1:
+            return (f"{task}the launcher started {n} ranks ({var}={n}) but MPI gives this one a world of 1 rank: the "
+                    f"launcher belongs to another MPI than the one mpi4py was built with, so each rank would train "
+                    f"alone; run that MPI's mpiexec or mpirun (python -m mpi4py --mpi-library names it)")
+    return None
+
+
+def _task(environ) -> str:
+    """``task N: `` from the launcher's rank variables (every singleton world is rank 0), else nothing."""
+    for var in ("SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if environ.get(var, "").isdigit():
+            return f"task {environ[var]}: "
+    return ""
 
 
 def same_step(record: dict, environ=os.environ) -> bool:

@@ -9,7 +9,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 NP=${NP:-2}
-MPIEXEC=${MPIEXEC:-$(command -v mpiexec || command -v mpirun)}
+MPIEXEC=${MPIEXEC:-$(command -v mpiexec || command -v mpirun || true)}
+if [[ -z $MPIEXEC ]]; then
+  echo "hpctrain: error: no mpiexec or mpirun on PATH: install an MPI (pip install 'hpctrain[mpich]') or set MPIEXEC" >&2
+  exit 2
+fi
 flags=()
 if "$MPIEXEC" --version 2>&1 | grep -qE 'Open MPI|OpenRTE|prte|PRRTE'; then
   if [ "$(id -u)" -eq 0 ]; then flags+=(--allow-run-as-root); fi

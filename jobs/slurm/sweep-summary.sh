@@ -18,6 +18,14 @@ import math
 import pathlib
 import sys
 
+
+
+def number(record, key):
+    """A metric's value; NaN where it is missing or went NaN or infinite (written as null: JSON has neither)."""
+    value = record.get(key)
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
 root = pathlib.Path(sys.argv[1])
 rows = []
 for metrics in sorted(root.glob("*/metrics.jsonl")):
@@ -30,8 +38,8 @@ for metrics in sorted(root.glob("*/metrics.jsonl")):
         step = max(step, int(record.get("step", 0)))
         if "val_loss" in record:
             last = record
-    rows.append((metrics.parent.name, step, last.get("step", "-"), last.get("val_loss", math.nan),
-                 last.get("val_accuracy", math.nan)))
+    rows.append((metrics.parent.name, step, last.get("step", "-"), number(last, "val_loss"),
+                 number(last, "val_accuracy")))
 if not rows:
     sys.exit(f"hpctrain: error: no */metrics.jsonl under {root}")
 rows.sort(key=lambda r: (math.isnan(r[3]), r[3]))

@@ -386,8 +386,8 @@ def _plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if cfg.parallel.mode != "sync":
         raise ConfigError(f'parallel.mode = "{cfg.parallel.mode}": hpctrain plan covers synchronous training only')
-    device = cfg.train.backend == "cuda"
-    ranks = plan(cfg, args.ranks, device=device)
+    device, cuda_aware = _plan_device(cfg)
+    ranks = plan(cfg, args.ranks, device=device, cuda_aware=cuda_aware)
     over = [m.rank for m in ranks if limit is not None and m.total_bytes > limit]
     if args.json:
         print(plan_json(ranks))
@@ -396,13 +396,28 @@ def _plan(args) -> int:
         if limit is not None and over:
             print(f"ranks {', '.join(map(str, over))} do not fit in {limit / 1e6:,.0f} MB (largest "
                   f"{max(m.total_bytes for m in ranks) / 1e6:,.0f} MB)")
-            fixes = advice(cfg, args.ranks, limit, device=device)
+            fixes = advice(cfg, args.ranks, limit, device=device, cuda_aware=cuda_aware)
             print("each of these would fit:\n  " + "\n  ".join(fixes) if fixes else
                   "no single change of parallel.zero, train.recompute, parallel.pp or parallel.tp on "
                   f"{args.ranks} rank(s) fits; use more ranks or a smaller train.batch_size")
         elif limit is not None:
             print(f"every rank fits in {limit / 1e6:,.0f} MB")
     return 1 if over else 0
+
+
+def _plan_device(cfg) -> tuple[bool, bool]:
+    """(on a GPU, its MPI takes device arrays) as training would resolve them here: ``backend = "auto"`` takes
+    the GPU when there is one (not the simulator), ``parallel.cuda_aware = "auto"`` asks the MPI library."""
+    from .backend import picks_device
+
+    if not picks_device(cfg.train.backend):
+        return False, False
+    ca = cfg.parallel.cuda_aware
+    if ca != "auto":
+        return True, bool(ca)
+    from .parallel.mesh import mpi_cuda_aware
+
+    return True, mpi_cuda_aware()
 
 
 def _env(args) -> int:

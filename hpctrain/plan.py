@@ -96,9 +96,11 @@ def checkpoint_bytes(part, shard, *, dp_rank: int, slots: int, background: bool,
     return snapshot + (4 * (size + slots * slot_size) if device else 0)
 
 
-def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
+def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False) -> list[RankMemory]:
     """Every rank's RankMemory for ``cfg`` on ``world_size`` ranks (no MPI, no data). LayoutError or
-    ConfigError when the layout does not fit the world size or the model."""
+    ConfigError when the layout does not fit the world size or the model. ``device``: on a GPU (the CUDA
+    backend); ``cuda_aware``: its MPI takes device arrays (else gradients are staged through pinned host
+    memory)."""
     from .nn import make_model
     from .parallel.data_parallel import make_buckets
     from .parallel.executor import micro_rows
@@ -148,6 +150,10 @@ def plan(cfg, world_size: int, *, device: bool = False) -> list[RankMemory]:
                                     device=device, slots=slots, bucket_elems=bucket_elems,
                                     micro_batches=t.micro_batches)
                 buffers = rings + (4 * max((p[d][1] - p[d][0] for p in shard.parts), default=0) if shard else 0)
+                if device and dp > 1 and (not cuda_aware or (t.deterministic and p.overlap)):
+                    # parallel/data_parallel.py: the gradients staged through pinned host memory for MPI (or the
+                    # deterministic tree's additions, which a communication thread makes on the host)
+                    buffers += 4 * part.layout.size
                 if t.deterministic:  # parallel/deterministic.py: the shard tree's parked sums, the tree's receive
                     buffers += 4 * part.layout.size * (t.micro_batches.bit_length() - 1) + \
                         (4 * min(part.layout.size, bucket_elems) if dp > 1 else 0)
@@ -258,7 +264,7 @@ def plan_table(ranks: list[RankMemory], limit: int | None = None) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head] + rows)
 
 
-def advice(cfg, world_size: int, limit: int, *, device: bool = False) -> list[str]:
+def advice(cfg, world_size: int, limit: int, *, device: bool = False, cuda_aware: bool = False) -> list[str]:
     """Which single change of zero / recompute / pp / tp (keeping the world size) makes every rank fit."""
     from .backend.base import FLASH_MAX_HS
     from .errors import HpctrainError
@@ -285,7 +291,8 @@ def advice(cfg, world_size: int, limit: int, *, device: bool = False) -> list[st
     for label, change in tries:
         sections = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in change.items()}
         try:
-            worst = max(m.total_bytes for m in plan(dataclasses.replace(cfg, **sections), world_size, device=device))
+            worst = max(m.total_bytes for m in plan(dataclasses.replace(cfg, **sections), world_size, device=device,
+                                                    cuda_aware=cuda_aware))
         except HpctrainError:
             continue  # that layout does not apply to this model or world size
         if worst <= limit:

@@ -240,3 +240,31 @@ def test_a_run_reports_the_planned_fields_measured(tmp_path, deterministic):
     assert got["peak_rss_bytes"] > 50e6
     said = [line for line in lines if line.startswith("memory: peak RSS")]
     assert len(said) == 1 and "on rank 0 (largest of 1)" in said[0]
+
+
+@pytest.mark.parametrize("backend, gpu, cuda_aware, mpi_says, want", [
+    ("auto", True, "auto", False, (True, False)),   # a GPU node: auto trains on it, so it is planned on it
+    ("auto", False, "auto", True, (False, False)),  # no GPU: the CPU
+    ("cpu", True, True, True, (False, False)),
+    ("cuda", True, "auto", True, (True, True)),     # the MPI library says it takes device arrays
+    ("cuda", True, False, True, (True, False)),     # parallel.cuda_aware = false wins
+])
+def test_the_plan_is_for_the_backend_and_mpi_the_run_would_take(monkeypatch, backend, gpu, cuda_aware, mpi_says,
+                                                               want):
+    import hpctrain.backend
+    import hpctrain.parallel.mesh
+    from hpctrain.cli import _plan_device
+
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+    monkeypatch.setattr(hpctrain.backend, "cuda_available", lambda: gpu)
+    monkeypatch.setattr(hpctrain.parallel.mesh, "mpi_cuda_aware", lambda: mpi_says)
+    cfg = config("d.h5", train={"backend": backend}, parallel={"cuda_aware": cuda_aware})
+    assert _plan_device(cfg) == want
+
+
+def test_a_gpu_without_cuda_aware_mpi_plans_the_pinned_staging_of_the_gradients():
+    cfg = config("d.h5", parallel={"dp": 2})
+    aware, staged = (plan(cfg, 2, device=True, cuda_aware=a) for a in (True, False))
+    size = 6 * 8 + 8 + 8 * 8 + 8 + 8 * 3 + 3 + 2 * 8  # tests/helpers.py config: three Linear layers, a LayerNorm
+    assert [s.buffer_bytes - a.buffer_bytes for s, a in zip(staged, aware)] == [4 * size] * 2
+    assert plan(config("d.h5"), 1, device=True, cuda_aware=False)[0].buffer_bytes == 0  # dp 1: no MPI, no staging

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..errors import BackendError
 from .base import Backend, check_array
 
-__all__ = ["Backend", "check_array", "get_backend", "cuda_available"]
+__all__ = ["Backend", "check_array", "get_backend", "cuda_available", "picks_device"]
 
 
 def cuda_available() -> bool:
@@ -45,6 +45,11 @@ def _simulator() -> bool:
     import os
 
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+def picks_device(name: str) -> bool:
+    """Whether ``get_backend(name)`` gives the CUDA backend here (what ``hpctrain plan`` plans for)."""
+    return name == "cuda" or (name == "auto" and not _simulator() and cuda_available())
 
 
 def get_backend(name: str, *, log=None, device_id: int = 0) -> Backend:

@@ -111,8 +111,8 @@ class GradSync:
         size = grads.data.shape[0]
         self.buckets = make_buckets(size, bucket_mb * 1e6 / 4)
         self.direct = transport.direct
-        self.host = transport.host_buffer((size,))
         self.active = comm.Get_size() > 1
+        self.host = transport.host_buffer((size,)) if self.active else None  # staging for MPI (None: direct)
         self.shard = shard if self.active else None
         if self.shard is not None and self.shard.buckets != self.buckets:
             raise ValueError("the ZeRO shard was cut from other buckets than this sync's")

@@ -42,6 +42,9 @@ def rank_memory(t, activation_bytes: int) -> RankMemory:
                         micro_batches=cfg.train.micro_batches)
     state["optimizer_bytes"] = t.optim.slot_bytes  # what the slots really hold
     buffers = nbytes_of([getattr(t.sync, "_scatter_out", None), t.sync.host])  # None: not allocated
+    tree_host = getattr(t.sync, "_tree_host", None)  # the deterministic tree's own staging, where not t.sync.host
+    if tree_host is not None and tree_host is not t.sync.host:
+        buffers += nbytes_of([tree_host])
     if t.sync.tree is not None:  # train.deterministic: the shard tree's parked sums and the tree's receive buffer
         buffers += t.sync.tree.parked_bytes + nbytes_of([getattr(t.sync, "_tree_in", None)])
     for ring in t.runner.executor.rings():

@@ -2,7 +2,7 @@
 pipeline (its tied embedding summed across the stages) or tensor parallelism on the CUDA backend vs the CPU
 backend.
 
-    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|il|tp|gpt-tp|zero|gpt-det]
+    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|il|tp|gpt-tp|zero|gpt-det|memory|waits-*]
 
 Under ``pp`` activations and gradients between the stages take the same host-staged path, as do the tied
 gradient (``gpt-pp``, under the zero-bubble schedule: each block's split backward on the device) and the
@@ -61,6 +61,36 @@ def deterministic(path):
         mesh.free()
     ok = np.array_equal(got[0], got[1])
     print(f"rank {comm.rank}: deterministic dp 2 against one process: {'OK' if ok else 'MISMATCH'}", flush=True)
+    return 0 if ok else 1
+
+
+def memory(path):
+    """``memory``: what the run says its buffers hold (train/memory.py) equals ``hpctrain plan``'s buffers for a
+    GPU without CUDA-aware MPI, at dp 2 (the gradients staged through pinned host memory) and at dp 1 (nothing
+    staged: no MPI to hand them to)."""
+    from hpctrain.plan import plan
+    from hpctrain.train.memory import rank_memory
+
+    comm = MPI.COMM_WORLD
+    if comm.rank == 0:
+        make_tokens(path, n=300)
+    comm.Barrier()
+    cfg = gpt_config(path, model={"block_size": 4, "n_embd": 4}, data={"val_fraction": 0.0},
+                     train={"steps": 1, "batch_size": 2, "backend": "cuda"},
+                     parallel={"bucket_mb": 0.0002, "cuda_aware": False})
+    ok, said = True, []
+    for world in (comm, MPI.COMM_SELF):
+        mesh = Mesh(comm=world)
+        trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+        trainer.run()
+        got = rank_memory(trainer, 0).buffer_bytes
+        want = plan(cfg, world.size, device=True, cuda_aware=False)[world.rank].buffer_bytes
+        staged = 4 * trainer.part.layout.size if world.size > 1 else 0
+        ok &= got == want and got >= staged and (trainer.sync.host is None) == (world.size == 1)
+        said.append(f"dp {world.size}: buffers {got} B, planned {want} B")
+        trainer.close()
+        mesh.free()
+    print(f"rank {comm.rank}: {'; '.join(said)} {'OK' if ok else 'MISMATCH'}", flush=True)
     return 0 if ok else 1
 
 
@@ -126,6 +156,8 @@ def main(path, layout):
                          " - do mpiexec and mpi4py's libmpi come from the same MPI?)")
     if layout == "gpt-det":
         return deterministic(path)
+    if layout == "memory":
+        return memory(path)
     if layout.startswith("waits-"):
         return waits(path, layout)
     comm = MPI.COMM_WORLD

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # tests/, for launch.py
 from launch import launcher_env, mpi_command  # noqa: E402
 
 
-@pytest.mark.parametrize("layout", ["dp", "pp", "gpt-pp", "il", "tp", "gpt-tp", "zero", "gpt-det", "waits-dp", "waits-zero", "waits-det", "waits-pp", "waits-gpt-pp", "waits-tp"])
+@pytest.mark.parametrize("layout", ["dp", "pp", "gpt-pp", "il", "tp", "gpt-tp", "zero", "gpt-det", "memory", "waits-dp", "waits-zero", "waits-det", "waits-pp", "waits-gpt-pp", "waits-tp"])
 def test_two_ranks_cuda_matches_cpu(tmp_path, layout):
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:

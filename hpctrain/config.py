@@ -188,7 +188,7 @@ CHOICES = {
     ("train", "backend"): ("auto", "cpu", "cuda"),
     ("optim", "name"): ("sgd", "adam", "adamw"),
     ("optim", "schedule"): ("constant", "cosine", "linear", "nanogpt"),
-    ("parallel", "schedule"): ("1f1b", "gpipe", "zero-bubble", "interleaved-1f1b"),
+    ("parallel", "schedule"): ("1f1b", "gpipe", "zero-bubble", "zero-bubble-h2", "interleaved-1f1b"),
     ("train", "progress"): ("auto", "bar", "lines"),
     ("parallel", "mode"): ("sync", "async_ps"),
 }

@@ -112,8 +112,8 @@ def test_bad_input_under_mpiexec_is_reported_once(job):
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found (pip install hpctrain[mpich])")
 @pytest.mark.parametrize("override, message", [
     ("parallel.pp=3", "world size 2 is not divisible by parallel.pp · parallel.tp = 3 · 1"),
-    ("parallel.schedule=zigzag", "parallel.schedule: expected one of '1f1b', 'gpipe', 'zero-bubble', 'interleaved-1f1b', "
-                                  "got 'zigzag'"),
+    ("parallel.schedule=zigzag", "parallel.schedule: expected one of '1f1b', 'gpipe', 'zero-bubble', 'zero-bubble-h2', "
+                                  "'interleaved-1f1b', got 'zigzag'"),
     ("parallel.stages=[[0, 1], [1, 2]]", "parallel.stages[1] = [1, 2] overlaps the stage before it"),
     ("train.micro_batches=3", "train.micro_batches = 3 does not divide this rank's share of the batch (8"),
     ("parallel.dp=2", "parallel.dp · pp · tp = 2 · 2 · 1 = 4 does not match the world size 2"),

@@ -85,7 +85,7 @@ def test_round_trip_through_toml(tmp_path):
     ("[parallel]\ndp = 9223372036854775808", "parallel.dp: must fit in a 64-bit signed integer"),
     ("[parallel]\ntp = -9223372036854775809", "parallel.tp: must fit in a 64-bit signed integer"),
     ("[parallel]\nschedule = 'interleaved'", "parallel.schedule: expected one of '1f1b', 'gpipe', 'zero-bubble', "
-     "'interleaved-1f1b', got 'interleaved'"),
+     "'zero-bubble-h2', 'interleaved-1f1b', got 'interleaved'"),
     ("[parallel]\npp = 2\nschedule = 'interleaved-1f1b'", "parallel.virtual_stages: schedule = \"interleaved-1f1b\" "
      "needs virtual_stages >= 2"),
     ("[parallel]\nschedule = 'interleaved-1f1b'\nvirtual_stages = 2", "parallel.schedule: \"interleaved-1f1b\" needs "

@@ -93,6 +93,7 @@ def test_resolve_leaves_a_plain_run_alone(tmp_path):
     (8, {}, "dp = 8 must be a power of two dividing"),
     (2, {"zero": 1}, "not with parallel.zero > 0"),
     (1, {"schedule": "zero-bubble", "pp": 2}, 'not with parallel.schedule = "zero-bubble"'),
+    (1, {"schedule": "zero-bubble-h2", "pp": 2}, 'not with parallel.schedule = "zero-bubble-h2"'),
 ])
 def test_resolve_refuses_a_layout_the_tree_cannot_cover(tmp_path, dp, parallel, match):
     import dataclasses

@@ -119,7 +119,7 @@ def test_make_schedule():
     for name in SCHEDULES:
         assert make_schedule(name, 3, 4).name == name
     assert make_schedule("gpipe", 3, 4) == gpipe(3, 4)
-    with pytest.raises(ValueError, match=r"'interleaved'.*1f1b, gpipe, zero-bubble, interleaved-1f1b"):
+    with pytest.raises(ValueError, match=r"'interleaved'.*1f1b, gpipe, zero-bubble, zero-bubble-h2, interleaved-1f1b"):
         make_schedule("interleaved", 2, 2)
 
 
@@ -193,6 +193,24 @@ def test_zero_bubble_passes_and_keeps_one_more_than_one_f_one_b_alive(p, m):
         assert stage[stats.last_backward[s]] == BackwardWeight(m - 1)  # the gradients' last writer: the sync's cue
         index = {ins: i for i, ins in enumerate(stage)}
         assert all(index[BackwardInput(i)] < index[BackwardWeight(i)] for i in range(m))
+
+
+@pytest.mark.parametrize("p,m", SIZES + [(8, 16), (12, 12)])
+def test_zero_bubble_h2_is_never_longer_than_h1_and_reaches_the_floor_from_m_equal_p(p, m):
+    """ZB-H2-like: more micro-batches in flight (at most P + 2 on a stage) fill what ZB-H1 leaves of the bubble;
+    the step's floor is 3m + P − 1 units (the last stage waits P − 1 for its first forward)."""
+    h1, h2 = zero_bubble(p, m), make_schedule("zero-bubble-h2", p, m)
+    stats = check_schedule(h2)
+    assert h2.name == "zero-bubble-h2"
+    assert paper_makespan(h2) <= paper_makespan(h1)
+    assert max(stats.peak_live) <= p + 2
+    if m >= p > 1:
+        assert paper_makespan(h2) == 3 * m + p - 1
+    if p <= 2:  # ZB-H1 is at the floor already: the same instructions
+        assert h2.stages == h1.stages
+    for s, stage in enumerate(h2.stages if p > 1 else ()):  # one stage: data parallel, nothing to split
+        assert not any(isinstance(ins, Backward) for ins in stage)
+        assert stage[stats.last_backward[s]] == BackwardWeight(m - 1)
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 8), (4, 16)])

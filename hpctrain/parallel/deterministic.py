@@ -40,6 +40,7 @@ import math
 import numpy as np
 
 from ..errors import ConfigError
+from .schedule import SPLIT_BACKWARD
 
 __all__ = ["resolve", "ShardTree", "tree_allreduce", "ordered_sum"]
 
@@ -58,8 +59,8 @@ def resolve(cfg, *, dp: int, tp: int, log=None):
     if p.zero and dp > 1:
         raise ConfigError("train.deterministic: not with parallel.zero > 0 yet (its reduce-scatter sums in MPI's "
                           "order); set parallel.zero = 0")
-    if p.schedule == "zero-bubble" and p.pp > 1:
-        raise ConfigError('train.deterministic: not with parallel.schedule = "zero-bubble" (a micro-batch\'s weight '
+    if p.schedule in SPLIT_BACKWARD and p.pp > 1:
+        raise ConfigError(f'train.deterministic: not with parallel.schedule = "{p.schedule}" (a micro-batch\'s weight '
                           "gradients are written after the next one's input gradients, so each shard's gradient "
                           'is never whole on its own); use "1f1b"')
     if not _power_of_two(dp) or S % dp:

@@ -65,10 +65,11 @@ __all__ = [
     "SendGrad", "RecvGrad", "Exchange", "ReduceGrads", "OptimizerStep", "MessageKey", "Op", "Schedule",
     "ScheduleStats", "ScheduleError", "data_parallel", "gpipe", "one_f_one_b", "zero_bubble", "forward_only",
     "make_schedule", "check_schedule", "built", "checked", "BackwardInput", "BackwardWeight", "paper_makespan",
-    "INTERLEAVED", "interleaved_1f1b", "makespan",
+    "INTERLEAVED", "interleaved_1f1b", "makespan", "zero_bubble_h2", "SPLIT_BACKWARD",
 ]
 
-SCHEDULES = ("1f1b", "gpipe", "zero-bubble")  # training schedules with one model chunk per stage
+SCHEDULES = ("1f1b", "gpipe", "zero-bubble", "zero-bubble-h2")  # training schedules with one model chunk per stage
+SPLIT_BACKWARD = ("zero-bubble", "zero-bubble-h2")  # schedules whose backward is B, then W later
 INTERLEAVED = "interleaved-1f1b"  # v model chunks per stage (parallel.virtual_stages)
 ACTIVATION, GRAD = "activation", "grad"  # message kinds in a MessageKey
 
@@ -392,9 +393,37 @@ def zero_bubble(num_stages: int, micro_batches: int) -> Schedule:
     p, m = num_stages, micro_batches
     if p == 1:
         return Schedule("zero-bubble", data_parallel(m).stages, m)
-    orders = _list_schedule(p, m)
-    return _without_deadlocks("zero-bubble", [list(_zero_bubble_stage(s, p, order)) for s, order in enumerate(orders)],
-                              m)
+    return _split_backward("zero-bubble", p, m, [p - s + 1 for s in range(p)])
+
+
+def zero_bubble_h2(num_stages: int, micro_batches: int) -> Schedule:
+    """ZB-H2-like: zero-bubble's list scheduling with more micro-batches in flight, so the W passes fill what is
+    left of the bubble. ZB-H1's P − s + 1 leaves P − 2 units of it beyond the step's floor of P − 1 (the last
+    stage's first forward waits for P − 1 stages, the first stage's last backward for as many: 3m + P − 1 units
+    of one stage's F = B = W = 1; a step ends with every stage's gradients, so the paper's overlap of the next
+    step's forwards is not open here). Stage s may hold max(P − s + 1, L) micro-batches, L the smallest of P,
+    P + 1, P + 2 whose schedule is shortest on paper (ZB-H1's own limits when none is shorter): 3m + P − 1 at
+    m ≥ P for P ≤ 12 (P = 8, m = 16: 55 units against ZB-H1's 61 and 1F1B's 69), for at most P + 2 micro-batches
+    of activations on a stage (1F1B: P − s)."""
+    _check_count("num_stages", num_stages)
+    _check_count("micro_batches", micro_batches)
+    p, m = num_stages, micro_batches
+    if p == 1:
+        return Schedule("zero-bubble-h2", data_parallel(m).stages, m)
+    best = None
+    for floor in (0, p, p + 1, p + 2):
+        schedule = _split_backward("zero-bubble-h2", p, m, [max(p - s + 1, floor) for s in range(p)])
+        units = paper_makespan(schedule)
+        if best is None or units < best[0]:
+            best = (units, schedule)
+    return best[1]
+
+
+def _split_backward(name: str, p: int, m: int, limits: list[int]) -> Schedule:
+    """The list-scheduled F / B / W order with at most ``limits[s]`` micro-batches in flight on stage s, its
+    messages placed, deadlock-free."""
+    orders = _list_schedule(p, m, limits)
+    return _without_deadlocks(name, [list(_zero_bubble_stage(s, p, order)) for s, order in enumerate(orders)], m)
 
 
 def _without_deadlocks(name: str, stages: list, m: int, v: int = 1, *, training: bool = True) -> Schedule:
@@ -544,8 +573,9 @@ def _input_ready(ins, s: int, p: int, last: int, done: dict):
     return 0.0
 
 
-def _list_schedule(p: int, m: int) -> list[list[tuple[str, int]]]:
-    """Each stage's ("F" | "B" | "W", mb) order from a unit-time run on paper (see ``zero_bubble``)."""
+def _list_schedule(p: int, m: int, limits: list[int]) -> list[list[tuple[str, int]]]:
+    """Each stage's ("F" | "B" | "W", mb) order from a unit-time run on paper (see ``zero_bubble``), stage s
+    holding at most ``limits[s]`` micro-batches in flight."""
     done = {}  # (kind, stage, mb) -> time it finished
     orders = [[] for _ in range(p)]
     next_f, next_b, next_w, in_flight, free_at = [0] * p, [0] * p, [0] * p, [0] * p, [0] * p
@@ -556,7 +586,7 @@ def _list_schedule(p: int, m: int) -> list[list[tuple[str, int]]]:
                 continue
             f, b, w = next_f[s], next_b[s], next_w[s]
             ready_b = b < f and (s == p - 1 or done.get(("B", s + 1, b), t + 1) <= t)
-            ready_f = f < m and in_flight[s] < p - s + 1 and (s == 0 or done.get(("F", s - 1, f), t + 1) <= t)
+            ready_f = f < m and in_flight[s] < limits[s] and (s == 0 or done.get(("F", s - 1, f), t + 1) <= t)
             kind = "B" if ready_b else "F" if ready_f else "W" if w < b else None
             if kind is None:
                 continue
@@ -623,7 +653,7 @@ def forward_only(num_stages: int, micro_batches: int, virtual_stages: int = 1) -
 def make_schedule(name: str, num_stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
     """The training schedule called ``name`` (one of SCHEDULES, or INTERLEAVED with ``virtual_stages`` model
     chunks per stage) for ``num_stages`` stages."""
-    builders = {"1f1b": one_f_one_b, "gpipe": gpipe, "zero-bubble": zero_bubble}
+    builders = {"1f1b": one_f_one_b, "gpipe": gpipe, "zero-bubble": zero_bubble, "zero-bubble-h2": zero_bubble_h2}
     if name == INTERLEAVED:
         return interleaved_1f1b(num_stages, micro_batches, virtual_stages)
     if name not in SCHEDULES:

@@ -293,7 +293,9 @@ def repaired_from_the_start(name, stages, m, v):
         except ScheduleError as e:
             sends = [(s, i) for s, i in e.at if isinstance(stages[s][i], (SendActivation, SendGrad))]
             s, i = min(sends, key=lambda at: (sched._gap_to_next_receive(stages[at[0]], at[1]), -at[0]))
-            stages[s] = sched._fuse_with_next_receive(name, stages[s], i)
+            j = i + sched._gap_to_next_receive(stages[s], i)
+            stages[s] = stages[s][:i] + [Exchange(stages[s][i], stages[s][j])] + stages[s][i + 1 : j] + \
+                stages[s][j + 1 :]
 
 
 @pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("zero-bubble", 5, 7, 1), ("zero-bubble", 3, 9, 1),

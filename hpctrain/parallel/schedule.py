@@ -124,6 +124,8 @@ class _MicroBatchInstruction(Instruction):
     def __post_init__(self):
         for name in ("mb", "chunk"):
             value = getattr(self, name)
+            if type(value) is int and value >= 0:  # the common case, without the ABC check (large schedules)
+                continue
             if not isinstance(value, Integral) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{type(self).__name__}: {name} must be an integer >= 0, got {value!r}")
 
@@ -411,11 +413,13 @@ def zero_bubble_h2(num_stages: int, micro_batches: int) -> Schedule:
     if p == 1:
         return Schedule("zero-bubble-h2", data_parallel(m).stages, m)
     best = None
-    for floor in (0, p, p + 1, p + 2):
+    for floor in (p, p + 1, p + 2, 0):  # 0: ZB-H1's own limits, last (at P = 2 the first is the same schedule)
         schedule = _split_backward("zero-bubble-h2", p, m, [max(p - s + 1, floor) for s in range(p)])
         units = paper_makespan(schedule)
-        if best is None or units < best[0]:
+        if best is None or units < best[0] or (units == best[0] and not floor):  # a tie: ZB-H1's less memory
             best = (units, schedule)
+        if units <= 3 * m + p - 1:  # the step's floor: nothing shorter to find
+            break
     return best[1]
 
 
@@ -439,24 +443,38 @@ def _without_deadlocks(name: str, stages: list, m: int, v: int = 1, *, training:
     p = len(stages)
     stages = [list(st) for st in stages]
     run = _Rendezvous([[ins.ops(s, p) for ins in st] for s, st in enumerate(stages)])
+    waiting_sends = {}  # stage -> (gap to its next receive, -stage) while it waits at a lone send
+
+    def look(s: int) -> None:  # where stage s stands now: at a lone send (a candidate to fuse) or not
+        i = run.pc[s]
+        if i < len(stages[s]) and isinstance(stages[s][i], (SendActivation, SendGrad)):
+            waiting_sends[s] = (_gap_to_next_receive(stages[s], i), -s)
+        else:
+            waiting_sends.pop(s, None)
+
     for _ in range(4 * p * m * v + 1):  # each repair fuses one send with a receive: finitely many
-        blocked = run.run()
-        if not blocked:
-            end = _step_end() if training else []
-            return Schedule(name, tuple(st + end for st in stages), m, v)
-        sends = [(s, run.pc[s]) for s in blocked if isinstance(stages[s][run.pc[s]], (SendActivation, SendGrad))]
-        if not sends:
+        for s in run.run():  # only the stages that moved can stand somewhere else
+            look(s)
+        if not waiting_sends:
+            blocked = [s for s in range(p) if run.pc[s] < len(stages[s])]
+            if not blocked:
+                end = _step_end() if training else []
+                return Schedule(name, tuple(st + end for st in stages), m, v)
             waits = ", ".join(f"stage {s} waits at #{run.pc[s]} {stages[s][run.pc[s]]}" for s in blocked)
             raise ScheduleError(f"schedule {name!r} deadlocks under rendezvous sends: {waits}")
         # one fusion per round, the least disruptive: the send whose next receive is nearest (fewest
         # instructions wait behind the receive), the later stage on a tie
-        s, i = min(sends, key=lambda at: (_gap_to_next_receive(stages[at[0]], at[1]), -at[0]))
-        j = i + _gap_to_next_receive(stages[s], i)
-        stages[s] = _fuse_with_next_receive(name, stages[s], i)
-        fused = stages[s][i]
+        gap, s = min(waiting_sends.values())
+        s, i = -s, run.pc[-s]
+        j = i + gap
+        if j >= len(stages[s]):
+            raise ScheduleError(f"{name}: stage send {stages[s][i]} deadlocks and has no receive after it to pair "
+                                "with")
+        fused = stages[s][i] = Exchange(stages[s][i], stages[s].pop(j))
         del run.ops[s][j]
         run.ops[s][i] = fused.ops(s, p)
         run.post(s, fused.recv.op(s, p))  # its send is posted already (the stage waits on it)
+        look(s)
     raise ScheduleError(f"{name}: no deadlock-free message order found for {p} stages, {m} micro-batches")
 
 
@@ -623,14 +641,6 @@ def _gap_to_next_receive(stage: list, i: int) -> int:
                 len(stage))
 
 
-def _fuse_with_next_receive(name: str, stage: list, i: int) -> list:
-    """``stage`` with the send at ``i`` and the next receive after it posted together, as one Exchange there."""
-    for j in range(i + 1, len(stage)):
-        if isinstance(stage[j], (RecvActivation, RecvGrad)):
-            return stage[:i] + [Exchange(stage[i], stage[j])] + stage[i + 1 : j] + stage[j + 1 :]
-    raise ScheduleError(f"{name}: stage send {stage[i]} deadlocks and has no receive after it to pair with")
-
-
 def forward_only(num_stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
     """Evaluation: each micro-batch flows through once (through every chunk of a stage in turn, with
     ``virtual_stages`` chunks per stage); no backward, no reduction, no step."""
@@ -762,7 +772,8 @@ def _check_no_deadlock(schedule: Schedule, ops: list) -> None:
     each key is posted once by each of its two stages.
     """
     run = _Rendezvous(ops)
-    blocked = run.run()
+    run.run()
+    blocked = run.blocked()
     if blocked:
         waits = ", ".join(f"stage {s} waits at #{run.pc[s]} {schedule.stages[s][run.pc[s]]}" for s in blocked)
         raise _Deadlock(f"schedule {schedule.name!r} deadlocks under rendezvous sends: {waits}",
@@ -771,8 +782,9 @@ def _check_no_deadlock(schedule: Schedule, ops: list) -> None:
 
 class _Rendezvous:
     """Stages run on paper under rendezvous sends: a stage posts every op of its instruction at once and moves
-    on when all are matched. ``run()`` moves every stage as far as it can and returns the stages left waiting;
-    a waiting stage's ops may then change at and after its instruction (``ops``, ``post``) and the run go on."""
+    on when all are matched. ``run()`` moves every stage as far as it can (``blocked()``: those short of their
+    end); a waiting stage's ops may then change at and after its instruction (``ops``, ``post``) and the run go
+    on."""
 
     def __init__(self, ops: list):
         p = len(ops)
@@ -794,15 +806,22 @@ class _Rendezvous:
             self.pc[peer] += 1
             self.todo.append(peer)
 
-    def run(self) -> list[int]:
+    def run(self) -> set[int]:
+        """Move every stage that can; the stages that moved (or were looked at)."""
+        moved = set()
         while self.todo:
             s = self.todo.pop()
+            moved.add(s)
             stage = self.ops[s]
             while self.waiting[s] == 0 and self.pc[s] < len(stage):
                 for op in stage[self.pc[s]]:
                     self.post(s, op)
                 if self.waiting[s] == 0:
                     self.pc[s] += 1
+        return moved
+
+    def blocked(self) -> list[int]:
+        """The stages that have not reached their end."""
         return [s for s in range(len(self.ops)) if self.pc[s] < len(self.ops[s])]
 
 

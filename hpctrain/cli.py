@@ -222,10 +222,10 @@ def _load_mpi():
 def _train(args) -> int:
     from .train.stop import StopFlag
 
-    # first, before MPI starts: a SIGTERM or SIGUSR1 from here to the process's exit is recorded, never fatal
-    # (a rank killed during start-up, or after its part of the stop checkpoint, loses the checkpoint); once
-    # the command is over, ignored through the interpreter's exit
-    stop = StopFlag()
+    # first, before MPI starts (main() makes it before the plugins are imported): a SIGTERM or SIGUSR1 from here
+    # to the process's exit is recorded, never fatal (a rank killed during start-up, or after its part of the
+    # stop checkpoint, loses the checkpoint); once the command is over, ignored through the interpreter's exit
+    stop = getattr(args, "stop", None) or StopFlag()
     try:
         return _train_with(args, stop)
     finally:
@@ -456,6 +456,10 @@ def main(argv=None) -> int:
     from .parallel.abort import abort_world
     from .parallel.agree import QuietExit
 
+    if args.command == "train":  # the stop signals are recorded from here on (see _train)
+        from .train.stop import StopFlag
+
+        args.stop = StopFlag()
     try:
         from .layer_kinds import load_plugins, plugins_from_env
 

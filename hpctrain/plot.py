@@ -56,7 +56,7 @@ def plot(path, output: str, *, steps: str | None = None) -> str:
         what = f"{sum(len(spans) for _, spans in rows):,} spans on {len(rows)} track(s)"
     else:
         series, note = read_metrics(path, text, first=first, last=last)
-        memory = read_memory(path, text)
+        memory = read_memory(path, text, first=first, last=last)
         figure = _draw_metrics(series, title=os.path.basename(path), memory=memory)
         what = (f"{len(series['loss'][0]):,} training and {len(series['val_loss'][0]):,} validation records"
                 + (f", the memory of {len(memory[1])} rank(s) at step {memory[0]}" if memory else "") + note)
@@ -262,8 +262,9 @@ MEMORY_PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("
                 ("activation_bytes", "activations"), ("buffer_bytes", "buffers"), ("runtime_bytes", "runtime"))
 
 
-def read_memory(path: str, text: str):
-    """(step, ranks) of the last ``"memory"`` record a run wrote (train/memory.py), or None when there is none."""
+def read_memory(path: str, text: str, *, first=None, last=None):
+    """(step, ranks) of the last ``"memory"`` record a run wrote (train/memory.py) at a step in [first, last], or
+    None when there is none."""
     found = None
     for number, line in enumerate(text.split("\n"), 1):
         if '"memory"' not in line:
@@ -275,13 +276,16 @@ def read_memory(path: str, text: str):
         ranks = record.get("memory") if isinstance(record, dict) else None
         if ranks is None:
             continue
+        step = record.get("step")
+        if isinstance(step, int) and ((first is not None and step < first) or (last is not None and step > last)):
+            continue
         keys = [key for key, _ in MEMORY_PARTS] + ["peak_rss_bytes"]
         if not isinstance(ranks, list) or not ranks or not all(
                 isinstance(r, dict) and all(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)
                                             and r[k] >= 0 for k in keys) for r in ranks):
             raise DataError(f"{path}: line {number}: \"memory\" is not a list of ranks' byte counts "
                             f"({', '.join(keys)})")
-        found = (record.get("step"), ranks)
+        found = (step, ranks)
     return found
 
 

@@ -247,3 +247,17 @@ def test_every_subcommands_help_has_examples_that_parse_and_the_path_rule():
                 parser.parse_args(argv)  # a renamed option or subcommand fails here
         seen.append(" ".join(words))
     assert {"train", "eval", "data csv2h5", "plot", "export", "env"} <= set(seen)
+
+
+def test_a_reader_that_goes_away_does_not_stop_training(tmp_path):
+    """``hpctrain train ... | head -1``: the log lines after the reader left go nowhere; training runs to its end
+    and writes its checkpoint (a BrokenPipeError used to end the run at its next log line, with a traceback)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a user's shell
+    env["PYTHONPATH"] = ROOT
+    command = (f"set -o pipefail; {sys.executable} -m hpctrain train jobs/configs/digits.toml --set train.steps=60 "
+               f"--set train.log_every=2 --set train.eval_every=0 --set train.backend=cpu "
+               f"--set checkpoint.dir={tmp_path}/ck | head -1")
+    proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "ckpt-00000060.h5" in os.listdir(tmp_path / "ck")

@@ -129,3 +129,77 @@ def test_a_bare_tensorboard_name_lands_in_the_run_folder_and_a_missing_package_i
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if it were not installed
     with pytest.raises(ConfigError, match=r"needs the tensorboardX package \(pip install 'hpctrain\[tensorboard\]'"):
         MetricsFile("", tensorboard=str(tmp_path / "tb"))
+
+
+def test_a_tensorboard_path_that_cannot_be_a_folder_is_one_line(tmp_path):
+    pytest.importorskip("tensorboardX")
+    (tmp_path / "afile").write_text("")
+    for where in (tmp_path / "afile", tmp_path / "afile" / "tb"):
+        with pytest.raises(ConfigError, match=rf"train.tensorboard: {where} is not a folder that can be written"):
+            MetricsFile("", tensorboard=str(where))
+
+
+def test_a_resume_drops_a_record_cut_short_instead_of_gluing_the_next_one_to_it(tmp_path, mesh):
+    """A run killed while writing a line leaves it without its newline; the resumed run's first record used to
+    be appended onto it (two records on one line, the file unreadable by hpctrain plot from there on)."""
+    make_classification(tmp_path / "d.h5", n=96)
+    ckdir, metrics = str(tmp_path / "ck"), tmp_path / "m.jsonl"
+    train = {"steps": 4, "metrics": str(metrics), "log_every": 1, "eval_every": 0}
+    run(config(tmp_path / "d.h5", train=train, checkpoint={"dir": ckdir, "every": 4}), mesh)
+    with open(metrics, "a") as f:
+        f.write('{"step": 5, "loss": 2.08, "lr": 0.0')  # the killed run's last line, cut short
+    train["steps"] = 6
+    run(config(tmp_path / "d.h5", train=train, checkpoint={"dir": ckdir, "resume": ckdir + "/ckpt-00000004.h5"}),
+        mesh)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]  # every line is one record
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_throughput_leaves_evaluation_out(tmp_path, mesh, monkeypatch):
+    """samples/s is training's: an evaluation (here made to take 0.5 s) between two log lines is not in it."""
+    import time
+
+    from hpctrain.train.loop import Trainer
+
+    real = Trainer.evaluate
+    monkeypatch.setattr(Trainer, "evaluate", lambda self: (time.sleep(0.5), real(self))[1])
+    make_classification(tmp_path / "d.h5", n=96)
+    metrics = tmp_path / "m.jsonl"
+    run(config(tmp_path / "d.h5", train={"steps": 4, "metrics": str(metrics), "log_every": 2, "eval_every": 1,
+                                         "batch_size": 8}), mesh)
+    rates = [json.loads(line)["samples_per_s"] for line in metrics.read_text().splitlines() if '"loss"' in line]
+    # with the two 0.5 s evaluations counted, a line's rate would be at most 2 steps x 8 samples / 1 s
+    assert len(rates) == 2 and all(rate > 10 * 16 for rate in rates), rates
+
+
+def test_a_stop_signal_logs_the_steps_since_the_last_training_line(tmp_path, mesh):
+    """A run stopped at step 7 with log_every 5 writes a training record for step 7 (steps 6 and 7 were
+    otherwise never logged, and a resume from the step-7 checkpoint would not log them either)."""
+    from hpctrain.train import Trainer
+    from hpctrain.train.stop import StopFlag
+
+    make_classification(tmp_path / "d.h5", n=96)
+    metrics = tmp_path / "m.jsonl"
+    flag = StopFlag()
+    lines = []
+    try:
+        t = Trainer(config(tmp_path / "d.h5", train={"steps": 20, "metrics": str(metrics), "log_every": 5,
+                                                     "eval_every": 0}),
+                    mesh=mesh, log=lines.append, stop=flag)
+        real = t.train_step
+
+        def step(number, lr):
+            if number == 6:  # during the 7th step: as if SIGUSR1 had come
+                flag.name = "SIGUSR1"
+            return real(number, lr)
+
+        t.train_step = step
+        t.run()
+        t.close()
+    finally:
+        flag.restore()
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
+    assert steps == [5, 7]
+    assert any(line.startswith("step      7/20") for line in lines)
+    assert lines.index(next(line for line in lines if line.startswith("step      7/20"))) < \
+        lines.index(next(line for line in lines if "stopping at step 7" in line))

@@ -254,6 +254,10 @@ def test_a_run_s_memory_is_drawn_per_rank(tmp_path):
     assert read_memory(str(path), path.read_text()) == (2, ranks)
     said = plot(str(path), str(tmp_path / "m.png"))
     assert "the memory of 2 rank(s) at step 2" in said and (tmp_path / "m.png").stat().st_size > 1000
+    # --steps: the memory panel too shows a record inside the range
+    assert read_memory(str(path), path.read_text(), last=1) == (1, ranks)
+    assert read_memory(str(path), path.read_text(), first=3) is None
+    assert "the memory of 2 rank(s) at step 1" in plot(str(path), str(tmp_path / "m1.png"), steps="1:1")
 
 
 def test_a_broken_memory_record_is_one_line(tmp_path):

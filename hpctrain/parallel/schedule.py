@@ -404,9 +404,9 @@ def zero_bubble_h2(num_stages: int, micro_batches: int) -> Schedule:
     stage's first forward waits for P − 1 stages, the first stage's last backward for as many: 3m + P − 1 units
     of one stage's F = B = W = 1; a step ends with every stage's gradients, so the paper's overlap of the next
     step's forwards is not open here). Stage s may hold max(P − s + 1, L) micro-batches, L the smallest of P,
-    P + 1, P + 2 whose schedule is shortest on paper (ZB-H1's own limits when none is shorter): 3m + P − 1 at
-    m ≥ P for P ≤ 12 (P = 8, m = 16: 55 units against ZB-H1's 61 and 1F1B's 69), for at most P + 2 micro-batches
-    of activations on a stage (1F1B: P − s)."""
+    P + 1, P + 2 whose schedule is shortest on paper (ZB-H1's own limits when none is shorter): 3m + P − 1 for
+    every m from P to 3P at P ≤ 7, within P/3 units of it at P = 8 to 16 (P = 8, m = 16: 55 units against ZB-H1's
+    61 and 1F1B's 69), for at most P + 2 micro-batches of activations on a stage (1F1B: P − s)."""
     _check_count("num_stages", num_stages)
     _check_count("micro_batches", micro_batches)
     p, m = num_stages, micro_batches

@@ -23,6 +23,9 @@ together (parallel/agree.py). Each rank holds its pipeline stage's part of the m
 from __future__ import annotations
 
 import copy
+import os
+import sys
+import time
 
 import numpy as np
 
@@ -298,7 +301,9 @@ class Trainer:
                 if skipped >= t.max_skipped_steps:
                     self._diverged(skipped)
                 if self.data.n_val and ((t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps):
+                    began = time.perf_counter()
                     last.update(self._log_eval(metrics))
+                    window.exclude(time.perf_counter() - began)  # samples/s counts training steps only
                 if deferred or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     if skipped:  # these weights gave non-finite gradients: keep the older checkpoints for now
                         if not deferred:
@@ -306,10 +311,14 @@ class Trainer:
                                      "in a row; it is written after the next finite step")
                         deferred = True
                     else:
+                        began = time.perf_counter()
                         self.save_checkpoint(background=cfg.checkpoint.async_)
+                        window.exclude(time.perf_counter() - began)
                         saved_at, deferred = self.step, False
                 self.saver.poll()  # a checkpoint written in the background is committed once every shard is
                 if stop.any_rank(self.mesh.world):
+                    if window.steps:  # the steps since the last training line get theirs (collective)
+                        last.update(self._log_train(window, timing, lr, metrics))
                     self.log(f"signal {stop.name} received: stopping at step {self.step}")
                     break
             if self.step > first_step + 1:
@@ -439,8 +448,14 @@ class Trainer:
 
 
 def log_line(message: str) -> None:
-    """Print one progress line and flush it: stdout to a file or pipe is block-buffered."""
-    print(message, flush=True)
+    """Print one progress line and flush it: stdout to a file or pipe is block-buffered. A reader that went away
+    (``hpctrain train ... | head``) does not stop training: the lines after it go nowhere."""
+    try:
+        print(message, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)  # so the interpreter's own flush at exit finds a file too
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _first_line_diff(mine: str, theirs: str) -> str:

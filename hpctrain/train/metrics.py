@@ -146,7 +146,10 @@ def truncate_after(path, step):
                 try:
                     record_step = json.loads(line).get("step", 0)
                 except (ValueError, AttributeError, RecursionError):
-                    record_step = 0  # not a metrics record: keep it as it is
+                    # not a metrics record: kept as it is, unless it is one cut short (the last line, with no
+                    # newline: a run killed while writing it), which the next record would be glued onto
+                    yield line, line.endswith("\n")
+                    continue
                 yield line, not isinstance(record_step, int) or record_step <= step
 
     if all(keep for _, keep in kept_lines()):
@@ -178,6 +181,10 @@ class Window:
         mean = {k: v / n for k, v in self.totals.items()}
         bubble = bubble_share(**{k: mean[k] for k in ("busy", "data", "span", "comm", "optim")})
         return [mean["busy"], mean["wait"], mean["span"], bubble, float(self.peak_live), float(self.peak_bytes)]
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (an evaluation, a checkpoint write) out of the throughput: it is not training."""
+        self.start += seconds
 
     def flush(self, batch_size):
         now = time.perf_counter()

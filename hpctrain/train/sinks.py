@@ -120,7 +120,11 @@ class TensorBoard:
         except ImportError:
             raise ConfigError(f"train.tensorboard = {logdir!r} needs the tensorboardX package (pip install "
                               "'hpctrain[tensorboard]'; no torch needed), or leave train.tensorboard empty") from None
-        os.makedirs(logdir, exist_ok=True)
+        try:
+            os.makedirs(logdir, exist_ok=True)
+        except OSError as e:  # a file there, or a folder that cannot be made: one line, before training
+            raise ConfigError(f"train.tensorboard: {logdir} is not a folder that can be written "
+                              f"({e.strerror or type(e).__name__})") from None
         # a resumed run hides what an earlier run logged after the step it resumes from
         self.writer = SummaryWriter(logdir=logdir, purge_step=resume_step + 1 if resume_step > 0 else None)
 

@@ -51,3 +51,19 @@ def test_rank_0_writes_each_track_before_it_receives_the_next():
                         "dur": 500.0, "args": {"step": 0, "micro_batch": 1}}
     assert spans[4]["name"] == "forward 2 chunk 1" and spans[4]["args"] == {"step": 0, "micro_batch": 2, "chunk": 1}
     assert doc["otherData"] == {"spans_dropped": 5}
+
+
+def test_evaluation_spans_are_named_and_categorised_as_evaluation():
+    """An evaluation pass runs through the same executor after a training step: its spans carry the step's number
+    but are named "eval ..." with category "evaluation", so a timeline does not count them as the step's."""
+    t = trace.Tracer(SimpleNamespace(world=_World(1), size=1))
+    t.step = 5
+    t.span("forward", 0, 1.0, 2.0)
+    t.evaluating = True
+    t.span("forward", 0, 3.0, 4.0)
+    f = io.StringIO()
+    trace._write_events(f, np.array([[2, 0, 0, 0, 0]]), iter([(0, np.array(t.rows, dtype=np.float64))]))
+    train, evaluation = [e for e in json.loads(f.getvalue())["traceEvents"] if e["ph"] == "X"]
+    assert (train["name"], train["cat"], train["args"]) == ("forward 0", "forward", {"step": 5, "micro_batch": 0})
+    assert (evaluation["name"], evaluation["cat"], evaluation["args"]) == \
+        ("eval forward 0", "evaluation", {"step": 5, "micro_batch": 0, "evaluation": True})

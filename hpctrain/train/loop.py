@@ -243,7 +243,13 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Loss (and accuracy) over the validation split (collective)."""
-        return self.runner.evaluate()
+        if self.tracer is None:
+            return self.runner.evaluate()
+        self.tracer.evaluating = True  # its spans are marked as evaluation's in the trace
+        try:
+            return self.runner.evaluate()
+        finally:
+            self.tracer.evaluating = False
 
     def run(self):
         """Train until ``train.steps`` (collective: every rank calls it). Returns the last metrics (on every rank).

@@ -42,13 +42,15 @@ class Tracer:
         self.rows = []
         self.limit = max(1, MAX_SPANS // mesh.size)  # this rank's share of the run's budget
         self.dropped = 0
+        self.evaluating = False  # spans of an evaluation pass: named "eval ...", category "evaluation"
 
     def span(self, kind: str, mb: int, t0: float, t1: float, chunk: int = 0) -> None:
         """One span of ``kind`` (micro-batch ``mb``, -1 for none; ``chunk``: interleaved 1F1B's model chunk)."""
         if len(self.rows) >= self.limit:
             self.dropped += 1
             return
-        self.rows.append((KINDS.index(kind), mb, chunk, self.step, t0 - self.origin, t1 - t0))
+        kind_index = KINDS.index(kind) + (len(KINDS) if self.evaluating else 0)  # one float column for both
+        self.rows.append((kind_index, mb, chunk, self.step, t0 - self.origin, t1 - t0))
 
     def write(self, path: str) -> int:
         """Stream every rank's spans to a trace file written on rank 0; returns the number of events written there
@@ -104,7 +106,8 @@ def _write_events(f, heads, blocks) -> int:
         put({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}})
     for r, rows in blocks:
         for kind, mb, chunk, step, start, dur in rows:
-            name = KINDS[int(kind)]
+            evaluation, kind = divmod(int(kind), len(KINDS))
+            name = KINDS[kind]
             args = {"step": int(step)}
             if mb >= 0:
                 args["micro_batch"] = int(mb)
@@ -112,7 +115,10 @@ def _write_events(f, heads, blocks) -> int:
             if chunk > 0:  # interleaved 1F1B: which of the stage's model chunks
                 args["chunk"] = int(chunk)
                 name = f"{name} chunk {int(chunk)}"
-            put({"name": name, "cat": KINDS[int(kind)], "ph": "X", "pid": 0, "tid": r,
+            if evaluation:  # the validation pass after training step "step", not part of it
+                args["evaluation"] = True
+                name = f"eval {name}"
+            put({"name": name, "cat": "evaluation" if evaluation else KINDS[kind], "ph": "X", "pid": 0, "tid": r,
                  "ts": round(start * 1e6, 3), "dur": round(dur * 1e6, 3), "args": args})
     f.write("\n]}\n")
     return n

@@ -153,6 +153,13 @@ def test_a_resume_drops_a_record_cut_short_instead_of_gluing_the_next_one_to_it(
         mesh)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]  # every line is one record
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    # cut just before its newline: a whole record, kept, and the next one starts on a line of its own
+    metrics.write_text(metrics.read_text().rstrip("\n"))
+    train["steps"] = 7
+    run(config(tmp_path / "d.h5", train=train, checkpoint={"dir": ckdir, "resume": ckdir + "/ckpt-00000006.h5"}),
+        mesh)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_throughput_leaves_evaluation_out(tmp_path, mesh, monkeypatch):

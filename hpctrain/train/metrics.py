@@ -152,11 +152,20 @@ def truncate_after(path, step):
                     continue
                 yield line, not isinstance(record_step, int) or record_step <= step
 
-    if all(keep for _, keep in kept_lines()):
+    if all(keep for _, keep in kept_lines()) and _ends_a_line(path, size):
         return
     with replaced_atomically(path, f"train.metrics: cannot rewrite {path}", ConfigError) as tmp, \
             open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
         f.writelines(line if line.endswith("\n") else line + "\n" for line, keep in kept_lines() if keep)
+
+
+def _ends_a_line(path, size: int) -> bool:
+    """Whether the file is empty or ends with a newline (else what is appended next would join its last line)."""
+    if size == 0:
+        return True
+    with open(path, "rb") as f:
+        f.seek(size - 1)
+        return f.read(1) == b"\n"
 
 
 class Window:

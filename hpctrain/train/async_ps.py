@@ -272,7 +272,9 @@ class AsyncTrainer:
             step = self.step + (version if self.k == 0 else version // self.W)  # in global batches
             if save_every and (self.k == 0 or version % self.W == 0) and step % save_every == 0 \
                     and step < t.steps:  # every server at this same update (the end's checkpoint: _finish)
+                began = time.perf_counter()
                 self._save_between_updates(step, log)
+                last[0] += time.perf_counter() - began  # updates/s counts training: the write is left out
             if not self.rank0:
                 return
             progress.advance(step)

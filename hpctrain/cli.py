@@ -37,7 +37,8 @@ __all__ = ["main"]
 
 
 PATHS = ("paths: a relative path on the command line, --set included, is taken from the working directory; "
-         "one inside a config file from the file's folder")
+         "one inside a config file from the file's folder; a bare file name for train.metrics, train.trace or "
+         "train.tensorboard lands in checkpoint.dir")
 RAW = argparse.RawDescriptionHelpFormatter
 
 
@@ -398,7 +399,8 @@ def _plan(args) -> int:
                   f"{max(m.total_bytes for m in ranks) / 1e6:,.0f} MB)")
             fixes = advice(cfg, args.ranks, limit, device=device, cuda_aware=cuda_aware)
             print("each of these would fit:\n  " + "\n  ".join(fixes) if fixes else
-                  "no single change of parallel.zero, train.recompute, parallel.pp or parallel.tp on "
+                  "no single change of parallel.zero, train.recompute, model.attention, parallel.pp or "
+                  "parallel.tp on "
                   f"{args.ranks} rank(s) fits; use more ranks or a smaller train.batch_size")
         elif limit is not None:
             print(f"every rank fits in {limit / 1e6:,.0f} MB")

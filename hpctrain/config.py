@@ -3,8 +3,10 @@
 A config has the sections ``[model] [data] [train] [optim] [checkpoint]
 [parallel]``; docs/config.md documents every key. Unknown sections or keys and
 values of the wrong type raise ``ConfigError`` naming the key. Relative paths
-resolve against the folder of the config file, including paths given with
-``--set``.
+in the file resolve against the folder of the config file; those given as
+overrides (``--set``) against the working directory, as on any command line
+(a bare file name for ``train.metrics``, ``trace`` or ``tensorboard`` lands in
+``checkpoint.dir`` either way).
 
     cfg = load_config("jobs/configs/digits.toml", ["train.steps=100"])
 """
@@ -521,9 +523,11 @@ def parse_config(data: dict, base_dir: str = ".", source: str = "<config>", *, c
             full = f"{name}.{key}"
             if keyword.iskeyword(key) and key + "_" in fields:  # ``async`` is the field ``async_``
                 key = key + "_"
+            elif key.endswith("_") and keyword.iskeyword(key[:-1]):
+                key = ""  # ``async_``: the field's Python spelling, not a config key
             if key not in fields:
-                raise ConfigError(f"{full}: unknown key{_nearest(key, name)} (known in [{name}]: "
-                                  f"{', '.join(map(_toml_key, fields))})")
+                raise ConfigError(f"{full}: unknown key{_nearest(key or full.split('.')[1], name)} (known in "
+                                  f"[{name}]: {', '.join(map(_toml_key, fields))})")
             if name == "model" and key == "layers":
                 values[key] = _parse_layers(value)
                 continue
@@ -537,6 +541,10 @@ def parse_config(data: dict, base_dir: str = ".", source: str = "<config>", *, c
             if (name, key) in PATH_KEYS and values[key]:
                 values[key] = os.path.normpath(os.path.join(here, os.path.expanduser(values[key])))
             if (name, key) == ("checkpoint", "resume") and values[key] not in ("auto", "never"):
+                if not values[key].strip() or values[key].strip().lower() in ("auto", "never"):
+                    raise ConfigError(f'{full}: expected "auto", "never" or the path of a checkpoint, got '
+                                      f"{value!r}" + ("" if not values[key].strip() else
+                                                      f' (a file of that name: write it as "./{values[key]}")'))
                 values[key] = os.path.normpath(os.path.join(here, os.path.expanduser(values[key])))
         sections[name] = cls(**values)
     model = data.get("model", {})
@@ -565,6 +573,8 @@ def _parse_override(item: str):
         raise ConfigError(f"--set {item!r}: the key must be section.key, got {key!r}")
     try:
         value = tomllib.loads(f"v = {text}")["v"]
+        # one TOML value and nothing after it: "3#x" parses as 3 with a comment, which [3#x] does not
+        tomllib.loads(f"v = [{text}]")
     except tomllib.TOMLDecodeError:
         value = text  # not a TOML value: take it as a string
     except RecursionError:
@@ -605,6 +615,9 @@ def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
         raise ConfigError(shown(str(e))) from None
 
 
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
 def _toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -612,8 +625,9 @@ def _toml_value(v) -> str:
         return str(v)
     if isinstance(v, float):
         return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, str):  # a TOML basic string: backslash, quote and every control character escaped
+        return '"' + "".join(_TOML_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
+                             for c in v) + '"'
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(type(v))

@@ -38,6 +38,37 @@ def test_overrides_are_toml_values_or_strings(tmp_path):
     assert cfg.optim.name == "adamw" and cfg.parallel.overlap is False and cfg.optim.lr == 1.0
 
 
+def test_an_override_is_one_toml_value_and_a_hash_does_not_start_a_comment(tmp_path):
+    """``--set train.steps=3#x`` used to parse as 3 (TOML took the rest for a comment); now it is the string it
+    looks like, which an int key refuses, naming the key. Inside a path, # is a character like any other."""
+    with pytest.raises(ConfigError, match="train.steps: expected int, got string '3#x'"):
+        load_config(write(tmp_path, BASE), ["train.steps=3#x"])
+    cfg = load_config(write(tmp_path, BASE), ["checkpoint.dir=runs/a#b", 'train.metrics="m#1.jsonl"', "train.steps=4"])
+    assert cfg.checkpoint.dir.endswith("runs/a#b") and cfg.train.metrics.endswith("runs/a#b/m#1.jsonl")
+    assert cfg.train.steps == 4
+
+
+@pytest.mark.parametrize("value", ["", "Never", "AUTO", " never "])
+def test_a_resume_that_is_neither_a_word_nor_a_path_is_refused(tmp_path, value):
+    with pytest.raises(ConfigError, match='checkpoint.resume: expected "auto", "never" or the path of a checkpoint'):
+        load_config(write(tmp_path, BASE), [f"checkpoint.resume={value}"])
+    assert load_config(write(tmp_path, BASE), ["checkpoint.resume=./Never"]).checkpoint.resume.endswith("/Never")
+
+
+def test_the_python_spelling_of_a_keyword_key_is_not_a_key(tmp_path):
+    with pytest.raises(ConfigError, match="checkpoint.async_: unknown key; did you mean checkpoint.async?"):
+        load_config(write(tmp_path, BASE), ["checkpoint.async_=false"])
+    assert load_config(write(tmp_path, BASE), ["checkpoint.async=false"]).checkpoint.async_ is False
+
+
+def test_round_trip_keeps_control_characters_escaped(tmp_path):
+    """``hpctrain config`` prints TOML that reads back: control characters in a string are escaped."""
+    cfg = load_config(write(tmp_path, BASE), ['train.metrics="/tmp/a\\u0001b\\tc\\\\d\\"e.jsonl"'])
+    assert cfg.train.metrics == '/tmp/a\x01b\tc\\d"e.jsonl'
+    again = load_config(write(tmp_path, cfg.to_toml(), "again.toml"))
+    assert again.train.metrics == cfg.train.metrics and again.to_toml() == cfg.to_toml()
+
+
 def test_round_trip_through_toml(tmp_path):
     cfg = load_config(write(tmp_path, BASE), ["optim.name=adam", "train.steps=3", "parallel.pp=2",
                                              "parallel.stages=[[0, 1], [2, 2]]", "parallel.schedule=gpipe"])

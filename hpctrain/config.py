@@ -288,11 +288,18 @@ def _plugin_layer(where: str, plugin, table: dict) -> LayerSpec:
     args = {**plugin.defaults, **args}
     try:
         layer = plugin.build(**args)
+        names = [name for name, _ in layer.params]
         shapes = [tuple(int(n) for n in shape) for _, shape in layer.params]
     except Exception as e:  # the layer's own check of its arguments
         raise ConfigError(f"{where}: {plugin.name} layer ({plugin.module}): {type(e).__name__}: {e}") from None
     if any(n < 1 for shape in shapes for n in shape):
         raise ConfigError(f"{where}: {plugin.name} layer: every parameter dimension must be >= 1, got {shapes}")
+    bad = next((n for n in names if not isinstance(n, str) or not all(p.isidentifier() for p in n.split("."))), None)
+    if bad is not None or len(set(names)) != len(names):
+        what = f"{bad!r} is not a name (letters, digits and _, dotted as torch's fc.weight)" if bad is not None \
+            else "a name repeats"
+        raise ConfigError(f"{where}: {plugin.name} layer ({plugin.module}): its params {names}: {what}; each "
+                          "parameter needs its own name, as torch.nn's do")
     return LayerSpec(plugin.name, tuple(sorted(args.items())))
 
 

@@ -154,3 +154,109 @@ def test_it_trains_and_its_checkpoint_is_read_back_given_the_plugin(tmp_path, me
     missing = subprocess.run(cli + ["--plugin", "no_such_layers", "env"], env=env, capture_output=True, text=True,
                              timeout=120)
     assert missing.returncode == 2 and "plugin no_such_layers: cannot import it (ModuleNotFoundError" in missing.stderr
+
+
+class Scale(custom_layer.Layer):
+    """A per-feature scale, y = x · s, written with numpy in place (as a user may): the base of the broken ones."""
+
+    def __init__(self, dim: int):
+        self.in_features = self.out_features = dim
+        self.params = (("scale", (dim,)),)
+
+    def init(self, rng):
+        return {"scale": np.ones(self.in_features, np.float32)}
+
+    def forward(self, be, x):
+        out = be.empty(x.shape)
+        np.multiply(x, self.w["scale"], out=out)
+        return out, x
+
+    def backward(self, be, dout, x, accumulate=False, need_dinp=True):
+        g = (dout * x).sum(axis=0)
+        self.g["scale"][...] = self.g["scale"] + g if accumulate else g
+        return dout * self.w["scale"] if need_dinp else None
+
+
+class WrongWidth(Scale):
+    def forward(self, be, x):
+        return x[:, :4].copy(), x
+
+
+class WrongDtype(Scale):
+    def forward(self, be, x):
+        return (x * self.w["scale"]).astype(np.float64), x
+
+
+class WrongGrad(Scale):
+    def backward(self, be, dout, x, accumulate=False, need_dinp=True):
+        super().backward(be, dout, x, accumulate, need_dinp)
+        return dout[:, 1:].copy()
+
+
+class WrongInit(Scale):
+    def init(self, rng):
+        return {"weight": np.ones(self.in_features, np.float32)}
+
+
+class WrongInitShape(Scale):
+    def init(self, rng):
+        return {"scale": np.ones(self.in_features + 1, np.float32)}
+
+
+class NoName(Scale):
+    def __init__(self, dim: int):
+        super().__init__(dim)
+        self.params = (("", (dim,)),)
+
+
+class TwiceNamed(Scale):
+    def __init__(self, dim: int):
+        super().__init__(dim)
+        self.params = (("scale", (dim,)), ("scale", (dim,)))
+
+
+def broken_model(tmp_path, kind, build):
+    register_layer(kind, build, keys={"dim": int}, required=("dim",))
+    make_classification(tmp_path / "d.h5", n=32)
+    layers = [LAYERS[0], LAYERS[1], {"type": kind, "dim": 8}, LAYERS[3]]
+    return config(tmp_path / "d.h5", model={"layers": layers}, train={"steps": 2, "eval_every": 0})
+
+
+@pytest.mark.parametrize("kind, build, message", [
+    ("wrongwidth", WrongWidth, r"forward returned its output as float32 \(8, 4\), expected float32 \(8, 8\)"),
+    ("wrongdtype", WrongDtype, r"forward returned its output as float64 \(8, 8\), expected float32 \(8, 8\)"),
+    ("wronggrad", WrongGrad, r"backward returned the input gradient as float32 \(8, 7\), expected float32 \(8, 8\)"),
+    ("wronginit", WrongInit, r"init returned \['weight'\], but params declares \['scale'\]"),
+    ("wronginitshape", WrongInitShape, r"init returned scale of shape \(9,\), but params declares \(8,\)"),
+])
+def test_a_registered_layer_that_breaks_the_contract_is_named_where_it_does(tmp_path, mesh, kind, build, message):
+    """Its output, input gradient and initial tensors are checked as it hands them back (nn/checked.py): the error
+    names the layer, its plugin and what it returned, not the next kernel (or, at a pipeline stage's boundary,
+    nothing: a shorter message fits the receive buffer)."""
+    cfg = broken_model(tmp_path, kind, build)
+    with pytest.raises(ConfigError, match=rf"model.layers\[2\] \({kind}, plugin test_custom_layer\): {message}"):
+        t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+        try:
+            t.run()
+        finally:
+            t.close()
+
+
+@pytest.mark.parametrize("kind, build, message", [("noname", NoName, "'' is not a name"),
+                                                  ("twicenamed", TwiceNamed, "a name repeats")])
+def test_a_registered_layers_parameter_names_are_checked_with_its_config(tmp_path, kind, build, message):
+    with pytest.raises(ConfigError, match=rf"model.layers\[2\]: {kind} layer \(test_custom_layer\): its params .*"
+                                          rf"{message}"):
+        broken_model(tmp_path, kind, build)
+
+
+def test_a_layer_that_computes_with_numpy_in_place_trains_and_is_planned(tmp_path, mesh):
+    """The memory plan's backend has no real arrays: a registered layer's own code does not run there (it is taken
+    to keep its input), so a layer written with numpy is planned as it is trained."""
+    from hpctrain.plan import plan
+
+    cfg = broken_model(tmp_path, "scale", Scale)
+    t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    t.run()
+    t.close()
+    assert plan(cfg, 1)[0].activation_bytes > 0

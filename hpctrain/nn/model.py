@@ -32,6 +32,8 @@ import numpy as np
 from ..errors import ConfigError, LayoutError
 from ..parallel.tensor import shard
 from ..params import FlatBuffer, ParamLayout
+from ..layer_kinds import BUILTIN, registered
+from .checked import CheckedLayer
 from .layers import LayerNorm, Linear, make_layer
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -53,6 +55,7 @@ class ModelSpec:
     input_dtype = np.float32
 
     def __init__(self, layer_specs):
+        layer_specs = list(layer_specs)
         layers = [make_layer(spec) for spec in layer_specs]
         widths = []  # the width after each layer
         width = None
@@ -68,6 +71,11 @@ class ModelSpec:
         if first_width is None:
             raise ConfigError("model.layers: the model needs at least one linear or layernorm layer to fix its width")
         widths = [w if w is not None else first_width for w in widths]  # leading activations
+        for i, spec in enumerate(layer_specs):  # a user's layer: its results checked as it returns them
+            kind = registered(spec.type) if spec.type not in BUILTIN else None
+            if kind is not None:
+                layers[i] = CheckedLayer(layers[i], f"model.layers[{i}] ({spec.type}, plugin {kind.module or '?'})",
+                                         widths[i])
         starts = [i for i, layer in enumerate(layers) if layer.params]
         starts[0] = 0  # leading activations join the first unit
         units = [(lo, hi - 1) for lo, hi in zip(starts, starts[1:] + [len(layers)])]

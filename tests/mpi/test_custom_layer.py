@@ -33,7 +33,8 @@ def alone(cfg):
 def layouts(size):
     if size == 1:
         return [{}]
-    return [{"dp": size}, {"dp": size, "zero": 2}, {"pp": size, "schedule": "1f1b"}, {"tp": size}]
+    return [{"dp": size}, {"dp": size, "zero": 2}, {"pp": size, "schedule": "1f1b"},
+            {"pp": size, "schedule": "zero-bubble"}, {"tp": size}]
 
 
 @pytest.mark.parametrize("micro", [1, 2])

@@ -527,14 +527,14 @@ def parse_config(data: dict, base_dir: str = ".", source: str = "<config>", *, c
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values = {}
         for key, value in table.items():
-            full = f"{name}.{key}"
+            full, given = f"{name}.{key}", key
             if keyword.iskeyword(key) and key + "_" in fields:  # ``async`` is the field ``async_``
                 key = key + "_"
             elif key.endswith("_") and keyword.iskeyword(key[:-1]):
                 key = ""  # ``async_``: the field's Python spelling, not a config key
             if key not in fields:
-                raise ConfigError(f"{full}: unknown key{_nearest(key or full.split('.')[1], name)} (known in "
-                                  f"[{name}]: {', '.join(map(_toml_key, fields))})")
+                raise ConfigError(f"{full}: unknown key{_nearest(given, name)} (known in [{name}]: "
+                                  f"{', '.join(map(_toml_key, fields))})")
             if name == "model" and key == "layers":
                 values[key] = _parse_layers(value)
                 continue

@@ -30,9 +30,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ConfigError, LayoutError
+from ..layer_kinds import BUILTIN, registered
 from ..parallel.tensor import shard
 from ..params import FlatBuffer, ParamLayout
-from ..layer_kinds import BUILTIN, registered
 from .checked import CheckedLayer
 from .layers import LayerNorm, Linear, make_layer
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear

@@ -12,6 +12,10 @@ is a pure function of the step, so resuming needs only the step number:
   batch); an epoch is floor(N_train / B) steps, then the order wraps.
 * ``shuffle = true``: epoch e uses ``numpy.random.default_rng([seed, e]).permutation(N_train)``.
 
+A run resumed with another batch size (``checkpoint.allow_changed``) goes on from the samples the
+checkpoint's run had consumed in its epoch, rounded up to a whole batch of the new size (``continue_order``):
+the sampler's ``offset`` shifts the step it maps, so step s reads what step s − offset would from the start.
+
 Rank r of a data-parallel group of size dp takes the r-th contiguous slice of
 B/dp rows of every global batch, and reads only those rows from the file.
 """
@@ -28,7 +32,7 @@ import numpy as np
 from ._files import H5_ERRORS, member, regular_file, shown, storage_problem
 from .errors import DataError
 
-__all__ = ["Dataset", "TokenDataset", "Sampler", "open_dataset"]
+__all__ = ["Dataset", "TokenDataset", "Sampler", "continue_order", "open_dataset"]
 
 SCAN_ROWS = 1 << 16
 SCAN_BYTES = 64 << 20  # the start-up scan holds at most about this much of the file at once
@@ -385,24 +389,29 @@ class Sampler:
         self.steps_per_epoch = n_train // batch_size
         self.local = batch_size // dp_size
         self.dp_rank = dp_rank
+        self.offset = 0  # step s maps to order position s - offset (continue_order: a resume with another batch)
         self._mine_epoch, self._mine = -1, None  # this rank's rows of each step of one shuffled epoch
 
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, steps into it) of global step ``step``."""
+        return divmod(step - self.offset, self.steps_per_epoch)
+
     def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
+        return self.position(step)[0]
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n_train)
 
     def global_rows(self, step: int) -> np.ndarray:
         """Every rank's rows of ``step`` (draws the epoch's order afresh: for checks and tools, not the loop)."""
-        epoch, k = divmod(step, self.steps_per_epoch)
+        epoch, k = self.position(step)
         lo = k * self.batch_size
         if not self.shuffle:
             return np.arange(lo, lo + self.batch_size, dtype=np.int64)
         return self._permutation(epoch)[lo : lo + self.batch_size]
 
     def local_rows(self, step: int) -> np.ndarray:
-        epoch, k = divmod(step, self.steps_per_epoch)
+        epoch, k = self.position(step)
         lo = self.dp_rank * self.local
         if not self.shuffle:
             first = k * self.batch_size + lo
@@ -419,6 +428,21 @@ class Sampler:
     def order_bytes(self) -> int:
         """Bytes of the shuffled order this rank keeps between steps."""
         return 0 if self._mine is None else int(self._mine.nbytes)
+
+
+def continue_order(step: int, epoch: int, position: int, then_batch: int, batch: int,
+                   steps_per_epoch: int) -> tuple[int, int]:
+    """``(offset, skipped)`` for a run resumed at ``step`` from a checkpoint at (``epoch``, ``position`` steps
+    of ``then_batch`` samples into it), now with ``batch`` samples a step and ``steps_per_epoch`` steps an
+    epoch: it goes on from the first whole batch at or after the samples consumed (``skipped`` of them left
+    out, fewer than one batch), or with the next epoch when none is left in this one. With the batch size and
+    the data unchanged the offset is 0: the order is the one an uninterrupted run takes."""
+    consumed = position * then_batch
+    k = -(-consumed // batch)
+    skipped = max(0, min(k, steps_per_epoch) * batch - consumed)
+    if k >= steps_per_epoch:
+        epoch, k = epoch + 1, 0
+    return step - (epoch * steps_per_epoch + k), skipped
 
 
 def open_dataset(cfg, loss, model) -> Dataset | TokenDataset:

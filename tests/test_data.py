@@ -9,7 +9,7 @@ import pytest
 from helpers import make_classification
 
 from hpctrain.checkpoint import load_weights
-from hpctrain.data import Dataset, Sampler
+from hpctrain.data import Dataset, Sampler, continue_order
 from hpctrain.errors import DataError
 from hpctrain.nn import CrossEntropyLoss, MSELoss
 from hpctrain.params import ParamLayout
@@ -49,6 +49,33 @@ def test_a_rank_keeps_only_its_own_positions_of_the_epoch_order():
         joined = np.concatenate([s.local_rows(step) for s in samplers])
         assert joined.dtype == np.int64 and joined.tolist() == samplers[0].global_rows(step).tolist()
     assert all(s.order_bytes == 4 * (n // batch) * (batch // dp) for s in samplers)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_changed_batch_size_goes_on_from_the_samples_consumed(shuffle):
+    """Resumed with another batch size, the order goes on from the samples the checkpoint's run took in its
+    epoch (rounded up to a whole new batch): nothing twice, fewer than a batch left out; unchanged: offset 0."""
+    n = 100
+    old = Sampler(n, 10, shuffle=shuffle, seed=2)  # 10 steps an epoch
+    assert continue_order(23, *old.position(23), 10, 10, old.steps_per_epoch) == (0, 0)
+    taken = np.concatenate([old.global_rows(s) for s in range(20, 23)])  # epoch 2: 30 samples
+    for batch, skipped in ((5, 0), (20, 10), (40, 10), (7, 5)):
+        new = Sampler(n, batch, shuffle=shuffle, seed=2)
+        offset, left_out = continue_order(23, *old.position(23), 10, batch, new.steps_per_epoch)
+        new.offset = offset
+        assert left_out == skipped
+        rest = [new.global_rows(s) for s in range(23, 23 + 100) if new.epoch_of(s) == 2]
+        rest = np.concatenate(rest) if rest else np.zeros(0, dtype=np.int64)
+        epoch = np.random.default_rng([2, 2]).permutation(n) if shuffle else np.arange(n)
+        assert not set(rest.tolist()) & set(taken.tolist())  # nothing of epoch 2 seen twice
+        usable = new.steps_per_epoch * batch
+        assert rest.tolist() == epoch[30 + skipped : usable].tolist()
+        assert new.position(23 + len(rest) // batch) == (3, 0)  # then epoch 3 from its start
+    # the batch that is left: none in this epoch once rounded up; the next epoch starts at the resumed step
+    offset, left_out = continue_order(23, 2, 3, 10, 40, 2)  # 30 taken of 80 usable: one batch of 40 at 40
+    assert (offset, left_out) == (23 - (2 * 2 + 1), 10)
+    offset, left_out = continue_order(23, 2, 9, 10, 40, 2)  # 90 taken, 80 usable: epoch 3 from its start
+    assert (offset, left_out) == (23 - 3 * 2, 0)
 
 
 def test_sampler_errors():

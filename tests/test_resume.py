@@ -197,3 +197,23 @@ def test_settings_an_older_checkpoint_did_not_record_are_not_compared(tmp_path):
     assert changed_settings(older, cfg) == []
     assert changed_settings("", cfg) == []
     assert changed_settings(older.replace("lr = 0.1", "lr = 0.2"), cfg) == [("optim.lr", 0.2, 0.1)]
+
+
+def test_a_batch_size_change_goes_on_from_the_samples_consumed(tmp_path, mesh):
+    """Resumed with another train.batch_size (allowed), the run reads on from the samples the checkpoint's run
+    took in its epoch, rounded up to a whole batch, says so, and its checkpoints say where it stands."""
+    make_classification(tmp_path / "d.h5", n=96)  # 72 training rows: 9 steps of 8 an epoch, 4 of 16
+    ckdir = str(tmp_path / "ck")
+    run(config(tmp_path / "d.h5", train={"steps": 5}, checkpoint={"dir": ckdir}), mesh)  # 40 rows taken
+    lines = []
+    resumed = run(config(tmp_path / "d.h5", train={"steps": 7, "batch_size": 16},
+                         checkpoint={"dir": ckdir, "allow_changed": ["train.batch_size"]}), mesh, lines.append)
+    assert any("had taken 40 samples of epoch 0 in batches of 8; this run goes on with epoch 0 at step 3 of 4 in "
+               "batches of 16 (8 samples left out to start on a whole batch)" in line for line in lines), lines
+    assert resumed.sampler.local_rows(5).tolist() == list(range(48, 64))  # not rows 80.. (step 5 of 16 each)
+    assert resumed.sampler.position(6) == (1, 0)
+    state = load_checkpoint(os.path.join(ckdir, "ckpt-00000007.h5"), resumed.model.layout)
+    assert (state.epoch, state.data_position) == (1, 1)
+    again = run(config(tmp_path / "d.h5", train={"steps": 8, "batch_size": 16},  # the same batch from there on
+                       checkpoint={"dir": ckdir, "allow_changed": ["train.batch_size"]}), mesh, lines.append)
+    assert again.sampler.position(7) == (1, 1) and again.sampler.offset == resumed.sampler.offset

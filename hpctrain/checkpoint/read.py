@@ -212,10 +212,12 @@ def _check_counters(state: CheckpointState, path: str) -> None:
         if value > fmt.MAX_STEP:
             raise CheckpointError(f"checkpoint {path}: root attribute {key!r} = {value} is beyond any run "
                                   "(at most 2**62 steps); the file is damaged or forged")
-    for key, value in (("epoch", state.epoch), ("data_position", state.data_position)):
-        if value > state.step:  # epoch = step // steps_per_epoch, data_position = step % steps_per_epoch
-            raise CheckpointError(f"checkpoint {path}: root attribute {key!r} = {value} is larger than step = "
-                                  f"{state.step}; the file is damaged or forged")
+    if state.epoch > state.step:  # every epoch took at least one step
+        raise CheckpointError(f"checkpoint {path}: root attribute 'epoch' = {state.epoch} is larger than step = "
+                              f"{state.step}; the file is damaged or forged")
+    if state.data_position > fmt.MAX_STEP:  # steps of the last batch size: more than step after a smaller batch
+        raise CheckpointError(f"checkpoint {path}: root attribute 'data_position' = {state.data_position} is beyond "
+                              "any run; the file is damaged or forged")
 
 
 def _vocabulary(text: str, path: str) -> str:

@@ -184,6 +184,13 @@ class AsyncTrainer:
         epoch_steps = np.array([0 if self.is_server else self.sampler.steps_per_epoch], dtype=np.int64)
         self.world.Allreduce(MPI.IN_PLACE, epoch_steps, op=MPI.MAX)
         self.steps_per_epoch = int(epoch_steps[0])
+        offset = np.array([run_everywhere(self.world, (lambda: startup.order_offset(
+            self.log, self.cfg, state, self.steps_per_epoch)) if self.rank0 and state is not None else lambda: 0)],
+            dtype=np.int64)  # a resume with another batch size goes on where the checkpoint's data order stood
+        self.world.Bcast(offset, root=0)
+        self.order_offset = int(offset[0])
+        if not self.is_server:
+            self.sampler.offset = self.order_offset
         self.step, optim_step = int(header[0]), int(header[1])
         if self.is_server:
             self.optim.step_count = optim_step
@@ -390,9 +397,9 @@ class AsyncTrainer:
         cfg, layout, comm = self.cfg, self.model.layout, comm or self.world
         names = bcast_text(comm, " ".join(self.optim.slots) if self.rank0 else None, 0).split()  # the
         # workers hold no optimizer: its slots' names as world rank 0 (a server) has them
+        epoch, position = divmod(step - self.order_offset, self.steps_per_epoch)
         state = ckpt.CheckpointState(
-            step=step, epoch=step // self.steps_per_epoch, data_position=step % self.steps_per_epoch,
-            config_text=cfg.to_toml(),
+            step=step, epoch=epoch, data_position=position, config_text=cfg.to_toml(),
             layout={"world_size": self.W, "dp": self.W, "pp": 1, "tp": 1},  # the workers, a dp layout
             params={}, optim_name=self.optim.name if self.is_server else cfg.optim.name,
             optim_step=self.optim.step_count if self.is_server else 0,

@@ -225,9 +225,9 @@ class Trainer:
         if not self.cfg.checkpoint.dir:
             return ""
         cfg, mesh = self.cfg, self.mesh
+        epoch, position = self.sampler.position(self.step)
         state = ckpt.CheckpointState(
-            step=self.step, epoch=self.sampler.epoch_of(self.step),
-            data_position=self.step % self.sampler.steps_per_epoch, config_text=cfg.to_toml(),
+            step=self.step, epoch=epoch, data_position=position, config_text=cfg.to_toml(),
             layout=dict(mesh.layout), params={}, optim_name=self.optim.name,
             optim_step=self.optim.step_count, slots={slot: {} for slot in self.optim.slots},
             rng={"data_seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "init_seed": cfg.train.seed},

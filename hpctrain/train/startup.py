@@ -28,7 +28,7 @@ from .. import checkpoint as ckpt
 from .. import scan_cache
 from ..backend import get_backend
 from ..checkpoint.lock import LOCK_NAME, FolderLock
-from ..data import Sampler, open_dataset
+from ..data import Sampler, continue_order, open_dataset
 from ..errors import CheckpointError, ConfigError, DataError, LayoutError
 from ..nn import make_loss, make_model
 from ..optim import make_optimizer
@@ -45,7 +45,7 @@ from ..params import FlatBuffer
 from .resume_check import changed_settings, resume_problem
 
 __all__ = ["RankParts", "RankState", "prepare_data", "build", "scan_data", "scan_share", "lock_checkpoint_dir", "make_state", "load_start",
-           "candidates", "check_settings", "warn_about_resume", "scatter_start"]
+           "candidates", "check_settings", "order_offset", "warn_about_resume", "scatter_start"]
 
 
 def prepare_data(t) -> None:
@@ -246,13 +246,17 @@ def load_start(t) -> None:
               + (f" (checkpoint.init {t.cfg.checkpoint.init} ignored)" if t.cfg.checkpoint.init else ""))
         if mesh.rank == 0:
             warn_about_resume(t, state)
-        return
-    if state is not None and mesh.rank == 0:
-        warn_about_resume(t, state)
-    c = t.cfg.checkpoint
-    weights = run_everywhere(mesh.world, (lambda: ckpt.load_weights(c.init, t.model.layout))
-                             if mesh.rank == 0 and state is None and c.init else lambda: None)
-    scatter_start(t, state if whole else None, weights)
+    else:
+        if state is not None and mesh.rank == 0:
+            warn_about_resume(t, state)
+        c = t.cfg.checkpoint
+        weights = run_everywhere(mesh.world, (lambda: ckpt.load_weights(c.init, t.model.layout))
+                                 if mesh.rank == 0 and state is None and c.init else lambda: None)
+        scatter_start(t, state if whole else None, weights)
+    offset = np.array([run_everywhere(mesh.world, (lambda: order_offset(t.log, t.cfg, state, t.sampler.steps_per_epoch))
+                                      if mesh.rank == 0 and state is not None else lambda: 0)], dtype=np.int64)
+    mesh.world.Bcast(offset, root=0)  # where the checkpoint's data order stood (rank 0 read its state)
+    t.sampler.offset = int(offset[0])
 
 
 def candidates(t) -> tuple[list[str], bool]:
@@ -275,6 +279,32 @@ def check_settings(t, state) -> None:
     problem = resume_problem(state.path, changed_settings(state.config_text, t.cfg))
     if problem:
         raise CheckpointError(problem)
+
+
+def order_offset(log, cfg, state, steps_per_epoch: int) -> int:
+    """On world rank 0: the sampler offset (data.continue_order) that continues ``state``'s data order with this
+    run's batch size and data; 0 when neither changed. A change is said in one line."""
+    then = _saved_setting(state.config_text, "train", "batch_size")
+    then_batch = then if isinstance(then, int) and then > 0 else cfg.train.batch_size
+    batch = cfg.train.batch_size
+    offset, skipped = continue_order(state.step, state.epoch, state.data_position, then_batch, batch, steps_per_epoch)
+    if offset or skipped:
+        epoch, k = divmod(state.step - offset, steps_per_epoch)
+        log(f"resume: the checkpoint's run had taken {state.data_position * then_batch:,} samples of epoch "
+            f"{state.epoch} in batches of {then_batch}; this run goes on with epoch {epoch} at step {k} of "
+            f"{steps_per_epoch} in batches of {batch}"
+            + (f" ({skipped:,} samples left out to start on a whole batch)" if skipped else ""))
+    return offset
+
+
+def _saved_setting(config_text: str, section: str, key: str):
+    """One setting of a checkpoint's stored config, or None (no config, or one that does not parse)."""
+    import tomllib
+
+    try:
+        return tomllib.loads(config_text or "").get(section, {}).get(key)
+    except (tomllib.TOMLDecodeError, AttributeError):
+        return None
 
 
 def warn_about_resume(t, state) -> None:

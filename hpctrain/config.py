@@ -512,6 +512,11 @@ def _nearest(key: str, section: str | None) -> str:
     return f"; did you mean {section}.{close[0]}?" if close else ""
 
 
+# checkpoint.resume values that read as "never" or "auto" rather than as a path
+_NEVER_LIKE = frozenset({"none", "no", "off", "false", "fresh", "new", "scratch"})
+_AUTO_LIKE = frozenset({"latest", "last", "newest", "yes", "on", "true", "resume"})
+
+
 def parse_config(data: dict, base_dir: str = ".", source: str = "<config>", *, cwd_keys=frozenset()) -> Config:
     """Build a Config from a parsed TOML document (a dict). A relative path resolves against ``base_dir``
     (the config file's folder), one of ``cwd_keys`` ((section, key) pairs given on the command line) against
@@ -553,6 +558,11 @@ def parse_config(data: dict, base_dir: str = ".", source: str = "<config>", *, c
                                       f"{value!r}" + ("" if not values[key].strip() else
                                                       f' (a file of that name: write it as "./{values[key]}")'))
                 values[key] = os.path.normpath(os.path.join(here, os.path.expanduser(values[key])))
+                word = value.strip().lower()
+                meant = "never" if word in _NEVER_LIKE else "auto" if word in _AUTO_LIKE else ""
+                if meant and not os.path.lexists(values[key]):  # not a checkpoint (or link) of that name either
+                    raise ConfigError(f'{full}: expected "auto", "never" or the path of a checkpoint, got {value!r} '
+                                      f'(no such file): did you mean "{meant}"?')
         sections[name] = cls(**values)
     model = data.get("model", {})
     if model.get("kind", "mlp") != "gpt":

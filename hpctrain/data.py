@@ -22,6 +22,7 @@ B/dp rows of every global batch, and reads only those rows from the file.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import time
@@ -32,7 +33,7 @@ import numpy as np
 from ._files import H5_ERRORS, member, regular_file, shown, storage_problem
 from .errors import DataError
 
-__all__ = ["Dataset", "TokenDataset", "Sampler", "continue_order", "open_dataset"]
+__all__ = ["Dataset", "TokenDataset", "Sampler", "continue_order", "open_dataset", "fingerprint", "file_fingerprint"]
 
 SCAN_ROWS = 1 << 16
 SCAN_BYTES = 64 << 20  # the start-up scan holds at most about this much of the file at once
@@ -137,6 +138,12 @@ class Dataset(_Unchanged):
 
     def _dataset(self, name, key, expected):
         return _get_dataset(self.file, self.path, name, key, expected, self.allow_external)
+
+    def fingerprint(self) -> str:
+        """``fingerprint`` of the inputs and targets (computed once)."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = fingerprint(self.path, [self.x, self.y])
+        return self._fingerprint
 
     def close(self):
         self.file.close()
@@ -319,6 +326,12 @@ class TokenDataset(_Unchanged):
     def close(self):
         self.file.close()
 
+    def fingerprint(self) -> str:
+        """``fingerprint`` of the tokens (computed once)."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = fingerprint(self.path, [self.tokens])
+        return self._fingerprint
+
     def _fetch(self, lo: int, hi: int) -> np.ndarray:
         try:
             return self.tokens[lo:hi]
@@ -443,6 +456,49 @@ def continue_order(step: int, epoch: int, position: int, then_batch: int, batch:
     if k >= steps_per_epoch:
         epoch, k = epoch + 1, 0
     return step - (epoch * steps_per_epoch + k), skipped
+
+
+FINGERPRINT_SLICES = 16
+FINGERPRINT_VALUES = 4096  # about this many values a slice
+
+
+def fingerprint(path, datasets) -> str:
+    """What a data file holds for a run, as 16 hex digits: each dataset's shape and dtype and 16 slices of
+    about 4096 values spread over its rows (the first and the last among them), hashed (SHA-256). A copy of the
+    file, or the same values written again, gives the same; other data almost surely not. A few small reads, not
+    a check of every value (the start-up scan's job). Checkpoints keep it (``data_fingerprint``), so that
+    ``resume = "auto"`` can tell a run continued on other data (train/resume_check.py)."""
+    h = hashlib.sha256()
+    for d in datasets:
+        dtype = np.dtype(d.dtype).newbyteorder("<")
+        h.update(f"{tuple(d.shape)} {dtype.str};".encode())
+        n, row = d.shape[0], math.prod(d.shape[1:]) or 1
+        take = max(1, min(n, FINGERPRINT_VALUES // row))
+        for i in range(FINGERPRINT_SLICES):
+            lo = (n - take) * i // (FINGERPRINT_SLICES - 1)
+            try:
+                values = d[lo : lo + take]
+            except H5_ERRORS as e:
+                raise DataError(f"{path}: cannot read rows {lo} to {lo + take - 1} of {d.name!r}: {shown(e)}") from None
+            h.update(np.ascontiguousarray(values, dtype=dtype).tobytes())
+    return h.hexdigest()[:16]
+
+
+def file_fingerprint(cfg) -> str:
+    """``fingerprint`` of ``cfg.data``'s datasets, the file opened for it (a rank that holds no ``Dataset``: the
+    parameter server's); DataError when they cannot be read."""
+    names = [cfg.data.tokens] if cfg.model.kind == "gpt" else [cfg.data.inputs, cfg.data.targets]
+    f = _open_h5(cfg.data.path)
+    try:
+        datasets = []
+        for name in names:
+            obj = f.get(name)
+            if not isinstance(obj, h5py.Dataset):
+                raise DataError(f"{cfg.data.path}: no dataset {name!r}")
+            datasets.append(obj)
+        return fingerprint(cfg.data.path, datasets)
+    finally:
+        f.close()
 
 
 def open_dataset(cfg, loss, model) -> Dataset | TokenDataset:

@@ -55,6 +55,15 @@ def test_a_resume_that_is_neither_a_word_nor_a_path_is_refused(tmp_path, value):
     assert load_config(write(tmp_path, BASE), ["checkpoint.resume=./Never"]).checkpoint.resume.endswith("/Never")
 
 
+@pytest.mark.parametrize("value, meant", [("none", "never"), ("Fresh", "never"), ("latest", "auto")])
+def test_a_resume_word_that_is_no_file_says_which_word_it_meant(tmp_path, monkeypatch, value, meant):
+    monkeypatch.chdir(tmp_path)  # --set paths are read from the working directory
+    with pytest.raises(ConfigError, match=f"got '{value}' \\(no such file\\): did you mean \"{meant}\"\\?"):
+        load_config(write(tmp_path, BASE), [f"checkpoint.resume={value}"])
+    (tmp_path / "latest").symlink_to(tmp_path / "ckpt-00000003.h5")  # a link of that name is a path, even dangling
+    assert load_config(write(tmp_path, BASE), ["checkpoint.resume=latest"]).checkpoint.resume.endswith("/latest")
+
+
 def test_the_python_spelling_of_a_keyword_key_is_not_a_key(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint.async_: unknown key; did you mean checkpoint.async?"):
         load_config(write(tmp_path, BASE), ["checkpoint.async_=false"])

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import config, make_classification, toml_job, run_trainer as run
+from helpers import config, gpt_config, make_classification, make_tokens, toml_job, run_trainer as run
 from hpctrain.checkpoint import list_checkpoints, load_checkpoint
 from hpctrain.errors import CheckpointError
 from hpctrain.train import Trainer
@@ -217,3 +217,85 @@ def test_a_batch_size_change_goes_on_from_the_samples_consumed(tmp_path, mesh):
     again = run(config(tmp_path / "d.h5", train={"steps": 8, "batch_size": 16},  # the same batch from there on
                        checkpoint={"dir": ckdir, "allow_changed": ["train.batch_size"]}), mesh, lines.append)
     assert again.sampler.position(7) == (1, 1) and again.sampler.offset == resumed.sampler.offset
+
+
+def test_resume_auto_refuses_other_data_and_follows_a_moved_file(tmp_path, mesh):
+    """data.path may change (the file moved to scratch), its contents may not: other rows under any name are
+    refused like a changed setting (allowed by listing "data.path"); a copy of the same file resumes."""
+    import shutil
+
+    make_classification(tmp_path / "d.h5", n=96)
+    make_classification(tmp_path / "other.h5", n=96, seed=1)
+    shutil.copy(tmp_path / "d.h5", tmp_path / "moved.h5")
+    ckdir = str(tmp_path / "ck")
+    run(config(tmp_path / "d.h5", train={"steps": 3}, checkpoint={"dir": ckdir}), mesh)
+    with pytest.raises(CheckpointError) as e:
+        run(config(tmp_path / "other.h5", train={"steps": 6}, checkpoint={"dir": ckdir}), mesh)
+    text = str(e.value)
+    assert "\n" not in text and "the data at data.path (its contents' fingerprint " in text, text
+    assert """--set 'checkpoint.allow_changed=["data.path"]'""" in text, text
+    assert run(config(tmp_path / "moved.h5", train={"steps": 4}, checkpoint={"dir": ckdir}), mesh).step == 4
+    assert run(config(tmp_path / "other.h5", train={"steps": 5},
+                      checkpoint={"dir": ckdir, "allow_changed": ["data.path"]}), mesh).step == 5
+
+
+def test_refusals_suggest_every_key_to_list_in_toml(tmp_path, mesh):
+    """The suggested --set replaces checkpoint.allow_changed: it keeps what is listed already; values read as
+    the config file writes them; settings without effect in either run (SGD's momentum under AdamW) are not
+    compared."""
+    make_classification(tmp_path / "d.h5", n=96)
+    ckdir = str(tmp_path / "ck")
+    adamw = {"name": "adamw", "lr": 0.01, "momentum": 0.5}
+    run(config(tmp_path / "d.h5", train={"steps": 3}, optim=adamw, checkpoint={"dir": ckdir}), mesh)
+    with pytest.raises(CheckpointError) as e:
+        run(config(tmp_path / "d.h5", train={"steps": 6, "batch_size": 16, "deterministic": True},
+                   optim=dict(adamw, lr=0.02, momentum=0.9),
+                   checkpoint={"dir": ckdir, "allow_changed": ["optim.lr"]}), mesh)
+    text = str(e.value)
+    assert "train.deterministic false then, true now" in text, text
+    assert "optim.momentum" not in text, text
+    assert """allow_changed=["optim.lr", "train.batch_size", "train.deterministic"]'""" in text, text
+
+
+def test_a_checkpoint_of_another_vocabulary_is_refused_even_when_named(tmp_path, mesh):
+    """Token ids mean other characters under another vocabulary: no resume, found or named, continues on it."""
+    make_tokens(tmp_path / "a.h5", vocab="abcdefgh\n ")
+    make_tokens(tmp_path / "b.h5", vocab="abcdefghij\n ")
+    ckdir = str(tmp_path / "ck")
+    run(gpt_config(tmp_path / "a.h5", checkpoint={"dir": ckdir}), mesh)
+    named = ckdir + "/ckpt-00000004.h5"
+    for checkpoint in ({"dir": ckdir, "allow_changed": ["data.path"]}, {"dir": ckdir, "resume": named}):
+        with pytest.raises(CheckpointError) as e:
+            run(gpt_config(tmp_path / "b.h5", train={"steps": 6}, checkpoint=checkpoint), mesh)
+        text = str(e.value)
+        assert "was written for the vocabulary '\\n abcdefgh' (10 characters) and " in text, text
+        assert "has '\\n abcdefghij' (12 characters): its token ids would mean other characters" in text, text
+
+
+def test_sgd_momentum_switched_on_at_a_resume_starts_its_buffer_at_zero(tmp_path, mesh):
+    """A run without momentum keeps no momentum buffer. Resumed with momentum (listed in allow_changed) the
+    buffer starts at zero, as torch.optim.SGD makes it at its first step (buf = grad): that step is the plain
+    SGD step, bit for bit. Not listed, the refusal names optim.momentum, not the optimizer."""
+    make_classification(tmp_path / "d.h5", n=96)
+    ckdir = str(tmp_path / "ck")
+    plain = {"name": "sgd", "lr": 0.05}
+    run(config(tmp_path / "d.h5", train={"steps": 3}, optim=plain, checkpoint={"dir": ckdir}), mesh)
+    straight = run(config(tmp_path / "d.h5", train={"steps": 4}, optim=plain), mesh)
+    with pytest.raises(CheckpointError, match=r"optim.momentum 0.0 then, 0.9 now") as e:
+        run(config(tmp_path / "d.h5", train={"steps": 4}, optim=dict(plain, momentum=0.9),
+                   checkpoint={"dir": ckdir}), mesh)
+    assert "written with optimizer" not in str(e.value)
+    resumed = run(config(tmp_path / "d.h5", train={"steps": 4}, optim=dict(plain, momentum=0.9),
+                         checkpoint={"dir": ckdir, "allow_changed": ["optim.momentum"]}), mesh)
+    a, b = straight.params.to_host_dict(), resumed.params.to_host_dict()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert np.any(resumed.optim.slots["momentum_buffer"].data != 0)
+
+
+def test_the_optimizer_refusal_says_how_to_start_from_the_weights(tmp_path, mesh):
+    make_classification(tmp_path / "d.h5", n=96)
+    ckdir = str(tmp_path / "ck")
+    run(config(tmp_path / "d.h5", train={"steps": 2}, checkpoint={"dir": ckdir}, optim={"name": "adamw"}), mesh)
+    with pytest.raises(CheckpointError, match="use it as checkpoint.init with a new checkpoint.dir"):
+        run(config(tmp_path / "d.h5", train={"steps": 4}, checkpoint={"dir": ckdir}, optim={"name": "sgd"}), mesh)

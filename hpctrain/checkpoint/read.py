@@ -203,6 +203,8 @@ def read_root(f: h5py.File, path: str) -> CheckpointState:
     _check_counters(state, path)
     if "vocabulary" in a:
         state.vocabulary = _vocabulary(fmt.str_attr(a, "vocabulary", path), path)
+    if "data_fingerprint" in a:
+        state.data_fingerprint = fmt.str_attr(a, "data_fingerprint", path)
     return state
 
 

@@ -23,7 +23,8 @@ class CheckpointState:
     unsharded float32 arrays; ``optim_step`` is the optimizer's own step count
     (skipped non-finite steps do not count). ``vocabulary``: a language model's
     characters in token-id order, or "" (stored as the optional root attribute
-    ``vocabulary``, a JSON array of code points). ``path`` is set by the loaders.
+    ``vocabulary``, a JSON array of code points). ``data_fingerprint``: what the run's data file held
+    (data.fingerprint; the optional root attribute of that name), or "". ``path`` is set by the loaders.
     """
 
     step: int
@@ -37,6 +38,7 @@ class CheckpointState:
     slots: dict = field(default_factory=dict)
     rng: dict = field(default_factory=dict)
     vocabulary: str = ""
+    data_fingerprint: str = ""
     path: str = ""
     version: int = fmt.SINGLE_FILE_VERSION  # 3: a sharded set (checkpoint/sharded.py)
 

@@ -29,6 +29,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from .._memory import keep_freed_memory
 from ..backend.cpu import CpuBackend
+from ..data import file_fingerprint
 from ..errors import BackendError, HpctrainError, LayoutError, NonFiniteError
 from ..nn import make_model
 from ..optim import clip_coefficient, lr_at, make_optimizer
@@ -39,7 +40,7 @@ from ..parallel.param_server import Server, WorkerLink, server_ranges
 from ..parallel.schedule import check_schedule, data_parallel, forward_only
 from ..params import FlatBuffer, ParamLayout
 from . import startup
-from .loop import log_line
+from .loop import finished_line, log_line
 from .metrics import MetricsFile
 from .progress import Progress, status_line_wanted
 from .step import _Batch
@@ -153,15 +154,20 @@ class AsyncTrainer:
         c = self.cfg.checkpoint
         start = SimpleNamespace(cfg=self.cfg, model=self.model, optim=getattr(self, "optim", None), log=self.log,
                                 mesh=SimpleNamespace(world=self.world, rank=self.world.Get_rank()))
-        paths, auto = run_everywhere(self.world, (lambda: startup.candidates(start)) if self.rank0
-                                     else lambda: ([], False))
+        self.data_fingerprint = ""  # world rank 0 (a server, no dataset open) reads it for the checkpoints
+
+        def first():
+            self.data_fingerprint = file_fingerprint(self.cfg)
+            return startup.candidates(start)
+
+        paths, auto = run_everywhere(self.world, first if self.rank0 else lambda: ([], False))
         flag = np.array([1 if auto else 0], dtype=np.int8)
         self.world.Bcast(flag, root=0)
         state, whole = resume(start, paths, auto=bool(flag[0]),
                               load=self._load_range if self.is_server else lambda path: None, place=lambda: None)
-        if flag[0]:  # the run found in checkpoint.dir must be this one (train/resume_check.py)
-            run_everywhere(self.world, (lambda: startup.check_settings(start, state))
-                           if self.rank0 and state is not None else lambda: None)
+        run_everywhere(self.world, (lambda: startup.check_resume(start, state, bool(flag[0]), self.data_fingerprint,
+                                                                 self._vocabulary()))
+                       if self.rank0 and state is not None else lambda: None)  # it must be this run's checkpoint
         weights = run_everywhere(self.world, (lambda: ckpt.load_weights(c.init, self.model.layout))
                                  if self.rank0 and state is None and c.init else lambda: None)
         header = np.zeros(2, dtype=np.int64)
@@ -174,7 +180,7 @@ class AsyncTrainer:
             if self.rank0:
                 full = [self.model.layout.pack(state.params if state else weights or
                                                self.model.init_params(self.cfg.train.seed))]
-                full += [self.model.layout.pack(state.slots[s] if state else None) for s in self.optim.slots]
+                full += [self.model.layout.pack(state.slots.get(s) if state else None) for s in self.optim.slots]
             counts = [hi - lo for lo, hi in self.ranges]
             displs = [lo for lo, _ in self.ranges]
             for i, buf in enumerate([self.params] + list(self.optim.slots.values())):
@@ -192,6 +198,8 @@ class AsyncTrainer:
         if not self.is_server:
             self.sampler.offset = self.order_offset
         self.step, optim_step = int(header[0]), int(header[1])
+        if state is not None or self.step:
+            self._saved_step = self.step  # resumed: that checkpoint holds this step already (not written again)
         if self.is_server:
             self.optim.step_count = optim_step
         self.log(f"hpctrain: parameter server, {self.S} server(s) and {self.W} worker(s), staleness {self.k}, "
@@ -210,7 +218,8 @@ class AsyncTrainer:
         pieces, opened = range_pieces(self.model.layout, lo, hi), {}
         try:
             for label, buf in [("params", self.params)] + list(self.optim.slots.items()):
-                ckpt_read.read_set(index, label, pieces, buf.data, opened=opened)
+                if label in index.labels:  # else a slot that starts at zero (checkpointing.ZERO_START_SLOTS)
+                    ckpt_read.read_set(index, label, pieces, buf.data, opened=opened)
         finally:
             sharded.close_all(opened)
         return index.state
@@ -220,6 +229,8 @@ class AsyncTrainer:
     def run(self) -> dict:
         """Train to ``train.steps`` on every worker (collective over the world); world rank 0 returns the metrics."""
         t = self.cfg.train
+        if self.step >= t.steps and self.step > 0:
+            self.log(finished_line(self.cfg, self.step))
         metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step,
                               tensorboard=t.tensorboard if self.rank0 else "")
         try:
@@ -405,7 +416,7 @@ class AsyncTrainer:
             optim_step=self.optim.step_count if self.is_server else 0,
             slots={name: {} for name in names},
             rng={"data_seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "init_seed": cfg.train.seed},
-            vocabulary=self._vocabulary() if self.rank0 else "")
+            vocabulary=self._vocabulary() if self.rank0 else "", data_fingerprint=self.data_fingerprint)
         items = []
         if self.is_server:
             lo, hi = self.ranges[self.servers_comm.Get_rank()]

@@ -289,12 +289,20 @@ def resume(t, candidates: list[str], *, auto: bool, load=None, place=None):
     return None, False
 
 
+ZERO_START_SLOTS = frozenset({"momentum_buffer"})  # torch.optim.SGD makes it at its first step: buf = grad,
+# which is what a zero buffer gives (dampening 0); Adam's moments are not (its bias correction counts the steps)
+
+
 def check_optimizer(t, path, name, slots) -> None:
-    if name != t.optim.name or not set(t.optim.slots) <= slots:
+    """OptimizerMismatchError unless a checkpoint of optimizer ``name`` with ``slots`` can continue this run's
+    optimizer: the same one, holding every slot it keeps, or SGD whose momentum buffer starts at zero (the
+    checkpoint's run had no momentum; resume_check decides whether the momentum may change)."""
+    missing = set(t.optim.slots) - set(slots)
+    if name != t.optim.name or not missing <= ZERO_START_SLOTS:
         raise OptimizerMismatchError(f"{path}: written with optimizer {name!r} (slots {', '.join(sorted(slots)) or 'none'}"
-                                 f"), but optim.name is {t.optim.name!r} (slots "
-                                 f"{', '.join(sorted(t.optim.slots)) or 'none'}); to start from its weights, use it "
-                                 "as checkpoint.init")
+                                     f"), but optim.name is {t.optim.name!r} (slots "
+                                     f"{', '.join(sorted(t.optim.slots)) or 'none'}); to start from its weights, "
+                                     "use it as checkpoint.init with a new checkpoint.dir")
 
 
 def _load_here(t, path):
@@ -309,7 +317,8 @@ def _load_here(t, path):
     params, slots = held(t.part, t.optim.pieces)
     opened, t._loaded, t._by_rows = {}, {}, []
     try:
-        for label, buf in [("params", t.params)] + list(t.optim.slots.items()):
+        kept = [(k, v) for k, v in t.optim.slots.items() if k in index.labels]  # a missing one: ZERO_START_SLOTS
+        for label, buf in [("params", t.params)] + kept:
             out = buf.data if not t.be.is_device else np.zeros(buf.layout.size, dtype=np.float32)
             wanted = params if label == "params" else slots
             whole_shards = label == "params" or not t.shard

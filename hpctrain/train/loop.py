@@ -231,7 +231,8 @@ class Trainer:
             layout=dict(mesh.layout), params={}, optim_name=self.optim.name,
             optim_step=self.optim.step_count, slots={slot: {} for slot in self.optim.slots},
             rng={"data_seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "init_seed": cfg.train.seed},
-            vocabulary=getattr(self.data, "vocabulary", ""))
+            vocabulary=getattr(self.data, "vocabulary", ""),
+            data_fingerprint=self.data.fingerprint() if self.rank0 else "")  # taken at start-up (load_start)
         path = self.saver.save(state, background=background)
         return path if self.rank0 else ""
 
@@ -260,16 +261,12 @@ class Trainer:
         checkpoint; a checkpoint due during a shorter run of skipped steps waits for the next finite step.
         """
         cfg, t = self.cfg, self.cfg.train
-        if t.steps == 0:
+        if t.steps == 0 and self.step == 0:
             self.log("train.steps = 0: nothing to train" + (f" (checkpoint.init {cfg.checkpoint.init} loaded)" if
                                                              cfg.checkpoint.init else "")
                      + "; to evaluate a checkpoint on a file: hpctrain eval CHECKPOINT --data FILE")
-        if self.step >= t.steps > 0:
-            where = cfg.checkpoint.dir or cfg.checkpoint.resume  # the folder, or the checkpoint named
-            self.log(f"training already finished: {where} holds step {self.step}, and train.steps = {t.steps}; to "
-                     f"train further, raise train.steps past {self.step} (--set train.steps={self.step + t.steps}: "
-                     "the learning-rate schedule then differs from a run that had it from the start); to start "
-                     "afresh, point checkpoint.dir at a new folder")
+        if self.step >= t.steps and self.step > 0:  # resumed at or past the end: nothing trained or written
+            self.log(finished_line(cfg, self.step))
             return self._log_eval(MetricsFile("", on_record=self.on_record if self.rank0 else None)) \
                 if self.data.n_val else {}
         metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step,
@@ -451,6 +448,16 @@ class Trainer:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def finished_line(cfg, step: int) -> str:
+    """What a run resumed at ``step``, at or past ``train.steps``, says instead of training."""
+    c, steps = cfg.checkpoint, cfg.train.steps
+    where = c.dir or c.resume  # the folder, or the checkpoint named
+    return (f"training already finished: {where} holds step {step}, and train.steps = {steps}; to train further, "
+            f"raise train.steps past {step} (--set train.steps={step + (steps or step)}: the learning-rate schedule "
+            "then differs from a run that had it from the start); to start afresh, point checkpoint.dir at a new "
+            "folder")
 
 
 def log_line(message: str) -> None:

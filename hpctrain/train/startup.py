@@ -12,7 +12,7 @@ failure on one rank ends the job on all of them before any training message:
 * ``load_start``: the starting point: each rank reads its own pieces of a sharded checkpoint
   (train/checkpointing.py, collective); a single-file checkpoint or weights file is read whole on
   world rank 0 and handed out by ``scatter_start``, one buffer at a time (parallel/sharding.py);
-* ``candidates``, ``check_settings``, ``warn_about_resume`` (world rank 0): which checkpoints to try, whether
+* ``candidates``, ``check_resume``, ``warn_about_resume`` (world rank 0): which checkpoints to try, whether
   the one found is this run's, what a resumed run should be told; the parameter server uses them too.
 """
 
@@ -45,7 +45,7 @@ from ..params import FlatBuffer
 from .resume_check import changed_settings, resume_problem
 
 __all__ = ["RankParts", "RankState", "prepare_data", "build", "scan_data", "scan_share", "lock_checkpoint_dir", "make_state", "load_start",
-           "candidates", "check_settings", "order_offset", "warn_about_resume", "scatter_start"]
+           "candidates", "check_resume", "order_offset", "warn_about_resume", "scatter_start"]
 
 
 def prepare_data(t) -> None:
@@ -233,13 +233,15 @@ def load_start(t) -> None:
     from .checkpointing import resume
 
     mesh = t.mesh
-    paths, auto = run_everywhere(mesh.world, (lambda: candidates(t)) if mesh.rank == 0 else lambda: ([], False))
+    # rank 0 writes the checkpoints' root attributes and compares them: the data's fingerprint, read here once
+    paths, auto = run_everywhere(mesh.world, (lambda: (t.data.fingerprint(), candidates(t))[1]) if mesh.rank == 0
+                                 else lambda: ([], False))
     flag = np.array([1 if auto else 0], dtype=np.int8)
     mesh.world.Bcast(flag, root=0)
     state, whole = resume(t, paths, auto=bool(flag[0]))
-    if flag[0]:  # the run found in checkpoint.dir must be this one (train/resume_check.py); rank 0 holds a state
-        run_everywhere(mesh.world, (lambda: check_settings(t, state)) if mesh.rank == 0 and state is not None
-                       else lambda: None)
+    vocabulary = getattr(t.data, "vocabulary", "")  # the checkpoint must belong to this run: rank 0 holds its state
+    run_everywhere(mesh.world, (lambda: check_resume(t, state, bool(flag[0]), t.data.fingerprint(), vocabulary))
+                   if mesh.rank == 0 and state is not None else lambda: None)
     if state is not None and not whole:  # every rank holds its pieces already
         t.step, t.optim.step_count = state.step, state.optim_step
         t.log(f"resuming from {state.path} at step {state.step}"
@@ -274,11 +276,25 @@ def candidates(t) -> tuple[list[str], bool]:
     return [], False
 
 
-def check_settings(t, state) -> None:
-    """CheckpointError when the checkpoint that resume = "auto" found was written with other settings."""
-    problem = resume_problem(state.path, changed_settings(state.config_text, t.cfg))
-    if problem:
-        raise CheckpointError(problem)
+def check_resume(t, state, auto: bool, fingerprint: str, vocabulary: str) -> None:
+    """CheckpointError when the checkpoint resumed does not belong to this run: written for another vocabulary
+    (any resume: its token ids would mean other characters), or, found by ``resume = "auto"``, with other
+    settings or other data (``fingerprint``: this run's data, data.fingerprint)."""
+    if state.vocabulary and vocabulary and state.vocabulary != vocabulary:
+        raise CheckpointError(f"{state.path} was written for the vocabulary {_chars(state.vocabulary)} and "
+                              f"{t.cfg.data.path} has {_chars(vocabulary)}: its token ids would mean other "
+                              "characters; train on a token file made with the checkpoint's vocabulary, or give "
+                              "this run a new checkpoint.dir")
+    if auto:
+        changed = changed_settings(state.config_text, t.cfg, data=(state.data_fingerprint, fingerprint))
+        problem = resume_problem(state.path, changed, t.cfg.checkpoint.allow_changed)
+        if problem:
+            raise CheckpointError(problem)
+
+
+def _chars(vocabulary: str) -> str:
+    shown = repr(vocabulary if len(vocabulary) <= 24 else vocabulary[:21] + "...")
+    return f"{shown} ({len(vocabulary)} characters)"
 
 
 def order_offset(log, cfg, state, steps_per_epoch: int) -> int:
@@ -358,7 +374,7 @@ def scatter_start(t, state, weights) -> None:
     del full
     for slot, buf in t.optim.slots.items():  # a fresh start's optimizer state is the zeros it was made with
         if header[2]:
-            _scatter_buffer(t, ranges, t.model.layout.pack(state.slots[slot]) if rank0 else None, buf)
+            _scatter_buffer(t, ranges, t.model.layout.pack(state.slots.get(slot)) if rank0 else None, buf)
 
 
 def _scatter_buffer(t, ranges, full, buf) -> None:

@@ -29,18 +29,23 @@ def failing(self, step, *args):
         raise RuntimeError("disk on fire")
     return original(self, step, *args)
 train.Trainer.train_step = failing
-sys.exit(main(["train", sys.argv[1]]))
+sys.exit(main(["train", *sys.argv[1:]]))
 """
 
 CONFIG = toml_job(train={"steps": 50})
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")
-def test_exception_on_one_rank_aborts_the_job(tmp_path):
+@pytest.mark.parametrize("saving", [False, True], ids=["no-save", "save-in-flight"])
+def test_exception_on_one_rank_aborts_the_job(tmp_path, saving):
+    """With a checkpoint written in the background at every step, the failing rank has one in flight: it must
+    not wait to commit it in a collective the other rank (waiting in the gradient sync) never joins."""
     make_classification(tmp_path / "d.h5", n=64)
     (tmp_path / "c.toml").write_text(CONFIG)
     (tmp_path / "fail.py").write_text(SCRIPT)
-    proc = subprocess.run(mpi_command(MPIEXEC, 2, sys.executable, str(tmp_path / "fail.py"), str(tmp_path / "c.toml")),
+    extra = ["--set", f"checkpoint.dir={tmp_path / 'ck'}", "--set", "checkpoint.every=1"] if saving else []
+    proc = subprocess.run(mpi_command(MPIEXEC, 2, sys.executable, str(tmp_path / "fail.py"), str(tmp_path / "c.toml"),
+                                      *extra),
                           cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "hpctrain: error [rank 1/2]: RuntimeError: disk on fire" in proc.stderr, proc.stderr

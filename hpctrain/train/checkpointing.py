@@ -115,6 +115,11 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         return self._commit(pending)
 
+    def abandon(self) -> None:
+        """Drop the save in flight without a collective (this rank failed alone; the job is ending): its
+        writer thread may still be writing the shard, under the set's temporary name, which no resume reads."""
+        self._pending = None
+
     def _commit(self, pending) -> str:
         state, set_id, manifest, outcome, t0, snap, thread = pending
         if thread is not None:

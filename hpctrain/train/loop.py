@@ -93,6 +93,7 @@ class Trainer:
         self._own_stop = stop is None
         self._stop = StopFlag() if stop is None else stop
         self._lock = None  # world rank 0's lock on checkpoint.dir, held until close()
+        self._failed_alone = False  # run() raised on this rank alone: close() does nothing collective
         try:
             self._build(cfg, mesh, log)
         except BaseException:
@@ -254,6 +255,20 @@ class Trainer:
 
     def run(self):
         """Train until ``train.steps`` (collective: every rank calls it). Returns the last metrics (on every rank).
+
+        An error this rank raises alone (not one every rank agreed on) leaves the other ranks anywhere, most
+        likely waiting for this one in a collective: ``close()`` then does nothing collective (a checkpoint
+        still being written is abandoned, never committed), so the error reaches the caller, which ends the job
+        (the CLI: ``abort_world``), instead of waiting in a commit no other rank joins."""
+        try:
+            return self._run()
+        except BaseException as e:
+            if not (isinstance(e, QuietExit) or getattr(e, "collective", False)):
+                self._failed_alone = True
+            raise
+
+    def _run(self):
+        """``run``'s loop.
 
         SIGTERM and SIGUSR1 (what Slurm sends before a time limit) stop the run at the next step
         boundary, after a checkpoint when ``checkpoint.dir`` is set. With ``train.skip_nonfinite``,
@@ -423,11 +438,15 @@ class Trainer:
     def close(self):
         """Commit a checkpoint still being written in the background (``save_checkpoint(background=True)`` with no
         ``run()`` after it; collective), stop the gradient sync's thread, close the data file, free the mesh if the
-        Trainer made it (collective then), and release the lock on ``checkpoint.dir``."""
+        Trainer made it (collective then), and release the lock on ``checkpoint.dir``. After ``run()`` raised on
+        this rank alone, nothing collective: the save in flight is abandoned and the mesh left to the abort."""
         try:
             self._restore_signals()
             try:
-                self.saver.finish()  # nothing when no save is in flight (run() commits its own before it returns)
+                if self._failed_alone:
+                    self.saver.abandon()
+                else:
+                    self.saver.finish()  # nothing when no save is in flight (run() commits its own before returning)
             finally:  # a save that failed is reported after everything below is released
                 self.sync.close()
                 self.data.close()
@@ -435,7 +454,7 @@ class Trainer:
                     self._p2p.free()
                 if self.diag is not None:
                     self.diag.close()
-                if self._own_mesh:
+                if self._own_mesh and not self._failed_alone:
                     self.mesh.free()
         finally:
             self._release_lock()

@@ -42,6 +42,9 @@ def any_rank(self, comm):
             return False
         if fault == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        if fault == "sleep":  # stuck in its own code (a hung read, an endless loop): heartbeats go on
+            import time
+            time.sleep(120)
         if fault == "raise":
             from hpctrain.errors import DataError
             raise DataError("injected: the data went away")
@@ -102,6 +105,15 @@ def test_a_stopped_rank_is_named_by_the_watchdog(tmp_path):
     assert proc.returncode != 0 and took < 60 and len(lines) == 1, proc.stderr[-3000:]
     assert "rank 1 sent nothing for" in lines[0] and "(stopped or frozen)" in lines[0], lines[0]
     assert "rank 0: step 3, in Allreduce #" in lines[0], lines[0]
+
+
+def test_a_rank_stuck_outside_mpi_is_named_first_as_what_the_others_wait_for(tmp_path):
+    proc, took = run_job(tmp_path, "sleep", "train.collective_timeout=3")
+    lines = error_lines(proc)
+    assert proc.returncode != 0 and took < 60 and len(lines) == 1, proc.stderr[-3000:]
+    stuck = lines[0].split("the job is stuck: ", 1)[1]
+    assert stuck.startswith("rank 1 is outside MPI while the others wait for it: step 3, in no MPI call"), lines[0]
+    assert "; rank 0: step 3, in Allreduce #" in stuck, lines[0]
 
 
 def test_with_the_watchdog_on_an_error_on_one_rank_is_still_its_own_one_line(tmp_path):

@@ -24,8 +24,9 @@ collective the job calls (through the proxy, so the call sites stay as they are)
   ``timeout / 5`` seconds (a duplicate of the world communicator, point-to-point, so
   it needs MPI_THREAD_MULTIPLE). When a rank has been inside one MPI call for longer
   than the timeout, or a rank has sent nothing for that long (stopped, or its process
-  hung outside Python), rank 0 prints one line naming every rank's state, the
-  stuck and the silent ones first, and aborts the job (exit status 1). If rank 0 itself
+  hung outside Python), rank 0 prints one line naming every rank's state: the silent
+  ones first, then those in no MPI call while others wait in one (stuck in their own
+  code: the likely cause), then the stuck ones, and aborts the job (exit status 1). If rank 0 itself
   is the one that went silent, every other rank aborts on its own after twice the timeout.
 
 Off (both settings at their defaults), nothing here is created: the communicators are
@@ -295,8 +296,14 @@ class _Monitor:
                     silent = [r for r in range(1, n) if r in silent or now - seen[r] > 2.5 * self.period]
                     late = [r for r in late if r not in silent]
                     rest = [r for r in range(n) if r not in silent and r not in late]
-                    parts = [f"rank {r} sent nothing for {now - seen[r]:.1f} s (stopped or frozen); last heard: "
-                             f"{texts[r]}" for r in silent] + [f"rank {r}: {texts[r]}" for r in late + rest]
+                    # a rank in no MPI call while others wait in one holds the job up from outside MPI (its
+                    # Python, a read, a lock): named right after the silent ones, as the likely cause
+                    outside = [r for r in rest if late and stuck[r] == 0.0]
+                    rest = [r for r in rest if r not in outside]
+                    parts = ([f"rank {r} sent nothing for {now - seen[r]:.1f} s (stopped or frozen); last heard: "
+                              f"{texts[r]}" for r in silent]
+                             + [f"rank {r} is outside MPI while the others wait for it: {texts[r]}" for r in outside]
+                             + [f"rank {r}: {texts[r]}" for r in late + rest])
                     end_job(f"collective_timeout = {self.diag.timeout:g} s: the job is stuck: " + "; ".join(parts))
         finally:
             for r in range(1, n):

@@ -17,6 +17,7 @@ MPIEXEC = shutil.which("mpiexec")
 
 # rank 1 raises in its third step while rank 0 goes on into the gradient Allreduce
 SCRIPT = """
+import os
 import sys
 import time
 from mpi4py import MPI
@@ -25,6 +26,9 @@ from hpctrain.cli import main
 
 original = train.Trainer.train_step
 def failing(self, step, *args):
+    if os.environ.get("FAIL_EVERYWHERE") and step == 2:  # every rank at once: the same bad file under all
+        from hpctrain.errors import DataError
+        raise DataError(f"the data went away (rank {MPI.COMM_WORLD.rank})")
     if MPI.COMM_WORLD.rank == 1 and step == 2:
         raise RuntimeError("disk on fire")
     return original(self, step, *args)
@@ -49,6 +53,26 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path, saving):
                           cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "hpctrain: error [rank 1/2]: RuntimeError: disk on fire" in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+def test_an_error_every_rank_hits_at_once_is_one_line(tmp_path):
+    """The lowest failing rank speaks first and its abort ends the others: one line, not one per rank."""
+    make_classification(tmp_path / "d.h5", n=64)
+    (tmp_path / "c.toml").write_text(CONFIG)
+    (tmp_path / "fail.py").write_text(SCRIPT)
+    proc = subprocess.run(mpi_command(MPIEXEC, 2, sys.executable, str(tmp_path / "fail.py"), str(tmp_path / "c.toml")),
+                          cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT, "FAIL_EVERYWHERE": "1"}),
+                          capture_output=True, text=True, timeout=120)
+    lines = hpctrain_lines(proc.stderr)
+    assert proc.returncode == 2 and lines == ["hpctrain: error [rank 0/2]: the data went away (rank 0)"], proc.stderr
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+def test_a_command_line_typo_under_mpiexec_prints_its_usage_once(tmp_path):
+    proc = subprocess.run(mpi_command(MPIEXEC, 2, sys.executable, "-m", "hpctrain", "trian", "x.toml"), cwd=ROOT,
+                          env=launcher_env({"PYTHONPATH": ROOT}), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("invalid choice: 'trian'") == 1, proc.stderr
 
 
 # under pp = 2, stage 1 raises in a backward pass while stage 0 waits for its gradient (or in a forward

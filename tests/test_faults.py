@@ -248,6 +248,34 @@ sys.exit(main(["train", sys.argv[1]]))
 """
 
 
+ONE_RANK_SIGNAL = """
+import os, signal, sys
+from mpi4py import MPI
+import hpctrain.train as train
+from hpctrain.cli import main
+
+step = train.Trainer.train_step
+def step_then_signal(self, s, lr):
+    out = step(self, s, lr)
+    if s == 2 and MPI.COMM_WORLD.rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    return out
+train.Trainer.train_step = step_then_signal
+sys.exit(main(["train", sys.argv[1]]))
+"""
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+def test_a_signal_to_one_rank_is_named_with_that_rank_in_rank_0s_log(tmp_path):
+    make_classification(tmp_path / "d.h5", n=64)
+    (tmp_path / "job.toml").write_text(toml_job(train={"steps": 50}, checkpoint={"dir": "ck"}))
+    proc = subprocess.run(mpi_command(MPIEXEC, 2, sys.executable, "-c", ONE_RANK_SIGNAL, str(tmp_path / "job.toml")),
+                          cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT}), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "signal SIGUSR1 (on rank 1) received: stopping at step 3" in proc.stdout, proc.stdout
+
+
 @pytest.mark.parametrize("when", ["start-up", "twice"])
 def test_signals_are_recorded_from_start_up_to_the_stop_checkpoint(tmp_path, when):
     make_classification(tmp_path / "d.h5", n=64)

@@ -56,15 +56,20 @@ class StopFlag:
         self._install("SIGINT")
 
     def any_rank(self, comm) -> bool:
-        """True on every rank when any rank has received a stop signal (collective over ``comm``)."""
+        """True on every rank when any rank has received a stop signal (collective over ``comm``). A rank that
+        received none learns which and where: ``name`` becomes e.g. "SIGTERM (on rank 3)" (the lowest rank
+        with the highest-numbered signal, one int64 Allreduce as before)."""
         import numpy as np
         from mpi4py import MPI
 
-        flag = np.array([1 if self.name else 0], dtype=np.int32)
-        if comm.Get_size() > 1:
+        size = comm.Get_size()
+        signum = int(getattr(signal, self.name, 0)) if self.name.startswith("SIG") else 0
+        flag = np.array([signum * size + (size - 1 - comm.Get_rank()) if signum else 0], dtype=np.int64)
+        if size > 1:
             comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
         if flag[0] and not self.name:
-            self.name = "from another rank"
+            signum, rank = divmod(int(flag[0]), size)
+            self.name = f"{signal.Signals(signum).name} (on rank {size - 1 - rank})"
         return bool(flag[0])
 
     def ignore_until_exit(self) -> None:

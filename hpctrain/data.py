@@ -458,24 +458,28 @@ def continue_order(step: int, epoch: int, position: int, then_batch: int, batch:
     return step - (epoch * steps_per_epoch + k), skipped
 
 
-FINGERPRINT_SLICES = 16
-FINGERPRINT_VALUES = 4096  # about this many values a slice
+FINGERPRINT_WHOLE_BYTES = 32 << 20  # a dataset up to this size is hashed whole
+FINGERPRINT_SLICES = 16  # a larger one: this many slices spread over its rows,
+FINGERPRINT_VALUES = 4096  # of about this many values each
 
 
 def fingerprint(path, datasets) -> str:
-    """What a data file holds for a run, as 16 hex digits: each dataset's shape and dtype and 16 slices of
-    about 4096 values spread over its rows (the first and the last among them), hashed (SHA-256). A copy of the
-    file, or the same values written again, gives the same; other data almost surely not. A few small reads, not
-    a check of every value (the start-up scan's job). Checkpoints keep it (``data_fingerprint``), so that
-    ``resume = "auto"`` can tell a run continued on other data (train/resume_check.py)."""
+    """What a data file holds for a run, as 16 hex digits: each dataset's shape and dtype and its values,
+    hashed (SHA-256): every value of a dataset up to 32 MiB, else 16 slices of about 4096 values spread over its
+    rows (the first and the last among them; a change between them goes unnoticed). A copy of the file, or the
+    same values written again, gives the same. Read on one rank at start-up: a few milliseconds for a small
+    file, a few small reads for a large one (whose values the start-up scan checks). Checkpoints keep it
+    (``data_fingerprint``), so that ``resume = "auto"`` can tell a run continued on other data
+    (train/resume_check.py)."""
     h = hashlib.sha256()
     for d in datasets:
         dtype = np.dtype(d.dtype).newbyteorder("<")
         h.update(f"{tuple(d.shape)} {dtype.str};".encode())
         n, row = d.shape[0], math.prod(d.shape[1:]) or 1
-        take = max(1, min(n, FINGERPRINT_VALUES // row))
-        for i in range(FINGERPRINT_SLICES):
-            lo = (n - take) * i // (FINGERPRINT_SLICES - 1)
+        whole = n * row * dtype.itemsize <= FINGERPRINT_WHOLE_BYTES
+        take = n if whole else max(1, min(n, FINGERPRINT_VALUES // row))
+        for i in range(1 if whole else FINGERPRINT_SLICES):
+            lo = 0 if whole else (n - take) * i // (FINGERPRINT_SLICES - 1)
             try:
                 values = d[lo : lo + take]
             except H5_ERRORS as e:

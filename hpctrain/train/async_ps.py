@@ -229,10 +229,11 @@ class AsyncTrainer:
     def run(self) -> dict:
         """Train to ``train.steps`` on every worker (collective over the world); world rank 0 returns the metrics."""
         t = self.cfg.train
-        if self.step >= t.steps and self.step > 0:
+        finished = self.step >= t.steps and self.step > 0  # resumed at or past the end: nothing written
+        if finished:
             self.log(finished_line(self.cfg, self.step))
-        metrics = MetricsFile(t.metrics if self.rank0 else "", resume_step=self.step,
-                              tensorboard=t.tensorboard if self.rank0 else "")
+        metrics = MetricsFile(t.metrics if self.rank0 and not finished else "", resume_step=self.step,
+                              tensorboard=t.tensorboard if self.rank0 and not finished else "")
         try:
             if self.is_server:
                 self._serve(metrics)

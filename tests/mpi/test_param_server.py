@@ -298,3 +298,37 @@ def test_checkpoint_every_writes_between_updates_and_resumes(comm, data, shared_
     summary = run_async(longer)
     if comm.rank == 0:
         assert summary["step"] == 8 and summary["updates_per_worker"] and sum(summary["updates_per_worker"]) == 2 * W
+
+
+def test_a_finished_run_resumed_again_writes_nothing(comm, data, shared_dir):
+    """At or past train.steps the parameter server, like the synchronous trainer, says so and evaluates, and
+    writes neither a checkpoint nor a metrics line."""
+    if comm.size < 2:
+        pytest.skip("a server and a worker need two ranks")
+    S = servers(comm)
+    W = comm.size - S
+    ck = f"{shared_dir}/ck-finished"
+    cfg = config(data, optim=SGD, train={"steps": 2, "batch_size": 4 * W, "metrics": f"{shared_dir}/finished.jsonl"},
+                 parallel={"mode": "async_ps", "servers": S}, checkpoint={"dir": ck})
+    run_async(cfg)
+    comm.Barrier()
+
+    def written():
+        with open(f"{shared_dir}/finished.jsonl") as f:
+            return sorted(os.listdir(ck)), f.read()
+
+    before = written() if comm.rank == 0 else None
+    lines = []
+    trainer = AsyncTrainer(cfg, log=lines.append)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    problem = None
+    if comm.rank == 0:
+        if written() != before:
+            problem = f"a finished run wrote: {before[0]} -> {written()[0]}"
+        elif not any("training already finished" in line for line in lines):
+            problem = f"no 'already finished' line: {lines}"
+    problem = comm.bcast(problem, root=0)
+    assert problem is None, problem

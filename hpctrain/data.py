@@ -458,13 +458,14 @@ def continue_order(step: int, epoch: int, position: int, then_batch: int, batch:
     return step - (epoch * steps_per_epoch + k), skipped
 
 
+FINGERPRINT_VERSION = "v1"  # what is hashed: fingerprints of another version are not compared
 FINGERPRINT_WHOLE_BYTES = 32 << 20  # a dataset up to this size is hashed whole
 FINGERPRINT_SLICES = 16  # a larger one: this many slices spread over its rows,
 FINGERPRINT_VALUES = 4096  # of about this many values each
 
 
 def fingerprint(path, datasets) -> str:
-    """What a data file holds for a run, as 16 hex digits: each dataset's shape and dtype and its values,
+    """What a data file holds for a run, as ``v1:`` and 16 hex digits: each dataset's shape and dtype and its values,
     hashed (SHA-256): every value of a dataset up to 32 MiB, else 16 slices of about 4096 values spread over its
     rows (the first and the last among them; a change between them goes unnoticed). A copy of the file, or the
     same values written again, gives the same. Read on one rank at start-up: a few milliseconds for a small
@@ -485,7 +486,7 @@ def fingerprint(path, datasets) -> str:
             except H5_ERRORS as e:
                 raise DataError(f"{path}: cannot read rows {lo} to {lo + take - 1} of {d.name!r}: {shown(e)}") from None
             h.update(np.ascontiguousarray(values, dtype=dtype).tobytes())
-    return h.hexdigest()[:16]
+    return f"{FINGERPRINT_VERSION}:{h.hexdigest()[:16]}"
 
 
 def file_fingerprint(cfg) -> str:

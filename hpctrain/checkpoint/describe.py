@@ -66,7 +66,8 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
                   f"{fmt.DIGEST} per dataset, written by hpctrain "
                   f"{shown(fmt.decode_attr(f.attrs.get('hpctrain_version')))} "
                   f"at {shown(fmt.decode_attr(f.attrs.get('created')))}",
-                  f"  step {state.step}, epoch {state.epoch}, data position {state.data_position} steps into the epoch",
+                  f"  step {state.step}, epoch {state.epoch}, data position {state.data_position} steps into the epoch"
+                  + (f"; data fingerprint {shown(state.data_fingerprint)}" if state.data_fingerprint else ""),
                   f"  layout: world_size {lay['world_size']} = dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']}",
                   f"  optimizer: {state.optim_name}, {state.optim_step} optimizer steps",
                   "  rng: " + (", ".join(f"{k}={shown(repr(v))}" for k, v in state.rng.items()) or "none"),

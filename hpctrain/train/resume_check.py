@@ -69,7 +69,8 @@ def changed_settings(saved_toml: str, cfg, *, data: tuple[str, str] = ("", "")) 
     allowed = MAY_DIFFER | set(cfg.checkpoint.allow_changed)
     then_data, now_data = data
     out = []
-    if then_data and now_data and then_data != now_data and DATA not in cfg.checkpoint.allow_changed:
+    comparable = then_data.partition(":")[0] == now_data.partition(":")[0]  # hashed the same way (data.py)
+    if then_data and now_data and comparable and then_data != now_data and DATA not in cfg.checkpoint.allow_changed:
         out.append((DATA, then_data, now_data))
     if not saved_toml:
         return out  # a checkpoint written without its config: no settings to compare

@@ -22,7 +22,7 @@ def main():
     p.add_argument("--steps", type=int, default=600, help="training steps (default 600)")
     p.add_argument("--out", default="runs/examples/digits", help="folder for checkpoints and metrics")
     args = p.parse_args()
-    out = os.path.abspath(args.out)  # relative paths in overrides resolve against the config file's folder
+    out = os.path.abspath(args.out)  # (relative paths in overrides resolve against the working directory too)
     cfg = load_config(CONFIG, [f"train.steps={args.steps}", f"train.eval_every={args.steps}",
                                f'checkpoint.dir="{out}"', f'train.metrics="{out}/metrics.jsonl"'])
     trainer = Trainer(cfg)  # collective: the mesh comes from [parallel] over COMM_WORLD

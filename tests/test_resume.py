@@ -299,3 +299,22 @@ def test_the_optimizer_refusal_says_how_to_start_from_the_weights(tmp_path, mesh
     run(config(tmp_path / "d.h5", train={"steps": 2}, checkpoint={"dir": ckdir}, optim={"name": "adamw"}), mesh)
     with pytest.raises(CheckpointError, match="use it as checkpoint.init with a new checkpoint.dir"):
         run(config(tmp_path / "d.h5", train={"steps": 4}, checkpoint={"dir": ckdir}, optim={"name": "sgd"}), mesh)
+
+
+def test_a_trainer_gives_the_signals_back_when_run_ends(tmp_path, mesh):
+    """Made without a stop flag, a Trainer records SIGTERM/SIGUSR1 from its construction to the end of run() (and
+    SIGINT while the stop checkpoint is written), then puts the handlers back: what a script does afterwards
+    can be interrupted (Ctrl-C was swallowed until close()). A second run() takes them again."""
+    import signal
+
+    make_classification(tmp_path / "d.h5", n=96)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    trainer = Trainer(config(tmp_path / "d.h5", train={"steps": 2}), mesh=mesh, log=lambda *a: None)
+    try:
+        assert signal.getsignal(signal.SIGTERM) != before[signal.SIGTERM]
+        for _ in range(2):
+            trainer.run()
+            assert {s: signal.getsignal(s) for s in before} == before
+    finally:
+        trainer.close()
+    assert {s: signal.getsignal(s) for s in before} == before

@@ -21,7 +21,12 @@ __all__ = ["Mesh", "resolve_layout", "mpi_cuda_aware"]
 
 
 def resolve_layout(world_size: int, dp, pp: int, tp: int) -> tuple[int, int, int]:
-    """Return (dp, pp, tp) for ``world_size``; ``dp = "auto"`` is world / (pp · tp)."""
+    """Return (dp, pp, tp) for ``world_size``; ``dp = "auto"`` is world / (pp · tp). LayoutError for sizes that
+    are not positive integers (dp may be "auto") or do not multiply to the world size."""
+    for key, value in (("dp", dp), ("pp", pp), ("tp", tp)):
+        if not (key == "dp" and value == "auto") and (type(value) is not int or value < 1):
+            raise LayoutError(f"parallel.{key} = {value!r}: expected a positive integer"
+                              + (' or "auto"' if key == "dp" else ""))
     if world_size % (pp * tp):
         raise LayoutError(f"world size {world_size} is not divisible by parallel.pp · parallel.tp = {pp} · {tp}")
     if dp == "auto":
@@ -39,6 +44,8 @@ class Mesh:
         from mpi4py import MPI
 
         base = comm if comm is not None else MPI.COMM_WORLD
+        if not isinstance(base, MPI.Comm):
+            raise LayoutError(f"Mesh(comm=...): expected an mpi4py communicator, got {type(base).__name__}")
         self.dp, self.pp, self.tp = resolve_layout(base.Get_size(), dp, pp, tp)  # local: no collective yet
         self.world = base.Dup()
         self.rank, self.size = self.world.Get_rank(), self.world.Get_size()

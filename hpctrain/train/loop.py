@@ -31,7 +31,7 @@ import numpy as np
 
 from .. import checkpoint as ckpt
 from .._memory import keep_freed_memory
-from ..errors import NonFiniteError
+from ..errors import ConfigError, NonFiniteError
 from ..parallel.agree import QuietExit, check_same_everywhere, run_everywhere
 from ..parallel import deterministic
 from ..parallel.data_parallel import GradSync
@@ -94,22 +94,45 @@ class Trainer:
         self._stop = StopFlag() if stop is None else stop
         self._lock = None  # world rank 0's lock on checkpoint.dir, held until close()
         self._failed_alone = False  # run() raised on this rank alone: close() does nothing collective
+        self._made_mesh = None  # the Mesh built here from cfg.parallel (no mesh given): freed by close()
         try:
             self._build(cfg, mesh, log)
-        except BaseException:
-            self._restore_signals()
-            if getattr(self, "diag", None) is not None:
-                self.diag.close()  # its watchdog thread and duplicates; not collective
-            self._release_lock()
+        except BaseException as e:
+            self._undo_build(agreed=isinstance(e, QuietExit) or getattr(e, "collective", False))
             raise
 
+    def _undo_build(self, *, agreed: bool) -> None:
+        """A failed construction gives back what it took: signal handlers, the watchdog, the gradient sync's
+        thread, the data file, the lock, and (when every rank failed together, so that freeing it is safe) the
+        mesh it made; a script that catches the error and goes on leaks no communicators."""
+        self._restore_signals()
+        for name in ("diag", "sync"):  # threads and duplicates: not collective
+            if getattr(self, name, None) is not None:
+                getattr(self, name).close()
+        parts = getattr(self, "parts", None)
+        if parts is not None:
+            parts.data.close()
+        if agreed:  # communicators are freed together
+            if getattr(self, "_p2p", None) is not None:
+                self._p2p.free()
+            if self._made_mesh is not None:
+                self._made_mesh.free()
+        self._release_lock()
+
     def _build(self, cfg, mesh, log):
+        if cfg.parallel.mode != "sync":
+            raise ConfigError(f'parallel.mode = "{cfg.parallel.mode}": Trainer trains synchronously; the parameter '
+                              "server is hpctrain.train.async_ps.AsyncTrainer(cfg) (what hpctrain train runs for "
+                              "this mode)")
         self._own_mesh = mesh is None  # made here from cfg.parallel over COMM_WORLD; freed by close()
         if mesh is None:
-            from ..parallel.mesh import Mesh
+            from mpi4py import MPI
 
-            p = cfg.parallel
-            mesh = Mesh(dp=p.dp, pp=p.pp, tp=p.tp)
+            from ..parallel.mesh import Mesh, resolve_layout
+
+            p = cfg.parallel  # a misfit is one error from the lowest rank, before any communicator is made
+            run_everywhere(MPI.COMM_WORLD, lambda: resolve_layout(MPI.COMM_WORLD.Get_size(), p.dp, p.pp, p.tp))
+            mesh = self._made_mesh = Mesh(dp=p.dp, pp=p.pp, tp=p.tp)
         self.rank0 = mesh.rank == 0
         self.log = (log or log_line) if self.rank0 else (lambda *a, **k: None)
         # train.deterministic: its micro-batches are shards / dp (parallel/deterministic.py)
@@ -260,12 +283,16 @@ class Trainer:
         likely waiting for this one in a collective: ``close()`` then does nothing collective (a checkpoint
         still being written is abandoned, never committed), so the error reaches the caller, which ends the job
         (the CLI: ``abort_world``), instead of waiting in a commit no other rank joins."""
+        if self._own_stop:
+            self._stop.install()  # after an earlier run() gave the handlers back
         try:
             return self._run()
         except BaseException as e:
             if not (isinstance(e, QuietExit) or getattr(e, "collective", False)):
                 self._failed_alone = True
             raise
+        finally:  # a Trainer made without a stop flag gives the signals back when run() ends (the command line
+            self._restore_signals()  # keeps its own flag's until the process exits)
 
     def _run(self):
         """``run``'s loop.

@@ -35,6 +35,10 @@ class StopFlag:
 
     def __init__(self):
         self.name, self.later, self._old = "", [], {}
+        self.install()
+
+    def install(self) -> None:
+        """Record SIGTERM and SIGUSR1 from now on (again, after ``restore``)."""
         for name in self.SIGNALS:
             self._install(name)
 

@@ -286,10 +286,16 @@ def _plugin_layer(where: str, plugin, table: dict) -> LayerSpec:
         if key not in args:
             raise ConfigError(f"{where}: a {plugin.name} layer needs {key!r}")
     args = {**plugin.defaults, **args}
+    from .nn.layers import Layer, not_a_layer
+
     try:
         layer = plugin.build(**args)
+        if not isinstance(layer, Layer):
+            raise ConfigError(f"{where}: {not_a_layer(plugin.name, plugin, layer)}")
         names = [name for name, _ in layer.params]
         shapes = [tuple(int(n) for n in shape) for _, shape in layer.params]
+    except ConfigError:
+        raise
     except Exception as e:  # the layer's own check of its arguments
         raise ConfigError(f"{where}: {plugin.name} layer ({plugin.module}): {type(e).__name__}: {e}") from None
     if any(n < 1 for shape in shapes for n in shape):

@@ -67,6 +67,13 @@ def register_layer(name: str, build: Callable[..., Any], *, keys: dict | None = 
     unknown = [k for k in (*required, *defaults) if k not in keys]
     if unknown:
         raise ConfigError(f"register_layer({name!r}): {unknown[0]!r} is required or defaulted but not in keys")
+    for key, value in defaults.items():
+        want = keys[key]
+        fits = isinstance(value, want) and not (want is int and isinstance(value, bool)) or \
+            (want is float and isinstance(value, int) and not isinstance(value, bool))
+        if not fits:
+            raise ConfigError(f"register_layer({name!r}): the default of {key!r} must be {want.__name__} as its key "
+                              f"says, got {value!r}")
     kind = LayerKind(name, build, keys, required, defaults, _module_name(build))
     known = _REGISTERED.get(name)
     if known is not None and known.build is not build:

@@ -260,3 +260,34 @@ def test_a_layer_that_computes_with_numpy_in_place_trains_and_is_planned(tmp_pat
     t.run()
     t.close()
     assert plan(cfg, 1)[0].activation_bytes > 0
+
+
+class NotALayer:
+    """Everything user-guide.md lists, but not a subclass of hpctrain.nn.Layer."""
+
+    def __init__(self, dim: int):
+        self.in_features = self.out_features = dim
+        self.params = (("scale", (dim,)),)
+
+    def init(self, rng):
+        return {"scale": np.ones(self.in_features, np.float32)}
+
+    def forward(self, be, x):
+        return x, None
+
+    def backward(self, be, dout, saved, accumulate=False, need_dinp=True):
+        return dout
+
+
+def test_a_kind_that_builds_no_layer_is_refused_with_the_config(tmp_path):
+    """It failed in the model's construction on a missing attribute (ties) with a raw traceback."""
+    with pytest.raises(ConfigError, match=r"model.layers\[2\]: layer type 'notalayer' \(test_custom_layer\): build "
+                                          r"returned a NotALayer, not a hpctrain.nn.Layer: subclass it"):
+        broken_model(tmp_path, "notalayer", NotALayer)
+
+
+def test_a_default_of_the_wrong_type_is_refused_at_registration():
+    with pytest.raises(ConfigError, match=r"register_layer\('baddefault'\): the default of 'dim' must be int as its "
+                                          r"key says, got 'big'"):
+        register_layer("baddefault", Scale, keys={"dim": int}, defaults={"dim": "big"})
+    assert register_layer("intdefault", Scale, keys={"dim": float}, defaults={"dim": 3}).defaults == {"dim": 3}

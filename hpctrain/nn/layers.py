@@ -187,8 +187,13 @@ def make_layer(spec) -> Layer:
     if plugin is None:
         raise ConfigError(f"layer type {spec.type!r} is not registered in this process (hpctrain --plugin MODULE)")
     layer = plugin.build(**dict(spec.args))
-    missing = [m for m in ("forward", "backward", "init", "params") if not hasattr(layer, m)]
-    if missing:
-        raise ConfigError(f"layer type {spec.type!r} ({plugin.module}): {type(layer).__name__} has no "
-                          f"{', '.join(missing)}; subclass hpctrain.nn.Layer")
+    if not isinstance(layer, Layer):
+        raise ConfigError(not_a_layer(spec.type, plugin, layer))
     return layer
+
+
+def not_a_layer(kind: str, plugin, layer) -> str:
+    """The refusal of a registered kind whose build returned something that is not a ``Layer``."""
+    return (f"layer type {kind!r} ({plugin.module}): build returned a {type(layer).__name__}, not a "
+            "hpctrain.nn.Layer: subclass it (it supplies what the model asks of every layer besides params, init, "
+            "forward and backward: ties, dropout, bind, flops, scratch_bytes, the zero-bubble halves)")

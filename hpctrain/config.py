@@ -165,7 +165,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    source: str = ""  # the config file it came from, for messages
+    source: str = field(default="", compare=False)  # the config file it came from, for messages
 
     def to_toml(self) -> str:
         return config_to_toml(self)
@@ -528,8 +528,13 @@ def parse_config(data: dict, base_dir: str = ".", source: str = "<config>", *, c
     (the config file's folder), one of ``cwd_keys`` ((section, key) pairs given on the command line) against
     the working directory; a bare file name for ``train.metrics``, ``train.trace`` or ``train.tensorboard`` lands in
     ``checkpoint.dir`` when that is set (a new run folder keeps its own metrics)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a config is a table of sections ([model], [data], ...), got {_type_name(data)}")
+    base_dir = os.path.abspath(base_dir)  # the paths it holds are absolute: to_toml() reads back the same anywhere
     sections = {}
     for name, table in data.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"a section name must be a string, got {name!r}")
         if name not in SECTIONS:
             raise ConfigError(f"unknown section [{name}]{_nearest(name, None)} (known: {', '.join(SECTIONS)})")
         if not isinstance(table, dict):

@@ -5,7 +5,7 @@ import pytest
 from mpi4py import MPI
 
 from helpers import config, make_classification
-from hpctrain.errors import ConfigError, DataError, LayoutError
+from hpctrain.errors import ConfigError, DataError, HpctrainError, LayoutError
 from hpctrain.parallel.mesh import Mesh
 from hpctrain.train import Trainer
 
@@ -39,3 +39,39 @@ def test_a_failed_construction_gives_its_communicators_back(tmp_path):
             Trainer(bad, log=lambda *a: None)
     mesh = Mesh(comm=MPI.COMM_SELF)  # communicators are still there to be had
     mesh.free()
+
+
+def test_a_parsed_config_reads_back_the_same_from_anywhere(tmp_path, monkeypatch):
+    """parse_config's relative paths (against base_dir, "." by default) are made absolute: cfg.to_toml() saved in
+    another folder loads back to an equal config (which file it came from is not part of the config)."""
+    from hpctrain.config import load_config, parse_config
+
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_config({"model": {"layers": [{"type": "linear", "in": 64, "out": 10}]},
+                        "data": {"path": "digits.h5", "inputs": "x", "targets": "y"},
+                        "checkpoint": {"dir": "runs/x"}})
+    assert cfg.data.path == str(tmp_path / "digits.h5") and cfg.checkpoint.dir == str(tmp_path / "runs" / "x")
+    (tmp_path / "elsewhere").mkdir()
+    saved = tmp_path / "elsewhere" / "saved.toml"
+    saved.write_text(cfg.to_toml())
+    assert load_config(str(saved)) == cfg
+
+
+@pytest.mark.parametrize("data, message", [([], "a config is a table of sections"),
+                                           ({1: {}}, "a section name must be a string, got 1")])
+def test_parse_config_of_what_is_no_config_is_a_config_error(data, message):
+    from hpctrain.config import parse_config
+
+    with pytest.raises(ConfigError, match=message):
+        parse_config(data)
+
+
+def test_a_closed_trainer_says_so(tmp_path):
+    make_classification(tmp_path / "d.h5", n=64)
+    trainer = Trainer(config(tmp_path / "d.h5", train={"steps": 2}), log=lambda *a: None)
+    trainer.run()
+    trainer.close()
+    trainer.close()  # a second close does nothing
+    for call in (trainer.run, trainer.evaluate, trainer.state_dict, lambda: trainer.train_step(2, 0.1)):
+        with pytest.raises(HpctrainError, match=r"this Trainer is closed \(close\(\) gave back its communicators"):
+            call()

@@ -31,7 +31,7 @@ import numpy as np
 
 from .. import checkpoint as ckpt
 from .._memory import keep_freed_memory
-from ..errors import ConfigError, NonFiniteError
+from ..errors import ConfigError, HpctrainError, NonFiniteError
 from ..parallel.agree import QuietExit, check_same_everywhere, run_everywhere
 from ..parallel import deterministic
 from ..parallel.data_parallel import GradSync
@@ -94,6 +94,7 @@ class Trainer:
         self._stop = StopFlag() if stop is None else stop
         self._lock = None  # world rank 0's lock on checkpoint.dir, held until close()
         self._failed_alone = False  # run() raised on this rank alone: close() does nothing collective
+        self._closed = False
         self._made_mesh = None  # the Mesh built here from cfg.parallel (no mesh given): freed by close()
         try:
             self._build(cfg, mesh, log)
@@ -227,6 +228,7 @@ class Trainer:
 
         Each buffer is gathered from the stages one at a time (parallel/sharding.py).
         """
+        self._check_open("state_dict")
         ranges = stage_ranges(self.model, self.stages, self.mesh.pp)
         out = []
         for buf in [self.params] + list(self.optim.slots.values()):  # a tied tensor's replica stays behind
@@ -246,6 +248,7 @@ class Trainer:
         """Write a sharded checkpoint: every rank its own pieces, world rank 0 the index that commits the set
         (collective; train/checkpointing.py). ``background``: a thread writes this rank's shard while training
         goes on, and a later step commits it. Returns the index path on rank 0 once committed, else ""."""
+        self._check_open("save_checkpoint")
         if not self.cfg.checkpoint.dir:
             return ""
         cfg, mesh = self.cfg, self.mesh
@@ -264,10 +267,12 @@ class Trainer:
 
     def train_step(self, step: int, lr: float) -> dict:
         """One optimizer step on global batch ``step`` at learning rate ``lr`` (collective); this rank's timings."""
+        self._check_open("train_step")
         return self.runner.train_step(step, lr)
 
     def evaluate(self) -> dict:
         """Loss (and accuracy) over the validation split (collective)."""
+        self._check_open("evaluate")
         if self.tracer is None:
             return self.runner.evaluate()
         self.tracer.evaluating = True  # its spans are marked as evaluation's in the trace
@@ -283,6 +288,7 @@ class Trainer:
         likely waiting for this one in a collective: ``close()`` then does nothing collective (a checkpoint
         still being written is abandoned, never committed), so the error reaches the caller, which ends the job
         (the CLI: ``abort_world``), instead of waiting in a commit no other rank joins."""
+        self._check_open("run")
         if self._own_stop:
             self._stop.install()  # after an earlier run() gave the handlers back
         try:
@@ -466,7 +472,11 @@ class Trainer:
         """Commit a checkpoint still being written in the background (``save_checkpoint(background=True)`` with no
         ``run()`` after it; collective), stop the gradient sync's thread, close the data file, free the mesh if the
         Trainer made it (collective then), and release the lock on ``checkpoint.dir``. After ``run()`` raised on
-        this rank alone, nothing collective: the save in flight is abandoned and the mesh left to the abort."""
+        this rank alone, nothing collective: the save in flight is abandoned and the mesh left to the abort.
+        A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._restore_signals()
             try:
@@ -485,6 +495,11 @@ class Trainer:
                     self.mesh.free()
         finally:
             self._release_lock()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise HpctrainError(f"Trainer.{what}(): this Trainer is closed (close() gave back its communicators and "
+                                "data file); build a new one to go on")
 
     def _restore_signals(self):
         if self._own_stop:

@@ -5,8 +5,9 @@
 
 Every rank runs this whole script. Building the Trainer, ``run()`` and ``close()`` are collective
 over the world communicator: every rank must call each of them, in the same order. Rank 0 prints
-the progress lines, writes the metrics and the checkpoints (``--out``); running the script again
-with the same ``--out`` resumes from the newest checkpoint there.
+the progress lines and writes the metrics; every rank writes its shard of each checkpoint (``--out``,
+rank 0 its index); running the script again with the same ``--out`` resumes from the newest
+checkpoint there.
 """
 
 import argparse

@@ -89,8 +89,12 @@ def replaced_atomically(path: str, label: str, error):
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
                        f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     try:
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)  # 0666 less the umask, as any new file
+        os.close(fd)
         yield tmp
+        if stat.S_IMODE(os.lstat(tmp).st_mode) != mode:  # a writer that made its own file (safetensors: 0600)
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except OSError as e:
         raise error(f"{label}: {shown(e.strerror or e)}") from None

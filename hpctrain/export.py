@@ -58,7 +58,8 @@ def export(path: str, out: str, fmt: str = "", force: bool = False) -> str:
                           "checkpoint (export it to .safetensors)")
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
-        raise ConfigError(f"export: the folder of {out} does not exist")
+        raise ConfigError(f"export: the folder of {out} does not exist (make it first: mkdir -p "
+                          f"{os.path.dirname(out) or '.'})")
     torch = _torch() if fmt == "nanogpt" else None
     state = ckpt.load_checkpoint(path, make_model(cfg.model).layout)
     if fmt == "nanogpt":

@@ -73,5 +73,5 @@ def test_a_closed_trainer_says_so(tmp_path):
     trainer.close()
     trainer.close()  # a second close does nothing
     for call in (trainer.run, trainer.evaluate, trainer.state_dict, lambda: trainer.train_step(2, 0.1)):
-        with pytest.raises(HpctrainError, match=r"this Trainer is closed \(close\(\) gave back its communicators"):
+        with pytest.raises(HpctrainError, match=r"this Trainer is closed \(close\(\) gave back its data file"):
             call()

@@ -71,11 +71,14 @@ def test_export_safetensors_holds_the_parameters_under_their_pytorch_names(check
         assert got[name].dtype == np.float32 and got[name].shape == want[name].shape
         np.testing.assert_array_equal(got[name], want[name])
     assert os.listdir(tmp_path) == ["model.safetensors"]  # no temp file left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(out).st_mode & 0o777 == 0o666 & ~umask  # a new file's mode, not safetensors' own 0600
 
 
 @pytest.mark.parametrize("args,message", [
     (["model.bin"], "cannot tell the format of model.bin"),
-    (["x/model.h5"], "the folder of x/model.h5 does not exist"),
+    (["x/model.h5"], "the folder of x/model.h5 does not exist (make it first: mkdir -p x)"),
 ], ids=["extension", "folder"])
 def test_export_refuses_bad_outputs_with_one_line_and_exit_2(checkpoint, tmp_path, args, message):
     proc = hpctrain("export", checkpoint, *args, cwd=tmp_path)

@@ -318,3 +318,11 @@ def test_a_trainer_gives_the_signals_back_when_run_ends(tmp_path, mesh):
     finally:
         trainer.close()
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_run_without_a_checkpoint_folder_says_so(tmp_path, mesh):
+    """nanoGPT always has an out_dir: a run with checkpoint.dir = "" says at start-up that it saves nothing."""
+    make_classification(tmp_path / "d.h5", n=96)
+    lines = []
+    run(config(tmp_path / "d.h5", train={"steps": 2}), mesh, lines.append)
+    assert any(line.startswith("checkpoint.dir is empty: this run writes no checkpoint") for line in lines), lines

@@ -204,6 +204,9 @@ class AsyncTrainer:
             self.optim.step_count = optim_step
         self.log(f"hpctrain: parameter server, {self.S} server(s) and {self.W} worker(s), staleness {self.k}, "
                  f"{self.model.layout.size:,} parameters")
+        if not self.cfg.checkpoint.dir and self.cfg.train.steps > 0:
+            self.log("checkpoint.dir is empty: this run writes no checkpoint, neither at the end nor on a stop "
+                     "signal (set it to keep the weights, to resume, or to sample from them)")
 
     def _load_range(self, path: str):
         """This server's range of the parameters and of every optimizer slot from sharded checkpoint ``path``,
@@ -360,7 +363,8 @@ class AsyncTrainer:
             step[1] = step[0] == self._saved_step
         self.world.Bcast(step, root=0)
         if self._stop.any_rank(self.world) and step[0] < self.cfg.train.steps:  # as the synchronous trainer says
-            self.log(f"signal {self._stop.name} received: stopping at step {int(step[0])}")
+            self.log(f"signal {self._stop.name} received: stopping at step {int(step[0])}"
+                     + ("" if self.cfg.checkpoint.dir else " (no checkpoint: checkpoint.dir is empty)"))
         if self.cfg.checkpoint.dir and not step[1]:
             self._save(int(step[0]))
         result = self._evaluate(self._final_params())

@@ -186,6 +186,9 @@ class Trainer:
                  f"{('on, communication thread' if self.sync.threaded else 'on') if cfg.parallel.overlap else 'off'}"
                  + (f", gradients {'straight to CUDA-aware MPI' if self.cuda_aware else 'staged through host memory'}"
                     if self.be.is_device else ""))
+        if not cfg.checkpoint.dir and cfg.train.steps > 0:
+            self.log("checkpoint.dir is empty: this run writes no checkpoint, neither at the end nor on a stop "
+                     "signal (set it to keep the weights, to resume, or to sample from them)")
         if cfg.parallel.zero and mesh.dp == 1:
             self.log(f"parallel.zero = {cfg.parallel.zero} has no effect with one data-parallel rank (dp = 1): "
                      "nothing to shard the optimizer state or gradients over")
@@ -226,9 +229,11 @@ class Trainer:
     def state_dict(self) -> tuple[dict, dict] | None:
         """Full, unsharded parameters and optimizer slots on world rank 0, None elsewhere (collective).
 
-        Each buffer is gathered from the stages one at a time (parallel/sharding.py).
+        Each buffer is gathered from the stages one at a time (parallel/sharding.py). After ``close()`` too, over
+        a mesh the caller gave (the buffers are still here).
         """
-        self._check_open("state_dict")
+        if self._own_mesh:
+            self._check_open("state_dict")
         ranges = stage_ranges(self.model, self.stages, self.mesh.pp)
         out = []
         for buf in [self.params] + list(self.optim.slots.values()):  # a tied tensor's replica stays behind
@@ -370,7 +375,8 @@ class Trainer:
                 if stop.any_rank(self.mesh.world):
                     if window.steps:  # the steps since the last training line get theirs (collective)
                         last.update(self._log_train(window, timing, lr, metrics))
-                    self.log(f"signal {stop.name} received: stopping at step {self.step}")
+                    self.log(f"signal {stop.name} received: stopping at step {self.step}"
+                             + ("" if cfg.checkpoint.dir else " (no checkpoint: checkpoint.dir is empty)"))
                     break
             if self.step > first_step + 1:
                 self._log_memory(metrics, peak_activations, say=False)
@@ -498,8 +504,8 @@ class Trainer:
 
     def _check_open(self, what: str) -> None:
         if self._closed:
-            raise HpctrainError(f"Trainer.{what}(): this Trainer is closed (close() gave back its communicators and "
-                                "data file); build a new one to go on")
+            raise HpctrainError(f"Trainer.{what}(): this Trainer is closed (close() gave back its data file and the "
+                                "lock, and the communicators of a mesh it made); build a new one to go on")
 
     def _restore_signals(self):
         if self._own_stop:

@@ -290,14 +290,12 @@ def _plugin_layer(where: str, plugin, table: dict) -> LayerSpec:
 
     try:
         layer = plugin.build(**args)
-        if not isinstance(layer, Layer):
-            raise ConfigError(f"{where}: {not_a_layer(plugin.name, plugin, layer)}")
-        names = [name for name, _ in layer.params]
-        shapes = [tuple(int(n) for n in shape) for _, shape in layer.params]
-    except ConfigError:
-        raise
+        names = [name for name, _ in layer.params] if isinstance(layer, Layer) else []
+        shapes = [tuple(int(n) for n in shape) for _, shape in layer.params] if isinstance(layer, Layer) else []
     except Exception as e:  # the layer's own check of its arguments
         raise ConfigError(f"{where}: {plugin.name} layer ({plugin.module}): {type(e).__name__}: {e}") from None
+    if not isinstance(layer, Layer):
+        raise ConfigError(f"{where}: {not_a_layer(plugin.name, plugin, layer)}")
     if any(n < 1 for shape in shapes for n in shape):
         raise ConfigError(f"{where}: {plugin.name} layer: every parameter dimension must be >= 1, got {shapes}")
     bad = next((n for n in names if not isinstance(n, str) or not all(p.isidentifier() for p in n.split("."))), None)

@@ -66,6 +66,7 @@ def eval_config(target: str, *, data: str = "", overrides=(), ranks: int = 1):
     tables.setdefault("train", {}).update(steps=0, metrics="", trace="", deterministic=False)
     apply_overrides(tables, overrides)
     tables.setdefault("checkpoint", {}).update(dir="", resume="never", lock=False, every=0, init="")  # whatever --set
+    tables["parallel"]["mode"] = "sync"  # a parameter server's training overrides, repeated: evaluated alike
     if data:
         tables.setdefault("data", {})["path"] = os.path.abspath(data)
     cfg = parse_config(tables, base_dir=base, source=source, cwd_keys=given)

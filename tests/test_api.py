@@ -11,15 +11,24 @@ from hpctrain.train import Trainer
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"pp": 0}, "parallel.pp = 0: expected a positive integer"),
-    ({"tp": -1}, "parallel.tp = -1: expected a positive integer"),
-    ({"dp": 1.0}, 'parallel.dp = 1.0: expected a positive integer or "auto"'),
-    ({"dp": "AUTO"}, "parallel.dp = 'AUTO': expected a positive integer or \"auto\""),
+    ({"pp": 0}, r"pp = 0 \(parallel.pp\): expected a positive integer"),
+    ({"tp": -1}, r"tp = -1 \(parallel.tp\): expected a positive integer"),
+    ({"dp": 1.0}, r'dp = 1.0 \(parallel.dp\): expected a positive integer or "auto"'),
+    ({"dp": "AUTO"}, r"dp = 'AUTO' \(parallel.dp\): expected a positive integer or \"auto\""),
+    ({"tp": True}, r"tp = True \(parallel.tp\): expected a positive integer"),
     ({"comm": "x"}, "Mesh\\(comm=...\\): expected an mpi4py communicator, got str"),
 ])
 def test_a_mesh_of_sizes_that_are_not_sizes_is_a_layout_error(kwargs, message):
     with pytest.raises(LayoutError, match=message):
         Mesh(**kwargs)
+
+
+def test_numpy_integers_are_sizes():
+    import numpy as np
+
+    mesh = Mesh(dp=np.int64(1), pp=np.int32(1), comm=MPI.COMM_SELF)
+    assert (mesh.dp, mesh.pp, mesh.tp) == (1, 1, 1) and type(mesh.dp) is int
+    mesh.free()
 
 
 def test_the_trainer_refuses_the_parameter_server_mode_naming_its_class(tmp_path):

@@ -291,3 +291,20 @@ def test_a_default_of_the_wrong_type_is_refused_at_registration():
                                           r"key says, got 'big'"):
         register_layer("baddefault", Scale, keys={"dim": int}, defaults={"dim": "big"})
     assert register_layer("intdefault", Scale, keys={"dim": float}, defaults={"dim": 3}).defaults == {"dim": 3}
+
+
+class OddScale(Scale):
+    def __init__(self, dim: int):
+        if dim % 2:
+            raise ConfigError(f"dim must be even, got {dim}")
+        super().__init__(dim)
+
+
+def test_a_layers_own_config_error_keeps_its_place():
+    register_layer("oddscale", OddScale, keys={"dim": int}, required=("dim",))
+    with pytest.raises(ConfigError, match=r"model.layers\[0\]: oddscale layer \(test_custom_layer\): ConfigError: dim "
+                                          r"must be even, got 3"):
+        from hpctrain.config import parse_config
+
+        parse_config({"model": {"layers": [{"type": "oddscale", "dim": 3}]},
+                      "data": {"path": "d.h5", "inputs": "x", "targets": "y"}})

@@ -41,6 +41,12 @@ def test_a_checkpoint_evaluates_to_what_its_run_logged(trained):
     assert sorted(os.listdir(folder)) + sorted(os.listdir(folder / "ck")) == before  # nothing locked or written
 
 
+def test_a_parameter_servers_overrides_repeated_evaluate_alike(trained):
+    folder, checkpoint, logged = trained
+    got = evaluate(checkpoint, overrides=['parallel.mode="async_ps"', "parallel.staleness=2"], log=lambda *a: None)
+    assert got["val_loss"] == logged["val_loss"]
+
+
 def test_another_file_is_evaluated_whole(trained, tmp_path):
     folder, checkpoint, logged = trained
     with h5py.File(folder / "d.h5", "r") as f:  # the validation rows alone, as a test file of their own

@@ -14,6 +14,7 @@ size before any collective, so a misfit is an error, not a hang.
 from __future__ import annotations
 
 import ctypes
+import operator
 
 from ..errors import LayoutError
 
@@ -23,10 +24,20 @@ __all__ = ["Mesh", "resolve_layout", "mpi_cuda_aware"]
 def resolve_layout(world_size: int, dp, pp: int, tp: int) -> tuple[int, int, int]:
     """Return (dp, pp, tp) for ``world_size``; ``dp = "auto"`` is world / (pp · tp). LayoutError for sizes that
     are not positive integers (dp may be "auto") or do not multiply to the world size."""
+    sizes = {}
     for key, value in (("dp", dp), ("pp", pp), ("tp", tp)):
-        if not (key == "dp" and value == "auto") and (type(value) is not int or value < 1):
-            raise LayoutError(f"parallel.{key} = {value!r}: expected a positive integer"
+        if key == "dp" and isinstance(value, str) and value == "auto":
+            sizes[key] = value
+            continue
+        try:
+            whole = operator.index(value)  # an int or a numpy integer, not a float or a bool
+        except TypeError:
+            whole = None
+        if whole is None or isinstance(value, bool) or whole < 1:
+            raise LayoutError(f"{key} = {value!r} (parallel.{key}): expected a positive integer"
                               + (' or "auto"' if key == "dp" else ""))
+        sizes[key] = whole
+    dp, pp, tp = sizes["dp"], sizes["pp"], sizes["tp"]
     if world_size % (pp * tp):
         raise LayoutError(f"world size {world_size} is not divisible by parallel.pp · parallel.tp = {pp} · {tp}")
     if dp == "auto":

@@ -68,8 +68,8 @@ class Trainer:
     nothing is lost when the job is killed (stdout is block-buffered whenever it is not a terminal).
 
     ``stop``: a StopFlag installed earlier (the command line installs one at entry, so a signal during
-    start-up is recorded too); by default the Trainer installs its own and restores the old handlers in
-    ``close()``.
+    start-up is recorded too); by default the Trainer installs its own and restores the old handlers when
+    ``run()`` ends (a later ``run()`` installs them again) and in ``close()``.
 
     ``on_record``: called on rank 0 with each metrics record as a dict, the same ones ``train.metrics``
     gets (training lines, evaluations, the memory lines), whether or not a metrics file is written: the
@@ -121,10 +121,15 @@ class Trainer:
         self._release_lock()
 
     def _build(self, cfg, mesh, log):
-        if cfg.parallel.mode != "sync":
-            raise ConfigError(f'parallel.mode = "{cfg.parallel.mode}": Trainer trains synchronously; the parameter '
-                              "server is hpctrain.train.async_ps.AsyncTrainer(cfg) (what hpctrain train runs for "
-                              "this mode)")
+        if cfg.parallel.mode != "sync":  # every rank alike, before any communicator: one error, as build errors
+            from mpi4py import MPI
+
+            def refuse():
+                raise ConfigError(f'parallel.mode = "{cfg.parallel.mode}": Trainer trains synchronously; the '
+                                  "parameter server is hpctrain.train.async_ps.AsyncTrainer(cfg) (what hpctrain "
+                                  "train runs for this mode)")
+
+            run_everywhere(mesh.world if mesh is not None else MPI.COMM_WORLD, refuse)
         self._own_mesh = mesh is None  # made here from cfg.parallel over COMM_WORLD; freed by close()
         if mesh is None:
             from mpi4py import MPI

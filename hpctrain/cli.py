@@ -61,7 +61,8 @@ class _Parser(argparse.ArgumentParser):
     typo under ``mpiexec -n 64`` would print its usage 64 times (the exit status is 2 on every rank)."""
 
     def error(self, message):
-        if _launcher_rank() > 0:
+        if _launcher_rank() > 0:  # rank 0 says it; leaving at once, this rank could make Open MPI's launcher end
+            time.sleep(1.0)  # the job before rank 0 has printed
             self.exit(2)
         super().error(message)
 

@@ -161,6 +161,9 @@ _HYDRA_TAIL = ("YOUR APPLICATION TERMINATED WITH THE EXIT STRING: ",  # the line
 _MPI_LINE = re.compile(
     r"\[[^\]\s]+:\d+\] PMIX ERROR: "  # PMIx inside Open MPI's prterun: "[vm:29668] PMIX ERROR: PMIX_ERR_UNREACH in file ..."
     r"|Abort\(\d+\) on node \d+ \(rank \d+ in comm \d+\): application called MPI_Abort\("  # MPICH's MPI_Abort
+    # libevent inside Open MPI's runtime, when it tears down the ranks of an aborted job: "[warn] Epoll MOD(1) on
+    # fd 21 failed. Old events were 6; ... Bad file descriptor"
+    r"|\[warn\] Epoll [A-Z]+\(\d+\) on fd \d+ failed\."
 )
 
 
@@ -185,7 +188,8 @@ def hpctrain_lines(output: str) -> list[str]:
     * Open MPI and PRRTE (prterun, mpirun): each boxed message, from a line of exactly 74 ``-`` to the next
       such line, both included ("prterun detected that one or more processes exited with non-zero status",
       "prterun noticed that process rank N with PID ... exited on signal 9", "MPI_ABORT was invoked on
-      rank N"); a box left open runs to the end. A ``[host:pid] PMIX ERROR: ...`` line, inside a box or not.
+      rank N"); a box left open runs to the end. A ``[host:pid] PMIX ERROR: ...`` line, inside a box or not, and
+      libevent's ``[warn] Epoll MOD(1) on fd N failed. ...`` as the runtime tears an aborted job down.
       The NUL characters prterun writes after its last message.
     * MPICH (Hydra's mpiexec): the BAD TERMINATION block (on stdout): its rules of exactly 83 ``=``, the
       lines between them, the blank line before it and the three lines after it

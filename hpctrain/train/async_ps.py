@@ -164,7 +164,7 @@ class AsyncTrainer:
         flag = np.array([1 if auto else 0], dtype=np.int8)
         self.world.Bcast(flag, root=0)
         state, whole = resume(start, paths, auto=bool(flag[0]),
-                              load=self._load_range if self.is_server else lambda path: None, place=lambda: None)
+                              load=self._load_range if self.is_server else lambda path: None, place=lambda: (-1, None))
         run_everywhere(self.world, (lambda: startup.check_resume(start, state, bool(flag[0]), self.data_fingerprint,
                                                                  self._vocabulary()))
                        if self.rank0 and state is not None else lambda: None)  # it must be this run's checkpoint

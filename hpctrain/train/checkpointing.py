@@ -35,6 +35,7 @@ from ..checkpoint.state import value_problem
 from ..checkpoint.write import retain, write_root_attrs
 from ..errors import CheckpointError, HpctrainError, ModelMismatchError, NewerFormatError, OptimizerMismatchError
 from ..parallel.agree import agree_error, bcast_text, gather_text, raise_agreed, run_everywhere
+from ..parallel.columns import row_bounds, start_trade
 from ..parallel.tied import broadcast_tied
 from ..parallel.zero import split_range
 
@@ -239,8 +240,9 @@ def commit_set(world, directory: str, state, *, set_id: str, manifest, error, la
 def resume(t, candidates: list[str], *, auto: bool, load=None, place=None):
     """Collective: the first of ``candidates`` (checkpoint paths, given on world rank 0) that verifies
     everywhere, loaded. ``load(path)`` reads this rank's pieces of a sharded set and returns its root state
-    (default: a Trainer's, ``_load_here``), ``place()`` finishes once every rank loaded (default ``_place``):
-    the parameter server passes its servers' range reads. Returns ``(state, whole)``: a sharded set is read into this rank's buffers and
+    (default: a Trainer's, ``_load_here``), ``place()`` finishes once every rank loaded (default ``_place``)
+    and returns ``agree_error``'s ``(bad, error)`` for what it read (a failure makes the candidate fail as a
+    failed ``load`` does); the parameter server passes its servers' range reads. Returns ``(state, whole)``: a sharded set is read into this rank's buffers and
     ``state`` holds its root attributes (``whole`` False); a single-file checkpoint (version 2) is read
     whole on world rank 0, ``state`` with its tensors there, for train/startup.py to scatter (``whole``
     True); ``(None, False)`` when there is no candidate. With ``auto`` a failing one is logged, set aside
@@ -268,14 +270,14 @@ def resume(t, candidates: list[str], *, auto: bool, load=None, place=None):
         except HpctrainError as e:
             error = e
         bad, error = agree_error(world, error)
+        if error is None and not whole:
+            bad, error = place()  # the reads that wait for every rank's (column splits), agreed the same way
         if error is None:
             if skipped:
                 t.log(f"resume: using {os.path.basename(path)} (step {state.step if state else '?'}) instead of the newer "
                       f"{', '.join(map(os.path.basename, skipped))}, which failed verification; they are kept as "
                       "<name>.skipped")
                 run_everywhere(world, (lambda: ckpt_read.set_aside(skipped)) if mesh.rank == 0 else lambda: None)
-            if not whole:
-                place()
             return state, whole
         if not auto or isinstance(error, (NewerFormatError, ModelMismatchError)):
             if auto and isinstance(error, NewerFormatError):
@@ -320,19 +322,16 @@ def _load_here(t, path):
     state = index.state
     check_optimizer(t, path, state.optim_name, set(index.labels[1:]))
     params, slots = held(t.part, t.optim.pieces)
-    opened, t._loaded, t._by_rows = {}, {}, []
+    opened, t._loaded, t._by_rows, t._index = {}, {}, [], index
     try:
         kept = [(k, v) for k, v in t.optim.slots.items() if k in index.labels]  # a missing one: ZERO_START_SLOTS
         for label, buf in [("params", t.params)] + kept:
             out = buf.data if not t.be.is_device else np.zeros(buf.layout.size, dtype=np.float32)
             wanted = params if label == "params" else slots
             whole_shards = label == "params" or not t.shard
-            if t.mesh.tp > 1 and whole_shards:  # column splits stored otherwise: by rows here, exchanged in _place
+            if t.mesh.tp > 1 and whole_shards:  # column splits stored otherwise: read by rows and traded in _place
                 moved = _column_splits(index, label, wanted, t.mesh.tp_rank)
-                for w, rows in moved:
-                    scratch = np.empty(rows.size, dtype=np.float32)
-                    ckpt_read.read_set(index, label, [rows], scratch, opened=opened)
-                    t._by_rows.append((out, w, scratch))
+                t._by_rows += [(label, out, w, rows) for w, rows in moved]  # read in _place, one at a time
                 wanted = [w for w in wanted if all(w is not m for m, _ in moved)]
             parts = None
             if t.mesh.dp > 1 and whole_shards:  # replicated over data parallelism
@@ -348,8 +347,8 @@ def _load_here(t, path):
 def _column_splits(index, label, wanted, tp_rank):
     """``(wanted piece, rows piece)`` for each whole column shard whose tensor the checkpoint stores split
     otherwise. Read as it is, each tensor-parallel rank would read and hash the whole tensor for its columns
-    (rows are stored one after another); instead rank r reads rows ``_row_bounds`` r of it, whole (a flat
-    range of the full tensor), and ``_place`` trades the column blocks over the tp group (Alltoallv). The same
+    (rows are stored one after another); instead rank r reads rows ``row_bounds`` r of it, whole (a flat
+    range of the full tensor), and ``_place`` trades the column blocks over the tp group (parallel/columns.py). The same
     choice on every rank of the group: it depends on the index and the layout only."""
     out = []
     for w in wanted:
@@ -357,14 +356,10 @@ def _column_splits(index, label, wanted, tp_rank):
             continue
         stored = {(s.kind, s.tp) for s, *_ in index.pieces.get((label, w.name), [])}
         if stored != {("cols", w.tp)}:
-            a, b = _row_bounds(w.shape[0], w.tp)[tp_rank]
+            a, b = row_bounds(w.shape[0], w.tp)[tp_rank]
             out.append((w, dataclasses.replace(w, kind=None, tp_rank=0, tp=1, lo=a * w.shape[1], hi=b * w.shape[1],
                                                at=0)))
     return out
-
-
-def _row_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
-    return [(r * rows // parts, (r + 1) * rows // parts) for r in range(parts)]
 
 
 def _clip(pieces, a: int, b: int):
@@ -377,30 +372,51 @@ def _clip(pieces, a: int, b: int):
     return out
 
 
-def _place(t) -> None:
+def _place(t):
     """After every rank loaded its pieces: the replicated buffers' slices to every data-parallel rank
-    (``Allgatherv`` in place), a tied tensor's replica from its owner, and on a device the copy into its
-    buffers (inside an agreement: a device may run out of memory on one rank alone)."""
+    (``Allgatherv`` in place), the column splits read and traded over tensor parallelism, a tied tensor's
+    replica from its owner, and on a device the copy into its buffers (inside an agreement: a device may run
+    out of memory on one rank alone). Returns ``agree_error``'s ``(bad, error)`` for the column splits' reads:
+    ``(-1, None)`` when every block verified."""
     from mpi4py import MPI
 
-    loaded, by_rows = t.__dict__.pop("_loaded"), t.__dict__.pop("_by_rows")
+    loaded, by_rows, index = t.__dict__.pop("_loaded"), t.__dict__.pop("_by_rows"), t.__dict__.pop("_index")
     for out, parts in loaded.values():
         if parts is not None:
             t.mesh.dp_comm.Allgatherv(MPI.IN_PLACE, [out, [b - a for a, b in parts], [a for a, _ in parts], MPI.FLOAT])
-    tp = t.mesh.tp
-    for out, w, rows in by_rows:  # rank r holds a block of the tensor's rows: each rank's columns go to it
-        c = w.shape[1] // tp
-        counts = [(b - a) * c for a, b in _row_bounds(w.shape[0], tp)]
-        displs = [sum(counts[:r]) for r in range(tp)]
-        # to rank q: my rows, q's columns, as one strided datatype (no transposed copy)
-        columns = MPI.FLOAT.Create_vector(counts[t.mesh.tp_rank] // c if c else 0, c, w.shape[1]).Commit()
-        try:
-            t.mesh.tp_comm.Alltoallw([rows, [1] * tp, [4 * q * c for q in range(tp)], [columns] * tp],
-                                     [out[w.at : w.at + w.size], counts, [4 * d for d in displs], [MPI.FLOAT] * tp])
-        finally:
-            columns.Free()
+    bad, error = agree_error(t.mesh.world, _read_column_splits(t, index, by_rows))
+    if error is not None:
+        return bad, error
     broadcast_tied(t.mesh, t.part, loaded["params"][0])
     if t.be.is_device:
         bufs = dict([("params", t.params)] + list(t.optim.slots.items()))
         run_everywhere(t.mesh.world, lambda: [t.be.copy_(bufs[k].data, t.be.asarray(v)) for k, (v, _) in
                                               loaded.items()])
+    return -1, None
+
+
+def _read_column_splits(t, index, by_rows):
+    """The tensors ``_column_splits`` chose, one at a time: this rank's row block read (and verified) into one
+    of two reused buffers, then traded over the tensor-parallel group for its columns (parallel/columns.py)
+    while the next one is read into the other. Returns
+    this rank's first read error, None if none; after one it still takes part in every trade (sending what
+    the buffer holds), so no rank of its group is left waiting, and the caller agrees the error."""
+    error, opened, trades = None, {}, []
+    largest = max((rows.size for *_, rows in by_rows), default=0)
+    blocks = [np.empty(largest, dtype=np.float32) for _ in range(min(2, len(by_rows)))]
+    try:
+        for i, (label, out, w, rows) in enumerate(by_rows):
+            block = blocks[i % 2][: rows.size]
+            if len(trades) == 2:  # the trade that used this buffer, done before it is read into again
+                trades.pop(0).wait()
+            if error is None:
+                try:
+                    ckpt_read.read_set(index, label, [rows], block, opened=opened)
+                except HpctrainError as e:
+                    error = e
+            trades.append(start_trade(t.mesh.tp_comm, block, out[w.at : w.at + w.size], w.shape))
+    finally:
+        for trade in trades:
+            trade.wait()
+        sharded.close_all(opened)
+    return error

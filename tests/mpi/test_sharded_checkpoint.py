@@ -157,3 +157,43 @@ def test_a_change_of_tensor_parallel_size_reads_column_splits_by_rows_and_trades
             for name, arr in tensors.items():
                 np.testing.assert_array_equal(got_slots[slot][name], arr, err_msg=f"{slot}/{name}")
     comm.Barrier()
+
+
+def test_a_column_split_that_fails_verification_on_one_rank_falls_back_to_the_previous_set(comm, data, shared_dir,
+                                                                                           monkeypatch):
+    """The column splits are read after the other pieces agreed (each traded as soon as it is read): a block of
+    one that fails on one rank alone still makes every rank fall back to the previous set, none left waiting in
+    a trade."""
+    if comm.size < 2:
+        pytest.skip("needs tp >= 2")
+    import hpctrain.train.checkpointing as checkpointing
+
+    ck = f"{shared_dir}/ck"
+    a = Trainer(job(data, ck, comm, zero=0, steps=4), log=lambda *x: None)
+    a.run()
+    a.close()
+    moved, real_splits, real_read = [], checkpointing._column_splits, checkpointing.ckpt_read.read_set
+
+    def splits(*args):
+        out = real_splits(*args)
+        moved.extend(rows for _, rows in out)
+        return out
+
+    def read_set(index, label, wanted, out, **kw):
+        if comm.rank == comm.size - 1 and "00000004" in index.path and any(w is m for w in wanted for m in moved):
+            raise CheckpointError(f"checkpoint {index.path} failed verification: /params/x: a block's digest differs")
+        return real_read(index, label, wanted, out, **kw)
+
+    monkeypatch.setattr(checkpointing, "_column_splits", splits)
+    monkeypatch.setattr(checkpointing.ckpt_read, "read_set", read_set)
+    cfg = job(data, ck, comm, tp=comm.size, steps=4)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=8 * comm.size))
+    lines = []
+    b = Trainer(cfg, log=lines.append)
+    try:
+        assert moved and b.step == 2
+    finally:
+        b.close()
+    if comm.rank == 0:
+        assert any(line.startswith("resume: skipping ckpt-00000004.h5:") and "digest differs" in line for line in lines)
+    comm.Barrier()

@@ -190,3 +190,21 @@ def test_tensor_parallel_bytes_are_megatrons_count(comm, tokens, shared_dir):
         comm.Bcast(seen, root=0)
         B, T, C, L = 4, 8, 8, 2  # this rank's batch share, context, width, blocks
         assert list(seen) == [(4 * L + 2) * B * T * C * 4 + 28 * B * T] * 2, pp
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_row_blocks_traded_for_column_blocks_give_each_rank_its_columns(comm, rows):
+    """parallel/columns.py: rank r holds row block r of a tensor and ends with its column block, for rows that
+    do not divide over the ranks and fewer rows than ranks (empty blocks send and receive nothing)."""
+    from hpctrain.parallel.columns import row_bounds, trade_columns
+
+    cols = 3 * comm.size
+    full = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) * 0.5 - 7
+    lo, hi = row_bounds(rows, comm.size)[comm.rank]
+    out = np.full(rows * 3, np.nan, dtype=np.float32)
+    trade_columns(comm, full[lo:hi].reshape(-1).copy(), out, (rows, cols))
+    np.testing.assert_array_equal(out.reshape(rows, 3), full[:, 3 * comm.rank : 3 * comm.rank + 3])
+    if rows >= comm.size:  # a check each rank makes before sending anything (one with an empty block has nothing)
+        with pytest.raises(ValueError, match="overlap"):
+            both = np.zeros(max(out.size, (hi - lo) * cols), dtype=np.float32)
+            trade_columns(comm, both[: (hi - lo) * cols], both[: out.size], (rows, cols))

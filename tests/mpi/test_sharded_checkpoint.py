@@ -124,7 +124,7 @@ def test_a_damaged_shard_of_one_rank_makes_every_rank_fall_back_to_the_previous_
 def test_a_change_of_tensor_parallel_size_reads_column_splits_by_rows_and_trades_them(comm, data, shared_dir,
                                                                                          monkeypatch):
     """A checkpoint of whole tensors read at tp = world: the row-parallel weights (split by columns) are read a
-    block of rows per rank and exchanged (Alltoall), and every tensor comes back exact."""
+    block of rows per rank and traded (parallel/columns.py), and every tensor comes back exact."""
     if comm.size < 2:
         pytest.skip("needs tp >= 2")
     import hpctrain.train.checkpointing as checkpointing

@@ -7,9 +7,9 @@ row. Instead rank r reads row block r of the tensor (``row_bounds``), whole, and
 
 Each rank sends rank q its rows of q's columns as one strided MPI datatype (no packed copy) and
 receives each rank's rows of its own columns straight into their place; its own rows of its own
-columns it copies itself. Measured on 2 ranks with a 4096 x 4096 tensor (docs/performance.md):
-9-10 ms under MPICH and 7-8 ms under Open MPI, against 13-20 and 8-9 ms for one ``Alltoallw``
-with the same datatypes, which MPICH also pushes the rank's own block through.
+columns it copies itself. On 2 ranks with a 4096 x 4096 tensor that took 12.6-14.0 ms under
+MPICH against 15.9-17.5 ms for one ``Alltoallw`` with the same datatypes, which also pushes the
+rank's own block through MPI (bench/bench_column_trade.py, docs/performance.md).
 """
 
 from __future__ import annotations

@@ -80,10 +80,10 @@ def main():
         cmd = launch + [os.path.abspath(__file__), "--worker", "--path", path]
         starts = [("first start (scan)", cmd), ("second start (record)", cmd)]
         if a.before:
-            old = os.path.join(d, "before")
-            os.makedirs(os.path.join(old, "bench"))
-            subprocess.run(f"git -C {shlex.quote(os.path.join(HERE, '..'))} archive {shlex.quote(a.before)} | "
-                           f"tar -x -C {shlex.quote(old)}", shell=True, check=True)
+            from common import extract_revision
+
+            old = extract_revision(a.before, os.path.join(d, "before"))
+            os.makedirs(os.path.join(old, "bench"), exist_ok=True)
             copy = os.path.join(old, "bench", os.path.basename(__file__))  # imports hpctrain from the copy
             with open(__file__) as src, open(copy, "w") as dst:
                 dst.write(src.read())

@@ -12,7 +12,6 @@ and run the same way, one process of each alternated. Median of ``--rounds`` per
 
 import argparse
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+from common import extract_revision  # noqa: E402
 
 WORKER = r"""
 import sys, time
@@ -59,11 +60,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-small-step-") as d:
         trees = [("now", ROOT)]
         if a.before:
-            old = os.path.join(d, "before")
-            os.makedirs(old)
-            subprocess.run(f"git -C {shlex.quote(ROOT)} archive {shlex.quote(a.before)} | tar -x -C {shlex.quote(old)}",
-                           shell=True, check=True)
-            trees.insert(0, (f"before ({a.before})", old))
+            trees.insert(0, (f"before ({a.before})", extract_revision(a.before, os.path.join(d, "before"))))
         settings = [("plain", 0), ("deterministic, 2 shards", 2)]
         times = {(label, name): [] for label, _ in trees for name, _ in settings}
         for _ in range(a.rounds):

@@ -24,6 +24,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+from common import extract_revision  # noqa: E402
 
 
 def one_run(tree: str, backend: str, out_dir: str) -> float:
@@ -49,11 +51,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="hpctrain-bench-startup-") as d:
         trees = [("now", ROOT)]
         if a.before:
-            old = os.path.join(d, "before")
-            os.makedirs(old)
-            subprocess.run(f"git -C {shlex.quote(ROOT)} archive {shlex.quote(a.before)} | tar -x -C {shlex.quote(old)}",
-                           shell=True, check=True)
-            trees.insert(0, (f"before ({a.before})", old))
+            trees.insert(0, (f"before ({a.before})", extract_revision(a.before, os.path.join(d, "before"))))
         times = {label: [] for label, _ in trees}
         for label, tree in trees:  # untimed: numba's kernel cache of each tree is written or read once
             one_run(tree, a.backend, os.path.join(d, "runs"))

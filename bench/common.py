@@ -1,5 +1,8 @@
 """Shared bits of the benchmarks: timing and a synthetic HDF5 data set."""
 
+import os
+import shlex
+import subprocess
 import time
 
 import h5py
@@ -17,6 +20,16 @@ def best_of(fn, repeat=5, number=1, warmup=1):
             fn()
         best = min(best, (time.perf_counter() - t0) / number)
     return best
+
+
+def extract_revision(rev: str, folder: str) -> str:
+    """Git revision ``rev`` of this repository written into the new folder ``folder`` (``git archive``), for a
+    benchmark's ``--before REV`` to run the same code from it; returns ``folder``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.makedirs(folder)
+    subprocess.run(f"git -C {shlex.quote(root)} archive {shlex.quote(rev)} | tar -x -C {shlex.quote(folder)}",
+                   shell=True, check=True)
+    return folder
 
 
 def synthetic_classification(path, n, features, classes, seed=0):

@@ -398,9 +398,9 @@ def _place(t):
 def _read_column_splits(t, index, by_rows):
     """The tensors ``_column_splits`` chose, one at a time: this rank's row block read (and verified) into one
     of two reused buffers, then traded over the tensor-parallel group for its columns (parallel/columns.py)
-    while the next one is read into the other. Returns
-    this rank's first read error, None if none; after one it still takes part in every trade (sending what
-    the buffer holds), so no rank of its group is left waiting, and the caller agrees the error."""
+    while the next one is read into the other. Returns this rank's first read error, None if none; after one
+    it still takes part in every trade (sending what the buffer holds), so no rank of its group is left
+    waiting, and the caller agrees the error."""
     error, opened, trades = None, {}, []
     largest = max((rows.size for *_, rows in by_rows), default=0)
     blocks = [np.empty(largest, dtype=np.float32) for _ in range(min(2, len(by_rows)))]

@@ -106,7 +106,8 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
     from .parallel.executor import micro_rows
     from .parallel.mesh import resolve_layout
     from .parallel.schedule import checked
-    from .parallel.zero import ZeroShard
+    from .parallel.zero import ZeroShard, page_unit
+    from .parallel.zero import bucket_elems as zero_bucket_elems
 
     from .parallel.deterministic import resolve as deterministic_layout
 
@@ -144,8 +145,9 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
                     grads = stats.peak_recv_grad[s] if stats.peak_recv_grad else 1  # zero-bubble's W passes read
                     rings += (grads + 1) * rows * max(w for _, w in part.chunk_widths) * 4
             for d in range(dp):
-                shard = ZeroShard(make_buckets(part.layout.size, bucket_elems), dp, d, limit=part.owned_size) \
-                    if zero else None
+                unit = page_unit(part.layout.size) if zero == 2 and not device else 0  # as train/startup.py cuts
+                shard = ZeroShard(make_buckets(part.layout.size, zero_bucket_elems(p.bucket_mb, unit)), dp, d,
+                                  limit=part.owned_size, unit=unit) if zero else None
                 state = state_bytes(part_size=part.layout.size, owned_size=part.owned_size, shard=shard, zero=zero,
                                     device=device, slots=slots, bucket_elems=bucket_elems,
                                     micro_batches=t.micro_batches)

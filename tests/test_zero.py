@@ -7,7 +7,9 @@ import pytest
 
 from helpers import config
 from hpctrain.errors import ConfigError
-from hpctrain.parallel.zero import ALIGN, ReleasableHost, ZeroShard, overlap, split_range
+from hpctrain.parallel.data_parallel import make_buckets
+from hpctrain.parallel.grad_pages import ReleasableHost
+from hpctrain.parallel.zero import ALIGN, ZeroShard, bucket_elems, overlap, page_unit, split_near, split_range
 
 
 @pytest.mark.parametrize("size", [0, 1, 15, 16, 17, 1000, 26_122, 1 << 20])
@@ -24,8 +26,6 @@ def test_a_range_splits_in_order_balanced_and_aligned(size, parts):
 @pytest.mark.parametrize("limit", [None, 9_000])
 def test_every_value_has_one_owner_and_round_trips(dp, limit):
     """Every value below ``limit`` (a tied replica lies beyond it) is updated by exactly one rank."""
-    from hpctrain.parallel.data_parallel import make_buckets
-
     size = 10_007
     shards = [ZeroShard(make_buckets(size, 1000), dp, r, limit=limit) for r in range(dp)]
     end = size if limit is None else limit
@@ -38,6 +38,38 @@ def test_every_value_has_one_owner_and_round_trips(dp, limit):
         s.place(back, r, mine)
     assert np.array_equal(back[:end], full[:end]) and (back[end:] == -1).all()
     assert shards[-1].parts == ZeroShard(make_buckets(size, 1000), dp, dp - 1).parts  # what the collectives move
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 4, 8])
+def test_zero_2_cuts_large_buckets_on_huge_pages_from_the_end(dp):
+    """Bucket and chunk cuts on multiples of a huge page counted from the buffer's end (where the buckets start
+    and the gradient buffer ends on a page): each chunk within one page of an even share."""
+    size = 50_343_936  # the 50 M MLP of bench/bench_memory.py
+    unit = page_unit(size)
+    assert unit == (2 << 20) // 4 and page_unit(unit * 16 - 1) == 0
+    elems = bucket_elems(25.0, unit)
+    assert elems % unit == 0 and 0 <= elems - 25e6 / 4 < unit
+    buckets = make_buckets(size, elems)
+    shard = ZeroShard(buckets, dp, 0, unit=unit)
+    for (lo, hi), parts in zip(buckets, shard.parts):
+        assert parts[0][0] == lo and parts[-1][1] == hi
+        assert all(b == c for (_, b), (c, _) in zip(parts, parts[1:]))
+        if hi - lo >= 3 * dp * unit:
+            assert all((size - b) % unit == 0 for _, b in parts[:-1])
+            assert all(abs((b - a) - (hi - lo) / dp) <= unit for a, b in parts)
+        else:  # too small to cut on pages: the cache-line cut
+            assert parts == split_range(lo, hi, dp)
+    owners = np.zeros(size, dtype=np.int64)
+    for r in range(dp):
+        for a, b in ZeroShard(buckets, dp, r, unit=unit).pieces:
+            owners[a:b] += 1
+    assert (owners == 1).all()
+
+
+def test_a_near_cut_stays_in_order_when_the_pages_are_coarse():
+    assert split_near(0, 10, 4, 8, 10) == [(0, 2), (2, 2), (2, 10), (10, 10)]
+    assert split_near(0, 96, 2, 16, 96) == [(0, 48), (48, 96)]
+    assert split_near(5, 101, 2, 16, 101) == [(5, 53), (53, 101)]
 
 
 def test_overlap_of_ranges():

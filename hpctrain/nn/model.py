@@ -322,6 +322,20 @@ class ModelPart:
                                                              if self._tie_names.get(prefix + n, prefix + n)
                                                              in self.replicas]
             self._first_offset.append(min((self.layout[n].offset for n in mine), default=None))
+        # the local [lo, hi) ranges each layer's backward writes gradients into (its own and its ties'), merged:
+        # ZeRO-2 gives released memory back to them just before (``on_write``, parallel/grad_pages.py)
+        self._writes = []
+        for layer, prefix in zip(self.layers, self.prefixes):
+            names = [prefix + n for n, _ in layer.params] + [self._tie_names.get(prefix + n, prefix + n)
+                                                             for n, _ in layer.ties]
+            spans = sorted((self.layout[n].offset, self.layout[n].end) for n in names)
+            merged = []
+            for lo, hi in spans:
+                if merged and lo <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+                else:
+                    merged.append((lo, hi))
+            self._writes.append(merged)
 
     @property
     def global_range(self) -> tuple[int, int]:
@@ -408,13 +422,15 @@ class ModelPart:
             saved.append(s)
         return x, saved
 
-    def backward(self, be, dout, saved, *, accumulate=False, need_dinp=True, on_final=None, chunk: int = 0):
+    def backward(self, be, dout, saved, *, accumulate=False, need_dinp=True, on_final=None, on_write=None,
+                 chunk: int = 0):
         """Backward of chunk ``chunk`` in reverse layer order; returns the input gradient (None when not
         ``need_dinp``).
 
         ``on_final(lo)``, when given, runs as soon as every gradient from local flat offset ``lo``
         to the end of the buffer has its final value for this step (the data-parallel sync's cue; with
-        chunks, the later chunks' last backwards have run before).
+        chunks, the later chunks' last backwards have run before). ``on_write(ranges)``, when given, runs
+        before each layer writes its gradients, with the local [lo, hi) ranges it writes.
         Under recompute each unit's forward runs again from its saved input just before its backward:
         the same kernels on the same values, so the gradients are bitwise those of a stored forward.
         """
@@ -426,6 +442,8 @@ class ModelPart:
             for k in range(b, a - 1, -1):
                 last = k == 0 and not need_dinp
                 layer = start + k
+                if on_write is not None:
+                    on_write(self._writes[layer])
                 dout = self.layers[layer].backward(be, dout, mine[k - a], accumulate=accumulate, need_dinp=not last)
                 mine[k - a] = None  # this layer's activations can go now
                 if on_final is not None and self._first_offset[layer] is not None:
@@ -445,25 +463,30 @@ class ModelPart:
             mine.append(s)
         return mine
 
-    def backward_input(self, be, dout, saved, *, accumulate=False, need_dinp=True):
+    def backward_input(self, be, dout, saved, *, accumulate=False, need_dinp=True, on_write=None):
         """The zero-bubble schedule's B, in reverse layer order: (input gradient or None, what
-        ``backward_weight`` needs per layer). Layers that do not split write their gradients here."""
+        ``backward_weight`` needs per layer). Layers that do not split write their gradients here;
+        ``on_write`` as in ``backward``."""
         wsaved = [None] * len(self.layers)
         for u in range(len(self.units) - 1, -1, -1):
             a, b = self.units[u]
             mine = self._unit_saved(be, saved, u)
             for k in range(b, a - 1, -1):
                 last = k == 0 and not need_dinp
+                if on_write is not None:
+                    on_write(self._writes[k])
                 dout, wsaved[k] = self.layers[k].backward_input(be, dout, mine[k - a], accumulate=accumulate,
                                                                 need_dinp=not last)
                 mine[k - a] = None
         return dout, wsaved
 
-    def backward_weight(self, be, wsaved, *, accumulate=False, on_final=None):
-        """The zero-bubble schedule's W, in reverse layer order; ``on_final`` as in ``backward`` (the step's
-        last W finishes every gradient: the B passes wrote theirs before it)."""
+    def backward_weight(self, be, wsaved, *, accumulate=False, on_final=None, on_write=None):
+        """The zero-bubble schedule's W, in reverse layer order; ``on_final`` and ``on_write`` as in ``backward``
+        (the step's last W finishes every gradient: the B passes wrote theirs before it)."""
         for k in range(len(self.layers) - 1, -1, -1):
             if wsaved[k] is not None:
+                if on_write is not None:
+                    on_write(self._writes[k])
                 self.layers[k].backward_weight(be, wsaved[k], accumulate=accumulate)
                 wsaved[k] = None
             if on_final is not None and self._first_offset[k] is not None:

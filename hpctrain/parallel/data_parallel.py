@@ -39,10 +39,10 @@ order, and its bits, do not depend on the layout.
 With ``parallel.zero >= 1`` (parallel/zero.py) each bucket is reduce-scattered instead:
 it is cut into dp chunks, and ``Reduce_scatter`` leaves the sum of chunk r on rank r
 alone, written into the gradient buffer at the chunk's place; the rest of the bucket keeps
-this rank's own, unreduced gradients (zero = 2 hands those pages back to the kernel at
-once). As the optimizer finishes each bucket's chunk, ``gather_bucket`` all-gathers that
-bucket's parameters (``Allgatherv`` in place, on the communication thread while the next
-chunk updates); ``finish_gather`` waits for them. Buckets holding a tensor tied across
+this rank's own, unreduced gradients (zero = 2 releases those pages at once). As the
+optimizer finishes each bucket's chunk, ``gather_bucket`` all-gathers that bucket's
+parameters (``Allgatherv`` in place, on the communication thread while the next chunk
+updates); ``finish_gather`` waits for them. Buckets holding a tensor tied across
 pipeline stages (the GPT's token embedding) wait until ``wait()``: the two ends first sum
 their local gradients of it over ``ends_comm`` (``presum``), since after the scatter no
 rank holds the whole reduced tensor. Without MPI_THREAD_MULTIPLE the buckets are
@@ -94,9 +94,10 @@ class GradSync:
 
     ZeRO (``shard``: a ZeroShard, parallel/zero.py, whose buckets these are): each bucket is
     reduce-scattered into its dp chunks, chunk r to rank r. ``release``: the gradient buffer's
-    ReleasableHost (zero = 2), whose pages outside this rank's chunk go back to the kernel once
-    their bucket is scattered. ``tied``: (local ranges, presum) of tensors tied across
-    pipeline stages; their buckets are scattered in ``wait()`` after ``presum()``.
+    ReleasableHost (zero = 2, parallel/grad_pages.py), whose pages outside this rank's chunk leave
+    once their bucket is scattered (``will_write`` gives a layer some back before it writes).
+    ``tied``: (local ranges, presum) of tensors tied across pipeline stages; their buckets are
+    scattered in ``wait()`` after ``presum()``.
     """
 
     def __init__(self, *, comm, transport, grads, bucket_mb: float, overlap: bool, diag=None, shard=None,
@@ -109,20 +110,19 @@ class GradSync:
         self.comm, self.transport, self.backend, self.grads = comm, transport, transport.backend, grads
         self.overlap = overlap
         size = grads.data.shape[0]
-        self.buckets = make_buckets(size, bucket_mb * 1e6 / 4)
+        # ZeRO: the shard's buckets (zero = 2 on the host cuts them on huge pages, parallel/zero.py)
+        self.buckets = list(shard.buckets) if shard is not None else make_buckets(size, bucket_mb * 1e6 / 4)
         self.direct = transport.direct
         self.active = comm.Get_size() > 1
         self.host = transport.host_buffer((size,)) if self.active else None  # staging for MPI (None: direct)
         self.shard = shard if self.active else None
-        if self.shard is not None and self.shard.buckets != self.buckets:
-            raise ValueError("the ZeRO shard was cut from other buckets than this sync's")
         self.release = release if self.shard else None
         self.tree = tree  # train.deterministic: a ShardTree over this rank's micro-batches (parallel/deterministic.py)
         if tree is not None and self.shard is not None:
             raise ValueError("a deterministic (tree) sum cannot reduce-scatter (ZeRO)")
         self._last_leaf, self._folded = None, size  # the tree: the step's last micro-batch, folded from here on
         self.wait_seconds = 0.0
-        self.released_bytes = 0  # zero = 2: gradient pages handed back to the kernel this step
+        self.released_bytes = 0  # zero = 2: gradient bytes released this step (to the kernel or the pool)
         self._ready = 0  # buckets [0, _ready) have all their gradients written
         self._launched = 0  # buckets [0, _launched) have their reduction started (or are held)
         self._requests = []
@@ -225,6 +225,12 @@ class GradSync:
         if self.release is not None:  # zero = 2: the rest of the bucket is this rank's unreduced gradients
             self.released_bytes += self.release.release(lo, a if b > a else hi) + (
                 self.release.release(b, hi) if b > a else 0)
+
+    def will_write(self, ranges) -> None:
+        """zero = 2: a layer is about to write its gradients in ``ranges`` (local [lo, hi) offsets); their
+        released units get pooled pages back (parallel/grad_pages.py)."""
+        for lo, hi in ranges:
+            self.release.fill(lo, hi)
 
     def start_step(self) -> None:
         self._ready = self._launched = 0

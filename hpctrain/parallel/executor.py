@@ -131,6 +131,8 @@ class StageExecutor:
         self.stage, self.stages, self.virtual_stages = stage, stages, virtual_stages
         self.max_rows = max_rows
         self.stats = stats
+        # zero = 2 on the host: each layer's gradients get released memory back just before it writes them
+        self._on_write = sync.will_write if sync is not None and getattr(sync, "release", None) is not None else None
         self.table = {
             LoadMicroBatch: self._load, Forward: self._timed_by(self._forward),
             Backward: self._timed_by(self._backward), BackwardInput: self._timed_by(self._backward_input),
@@ -385,7 +387,7 @@ class StageExecutor:
                                   accumulate=ins.chunk in self._wrote and not tree,
                                   need_dinp=not self.part.chunk_is_first(ins.chunk),
                                   on_final=self.sync.grads_final if last and self.sync is not None else None,
-                                  chunk=ins.chunk)
+                                  on_write=self._on_write, chunk=ins.chunk)
         if tree and not last:
             self.sync.leaf_done(mb)
         self._wrote.add(ins.chunk)
@@ -406,7 +408,7 @@ class StageExecutor:
         t0 = time.perf_counter()
         dinp, self._wsaved[mb] = self.part.backward_input(self.be, self._dout.pop(key), self._saved.pop(key),
                                                           accumulate=self._wrote_input,
-                                                          need_dinp=not self.part.is_first)
+                                                          need_dinp=not self.part.is_first, on_write=self._on_write)
         self._wrote_input = True
         if dinp is not None:
             self._dinp[key] = dinp
@@ -419,7 +421,8 @@ class StageExecutor:
         t0 = time.perf_counter()
         last = self._index in self._last_backward
         self.part.backward_weight(self.be, self._wsaved.pop(mb), accumulate=self._wrote_weight,
-                                  on_final=self.sync.grads_final if last and self.sync is not None else None)
+                                  on_final=self.sync.grads_final if last and self.sync is not None else None,
+                                  on_write=self._on_write)
         self._wrote_weight = True
         del self._live_bytes[key]
         self._x.pop(key)

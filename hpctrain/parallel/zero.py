@@ -18,23 +18,29 @@ per rank (llm.c's) would send each bucket to one rank: MPICH's Reduce_scatter of
 bucket then took 10.5 ms against 6.6 ms split evenly at dp 2, and 50 ms against 13.8 ms at dp 4
 (docs/performance.md).
 
-zero = 2 releases gradient memory: on the CPU the gradient buffer is an anonymous private
-mapping (``ReleasableHost``) whose pages outside this rank's chunks are handed back to the
-kernel (``madvise(MADV_DONTNEED)``) as soon as a bucket is reduce-scattered; they read as
-zeros afterwards and are faulted in again by the next backward pass. Between steps and during
-the forward pass the gradients then hold this rank's chunks, 4N/dp bytes, plus the buckets not
-yet reduced.
+zero = 2 releases gradient memory: on the CPU the gradient buffer (parallel/grad_pages.py,
+``ReleasableHost``) lets the pages outside this rank's chunks go as soon as a bucket is
+reduce-scattered; they read as zeros afterwards. Up to two buckets' worth of them
+(``keep_bytes``) wait in a pool for the next backward pass, which would otherwise fault them in
+again; the rest go back to the kernel. The gradients then hold this rank's chunks, 4N/dp
+bytes, plus at most two buckets beyond them, or the buckets not yet reduced where those are more.
 """
 
 from __future__ import annotations
 
-import mmap
-
-import numpy as np
-
-__all__ = ["ALIGN", "ZeroShard", "split_range", "overlap", "ReleasableHost"]
+__all__ = ["ALIGN", "ZeroShard", "split_range", "split_near", "page_unit", "bucket_elems", "overlap"]
 
 ALIGN = 16  # elements: 64 bytes, a cache line, so chunks start aligned for the vector units
+HUGE_PAGE = 2 << 20  # bytes: a transparent huge page on x86-64; the same on every rank, whatever its machine
+
+
+def page_unit(size: int) -> int:
+    """zero = 2 on the host: the elements (a huge page of float32) that bucket and chunk cuts fall on, counted
+    from the buffer's end, for a gradient buffer of ``size`` elements of 16 huge pages or more; 0 below that.
+    Released memory then leaves and comes back in whole huge pages (parallel/grad_pages.py): a cut inside one
+    leaves its pages to be faulted in one 4 KiB page at a time, about 3,700 faults a step on the 50 M MLP of
+    docs/performance.md."""
+    return HUGE_PAGE // 4 if size * 4 >= 16 * HUGE_PAGE else 0
 
 
 def split_range(lo: int, hi: int, parts: int, align: int = ALIGN) -> list[tuple[int, int]]:
@@ -47,18 +53,40 @@ def split_range(lo: int, hi: int, parts: int, align: int = ALIGN) -> list[tuple[
     return [(min(hi, lo + r * per), min(hi, lo + (r + 1) * per)) for r in range(parts)]
 
 
+def bucket_elems(bucket_mb: float, unit: int = 0) -> float:
+    """``parallel.bucket_mb`` in float32 elements, rounded up to a whole number of ``unit`` (``page_unit``)."""
+    elems = bucket_mb * 1e6 / 4
+    return -(-int(elems) // unit) * unit if unit else elems
+
+
+def split_near(lo: int, hi: int, parts: int, unit: int, end: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous [a, b) pieces covering [lo, hi) in order, each inner cut at the multiple of ``unit``
+    counted back from ``end`` nearest to the even cut: every piece within one ``unit`` of ``(hi - lo) / parts``."""
+    cuts = [lo]
+    for r in range(1, parts):
+        even = lo + (hi - lo) * r // parts
+        cut = end - (end - even + unit // 2) // unit * unit
+        cuts.append(min(hi, max(cuts[-1], cut)))
+    cuts.append(hi)
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
 class ZeroShard:
     """What one data-parallel rank owns under ZeRO: chunk ``rank`` of each of ``buckets``.
 
     ``parts[i]``: every rank's [a, b) chunk of bucket i (rank order), what the collectives move;
     ``updated[i]``: the same less anything from ``limit`` on, what the ranks' optimizers update and
     checkpoints gather; ``pieces[i]``: this rank's of those. Its optimizer slots are one array of
-    ``size`` values, the pieces one after another.
+    ``size`` values, the pieces one after another. ``unit`` (``page_unit``; zero = 2 on the host): a bucket of
+    at least 3 units a rank is cut on multiples of it counted from the buffer's end (``split_near``).
     """
 
-    def __init__(self, buckets, dp: int, rank: int, align: int = ALIGN, *, limit: int | None = None):
+    def __init__(self, buckets, dp: int, rank: int, align: int = ALIGN, *, limit: int | None = None,
+                 unit: int = 0):
         self.buckets, self.dp, self.rank = list(buckets), dp, rank
-        self.parts = [split_range(lo, hi, dp, align) for lo, hi in self.buckets]
+        top = max((hi for _, hi in self.buckets), default=0)
+        self.parts = [split_near(lo, hi, dp, unit, top) if unit and hi - lo >= 3 * dp * unit
+                      else split_range(lo, hi, dp, align) for lo, hi in self.buckets]
         # ``limit``: what lies beyond it (a tied tensor's replica, updated by its owner) has no optimizer state
         end = limit if limit is not None else (self.buckets[0][1] if self.buckets else 0)
         self.updated = [[(a, max(a, min(b, end))) for a, b in parts] for parts in self.parts]
@@ -68,6 +96,19 @@ class ZeroShard:
     def sizes(self) -> list[int]:
         """How many values each rank updates (rank order)."""
         return [sum(updated[r][1] - updated[r][0] for updated in self.updated) for r in range(self.dp)]
+
+    def outside(self) -> list[tuple[int, int]]:
+        """The [lo, hi) ranges of every bucket beyond this rank's chunk: what zero = 2 releases once reduced."""
+        out = []
+        for (lo, hi), parts in zip(self.buckets, self.parts):
+            a, b = parts[self.rank]
+            out += [(lo, a), (b, hi)] if b > a else [(lo, hi)]
+        return [(a, b) for a, b in out if b > a]
+
+    def keep_bytes(self) -> int:
+        """zero = 2: how many bytes of gradients beyond this rank's chunks may be in memory at once, released
+        pages waiting for the next backward included: two buckets, the largest two (what hpctrain plan counts)."""
+        return 4 * sum(sorted(hi - lo for lo, hi in self.buckets)[-2:])
 
     def place(self, out, rank: int, values) -> None:
         """Rank ``rank``'s pieces (``values``, one after another) into their places in ``out``."""
@@ -81,38 +122,3 @@ def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     """The intersection of two [lo, hi) ranges (empty: lo == hi)."""
     lo, hi = max(a[0], b[0]), min(a[1], b[1])
     return (lo, max(lo, hi))
-
-
-class ReleasableHost:
-    """A zeroed float32 host array whose pages can be handed back to the kernel (Linux ``MADV_DONTNEED``).
-
-    A private anonymous mapping: released pages read as zeros and cost no memory until written again.
-    Where ``madvise`` is missing the array is plain memory and ``release`` does nothing.
-    """
-
-    def __init__(self, n: int):
-        self.n = int(n)
-        nbytes = max(1, self.n) * 4
-        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-        self._map = mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
-        self.array = np.frombuffer(self._map, dtype=np.float32, count=self.n)
-        self.releasable = hasattr(self._map, "madvise") and hasattr(mmap, "MADV_DONTNEED")
-        if self.releasable and hasattr(mmap, "MADV_HUGEPAGE"):
-            # transparent huge pages where the kernel allows them: a released bucket is faulted in again by
-            # the next backward pass, 2 MiB at a time instead of 4 KiB
-            try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass
-
-    def release(self, lo: int, hi: int) -> int:
-        """Hand back the whole pages inside elements [lo, hi); returns the bytes released."""
-        if not self.releasable or hi <= lo:
-            return 0
-        page = mmap.PAGESIZE
-        start = -(-(lo * 4) // page) * page
-        end = (hi * 4) // page * page
-        if end <= start:
-            return 0
-        self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
-        return end - start

@@ -201,7 +201,9 @@ class Trainer:
             self.log(f"zero {self.zero}: this rank updates {self.shard.size:,} of its part's "
                      f"{self.part.layout.size:,} parameters (its chunk of each of {len(self.shard.buckets)} "
                      f"bucket(s)) and holds {self.optim.slot_bytes / 1e6:,.1f} MB of optimizer state"
-                     + ("; gradients outside its chunks go back to the kernel once reduced" if self.grad_memory
+                     + ("; gradients outside its chunks leave memory once reduced" + (
+                        f" ({self.grad_memory.keep_bytes / 1e6:,.1f} MB of them kept for the next backward)"
+                        if self.grad_memory.keep_bytes else "") if self.grad_memory
                         else "; the full gradient buffer stays (a device backend)" if self.zero == 2 else ""))
         if mesh.tp > 1:
             split = [f"{lo}..{hi}" for lo, hi in self.model.tp_pairs] if self.model.tp_pairs else \

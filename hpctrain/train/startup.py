@@ -40,7 +40,8 @@ from ..parallel.tensor import TensorParallel
 from ..parallel.tied import broadcast_tied
 from ..parallel.transport import Transport
 from ..parallel.data_parallel import make_buckets
-from ..parallel.zero import ReleasableHost, ZeroShard
+from ..parallel.grad_pages import ReleasableHost
+from ..parallel.zero import ZeroShard, bucket_elems, page_unit
 from ..params import FlatBuffer
 from .resume_check import changed_settings, resume_problem
 
@@ -212,11 +213,14 @@ def make_state(cfg, mesh, parts: RankParts) -> RankState:
     size, dp = part.layout.size, mesh.dp
     zero = p.zero if dp > 1 else 0
     owned = part.owned_size  # a tied tensor's replica beyond it is updated by its owner: no optimizer state
-    shard = ZeroShard(make_buckets(size, p.bucket_mb * 1e6 / 4), dp, mesh.dp_rank, limit=owned) if zero else None
-    grad_memory = None  # zero = 2 on the CPU: pages outside this rank's chunks go back to the kernel
+    # zero = 2 on the host: buckets and chunks cut on huge pages, so released memory leaves and returns whole
+    unit = page_unit(size) if zero == 2 and not be.is_device else 0
+    shard = ZeroShard(make_buckets(size, bucket_elems(p.bucket_mb, unit)), dp, mesh.dp_rank, limit=owned,
+                      unit=unit) if zero else None
+    grad_memory = None  # zero = 2 on the CPU: pages outside this rank's chunks leave once reduced
     params = FlatBuffer(be, part.layout)
     if zero == 2 and not be.is_device:
-        grad_memory = ReleasableHost(size)
+        grad_memory = ReleasableHost(size, outside=shard.outside(), keep_bytes=shard.keep_bytes())
         grads = FlatBuffer(be, part.layout, data=grad_memory.array)
     else:
         grads = FlatBuffer(be, part.layout)

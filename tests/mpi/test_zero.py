@@ -137,6 +137,48 @@ def test_zero_2_hands_gradient_pages_back(comm, data):
         mesh.free()
 
 
+def _trained_with_moves(cfg, comm):
+    """``train(cfg, comm)``'s parameters, and how many gradient units got released pages back on this rank."""
+    p = cfg.parallel
+    mesh = Mesh(comm=comm, dp=p.dp, pp=p.pp, tp=p.tp)
+    try:
+        t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+        t.run()
+        t.close()
+        moved = t.grad_memory.moved_in if t.grad_memory is not None else 0
+        gathered = t.state_dict()
+        flat = t.model.layout.pack(gathered[0] if gathered else None)
+        mesh.world.Bcast(flat, root=0)
+        return t.model.layout.unpack(flat), moved
+    finally:
+        mesh.free()
+
+
+def test_zero_2_writes_gradients_into_released_pages_and_trains_bitwise_as_zero_1(comm, data, tokens):
+    """zero = 2 hands a layer about to write its gradients the pages released from buckets reduced before
+    (parallel/grad_pages.py). Their stale values must never be read: zero = 1 runs the same reductions, so the
+    two agree bit for bit. Buckets of many pages (whole pages outside every chunk), two micro-batches, the GPT's
+    tied embedding; at four ranks also pp 2 (its two ends) and the zero-bubble schedule (B and W apart)."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks: with one there is nothing to shard")
+    runs = []
+    for pp, tp in layouts(comm):
+        dp = comm.size // (pp * tp)
+        runs.append(config(data, hidden=512, optim=ADAMW, train={"steps": 4, "batch_size": 8 * dp,
+                                                                 "micro_batches": 2, "grad_clip": 0.5},
+                           data={"shuffle": True}, parallel={"pp": pp, "tp": tp, "bucket_mb": 0.5}))
+        runs.append(gpt_config(tokens, model={"n_embd": 64}, train={"batch_size": 4 * dp, "micro_batches": 2},
+                               parallel={"pp": pp, "tp": tp, "bucket_mb": 0.05}))
+    if comm.size % 4 == 0:
+        runs.append(gpt_config(tokens, model={"n_embd": 64}, train={"batch_size": 8, "micro_batches": 4},
+                               parallel={"pp": 2, "schedule": "zero-bubble", "bucket_mb": 0.05}))
+    for cfg in runs:
+        with_zero = [dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=z)) for z in (1, 2)]
+        (one, _), (two, moved) = (_trained_with_moves(c, comm) for c in with_zero)
+        assert all(np.array_equal(one[n], two[n]) for n in one), cfg.parallel
+        assert comm.allreduce(moved) > 0, cfg.parallel  # the released pages were used again
+
+
 def test_zero_checkpoints_resume_across_zero_and_layouts(comm, tokens, shared_dir):
     """zero = 2 on the world -> zero = 0 on one process, and zero = 0 on one process -> zero = 1 on the world
     (dp 2 x tp 2 at four ranks): each equals four straight steps on one process."""

@@ -146,10 +146,11 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
                     rings += (grads + 1) * rows * max(w for _, w in part.chunk_widths) * 4
             for d in range(dp):
                 unit = page_unit(part.layout.size) if zero == 2 and not device else 0  # as train/startup.py cuts
-                shard = ZeroShard(make_buckets(part.layout.size, zero_bucket_elems(p.bucket_mb, unit)), dp, d,
-                                  limit=part.owned_size, unit=unit) if zero else None
+                cut = zero_bucket_elems(p.bucket_mb, unit) if unit else bucket_elems
+                shard = ZeroShard(make_buckets(part.layout.size, cut), dp, d, limit=part.owned_size,
+                                  unit=unit) if zero else None
                 state = state_bytes(part_size=part.layout.size, owned_size=part.owned_size, shard=shard, zero=zero,
-                                    device=device, slots=slots, bucket_elems=bucket_elems,
+                                    device=device, slots=slots, bucket_elems=max(1, int(cut)),
                                     micro_batches=t.micro_batches)
                 buffers = rings + (4 * max((p[d][1] - p[d][0] for p in shard.parts), default=0) if shard else 0)
                 if device and dp > 1 and (not cuda_aware or (t.deterministic and p.overlap)):

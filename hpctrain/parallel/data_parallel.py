@@ -184,7 +184,8 @@ class GradSync:
         if b > a and host is not None:
             self._arrived.append(self.transport.incoming_async(host[: b - a], self.grads.data[a:b]))
         elif host is None and b > a > lo:  # CUDA-aware, not the first chunk: [lo, lo + b - a) and [a, b) do not
-            # overlap, since split_range gives chunk r the offset r * per and each chunk at most per values
+            # overlap, since split_range gives chunk r the offset r * per and each chunk at most per values (a
+            # device's chunks are always split_range's: zero 2's huge-page cuts are the host's, parallel/zero.py)
             self._moves.append((lo, a, b))
 
     def _tree_when(self, i, ready) -> None:

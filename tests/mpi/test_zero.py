@@ -16,7 +16,7 @@ from mpi4py import MPI
 from helpers import config, gpt_config, train_params as train
 from hpctrain.parallel.mesh import Mesh
 from hpctrain.parallel.data_parallel import make_buckets
-from hpctrain.parallel.zero import ZeroShard
+from hpctrain.parallel.zero import ZeroShard, page_unit
 from hpctrain.train import Trainer
 
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
@@ -156,9 +156,10 @@ def _trained_with_moves(cfg, comm):
 
 def test_zero_2_writes_gradients_into_released_pages_and_trains_bitwise_as_zero_1(comm, data, tokens):
     """zero = 2 hands a layer about to write its gradients the pages released from buckets reduced before
-    (parallel/grad_pages.py). Their stale values must never be read: zero = 1 runs the same reductions, so the
-    two agree bit for bit. Buckets of many pages (whole pages outside every chunk), two micro-batches, the GPT's
-    tied embedding; at four ranks also pp 2 (its two ends) and the zero-bubble schedule (B and W apart)."""
+    (parallel/grad_pages.py). Their stale values must never be read: below 32 MiB of gradients zero = 1 cuts the
+    same chunks and runs the same reductions, so the two agree bit for bit. Buckets of many pages (whole pages
+    outside every chunk), two micro-batches, the GPT's tied embedding; at four ranks also pp 2 (its two ends)
+    and the zero-bubble schedule (B and W apart)."""
     if comm.size < 2:
         pytest.skip("needs two ranks: with one there is nothing to shard")
     runs = []
@@ -177,6 +178,22 @@ def test_zero_2_writes_gradients_into_released_pages_and_trains_bitwise_as_zero_
         (one, _), (two, moved) = (_trained_with_moves(c, comm) for c in with_zero)
         assert all(np.array_equal(one[n], two[n]) for n in one), cfg.parallel
         assert comm.allreduce(moved) > 0, cfg.parallel  # the released pages were used again
+
+
+def test_zero_2_on_huge_pages_trains_bitwise_as_without_the_pool(comm, data, monkeypatch):
+    """A gradient buffer of 32 MiB and more is cut on huge pages (parallel/zero.py: page_unit), which zero = 1 is
+    not, so at dp >= 3 its sums may round otherwise; against zero = 2 with the pool off, pages released and used
+    again must change nothing."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks: with one there is nothing to shard")
+    dp = comm.size
+    cfg = config(data, hidden=3000, optim=ADAMW, train={"steps": 2, "batch_size": 4 * dp, "micro_batches": 2},
+                 parallel={"zero": 2, "bucket_mb": 5})
+    pooled, moved = _trained_with_moves(cfg, comm)
+    assert page_unit(sum(v.size for v in pooled.values())) and comm.allreduce(moved) > 0
+    monkeypatch.setattr(ZeroShard, "keep_bytes", lambda self: 0)
+    plain, none = _trained_with_moves(cfg, comm)
+    assert none == 0 and all(np.array_equal(pooled[n], plain[n]) for n in plain)
 
 
 def test_zero_checkpoints_resume_across_zero_and_layouts(comm, tokens, shared_dir):

@@ -44,8 +44,9 @@ def config(path, *, features=6, hidden=8, classes=3, loss="cross_entropy", **sec
     return parse_config(data)
 
 
-def train_params(cfg, comm):
-    """Train ``cfg`` on a mesh over ``comm`` (collective) and return every rank the full final parameters by name."""
+def train_params(cfg, comm, look=None):
+    """Train ``cfg`` on a mesh over ``comm`` (collective) and return every rank the full final parameters by name;
+    ``look(trainer)``, when given, runs on each rank after training."""
     import numpy as np
 
     from hpctrain.parallel.mesh import Mesh
@@ -57,6 +58,8 @@ def train_params(cfg, comm):
         t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
         t.run()
         t.close()
+        if look is not None:
+            look(t)
         gathered = t.state_dict()
         flat = t.model.layout.pack(gathered[0] if gathered else None)
         mesh.world.Bcast(flat, root=0)

@@ -139,19 +139,9 @@ def test_zero_2_hands_gradient_pages_back(comm, data):
 
 def _trained_with_moves(cfg, comm):
     """``train(cfg, comm)``'s parameters, and how many gradient units got released pages back on this rank."""
-    p = cfg.parallel
-    mesh = Mesh(comm=comm, dp=p.dp, pp=p.pp, tp=p.tp)
-    try:
-        t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
-        t.run()
-        t.close()
-        moved = t.grad_memory.moved_in if t.grad_memory is not None else 0
-        gathered = t.state_dict()
-        flat = t.model.layout.pack(gathered[0] if gathered else None)
-        mesh.world.Bcast(flat, root=0)
-        return t.model.layout.unpack(flat), moved
-    finally:
-        mesh.free()
+    moved = []
+    params = train(cfg, comm, look=lambda t: moved.append(t.grad_memory.moved_in if t.grad_memory else 0))
+    return params, moved[0]
 
 
 def test_zero_2_writes_gradients_into_released_pages_and_trains_bitwise_as_zero_1(comm, data, tokens):

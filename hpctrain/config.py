@@ -155,6 +155,7 @@ class ParallelConfig:
     servers: int = 1
     staleness: int = 0  # async_ps: a worker is at most this many steps ahead of the slowest
     zero: int = 0  # ZeRO over dp: 1 shards the optimizer state, 2 also the gradients (parallel/zero.py)
+    zero_reduce: str = "auto"  # ZeRO: how a bucket's gradients are summed (parallel/zero.py: reduce_choice)
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,7 @@ CHOICES = {
     ("parallel", "schedule"): ("1f1b", "gpipe", "zero-bubble", "zero-bubble-h2", "interleaved-1f1b"),
     ("train", "progress"): ("auto", "bar", "lines"),
     ("parallel", "mode"): ("sync", "async_ps"),
+    ("parallel", "zero_reduce"): ("auto", "reduce_scatter", "allreduce"),
 }
 
 

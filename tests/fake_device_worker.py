@@ -22,7 +22,7 @@ from hpctrain.train import Trainer, startup  # noqa: E402
 LAYOUTS = [  # (name, pp, tp, model, expected waits for the stream per step)
     ("dp", 1, 1, "mlp", 1), ("pp", 2, 1, "mlp", 1), ("gpt-dp", 1, 1, "gpt", 1), ("gpt-pp", 2, 1, "gpt", 3),
     ("tp", 1, 2, "mlp", None),  # tp: one per tensor-parallel Allreduce as well (docs/gpu.md)
-    ("zero", 1, 1, "mlp", 1), ("deterministic", 1, 1, "gpt", 1),
+    ("zero", 1, 1, "mlp", 1), ("zero-allreduce", 1, 1, "mlp", 1), ("deterministic", 1, 1, "gpt", 1),
 ]
 # on 4 ranks: ZeRO at dp 2 with the GPT's table tied across pp 2, whose buckets wait for the two ends' sum and are
 # reduce-scattered on the training thread (a whole-stream wait each), the others on the communication thread
@@ -33,7 +33,8 @@ def run(folder, name, pp, tp, model, backend, cuda_aware):
     """Final parameters (gathered to every rank) and the waits of the third step."""
     path = os.path.join(folder, f"{model}.h5")
     parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": cuda_aware, "pp": pp, "tp": tp,
-                "zero": 2 if name.endswith("zero") else 0}
+                "zero": 2 if "zero" in name else 0,
+                "zero_reduce": "allreduce" if name.endswith("allreduce") else "reduce_scatter"}
     train = {"steps": 3, "micro_batches": 2 * pp, "grad_clip": 0.5}
     if name == "deterministic":
         train = {**train, "deterministic": True, "deterministic_shards": 2}

@@ -1,7 +1,7 @@
 """The device code paths on the CPU: tests/fake_device_worker.py under ``mpiexec -n 2`` trains data parallel,
-pipeline, tensor parallel, ZeRO and deterministic layouts on FakeDevice (tests/fake_device.py) with
-``parallel.cuda_aware`` true (MPI handed the "device" arrays, which the CUDA simulator cannot do) and false
-(staged), and checks the CPU backend's bits and the waits per step."""
+pipeline, tensor parallel, ZeRO (by Reduce_scatter and by Allreduce) and deterministic layouts on FakeDevice
+(tests/fake_device.py) with ``parallel.cuda_aware`` true (MPI handed the "device" arrays, which the CUDA simulator
+cannot do) and false (staged), and checks the CPU backend's bits and the waits per step."""
 
 import os
 import shutil
@@ -32,7 +32,7 @@ def _run_worker(ranks: int, tmp_path) -> str:
 
 def test_device_paths_cuda_aware_and_staged_give_the_cpu_bits(tmp_path):
     output = _run_worker(2, tmp_path)
-    assert output.count(" OK") == 2 * 2 * 7, output[-4000:]  # 2 ranks × (CUDA-aware, staged) × 7 layouts
+    assert output.count(" OK") == 2 * 2 * 8, output[-4000:]  # 2 ranks × (CUDA-aware, staged) × 8 layouts
 
 
 def test_zero_with_a_table_tied_across_stages_on_four_ranks(tmp_path):

@@ -39,7 +39,9 @@ order, and its bits, do not depend on the layout.
 With ``parallel.zero >= 1`` (parallel/zero.py) each bucket is reduce-scattered instead:
 it is cut into dp chunks, and ``Reduce_scatter`` leaves the sum of chunk r on rank r
 alone, written into the gradient buffer at the chunk's place; the rest of the bucket keeps
-this rank's own, unreduced gradients (zero = 2 releases those pages at once). As the
+this rank's own, unreduced gradients (zero = 2 releases those pages at once). Where
+``parallel.zero_reduce`` chose it, an ``Allreduce`` in place sums the bucket instead and each
+rank keeps its chunk of it, the rest being released or left alone the same way. As the
 optimizer finishes each bucket's chunk, ``gather_bucket`` all-gathers that bucket's
 parameters (``Allgatherv`` in place, on the communication thread while the next chunk
 updates); ``finish_gather`` waits for them. Buckets holding a tensor tied across
@@ -97,11 +99,13 @@ class GradSync:
     ReleasableHost (zero = 2, parallel/grad_pages.py), whose pages outside this rank's chunk leave
     once their bucket is scattered (``will_write`` gives a layer some back before it writes).
     ``tied``: (local ranges, presum) of tensors tied across pipeline stages; their buckets are
-    scattered in ``wait()`` after ``presum()``.
+    scattered in ``wait()`` after ``presum()``. ``allreduce`` (ZeRO, ``parallel.zero_reduce``): each bucket is
+    Allreduced in place instead and the rank keeps its chunk of the sum, twice the bytes for an MPI whose
+    Allreduce runs faster than its Reduce_scatter (parallel/zero.py: ``reduce_choice``).
     """
 
     def __init__(self, *, comm, transport, grads, bucket_mb: float, overlap: bool, diag=None, shard=None,
-                 release=None, tied=None, tree=None):
+                 release=None, tied=None, tree=None, allreduce=False):
         from mpi4py import MPI
 
         self.diag = diag  # parallel/watch.py: the waits below are recorded for the watchdog
@@ -117,6 +121,7 @@ class GradSync:
         self.host = transport.host_buffer((size,)) if self.active else None  # staging for MPI (None: direct)
         self.shard = shard if self.active else None
         self.release = release if self.shard else None
+        self.allreduce = bool(allreduce and self.shard)  # ZeRO: each bucket Allreduced, the rank keeping its chunk
         self.tree = tree  # train.deterministic: a ShardTree over this rank's micro-batches (parallel/deterministic.py)
         if tree is not None and self.shard is not None:
             raise ValueError("a deterministic (tree) sum cannot reduce-scatter (ZeRO)")
@@ -134,7 +139,8 @@ class GradSync:
             biggest = max((parts[self.shard.rank][1] - parts[self.shard.rank][0] for parts in self.shard.parts),
                           default=0)
             # Reduce_scatter may not write into the buffer it reads: each bucket's sum lands here first
-            self._scatter_out = (self.backend.empty((biggest,)) if self.direct else transport.host_buffer((biggest,)))
+            self._scatter_out = None if self.allreduce else (
+                self.backend.empty((biggest,)) if self.direct else transport.host_buffer((biggest,)))
         # With MPI_THREAD_MULTIPLE a communication thread runs blocking collectives while backward goes on (MPI
         # progresses nonblocking collectives only inside MPI calls, so Iallreduce alone barely overlaps); on a
         # device it also waits for the gradients and stages them, for the Allreduce, ZeRO's reduce-scatters and
@@ -180,6 +186,11 @@ class GradSync:
         a, b = parts[self.shard.rank]
         host = None if self.direct else self.host[lo:hi]
         buf = self.transport.outgoing_when(self.grads.data[lo:hi], host, ready)
+        if self.allreduce:  # the sum of chunk [a, b) is in its place: staged, only its copy back is queued
+            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+            if b > a and host is not None:
+                self._arrived.append(self.transport.incoming_async(host[a - lo : b - lo], self.grads.data[a:b]))
+            return
         self.comm.Reduce_scatter(self.MPI.IN_PLACE, buf, [y - x for x, y in parts], op=self.MPI.SUM)
         if b > a and host is not None:
             self._arrived.append(self.transport.incoming_async(host[: b - a], self.grads.data[a:b]))
@@ -219,9 +230,14 @@ class GradSync:
             return
         parts = self.shard.parts[i]
         a, b = parts[self.shard.rank]  # the whole chunk, a tied replica's values too (the optimizer skips those)
-        out = self._scatter_out[: b - a]
-        self.comm.Reduce_scatter(self._buffer(lo, hi), out, [y - x for x, y in parts], op=self.MPI.SUM)
-        if b > a:
+        if self.allreduce:
+            buf = self._buffer(lo, hi)
+            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+            out = None if self.direct else buf[a - lo : b - lo]  # direct: summed in place; staged: copied back
+        else:
+            out = self._scatter_out[: b - a]
+            self.comm.Reduce_scatter(self._buffer(lo, hi), out, [y - x for x, y in parts], op=self.MPI.SUM)
+        if b > a and out is not None:
             self.backend.copy_(self.grads.data[a:b], out)  # a device array, or host memory (staged or the CPU)
         if self.release is not None:  # zero = 2: the rest of the bucket is this rank's unreduced gradients
             self.released_bytes += self.release.release(lo, a if b > a else hi) + (

@@ -40,6 +40,7 @@ from ..parallel.sharding import gather_flat, gather_shards, stage_ranges
 from ..parallel.tied import sum_tied_grads
 from ..parallel.transport import PointToPoint
 from ..parallel.watch import Diagnostics, enabled_by_env
+from ..parallel.zero import reduce_choice
 from ..optim import lr_at
 from . import startup
 from .checkpointing import Checkpointer
@@ -173,10 +174,16 @@ class Trainer:
         if self.shard and self.part.shared:
             tied = ([(self.part.layout[n].offset, self.part.layout[n].end) for n in self.part.shared],
                     lambda: sum_tied_grads(mesh, self.transport, self.part, self.grads))
+        zero_reduce, timed = "reduce_scatter", None  # ZeRO: how a bucket is summed (parallel/zero.py)
+        if self.shard is not None and mesh.dp > 1:
+            zero_reduce, timed = run_everywhere(mesh.world, lambda: reduce_choice(
+                cfg.parallel.zero_reduce, mesh.dp_comm, max(hi - lo for lo, hi in self.shard.buckets),
+                device=self.be.is_device))
         self.sync = run_everywhere(mesh.world, lambda: GradSync(  # staging buffers: a device may run out
             comm=mesh.dp_comm, transport=self.transport, grads=self.grads, bucket_mb=cfg.parallel.bucket_mb,
             overlap=cfg.parallel.overlap, diag=self.diag, shard=self.shard, release=self.grad_memory, tied=tied,
-            tree=ShardTree(self.be, self.grads.data, cfg.train.micro_batches) if cfg.train.deterministic else None))
+            tree=ShardTree(self.be, self.grads.data, cfg.train.micro_batches) if cfg.train.deterministic else None,
+            allreduce=zero_reduce == "allreduce"))
         self.saver = Checkpointer(self)
         self.tracer = Tracer(mesh) if cfg.train.trace else None
         self._p2p = p2p = PointToPoint(comm=mesh.pp_comm, transport=self.transport, diag=self.diag) \
@@ -204,7 +211,10 @@ class Trainer:
                      + ("; gradients outside its chunks leave memory once reduced" + (
                         f" ({self.grad_memory.keep_bytes / 1e6:,.1f} MB of them kept for the next backward)"
                         if self.grad_memory.keep_bytes else "") if self.grad_memory
-                        else "; the full gradient buffer stays (a device backend)" if self.zero == 2 else ""))
+                        else "; the full gradient buffer stays (a device backend)" if self.zero == 2 else "")
+                     + f"; buckets summed by {'Allreduce' if zero_reduce == 'allreduce' else 'Reduce_scatter'}"
+                     + (f" (parallel.zero_reduce = \"auto\": {timed[0] * 1e3:.1f} ms by Allreduce, "
+                        f"{timed[1] * 1e3:.1f} ms by Reduce_scatter on a bucket at start-up)" if timed else ""))
         if mesh.tp > 1:
             split = [f"{lo}..{hi}" for lo, hi in self.model.tp_pairs] if self.model.tp_pairs else \
                 ["every transformer block"] if self.part.shards else []

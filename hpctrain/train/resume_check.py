@@ -32,7 +32,7 @@ MAY_DIFFER = frozenset({
     "data.path", "data.allow_external", "data.corpus",
     "parallel.dp", "parallel.pp", "parallel.tp", "parallel.schedule", "parallel.virtual_stages", "parallel.stages",
     "parallel.bucket_mb",
-    "parallel.overlap", "parallel.cuda_aware", "parallel.servers", "parallel.zero",
+    "parallel.overlap", "parallel.cuda_aware", "parallel.servers", "parallel.zero", "parallel.zero_reduce",
     "parallel.mode",  # staleness 0 is synchronous training in either mode; parallel.staleness changes the math
 })  # and every checkpoint.* setting
 

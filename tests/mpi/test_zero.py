@@ -16,7 +16,7 @@ from mpi4py import MPI
 from helpers import config, gpt_config, train_params as train
 from hpctrain.parallel.mesh import Mesh
 from hpctrain.parallel.data_parallel import make_buckets
-from hpctrain.parallel.zero import ZeroShard, page_unit
+from hpctrain.parallel.zero import ZeroShard, page_unit, reduce_choice
 from hpctrain.train import Trainer
 
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
@@ -184,6 +184,45 @@ def test_zero_2_on_huge_pages_trains_bitwise_as_without_the_pool(comm, data, mon
     monkeypatch.setattr(ZeroShard, "keep_bytes", lambda self: 0)
     plain, none = _trained_with_moves(cfg, comm)
     assert none == 0 and all(np.array_equal(pooled[n], plain[n]) for n in plain)
+
+
+def test_zero_reduce_by_allreduce_trains_as_by_reduce_scatter(comm, data, tokens):
+    """``parallel.zero_reduce = "allreduce"`` sums each bucket by Allreduce and keeps the rank's chunk of it: at
+    dp 2 the same bits as Reduce_scatter (each value one addition), at other dp the same to the float32 noise
+    floor; zero = 2 still releases the rest and writes the next gradients into those pages."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks: with one there is nothing to shard")
+    for pp, tp in layouts(comm):
+        dp = comm.size // (pp * tp)
+        runs = [config(data, hidden=512, optim=SGD, train={"steps": 3, "batch_size": 8 * dp, "micro_batches": 2,
+                                                           "grad_clip": 0.5},
+                       parallel={"pp": pp, "tp": tp, "zero": 2, "bucket_mb": 0.5}),
+                gpt_config(tokens, model={"n_embd": 32}, optim=SGD, train={"batch_size": 4 * dp},
+                           parallel={"pp": pp, "tp": tp, "zero": 1, **SMALL_BUCKETS})]
+        for cfg in runs:
+            (scattered, _), (summed, moved) = (_trained_with_moves(dataclasses.replace(
+                cfg, parallel=dataclasses.replace(cfg.parallel, zero_reduce=how)), comm)
+                for how in ("reduce_scatter", "allreduce"))
+            if dp == 2:
+                assert all(np.array_equal(scattered[n], summed[n]) for n in summed), (pp, tp)
+            else:
+                assert max_error(summed, scattered) < 1e-6, (pp, tp)
+            if cfg.parallel.zero == 2:
+                assert comm.allreduce(moved) > 0, (pp, tp)
+
+
+def test_zero_reduce_auto_times_both_at_dp_2_and_every_rank_takes_the_same(comm):
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    how, timed = reduce_choice("auto", comm, 50_000, device=False)
+    if comm.size == 2:  # the two give the same bits only here: timed, and the faster taken
+        assert timed is not None and all(0 < s < 10 for s in timed)
+        assert how == ("allreduce" if timed[0] < timed[1] else "reduce_scatter")
+    else:
+        assert (how, timed) == ("reduce_scatter", None)
+    assert comm.allgather((how, timed)) == [(how, timed)] * comm.size
+    assert reduce_choice("auto", comm, 50_000, device=True) == ("reduce_scatter", None)  # no collective
+    assert reduce_choice("allreduce", comm, 50_000, device=False) == ("allreduce", None)
 
 
 def test_zero_checkpoints_resume_across_zero_and_layouts(comm, tokens, shared_dir):

@@ -2,6 +2,8 @@
 
     python bench/bench_memory.py                        # the 50 M-parameter MLP: RSS at dp 4, step time at dp 2
     python bench/bench_memory.py --width 1024 --steps 3 # a quick look
+    python bench/bench_memory.py --only speed --repeat 7 --speed-steps 16   # with Open MPI's mpiexec first on
+                                      # PATH (as root: OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
 
 The model is an MLP of three ``--width`` x ``--width`` Linear layers (4096: 50.3 M parameters) trained
 with Adam, so a rank holds 4 bytes per parameter of weights, 4 of gradients and 8 of optimizer state.
@@ -13,7 +15,8 @@ that; step time with zero 1 and 2 at least 0.95x zero = 0 at dp 2.
    setting: each rank's peak RSS (kB); the log line gives what hpctrain says each rank holds.
 2. Speed: ``mpiexec -n 2 hpctrain train ...`` per zero setting, alternated over ``--repeat`` rounds so
    drift in the machine's load hits each alike; the median of the mean step time (compute + comm +
-   optim, from the metrics file, the first step left out).
+   optim, from the metrics file, the first step left out), and how ZeRO summed its buckets in each run
+   (``parallel.zero_reduce = "auto"``'s choice, from the log).
 MB here is 10^6 bytes.
 """
 
@@ -100,12 +103,14 @@ def step_seconds(folder, config, zero, ranks):
     metrics = os.path.join(folder, f"m{zero}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    run([mpiexec(), "-n", str(ranks), hpctrain, "train", config], folder)
+    proc = run([mpiexec(), "-n", str(ranks), hpctrain, "train", config], folder)
     with open(metrics) as f:
         lines = [json.loads(line) for line in f if '"loss"' in line]
     rows = lines[1:]  # the first: compiles and faults
     parts = {k: statistics.mean(r[f"{k}_s"] for r in rows) for k in ("compute", "comm", "optim")}
-    return sum(parts.values()), parts
+    how = [line.split("buckets summed by ")[1].split()[0] for line in proc.stdout.splitlines()
+           if "buckets summed by " in line]  # parallel.zero_reduce's choice, from the log
+    return sum(parts.values()), parts, how[0] if how else None
 
 
 def main():
@@ -146,20 +151,23 @@ def main():
         if args.only == "memory":
             return
         print(f"step time at dp {args.speed_ranks} ({args.speed_steps} steps, median of {args.repeat} rounds):")
-        times, split = {0: [], 1: [], 2: []}, {0: [], 1: [], 2: []}
+        times, split, ways = {0: [], 1: [], 2: []}, {0: [], 1: [], 2: []}, {0: [], 1: [], 2: []}
         for _ in range(args.repeat):
             for zero in (0, 1, 2):
                 config = write_config(folder, args.width, args.batch, args.speed_steps, zero, args.bucket_mb)
-                total, parts = step_seconds(folder, config, zero, args.speed_ranks)
+                total, parts, how = step_seconds(folder, config, zero, args.speed_ranks)
                 times[zero].append(total)
                 split[zero].append(parts)
+                ways[zero].append(how)
         t0 = statistics.median(times[0])
         for zero in (0, 1, 2):
             t = statistics.median(times[zero])
             parts = ", ".join(f"{k} {statistics.median(p[k] for p in split[zero]) * 1e3:.0f}"
                               for k in ("compute", "comm", "optim"))
+            summed = ", ".join(f"{w} in {ways[zero].count(w)}" for w in sorted(set(ways[zero]) - {None}))
             print(f"  zero {zero}: {t * 1e3:,.1f} ms/step ({parts} ms)"
-                  + (f"; speed {t0 / t:.3f}x zero 0 (target >= 0.95)" if zero else ""))
+                  + (f"; speed {t0 / t:.3f}x zero 0 (target >= 0.95); buckets summed by {summed} of "
+                     f"{args.repeat} rounds" if zero else ""))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -220,3 +220,26 @@ def test_command_line_paths_resolve_against_the_working_directory(tmp_path, monk
     assert moved.train.trace == str(tmp_path / "t" / "trace.json")  # a path with a folder: from the cwd
     in_file = load_config(write(tmp_path / "configs", BASE + '\n[train]\nmetrics = "m.jsonl"\n', "d.toml"))
     assert in_file.train.metrics == str(tmp_path / "configs" / "m.jsonl")  # no checkpoint.dir: beside the file
+
+
+def test_every_key_has_its_row_in_docs_config_and_every_row_a_key():
+    """docs/config.md has a table row for each key of each section, under that section's heading, and no row
+    for a key that is gone (the [model] section's table of layer types aside)."""
+    import dataclasses
+    import os
+    import re
+
+    from hpctrain.config import SECTIONS
+    from hpctrain.layer_kinds import BUILTIN
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config.md")
+    with open(path) as f:
+        parts = re.split(r"^## \[(\w+)\]\s*$", f.read(), flags=re.M)
+    sections = dict(zip(parts[1::2], parts[2::2]))
+    assert set(sections) == set(SECTIONS)
+    for name, cls in SECTIONS.items():
+        rows = set(re.findall(r"^\| `([\w.]+)` \|", sections[name], flags=re.M))
+        keys = {f.name.rstrip("_") for f in dataclasses.fields(cls)}  # async_ is the key async
+        assert keys <= rows, f"[{name}] keys without a row in docs/config.md: {sorted(keys - rows)}"
+        assert rows - keys <= (set(BUILTIN) if name == "model" else set()), \
+            f"[{name}] rows in docs/config.md for no key: {sorted(rows - keys)}"

@@ -152,8 +152,9 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
                 state = state_bytes(part_size=part.layout.size, owned_size=part.owned_size, shard=shard, zero=zero,
                                     device=device, slots=slots, bucket_elems=max(1, int(cut)),
                                     micro_batches=t.micro_batches)
-                buffers = rings + (4 * max((p[d][1] - p[d][0] for p in shard.parts), default=0)  # Reduce_scatter's out
-                                     if shard and cfg.parallel.zero_reduce != "allreduce" else 0)
+                # Reduce_scatter's out (zero_reduce = "auto" may take Allreduce at dp 2, without it: a bound then)
+                buffers = rings + (4 * max((p[d][1] - p[d][0] for p in shard.parts), default=0)
+                                   if shard and cfg.parallel.zero_reduce != "allreduce" else 0)
                 if device and dp > 1 and (not cuda_aware or (t.deterministic and p.overlap)):
                     # parallel/data_parallel.py: the gradients staged through pinned host memory for MPI (or the
                     # deterministic tree's additions, which a communication thread makes on the host)

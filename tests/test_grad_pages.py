@@ -140,3 +140,14 @@ def test_without_a_pool_released_pages_read_as_zeros():
     buf.array[:] = 2.0
     buf.release(0, n)
     assert not buf.array.any() and buf.moved_in == 0
+
+
+def test_needs_says_whether_a_write_would_bring_released_units_back():
+    n = 64 << 20 >> 2
+    buf = pooled(n, 4, outside=[(0, n // 2)])  # the second half: this rank's chunk, never released
+    per = buf.unit // 4
+    assert buf.needs(0, per) and not buf.needs(n // 2, n)
+    buf.fill(0, 2 * per)
+    assert not buf.needs(0, 2 * per) and buf.needs(per, 3 * per)  # units 0 and 1 live, unit 2 still empty
+    buf.release(0, per)
+    assert buf.needs(0, per) and not buf.needs(per, 2 * per)

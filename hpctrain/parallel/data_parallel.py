@@ -128,6 +128,7 @@ class GradSync:
         self._last_leaf, self._folded = None, size  # the tree: the step's last micro-batch, folded from here on
         self.wait_seconds = 0.0
         self.released_bytes = 0  # zero = 2: gradient bytes released this step (to the kernel or the pool)
+        self.backpressure_seconds = 0.0  # zero = 2: the backward's waits for earlier buckets' release, this step
         self._ready = 0  # buckets [0, _ready) have all their gradients written
         self._launched = 0  # buckets [0, _launched) have their reduction started (or are held)
         self._requests = []
@@ -245,7 +246,13 @@ class GradSync:
 
     def will_write(self, ranges) -> None:
         """zero = 2: a layer is about to write its gradients in ``ranges`` (local [lo, hi) offsets); their
-        released units get pooled pages back (parallel/grad_pages.py)."""
+        released units get pooled pages back (parallel/grad_pages.py). Where that brings released memory back,
+        the buckets handed to the communication thread before the last one are first reduced (and so released):
+        a backward pass that outruns the reductions would otherwise hold every bucket's gradients at once."""
+        if self._worker is not None and any(self.release.needs(lo, hi) for lo, hi in ranges):
+            t0 = time.perf_counter()
+            self._worker.wait_done(self._worker.submitted - 1)
+            self.backpressure_seconds += time.perf_counter() - t0
         for lo, hi in ranges:
             self.release.fill(lo, hi)
 
@@ -253,6 +260,7 @@ class GradSync:
         self._ready = self._launched = 0
         self._requests = []
         self.released_bytes = 0
+        self.backpressure_seconds = 0.0
         if self.tree is not None:
             self.tree.start()
             self._last_leaf, self._folded = None, self.grads.data.shape[0]

@@ -147,6 +147,11 @@ class ReleasableHost:
         return self._pool["slots"] * self.unit if self._pool else 0
 
     @property
+    def peak_live_bytes(self) -> int:
+        """The most released-and-written-again bytes (live units) held at once, over the buffer's life."""
+        return self._peak * self.unit
+
+    @property
     def pooled_bytes(self) -> int:
         """Released pages waiting in the pool for the next backward."""
         return len(self._pool["full"]) * self.unit if self._pool else 0
@@ -207,6 +212,11 @@ class ReleasableHost:
             return False
         pool["full"].append(slot)
         return True
+
+    def needs(self, lo: int, hi: int) -> bool:
+        """Whether writing elements [lo, hi) would bring released units back (``fill`` has work to do)."""
+        first, stop = (self._pad + 4 * lo) // self.unit, -(-(self._pad + 4 * hi) // self.unit)
+        return bool((self._state[first:stop] == _EMPTY).any())
 
     def fill(self, lo: int, hi: int) -> None:
         """Elements [lo, hi) are about to be written: their empty units become live and get pooled pages while

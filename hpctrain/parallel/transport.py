@@ -125,10 +125,20 @@ class CommThread:
         self.queue = queue.Queue()
         self.error = None
         self.on_start = on_start
+        self.submitted = 0  # pieces of work handed over, and finished (or skipped after an error)
+        self._done = 0
+        self._finished = threading.Condition()
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def submit(self, work) -> None:
+        self.submitted += 1
         self.queue.put(work)
+
+    def wait_done(self, count: int) -> None:
+        """Wait until the first ``count`` pieces of work submitted are finished (the thread's error, if one came,
+        is for ``join`` to raise)."""
+        with self._finished:
+            self._finished.wait_for(lambda: self._done >= count)
 
     def close(self) -> None:
         """Stop the thread once what was submitted is done."""
@@ -151,6 +161,9 @@ class CommThread:
             except BaseException as e:  # handed to the caller's thread in join()
                 self.error = e
             finally:
+                with self._finished:
+                    self._done += 1
+                    self._finished.notify_all()
                 self.queue.task_done()
 
     def join(self) -> None:

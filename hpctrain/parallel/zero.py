@@ -30,8 +30,9 @@ bytes, plus at most two buckets beyond them, or the buckets not yet reduced wher
 DeepSpeed's ``reduce_scatter = false``). Some MPI libraries run the second faster: Open MPI 5 on one node
 summed a 25 MB bucket over 2 ranks by Allreduce in 3.5-4.3 ms against 7.3-9.6 ms by Reduce_scatter,
 where MPICH took about as long either way (docs/performance.md). At dp = 2 both give the same bits (each
-value is one addition, a + b = b + a), so "auto" times the two on a bucket at start-up and takes the faster;
-at other dp the two sum in different orders, and "auto" keeps Reduce_scatter.
+value is one addition, a + b = b + a), so "auto" times the two on a bucket at start-up and takes the faster
+(by the slowest times of every data-parallel group: one choice for the whole job); at other dp the two sum
+in different orders, and "auto" keeps Reduce_scatter, as on a GPU.
 """
 
 from __future__ import annotations
@@ -138,10 +139,11 @@ def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     return (lo, max(lo, hi))
 
 
-def time_reductions(comm, elems: int, rounds: int = 3) -> tuple[float, float]:
-    """Collective over ``comm``: seconds for one ``Allreduce`` and one ``Reduce_scatter`` of ``elems`` float32
-    values, each the best of ``rounds`` after one untimed round, the slowest rank's (the same on every rank).
-    The buffers are a mapping of their own, gone with the last view of it on return, so the allocator's
+def time_reductions(comm, elems: int, rounds: int = 3, *, agree=None) -> tuple[float, float]:
+    """Collective over ``comm``, then ``agree`` (a communicator holding it, such as the world's; default
+    ``comm``): seconds for one ``Allreduce`` and one ``Reduce_scatter`` over ``comm`` of ``elems`` float32
+    values, each the best of ``rounds`` after one untimed round, the slowest rank's of ``agree`` (the same on
+    every rank of it). The buffers are a mapping of their own, gone with the last view of it on return, so the allocator's
     thresholds are left as they were."""
     from mpi4py import MPI
 
@@ -160,18 +162,20 @@ def time_reductions(comm, elems: int, rounds: int = 3) -> tuple[float, float]:
             call()
             if r:
                 best[k] = min(best[k], time.perf_counter() - t0)
-    comm.Allreduce(MPI.IN_PLACE, best, op=MPI.MAX)
+    (agree or comm).Allreduce(MPI.IN_PLACE, best, op=MPI.MAX)
     return float(best[0]), float(best[1])
 
 
-def reduce_choice(setting: str, comm, elems: int, *, device: bool) -> tuple[str, tuple[float, float] | None]:
+def reduce_choice(setting: str, comm, elems: int, *, device: bool, agree=None) -> tuple[str, tuple[float, float]
+                                                                                         | None]:
     """How ZeRO sums a bucket: ("allreduce" or "reduce_scatter", the start-up timings (Allreduce, Reduce_scatter)
-    in seconds where "auto" took them, else None). Collective over ``comm`` (the data-parallel group) when
-    ``setting`` is "auto", ``comm`` has 2 ranks and ``device`` is false: the timings on a bucket of ``elems``
-    values decide, the same way on every rank. Elsewhere "auto" is "reduce_scatter"."""
+    in seconds where "auto" took them, else None). Collective over ``comm`` (the data-parallel group) and
+    ``agree`` (every group: the world) when ``setting`` is "auto", ``comm`` has 2 ranks and ``device`` is false:
+    each group times a bucket of ``elems`` values, and the slowest times of all decide, the same way on every
+    rank of ``agree``. Elsewhere "auto" is "reduce_scatter"."""
     if setting != "auto":
         return setting, None
-    if device or comm.Get_size() != 2 or elems <= 0:
+    if device or comm.Get_size() != 2:
         return "reduce_scatter", None
-    timed = time_reductions(comm, elems)
+    timed = time_reductions(comm, max(1, elems), agree=agree)
     return ("allreduce" if timed[0] < timed[1] else "reduce_scatter"), timed

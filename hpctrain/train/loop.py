@@ -177,8 +177,8 @@ class Trainer:
         zero_reduce, timed = "reduce_scatter", None  # ZeRO: how a bucket is summed (parallel/zero.py)
         if self.shard is not None and mesh.dp > 1:
             zero_reduce, timed = run_everywhere(mesh.world, lambda: reduce_choice(
-                cfg.parallel.zero_reduce, mesh.dp_comm, max(hi - lo for lo, hi in self.shard.buckets),
-                device=self.be.is_device))
+                cfg.parallel.zero_reduce, mesh.dp_comm, max((hi - lo for lo, hi in self.shard.buckets), default=1),
+                device=self.be.is_device, agree=mesh.world))
         self.sync = run_everywhere(mesh.world, lambda: GradSync(  # staging buffers: a device may run out
             comm=mesh.dp_comm, transport=self.transport, grads=self.grads, bucket_mb=cfg.parallel.bucket_mb,
             overlap=cfg.parallel.overlap, diag=self.diag, shard=self.shard, release=self.grad_memory, tied=tied,
@@ -214,7 +214,8 @@ class Trainer:
                         else "; the full gradient buffer stays (a device backend)" if self.zero == 2 else "")
                      + f"; buckets summed by {'Allreduce' if zero_reduce == 'allreduce' else 'Reduce_scatter'}"
                      + (f" (parallel.zero_reduce = \"auto\": {timed[0] * 1e3:.1f} ms by Allreduce, "
-                        f"{timed[1] * 1e3:.1f} ms by Reduce_scatter on a bucket at start-up)" if timed else ""))
+                        f"{timed[1] * 1e3:.1f} ms by Reduce_scatter on a bucket at start-up, the slowest group's)" if timed
+                        else ""))
         if mesh.tp > 1:
             split = [f"{lo}..{hi}" for lo, hi in self.model.tp_pairs] if self.model.tp_pairs else \
                 ["every transformer block"] if self.part.shards else []

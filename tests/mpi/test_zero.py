@@ -8,6 +8,7 @@ Small buckets (50 floats) make every bucket boundary fall inside some slice.
 """
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -186,6 +187,41 @@ def test_zero_2_on_huge_pages_trains_bitwise_as_without_the_pool(comm, data, mon
     assert none == 0 and all(np.array_equal(pooled[n], plain[n]) for n in plain)
 
 
+def test_zero_2_backward_waits_for_earlier_buckets_instead_of_holding_them_all(comm, data, monkeypatch):
+    """A backward pass that outruns the reductions (slowed here) would hold every bucket's gradients at once; before
+    a layer brings released memory back it waits until only the last bucket handed over is still being reduced,
+    so at most about three buckets are live: that one, the one being written and the one it completes."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks: with one there is nothing to shard")
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        pytest.skip("no communication thread (the MPI library lacks MPI_THREAD_MULTIPLE): buckets reduce after backward")
+    from hpctrain.parallel.data_parallel import GradSync
+    from hpctrain.parallel.transport import CommThread
+
+    layers = [{"type": "linear", "in": 6, "out": 256}, {"type": "relu"}]
+    layers += [{"type": "linear", "in": 256, "out": 256}, {"type": "relu"}] * 12 + [
+        {"type": "linear", "in": 256, "out": 3}]
+    bucket_mb = 0.3  # about one 256 x 256 layer a bucket
+    cfg = config(data, model={"layers": layers}, train={"steps": 3, "batch_size": 8 * comm.size},
+                 parallel={"zero": 2, "bucket_mb": bucket_mb})
+    reduce = GradSync._reduce
+    monkeypatch.setattr(GradSync, "_reduce", lambda self, i: (time.sleep(0.03), reduce(self, i)))
+    seen = []
+
+    def look(t):
+        seen.append((t.grad_memory.peak_live_bytes, t.grad_memory.unit, 4 * (t.part.layout.size - t.shard.size)))
+
+    train(cfg, comm, look=look)
+    peak, unit, outside = seen[0]
+    bucket = bucket_mb * 1e6
+    assert outside > 4 * bucket  # the test means something
+    assert peak <= 3 * bucket + 2 * unit, (peak, bucket)
+    monkeypatch.setattr(CommThread, "wait_done", lambda self, count: None)  # without the waits: all of it at once
+    seen.clear()
+    train(cfg, comm, look=look)
+    assert seen[0][0] > outside - 2 * bucket, (seen[0][0], outside)
+
+
 def test_zero_reduce_by_allreduce_trains_as_by_reduce_scatter(comm, data, tokens):
     """``parallel.zero_reduce = "allreduce"`` sums each bucket by Allreduce and keeps the rank's chunk of it: at
     dp 2 the same bits as Reduce_scatter (each value one addition), at other dp the same to the float32 noise
@@ -222,6 +258,13 @@ def test_zero_reduce_auto_times_both_at_dp_2_and_every_rank_takes_the_same(comm)
         assert (how, timed) == ("reduce_scatter", None)
     assert comm.allgather((how, timed)) == [(how, timed)] * comm.size
     assert reduce_choice("auto", comm, 50_000, device=True) == ("reduce_scatter", None)  # no collective
+    if comm.size == 4:  # two data-parallel groups of 2, buckets of their own sizes: one choice for the world
+        group = comm.Split(comm.rank % 2, comm.rank)
+        try:
+            chosen = reduce_choice("auto", group, 1000 * (1 + comm.rank % 2), device=False, agree=comm)
+        finally:
+            group.Free()
+        assert chosen[1] is not None and comm.allgather(chosen) == [chosen] * comm.size
     assert reduce_choice("allreduce", comm, 50_000, device=False) == ("allreduce", None)
 
 

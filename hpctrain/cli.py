@@ -463,13 +463,11 @@ def _say(line: str) -> None:
 
 
 def _where() -> str:
-    try:
-        from mpi4py import MPI
+    from .parallel.abort import started_mpi
 
-        if MPI.Is_initialized() and MPI.COMM_WORLD.Get_size() > 1:
-            return f" [rank {MPI.COMM_WORLD.Get_rank()}/{MPI.COMM_WORLD.Get_size()}]"
-    except (ImportError, RuntimeError, OSError):  # no MPI library: no ranks either
-        pass
+    MPI = started_mpi()  # never started: no ranks to name (and starting it now could wait for ranks gone)
+    if MPI is not None and MPI.COMM_WORLD.Get_size() > 1:
+        return f" [rank {MPI.COMM_WORLD.Get_rank()}/{MPI.COMM_WORLD.Get_size()}]"
     return ""
 
 
@@ -479,15 +477,13 @@ def _after_lower_ranks() -> None:
     line. When several ranks hit the same error at once (a data file truncated under the job, the same bug), the
     lowest of them prints first and its abort ends the others before they print: the job says it once. A rank
     failing alone says it that much later."""
-    try:
-        from mpi4py import MPI
+    from .parallel.abort import started_mpi
 
-        if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
-            rank = MPI.COMM_WORLD.Get_rank()
-            if rank > 0:
-                time.sleep(min(2.0, 1.0 + 0.02 * rank))
-    except (ImportError, RuntimeError, OSError):  # no MPI library: no other ranks
-        pass
+    MPI = started_mpi()  # never started: no abort follows, nothing to wait for
+    if MPI is not None and MPI.COMM_WORLD.Get_size() > 1:
+        rank = MPI.COMM_WORLD.Get_rank()
+        if rank > 0:
+            time.sleep(min(2.0, 1.0 + 0.02 * rank))
 
 
 def main(argv=None) -> int:

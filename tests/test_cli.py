@@ -110,6 +110,23 @@ def test_bad_input_under_mpiexec_is_reported_once(job):
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found (pip install hpctrain[mpich])")
+def test_a_rank_failing_in_a_command_without_mpi_ends_instead_of_waiting(tmp_path):
+    """A command that never starts MPI (data csv2h5, predict, export) launched on two ranks, one of which fails
+    after the other has left: its error handler must not start MPI to name its rank or abort the job (MPI's
+    start waits for every rank of the launch, and the other will never come)."""
+    (tmp_path / "ok.csv").write_text("a,b,y\n1,2,0\n3,4,1\n")
+    mpiexec = shutil.which("mpiexec")
+    one = [sys.executable, "-m", "hpctrain", "data", "csv2h5"]
+    launch = mpi_command(mpiexec, 1, *one, str(tmp_path / "ok.csv"), str(tmp_path / "a.h5"), "--target", "y")
+    launch += [":", "-n", "1", *one, str(tmp_path / "missing.csv"), str(tmp_path / "b.h5"), "--target", "y"]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run(launch, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and (tmp_path / "a.h5").exists(), proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpctrain: error")]
+    assert len(errors) == 1 and "missing.csv" in errors[0], proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not found (pip install hpctrain[mpich])")
 @pytest.mark.parametrize("override, message", [
     ("parallel.pp=3", "world size 2 is not divisible by parallel.pp · parallel.tp = 3 · 1"),
     ("parallel.schedule=zigzag", "parallel.schedule: expected one of '1f1b', 'gpipe', 'zero-bubble', 'zero-bubble-h2', "

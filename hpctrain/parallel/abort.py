@@ -40,12 +40,22 @@ def drain_stdio(timeout: float = 2.0) -> None:
             time.sleep(0.01)
 
 
-def abort_world(code: int) -> None:
-    """Abort every rank of the job with ``code`` once this rank's output is out; no-op on one rank."""
+def started_mpi():
+    """mpi4py's MPI module when this process has started MPI (and not finalized it), else None.
+
+    Never starts it: importing ``mpi4py.MPI`` initializes MPI, which under a launcher waits for every rank
+    of the job, and a rank of a command that never needed MPI (predict, export) may have left already."""
+    mpi = sys.modules.get("mpi4py.MPI")
     try:
-        from mpi4py import MPI
-    except ImportError:
-        return
-    if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        return mpi if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() else None
+    except (RuntimeError, OSError):
+        return None
+
+
+def abort_world(code: int) -> None:
+    """Abort every rank of the job with ``code`` once this rank's output is out; no-op on one rank, and where
+    MPI was never started (nothing to abort: each process ends on its own)."""
+    MPI = started_mpi()
+    if MPI is not None and MPI.COMM_WORLD.Get_size() > 1:
         drain_stdio()
         MPI.COMM_WORLD.Abort(code)

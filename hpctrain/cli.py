@@ -134,7 +134,7 @@ def _parser():
     s.add_argument("--tokens", type=int, default=200, help="how many tokens to generate (default 200)")
     s.add_argument("--temperature", type=float, default=1.0, help="divide the logits by this (0: greedy)")
     s.add_argument("--top-k", type=int, default=0, help="draw from the k most likely tokens only (0: all)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=_seed, default=0, help="the random stream of the draws, 0 to 2**63 - 1 (default 0)")
     s.add_argument("--vocab", default="", help="token file whose vocabulary decodes (default: the config's data)")
     s.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
     ev = sub.add_parser("eval", help="a checkpoint's loss and accuracy on its validation split or on any file",
@@ -460,6 +460,17 @@ def _say(line: str) -> None:
     lines can then arrive glued together (unbuffered stderr, one launcher reading both)."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+def _seed(text: str) -> int:
+    """``--seed``'s value: a whole number that numpy's generators take (0 to 2**63 - 1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63 - 1], got {value}")
+    return value
 
 
 def _where() -> str:

@@ -53,6 +53,9 @@ def _write_table(path: str, x: np.ndarray, y: np.ndarray, regression: bool = Fal
     if not np.isfinite(yf).all():
         raise DataError(f"target row {int(np.argmax(~np.isfinite(yf)))} is not finite")
     labels = not regression and y.ndim == 1 and np.all(yf == np.round(yf)) and yf.min() >= 0
+    if labels and yf.max() >= 2.0**63:  # no int64 label: the cast would make it -2**63
+        raise DataError(f"target row {int(np.argmax(yf))} is {yf.max():g}: whole numbers this large are no class "
+                        "label (int64); pass --regression to keep the targets as float32 values")
     targets = yf.astype(np.int64) if labels else yf.astype(np.float32)
     inputs = x.astype(np.float32)
     with replaced_atomically(path, f"cannot write {path}", DataError) as tmp, h5py.File(tmp, "w") as f:
@@ -103,6 +106,14 @@ def csv_to_h5(source: str, path: str, *, target: str, header: bool | None = None
 def npz_to_h5(source: str, path: str, *, inputs: str, targets: str, regression: bool = False) -> str:
     """Arrays ``inputs`` and ``targets`` of a numpy ``.npz`` (read without pickle) -> the two datasets."""
     regular_file(source, f"npz file {source}", DataError)
+    try:
+        with open(source, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise DataError(f"{source}: cannot read it ({shown(e)})") from None
+    if head[:2] != b"PK":  # else numpy reads any other file as a pickle, and refuses it as one
+        raise DataError(f"{source}: not an .npz file (a zip archive of .npy arrays, as numpy.savez writes); it "
+                        f"starts with {head!r}")
     try:
         with np.load(source, allow_pickle=False) as z:
             missing = [n for n in (inputs, targets) if n not in z.files]

@@ -94,6 +94,13 @@ def test_train_with_overrides_and_module_entry(job):
     assert "step      4/4" in proc.stdout
 
 
+@pytest.mark.parametrize("seed", ["-1", str(2**63), "x"])
+def test_a_bad_sample_seed_is_one_usage_line(seed):
+    proc = hpctrain("sample", "no-such.h5", "--prompt", "a", "--seed", seed)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "argument --seed:" in proc.stderr.splitlines()[-1]
+
+
 def test_unknown_override_key(job):
     (job / "c.toml").write_text(GOOD)
     proc = hpctrain("train", str(job / "c.toml"), "--set", "optim.learning_rate=0.1")

@@ -42,6 +42,8 @@ def test_a_csv_without_a_header_by_index_and_as_regression(tmp_path):
     ("a,b\n", "b", "a header and no rows"),
     ("", "b", "no rows"),
     ("a,b\n1,nan\n2,1\n", "a", "input row 0, column 0 is nan"),
+    ("a,y\n1,0\n2,1e30\n", "y", r"target row 1 is 1e\+30: whole numbers this large are no class label \(int64\); "
+                                  "pass --regression"),  # the int64 cast would store -2**63
 ])
 def test_bad_csv_is_one_line_naming_where(tmp_path, text, target, match):
     (tmp_path / "t.csv").write_text(text)
@@ -69,6 +71,10 @@ def test_npz_arrays_without_pickle(tmp_path):
                                         r"\(4, 2, 2\)"):
         npz_to_h5(str(tmp_path / "t.npz"), str(tmp_path / "t.h5"), inputs="X", targets="y")
     assert not (tmp_path / "t.h5").exists()
+    (tmp_path / "text.npz").write_text("hello")  # numpy would read it as a pickle, and refuse it as one
+    with pytest.raises(DataError, match=r"not an .npz file \(a zip archive of .npy arrays, as numpy.savez writes\); "
+                                        r"it starts with b'hell'"):
+        npz_to_h5(str(tmp_path / "text.npz"), str(tmp_path / "x.h5"), inputs="X", targets="y")
 
 
 def test_a_nanogpt_bin_with_its_vocabulary_trains_and_decodes(tmp_path):

@@ -628,7 +628,7 @@ def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
     """
     text = read_capped(path, f"config file {path!r}", ConfigError, MAX_CONFIG_BYTES)
     try:
-        data = tomllib.loads(text.decode("utf-8"))
+        data = tomllib.loads(text.decode("utf-8-sig"))  # a byte order mark (some editors write one) is no TOML
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: malformed TOML: {e}") from None
     except RecursionError:  # tomllib parses nested arrays and tables recursively

@@ -30,31 +30,32 @@ __all__ = ["csv_to_h5", "npz_to_h5", "bin_to_h5"]
 MAX_BYTES = 1 << 34  # 16 GiB: what one conversion reads
 
 
-def _write_table(path: str, x: np.ndarray, y: np.ndarray, regression: bool = False
+def _write_table(path: str, x: np.ndarray, y: np.ndarray, regression: bool = False, *, source: str = ""
                  ) -> tuple[np.ndarray, np.ndarray]:
     """inputs float32 (n, features), targets int64 labels (whole numbers >= 0, unless ``regression``) or
-    float32 values; written atomically."""
+    float32 values; written atomically. ``source``: the file they came from, named in what is wrong with them."""
+    at = f"{source}: " if source else ""
     if x.ndim == 1:
         x = x[:, None]
     if x.ndim != 2 or len(x) == 0 or x.shape[1] == 0:
-        raise DataError(f"the inputs must be a non-empty table of samples × features, got shape {x.shape}")
+        raise DataError(f"{at}the inputs must be a non-empty table of samples × features, got shape {x.shape}")
     if len(y) != len(x):
-        raise DataError(f"{len(x)} rows of inputs but {len(y)} targets")
+        raise DataError(f"{at}{len(x)} rows of inputs but {len(y)} targets")
     if y.ndim not in (1, 2):  # a model's output is one row of values per sample
-        raise DataError(f"the targets must be one value or one row of values per sample, got shape {y.shape}")
+        raise DataError(f"{at}the targets must be one value or one row of values per sample, got shape {y.shape}")
     if not (np.issubdtype(x.dtype, np.number) and np.issubdtype(y.dtype, np.number)) or \
             np.issubdtype(x.dtype, np.complexfloating) or np.issubdtype(y.dtype, np.complexfloating):
-        raise DataError(f"inputs and targets must be real numbers, got {x.dtype} and {y.dtype}")
+        raise DataError(f"{at}inputs and targets must be real numbers, got {x.dtype} and {y.dtype}")
     bad = ~np.isfinite(x.astype(np.float64))
     if bad.any():
         r, c = np.argwhere(bad)[0]
-        raise DataError(f"input row {r}, column {c} is {x[r, c]}: every value must be finite")
+        raise DataError(f"{at}input row {r}, column {c} is {x[r, c]}: every value must be finite")
     yf = y.astype(np.float64)
     if not np.isfinite(yf).all():
-        raise DataError(f"target row {int(np.argmax(~np.isfinite(yf)))} is not finite")
+        raise DataError(f"{at}target row {int(np.argmax(~np.isfinite(yf)))} is not finite")
     labels = not regression and y.ndim == 1 and np.all(yf == np.round(yf)) and yf.min() >= 0
     if labels and yf.max() >= 2.0**63:  # no int64 label: the cast would make it -2**63
-        raise DataError(f"target row {int(np.argmax(yf))} is {yf.max():g}: whole numbers this large are no class "
+        raise DataError(f"{at}target row {int(np.argmax(yf))} is {yf.max():g}: whole numbers this large are no class "
                         "label (int64); pass --regression to keep the targets as float32 values")
     targets = yf.astype(np.int64) if labels else yf.astype(np.float32)
     inputs = x.astype(np.float32)
@@ -99,7 +100,7 @@ def csv_to_h5(source: str, path: str, *, target: str, header: bool | None = None
     if not len(body):
         raise DataError(f"{source}: a header and no rows")
     x, y = np.delete(values, t, axis=1), values[:, t]
-    inputs, targets = _write_table(path, x, y, regression)
+    inputs, targets = _write_table(path, x, y, regression, source=source)
     return _table_summary(path, inputs, targets)
 
 
@@ -128,7 +129,7 @@ def npz_to_h5(source: str, path: str, *, inputs: str, targets: str, regression: 
         y = y[:, 0]
     if x.ndim > 2:
         x = x.reshape(len(x), -1)
-    inputs_, targets_ = _write_table(path, x, y, regression)
+    inputs_, targets_ = _write_table(path, x, y, regression, source=source)
     return _table_summary(path, inputs_, targets_)
 
 

@@ -95,11 +95,15 @@ def _table(cfg, part, data, inputs):
         raise DataError(f"{data}: {name!r} must hold real numbers, got dtype {x.dtype}")
 
     def read(lo, hi):
-        rows = np.asarray(x[lo:hi], dtype=np.float32).reshape(hi - lo, features)
+        stored = np.asarray(x[lo:hi])
+        with np.errstate(over="ignore", invalid="ignore"):  # said below, in one line, with the stored value
+            rows = stored.astype(np.float32).reshape(hi - lo, features)
         bad = ~np.isfinite(rows)
         if bad.any():
             r, c = np.argwhere(bad)[0]
-            raise DataError(f"{data}: {name!r} row {lo + r}, value {c} is {rows[r, c]}: every input must be finite")
+            value = stored.reshape(hi - lo, features)[r, c]
+            beyond = " (beyond float32's range)" if np.isfinite(value) else ""
+            raise DataError(f"{data}: {name!r} row {lo + r}, value {c} is {value}{beyond}: every input must be finite")
         return rows
 
     return x.shape[0], read

@@ -198,6 +198,8 @@ def test_missing_required_and_malformed(tmp_path):
         load_config(write(tmp_path, BASE), ["train.steps"])
     with pytest.raises(ConfigError, match="malformed TOML: arrays or tables nested too deeply"):
         load_config(write(tmp_path, "a = " + "[" * 5000 + "]" * 5000))
+    (tmp_path / "bom.toml").write_bytes(b"\xef\xbb\xbf" + BASE.encode())  # a byte order mark, as some editors save
+    assert load_config(str(tmp_path / "bom.toml")) == load_config(write(tmp_path, BASE))
 
 
 def test_unreadable_config_path_names_the_path_and_reason(tmp_path):

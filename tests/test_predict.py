@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import h5py
@@ -69,6 +70,12 @@ def test_bad_input_is_one_line(mlp, tmp_path):
     with pytest.raises(DataError, match=r"'x' row 1, value 5 is nan: every input must be finite"):
         predict(checkpoint, str(tmp_path / "nan.h5"), str(tmp_path / "o.h5"))
     assert not (tmp_path / "o.h5").exists()
+    with h5py.File(tmp_path / "big.h5", "w") as f:  # float64 beyond float32: one line, the stored value in it
+        f["x"] = np.array([[0.0] * 6, [1e300] + [0.0] * 5], np.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no numpy RuntimeWarning on the way
+        with pytest.raises(DataError, match=r"'x' row 1, value 0 is 1e\+300 \(beyond float32's range\): every input"):
+            predict(checkpoint, str(tmp_path / "big.h5"), str(tmp_path / "o.h5"))
     with pytest.raises(DataError, match=r"no dataset 'inputs' \(--inputs\); it has: x"):
         predict(checkpoint, str(tmp_path / "nan.h5"), str(tmp_path / "o.h5"), inputs="inputs")
     (tmp_path / "o.h5").write_text("")

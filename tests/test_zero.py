@@ -137,3 +137,22 @@ def test_zero_alone_on_one_rank_says_it_has_no_effect(tmp_path):
                     "optimizer state or gradients over"]
     assert np.allclose(train_params(cfg, MPI.COMM_SELF)["0.weight"],
                        train_params(config(tmp_path / "d.h5", train={"steps": 2}), MPI.COMM_SELF)["0.weight"])
+
+
+def test_zero_reduce_without_zero_is_said_once_to_have_no_effect(tmp_path):
+    from helpers import make_classification
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+    from mpi4py import MPI
+
+    make_classification(tmp_path / "d.h5", n=64)
+    for how, want in (("allreduce", 1), ("auto", 0)):
+        lines = []
+        mesh = Mesh(comm=MPI.COMM_SELF)
+        t = Trainer(config(tmp_path / "d.h5", parallel={"zero_reduce": how}, train={"steps": 1}), mesh=mesh,
+                    log=lines.append)
+        t.close()
+        mesh.free()
+        said = [line for line in lines if "zero_reduce" in line]
+        assert said == ['parallel.zero_reduce = "allreduce" has no effect with parallel.zero = 0: without ZeRO every '
+                        "bucket is Allreduced"][:want]

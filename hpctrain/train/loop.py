@@ -201,6 +201,9 @@ class Trainer:
         if not cfg.checkpoint.dir and cfg.train.steps > 0:
             self.log("checkpoint.dir is empty: this run writes no checkpoint, neither at the end nor on a stop "
                      "signal (set it to keep the weights, to resume, or to sample from them)")
+        if cfg.parallel.zero_reduce != "auto" and not cfg.parallel.zero:
+            self.log(f"parallel.zero_reduce = \"{cfg.parallel.zero_reduce}\" has no effect with parallel.zero = 0: "
+                     "without ZeRO every bucket is Allreduced")
         if cfg.parallel.zero and mesh.dp == 1:
             self.log(f"parallel.zero = {cfg.parallel.zero} has no effect with one data-parallel rank (dp = 1): "
                      "nothing to shard the optimizer state or gradients over")

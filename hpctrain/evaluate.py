@@ -99,7 +99,11 @@ def _samples(cfg) -> int:
         regular_file(cfg.data.path, f"data file {cfg.data.path}", DataError)
         with h5py.File(cfg.data.path, "r", locking=False) as f:
             if cfg.model.kind == "gpt":
-                return max(0, (f[cfg.data.tokens].shape[0] - 1) // cfg.model.block_size)
+                tokens = f[cfg.data.tokens]
+                if len(tokens.shape) != 1 or tokens.dtype.kind not in "iu" or \
+                        tokens.shape[0] < cfg.model.block_size + 1:  # no token ids of one window or more
+                    return 1 << 62
+                return (tokens.shape[0] - 1) // cfg.model.block_size
             return int(f[cfg.data.inputs].shape[0])
     except (DataError, IndexError, *H5_ERRORS):
         return 1 << 62

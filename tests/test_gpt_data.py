@@ -162,6 +162,19 @@ def test_sample_prints_a_continuation_and_refuses_unknown_characters(tmp_path):
     assert "character 'x' (U+0078) at position 2 is not in the vocabulary of 10 characters" in r.stderr
 
 
+def test_eval_on_a_token_file_the_model_cannot_read_names_what_is_wrong(tmp_path):
+    cfg = _job(tmp_path)
+    assert hpctrain("train", cfg).returncode == 0
+    ck = str(tmp_path / "ck" / "ckpt-00000003.h5")
+    with h5py.File(tmp_path / "flat.h5", "w") as f:
+        f["tokens"] = np.zeros((40, 2), np.uint16)  # 2-D: no token stream
+    with h5py.File(tmp_path / "short.h5", "w") as f:
+        f["tokens"] = np.zeros(5, np.uint16)  # fewer ids than one window of block_size + 1
+    for name, said in (("flat.h5", "must be 1-D integer token ids"), ("short.h5", "shorter than one window")):
+        r = hpctrain("eval", ck, "--data", str(tmp_path / name))
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and said in r.stderr, r.stderr
+
+
 def test_sampling_a_window_left_aligned_equals_a_shorter_context():
     """Causal attention: what follows the text in the window changes nothing before it."""
     from hpctrain.backend.cpu import CpuBackend

@@ -60,7 +60,7 @@ class StepResult:
     device_span: float = 0.0  # on a GPU: GPU time from the first forward or backward to the last (0: host times)
     wait: float = 0.0  # blocked on other stages: point-to-point messages, and the wait that on_optimizer_step reports
     data: float = 0.0  # reading micro-batches
-    comm: float = 0.0  # the data-parallel gradient reduction (ReduceGrads)
+    comm: float = 0.0  # the data-parallel gradient reduction (ReduceGrads; zero = 2: a backward's waits for it too)
     optim: float = 0.0  # OptimizerStep, less its wait
     span: float = 0.0  # the whole list
     loss_sum: float = 0.0
@@ -378,7 +378,7 @@ class StageExecutor:
 
     def _backward(self, ins) -> None:
         mb, key = ins.mb, (ins.mb, ins.chunk)
-        t0 = time.perf_counter()
+        t0, held = time.perf_counter(), self._held()
         last = self._index in self._last_backward  # this chunk's last: its gradients are final after it
         tree = self.sync is not None and self.sync.tree is not None  # train.deterministic: one gradient per shard
         if tree and last:
@@ -398,14 +398,14 @@ class StageExecutor:
         if dinp is not None:
             self._dinp[key] = dinp  # SendGrad(mb) sends it
         t1 = time.perf_counter()
-        self.result.busy += t1 - t0
+        self._count_busy(t1 - t0, held)
         self._trace("backward", mb, t0, t1, ins.chunk)
 
     def _backward_input(self, ins) -> None:
         """B: the input gradient, sent on by the next instruction; what W needs stays (with the received input
         and gradient buffers, which W reads). One chunk per stage (the zero-bubble schedule)."""
         mb, key = ins.mb, (ins.mb, 0)
-        t0 = time.perf_counter()
+        t0, held = time.perf_counter(), self._held()
         dinp, self._wsaved[mb] = self.part.backward_input(self.be, self._dout.pop(key), self._saved.pop(key),
                                                           accumulate=self._wrote_input,
                                                           need_dinp=not self.part.is_first, on_write=self._on_write)
@@ -413,12 +413,12 @@ class StageExecutor:
         if dinp is not None:
             self._dinp[key] = dinp
         t1 = time.perf_counter()
-        self.result.busy += t1 - t0
+        self._count_busy(t1 - t0, held)
         self._trace("backward input", mb, t0, t1)
 
     def _backward_weight(self, ins) -> None:
         mb, key = ins.mb, (ins.mb, 0)
-        t0 = time.perf_counter()
+        t0, held = time.perf_counter(), self._held()
         last = self._index in self._last_backward
         self.part.backward_weight(self.be, self._wsaved.pop(mb), accumulate=self._wrote_weight,
                                   on_final=self.sync.grads_final if last and self.sync is not None else None,
@@ -429,8 +429,18 @@ class StageExecutor:
         self._release(ACTIVATION, *key)
         self._release(GRAD, *key)
         t1 = time.perf_counter()
-        self.result.busy += t1 - t0
+        self._count_busy(t1 - t0, held)
         self._trace("backward weight", mb, t0, t1)
+
+    def _held(self) -> float:
+        """Seconds the step's backward passes have waited so far for earlier buckets' reductions (zero = 2)."""
+        return getattr(self.sync, "backpressure_seconds", 0.0)
+
+    def _count_busy(self, seconds: float, held: float) -> None:
+        """A backward's time: what it waited for the gradient reductions since ``held`` counts as communication."""
+        waited = self._held() - held
+        self.result.busy += seconds - waited
+        self.result.comm += waited
 
     def _reduce(self, ins) -> None:
         t0 = time.perf_counter()

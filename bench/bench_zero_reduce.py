@@ -80,7 +80,7 @@ def main():
             print(f"  {name:15s} {statistics.median(ts) * 1e3:7.2f} ms   (range {min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f})")
         ratio = statistics.median(times["Reduce_scatter"]) / statistics.median(times["Allreduce"])
         print(f"  Reduce_scatter / Allreduce: {ratio:.2f}")
-        said = f"{timed[0] * 1e3:.2f} vs {timed[1] * 1e3:.2f} ms at start-up" if timed else "no timing at this size"
+        said = f"{timed[0] * 1e3:.2f} vs {timed[1] * 1e3:.2f} ms at start-up" if timed else f"no timing at {size} ranks"
         print(f'  parallel.zero_reduce = "auto" chooses {how} ({said})')
 
 

@@ -77,10 +77,12 @@ def main():
         lib = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
         print(f"{lib}: {size} ranks, a {args.mb:g} MB bucket, median of {args.repeat} (slowest rank)")
         for name, ts in times.items():
-            print(f"  {name:15s} {statistics.median(ts) * 1e3:7.2f} ms   (range {min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f})")
+            low, high = min(ts) * 1e3, max(ts) * 1e3
+            print(f"  {name:15s} {statistics.median(ts) * 1e3:7.2f} ms   (range {low:.2f}-{high:.2f})")
         ratio = statistics.median(times["Reduce_scatter"]) / statistics.median(times["Allreduce"])
         print(f"  Reduce_scatter / Allreduce: {ratio:.2f}")
-        said = f"{timed[0] * 1e3:.2f} vs {timed[1] * 1e3:.2f} ms at start-up" if timed else f"no timing at {size} ranks"
+        said = (f"{timed[0] * 1e3:.2f} vs {timed[1] * 1e3:.2f} ms at start-up" if timed
+                else f"no timing at {size} ranks")
         print(f'  parallel.zero_reduce = "auto" chooses {how} ({said})')
 
 

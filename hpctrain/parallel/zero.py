@@ -143,8 +143,8 @@ def time_reductions(comm, elems: int, rounds: int = 3, *, agree=None) -> tuple[f
     """Collective over ``comm``, then ``agree`` (a communicator holding it, such as the world's; default
     ``comm``): seconds for one ``Allreduce`` and one ``Reduce_scatter`` over ``comm`` of ``elems`` float32
     values, each the best of ``rounds`` after one untimed round, the slowest rank's of ``agree`` (the same on
-    every rank of it). The buffers are a mapping of their own, gone with the last view of it on return, so the allocator's
-    thresholds are left as they were."""
+    every rank of it). The buffers are a mapping of their own, gone with the last view of it on return, so the
+    allocator's thresholds are left as they were."""
     from mpi4py import MPI
 
     parts = split_range(0, elems, comm.Get_size())
@@ -166,8 +166,8 @@ def time_reductions(comm, elems: int, rounds: int = 3, *, agree=None) -> tuple[f
     return float(best[0]), float(best[1])
 
 
-def reduce_choice(setting: str, comm, elems: int, *, device: bool, agree=None) -> tuple[str, tuple[float, float]
-                                                                                         | None]:
+def reduce_choice(setting: str, comm, elems: int, *, device: bool,
+                  agree=None) -> tuple[str, tuple[float, float] | None]:
     """How ZeRO sums a bucket: ("allreduce" or "reduce_scatter", the start-up timings (Allreduce, Reduce_scatter)
     in seconds where "auto" took them, else None). Collective over ``comm`` (the data-parallel group) and
     ``agree`` (every group: the world) when ``setting`` is "auto", ``comm`` has 2 ranks and ``device`` is false:

@@ -217,8 +217,8 @@ class Trainer:
                         else "; the full gradient buffer stays (a device backend)" if self.zero == 2 else "")
                      + f"; buckets summed by {'Allreduce' if zero_reduce == 'allreduce' else 'Reduce_scatter'}"
                      + (f" (parallel.zero_reduce = \"auto\": {timed[0] * 1e3:.1f} ms by Allreduce, "
-                        f"{timed[1] * 1e3:.1f} ms by Reduce_scatter on a bucket at start-up, the slowest group's)" if timed
-                        else ""))
+                        f"{timed[1] * 1e3:.1f} ms by Reduce_scatter on a bucket at start-up, the slowest group's)"
+                        if timed else ""))
         if mesh.tp > 1:
             split = [f"{lo}..{hi}" for lo, hi in self.model.tp_pairs] if self.model.tp_pairs else \
                 ["every transformer block"] if self.part.shards else []

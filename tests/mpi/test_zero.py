@@ -194,7 +194,7 @@ def test_zero_2_backward_waits_for_earlier_buckets_instead_of_holding_them_all(c
     if comm.size < 2:
         pytest.skip("needs two ranks: with one there is nothing to shard")
     if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
-        pytest.skip("no communication thread (the MPI library lacks MPI_THREAD_MULTIPLE): buckets reduce after backward")
+        pytest.skip("no communication thread (MPI without MPI_THREAD_MULTIPLE): buckets reduce after backward")
     from hpctrain.parallel.data_parallel import GradSync
     from hpctrain.parallel.transport import CommThread
 

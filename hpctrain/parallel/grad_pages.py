@@ -222,9 +222,9 @@ class ReleasableHost:
         """Elements [lo, hi) are about to be written: their empty units become live and get pooled pages while
         there are some. An empty unit has not been written since its release (every writer calls this first),
         so whatever those pages held is overwritten before anything reads it."""
-        first, stop = (self._pad + 4 * lo) // self.unit, -(-(self._pad + 4 * hi) // self.unit)
-        if not (self._state[first:stop] == _EMPTY).any():  # release() never changes a unit being written
+        if not self.needs(lo, hi):  # release() never changes a unit being written
             return
+        first, stop = (self._pad + 4 * lo) // self.unit, -(-(self._pad + 4 * hi) // self.unit)
         with self._lock:
             for u in first + np.flatnonzero(self._state[first:stop] == _EMPTY):
                 u = int(u)

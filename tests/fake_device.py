@@ -14,6 +14,53 @@ import numpy as np
 
 from hpctrain.backend.base import Mark, StreamWaits
 from hpctrain.backend.cpu import CpuBackend
+from hpctrain.backend.cuda_vmm import ReleasableDevice
+
+
+class FakeVmm:
+    """CUDA's virtual memory calls (backend/cuda_vmm.py's VmmDriver) over one host array: every map fills its unit
+    with NaN, as if the memory mapped there held anything, so a read of released gradients, or of a unit filled
+    but not written before it is read, spreads NaN into the result. It checks the calls' rules: no map over a
+    mapping, no unmap of nothing, no release of a mapped handle. ``unit``: bytes (16 float32 by default)."""
+
+    def __init__(self, unit: int = 64):
+        self.unit = unit
+        self.memory = None
+        self.base = 1 << 20  # a made-up device address
+        self.mapped = {}  # address -> handle
+        self.handles = set()  # created, not released
+        self._next = 0
+
+    def reserve(self, size):
+        assert self.memory is None, "one reservation"
+        self.memory = np.zeros(size // 4, dtype=np.float32)
+        return self.base
+
+    def free(self, va, size):
+        assert va == self.base and not self.mapped
+
+    def create(self):
+        self._next += 1
+        self.handles.add(self._next)
+        return self._next
+
+    def map(self, va, handle):
+        assert va not in self.mapped and handle in self.handles, (va, handle)
+        self.mapped[va] = handle
+        at = (va - self.base) // 4
+        self.memory[at : at + self.unit // 4] = np.nan
+
+    def unmap(self, va):
+        assert va in self.mapped, va
+        del self.mapped[va]
+
+    def release(self, handle):
+        assert handle in self.handles and handle not in self.mapped.values(), handle
+        self.handles.discard(handle)
+
+    def wrap(self, address, n, owner):
+        at = (address - self.base) // 4
+        return self.memory[at : at + n]
 
 
 class FakeDevice(StreamWaits, CpuBackend):
@@ -77,3 +124,15 @@ class FakeDevice(StreamWaits, CpuBackend):
     def stage_in(self, host, dev):
         dev[...] = host
         return Mark(None, None)
+
+    def move_async(self, src, dst):
+        dst[...] = src
+        return Mark(None, None)
+
+    release_unsupported = ""  # zero = 2 releases gradient memory, through FakeVmm
+
+    def releasable_buffer(self, n, *, outside, keep_bytes):
+        self.vmm = FakeVmm()
+        buf = ReleasableDevice(n, outside=outside, keep_bytes=keep_bytes, driver=self.vmm, wrap=self.vmm.wrap)
+        self.fill_(buf.array, 0)
+        return buf

@@ -60,6 +60,7 @@ from .cuda_launch import Launcher
 from .cuda_mem import DevicePool, is_out_of_memory, out_of_memory_error
 from .cuda_ops import ops_kernels
 from .cuda_transformer import transformer_kernels
+from .cuda_vmm import ReleasableDevice, VmmDriver
 from .dropout_mask import keep_scale, threshold
 
 __all__ = ["CudaBackend", "simulator"]
@@ -143,6 +144,7 @@ class CudaBackend(StreamWaits, Backend):
         self.upload_stream = cuda.stream()  # and its copies back (stage_in), which wait for nothing
         self._init_waits()  # host_waits, mark_waits, background_waits (base.StreamWaits)
         self._pool = None if self.simulator else DevicePool(_raw_alloc, _wrap)
+        self._vmm_driver = None  # (VmmDriver or None, why not), once zero = 2 asks (backend/cuda_vmm.py)
         self._no_bias = self.zeros((1,))  # the GEMM kernel always takes a bias array
         self._scalars = self.zeros((3,), np.float64)  # device-side results of the reductions
         self._host_scalars = self.pinned_host((3,), np.float64)
@@ -316,6 +318,40 @@ class CudaBackend(StreamWaits, Backend):
         event = self._event()
         event.record(self.upload_stream)
         return Mark(event, None)  # on its own stream: no wait for the training stream covers it
+
+    def move_async(self, src, dst):
+        """dst[...] = src[...] (device arrays of one shape) queued on the upload stream; returns its mark, as
+        ``stage_in`` does (ZeRO 2 under a CUDA-aware MPI: a reduced chunk from the scratch to its place)."""
+        self._require_device("move_async", "src", src)
+        self._require_device("move_async", "dst", dst)
+        check_array("move_async", "dst", dst, shape=src.shape, dtype=src.dtype)
+        if dst.size:
+            dst.copy_to_device(src, stream=self.upload_stream)
+        event = self._event()
+        event.record(self.upload_stream)
+        return Mark(event, None)
+
+    # ------------------------------------------------------------------ zero = 2: gradients that give memory back
+
+    @property
+    def release_unsupported(self) -> str:
+        """Why zero = 2 cannot give gradient memory back on this device ("" where it can: backend/cuda_vmm.py)."""
+        return self._vmm()[1]
+
+    def _vmm(self):
+        if self._vmm_driver is None:
+            self._vmm_driver = VmmDriver.open(self.simulator)
+        return self._vmm_driver
+
+    def releasable_buffer(self, n: int, *, outside, keep_bytes: int):
+        """zero = 2's gradient buffer of ``n`` zeros: a ReleasableDevice whose units inside ``outside`` give their
+        memory back once reduced (only where ``release_unsupported`` is "")."""
+        driver, why = self._vmm()
+        if driver is None:
+            raise BackendError(f"zero = 2 cannot release gradient memory here: {why}")
+        buf = ReleasableDevice(n, outside=outside, keep_bytes=keep_bytes, driver=driver, wrap=_wrap_address)
+        self.fill_(buf.array, 0)
+        return buf
 
     def pinned_host(self, shape, dtype=np.float32):
         """A page-locked host array: the staging buffer when MPI is not CUDA-aware."""
@@ -807,6 +843,12 @@ def _multiprocessors() -> int:
 
 def _raw_alloc(nbytes):
     return cuda.current_context().memalloc(nbytes)
+
+
+def _wrap_address(address, n, owner):
+    """``n`` float32 at a device address that ``owner`` holds (a ReleasableDevice's reserved range)."""
+    desc = {"shape": (n,), "strides": None, "typestr": "<f4", "data": (address, False), "version": 3}
+    return cuda.from_cuda_array_interface(desc, owner=owner, sync=False)
 
 
 def _wrap(block, shape, dtype, owner):

@@ -96,8 +96,9 @@ class GradSync:
 
     ZeRO (``shard``: a ZeroShard, parallel/zero.py, whose buckets these are): each bucket is
     reduce-scattered into its dp chunks, chunk r to rank r. ``release``: the gradient buffer's
-    ReleasableHost (zero = 2, parallel/grad_pages.py), whose pages outside this rank's chunk leave
-    once their bucket is scattered (``will_write`` gives a layer some back before it writes).
+    ReleasableHost (zero = 2, parallel/grad_pages.py) or on a GPU its ReleasableDevice (backend/cuda_vmm.py),
+    whose memory outside this rank's chunk leaves once its bucket is scattered (``will_write`` gives a layer some
+    back before it writes).
     ``tied``: (local ranges, presum) of tensors tied across pipeline stages; their buckets are
     scattered in ``wait()`` after ``presum()``. ``allreduce`` (ZeRO, ``parallel.zero_reduce``): each bucket is
     Allreduced in place instead and the rank keeps its chunk of the sum, twice the bytes for an MPI whose
@@ -187,18 +188,28 @@ class GradSync:
         a, b = parts[self.shard.rank]
         host = None if self.direct else self.host[lo:hi]
         buf = self.transport.outgoing_when(self.grads.data[lo:hi], host, ready)
+        counts = [y - x for x, y in parts]
         if self.allreduce:  # the sum of chunk [a, b) is in its place: staged, only its copy back is queued
             self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
             if b > a and host is not None:
                 self._arrived.append(self.transport.incoming_async(host[a - lo : b - lo], self.grads.data[a:b]))
-            return
-        self.comm.Reduce_scatter(self.MPI.IN_PLACE, buf, [y - x for x, y in parts], op=self.MPI.SUM)
-        if b > a and host is not None:
-            self._arrived.append(self.transport.incoming_async(host[: b - a], self.grads.data[a:b]))
-        elif host is None and b > a > lo:  # CUDA-aware, not the first chunk: [lo, lo + b - a) and [a, b) do not
-            # overlap, since split_range gives chunk r the offset r * per and each chunk at most per values (a
-            # device's chunks are always split_range's: zero 2's huge-page cuts are the host's, parallel/zero.py)
-            self._moves.append((lo, a, b))
+        elif host is None and self.release is not None:
+            # zero = 2, CUDA-aware: the sum lands in the scratch chunk and is moved to its place at once, so the
+            # rest of the bucket can go now (in place, it would land on the bucket's start, which is released)
+            out = self._scatter_out[: b - a]
+            self.comm.Reduce_scatter(buf, out, counts, op=self.MPI.SUM)
+            if b > a:  # the training stream reads [a, b) only after wait(), which follows this wait
+                self.backend.host_wait_for(self.backend.move_async(out, self.grads.data[a:b]))
+        else:
+            self.comm.Reduce_scatter(self.MPI.IN_PLACE, buf, counts, op=self.MPI.SUM)
+            if b > a and host is not None:
+                self._arrived.append(self.transport.incoming_async(host[: b - a], self.grads.data[a:b]))
+            elif host is None and b > a > lo:  # CUDA-aware, not the first chunk: [lo, lo + b - a) and [a, b) do
+                # not overlap, since split_range gives chunk r the offset r * per and each chunk at most per values
+                # (chunks cut on units, parallel/zero.py, come with zero = 2's release, which takes the branch above)
+                self._moves.append((lo, a, b))
+        if self.release is not None:  # MPI has read the bucket (staged: its copy out is done)
+            self._release_outside(lo, hi, a, b)
 
     def _tree_when(self, i, ready) -> None:
         """The deterministic tree on a device's communication thread: bucket i staged once ``ready`` is done (under a
@@ -241,8 +252,12 @@ class GradSync:
         if b > a and out is not None:
             self.backend.copy_(self.grads.data[a:b], out)  # a device array, or host memory (staged or the CPU)
         if self.release is not None:  # zero = 2: the rest of the bucket is this rank's unreduced gradients
-            self.released_bytes += self.release.release(lo, a if b > a else hi) + (
-                self.release.release(b, hi) if b > a else 0)
+            self._release_outside(lo, hi, a, b)
+
+    def _release_outside(self, lo, hi, a, b) -> None:
+        """zero = 2: bucket [lo, hi)'s values beyond this rank's chunk [a, b) leave memory (MPI is done with them)."""
+        self.released_bytes += self.release.release(lo, a if b > a else hi) + (
+            self.release.release(b, hi) if b > a else 0)
 
     def will_write(self, ranges) -> None:
         """zero = 2: a layer is about to write its gradients in ``ranges`` (local [lo, hi) offsets); their

@@ -214,7 +214,8 @@ class Trainer:
                      + ("; gradients outside its chunks leave memory once reduced" + (
                         f" ({self.grad_memory.keep_bytes / 1e6:,.1f} MB of them kept for the next backward)"
                         if self.grad_memory.keep_bytes else "") if self.grad_memory
-                        else "; the full gradient buffer stays (a device backend)" if self.zero == 2 else "")
+                        else f"; the full gradient buffer stays ({self.be.release_unsupported})" if self.zero == 2
+                        else "")
                      + f"; buckets summed by {'Allreduce' if zero_reduce == 'allreduce' else 'Reduce_scatter'}"
                      + (f" (parallel.zero_reduce = \"auto\": {timed[0] * 1e3:.1f} ms by Allreduce, "
                         f"{timed[1] * 1e3:.1f} ms by Reduce_scatter on a bucket at start-up, the slowest group's)"

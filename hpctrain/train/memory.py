@@ -37,7 +37,7 @@ def rank_memory(t, activation_bytes: int) -> RankMemory:
     """This rank's RankMemory from the Trainer ``t``'s live state (``activation_bytes``: the executor's peak)."""
     cfg, mesh = t.cfg, t.mesh
     state = state_bytes(part_size=t.part.layout.size, owned_size=t.part.owned_size, shard=t.shard, zero=t.zero,
-                        device=t.be.is_device, slots=len(t.optim.slots),
+                        released=t.grad_memory is not None, slots=len(t.optim.slots),
                         bucket_elems=max(1, int(cfg.parallel.bucket_mb * 1e6 / 4)),
                         micro_batches=cfg.train.micro_batches)
     state["optimizer_bytes"] = t.optim.slot_bytes  # what the slots really hold

@@ -87,11 +87,11 @@ class RankState:
     """The buffers one rank trains (``make_state``): ``params`` and ``grads`` (FlatBuffers of the part's layout),
     ``optim`` with its slots for the ranges this rank updates; ``zero`` the ZeRO stage in effect (0 with one
     data-parallel rank) and ``shard`` its chunks (parallel/zero.py; None without ZeRO); ``grad_memory`` the
-    releasable gradient pages of zero = 2 on the CPU (else None)."""
+    releasable gradient memory of zero = 2 (ReleasableHost, or a GPU's ReleasableDevice; else None)."""
 
     zero: int
     shard: ZeroShard | None
-    grad_memory: ReleasableHost | None
+    grad_memory: object | None  # ReleasableHost or backend/cuda_vmm.py's ReleasableDevice
     params: FlatBuffer
     grads: FlatBuffer
     optim: object
@@ -213,14 +213,19 @@ def make_state(cfg, mesh, parts: RankParts) -> RankState:
     size, dp = part.layout.size, mesh.dp
     zero = p.zero if dp > 1 else 0
     owned = part.owned_size  # a tied tensor's replica beyond it is updated by its owner: no optimizer state
-    # zero = 2 on the host: buckets and chunks cut on huge pages, so released memory leaves and returns whole
-    unit = page_unit(size) if zero == 2 and not be.is_device else 0
+    # zero = 2: gradient memory outside this rank's chunks leaves once reduced (host pages; on a GPU through
+    # CUDA's virtual memory management, where the device has it); buckets and chunks are then cut on 2 MiB units,
+    # so released memory leaves and returns whole
+    releasable = zero == 2 and not (be.is_device and be.release_unsupported)
+    unit = page_unit(size) if releasable else 0
     shard = ZeroShard(make_buckets(size, bucket_elems(p.bucket_mb, unit)), dp, mesh.dp_rank, limit=owned,
                       unit=unit) if zero else None
-    grad_memory = None  # zero = 2 on the CPU: pages outside this rank's chunks leave once reduced
+    grad_memory = None
     params = FlatBuffer(be, part.layout)
-    if zero == 2 and not be.is_device:
-        grad_memory = ReleasableHost(size, outside=shard.outside(), keep_bytes=shard.keep_bytes())
+    if releasable:
+        outside, keep = shard.outside(), shard.keep_bytes()
+        grad_memory = be.releasable_buffer(size, outside=outside, keep_bytes=keep) if be.is_device else \
+            ReleasableHost(size, outside=outside, keep_bytes=keep)
         grads = FlatBuffer(be, part.layout, data=grad_memory.array)
     else:
         grads = FlatBuffer(be, part.layout)

@@ -2,7 +2,7 @@
 pipeline (its tied embedding summed across the stages) or tensor parallelism on the CUDA backend vs the CPU
 backend.
 
-    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|il|tp|gpt-tp|zero|gpt-det|memory|waits-*]
+    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|il|tp|gpt-tp|zero|zero-release|gpt-det|memory|waits-*]
 
 Under ``pp`` activations and gradients between the stages take the same host-staged path, as do the tied
 gradient (``gpt-pp``, under the zero-bubble schedule: each block's split backward on the device) and the
@@ -150,6 +150,48 @@ def waits(path, layout):
     return 0 if ok else 1
 
 
+def zero_release(path):
+    """``zero-release`` (a GPU only: CUDA's virtual memory management): zero = 2 at dp 2 on an MLP of 8.5 M
+    parameters, big enough for its buckets and chunks to be cut on 2 MiB units (parallel/zero.py): the units
+    outside each rank's chunks give their device memory back once reduced (backend/cuda_vmm.py) and take it again
+    for the next backward. The parameters equal the CPU backend's, the same on both ranks, and the gradient
+    buffer held at the end of a step is this rank's chunks, the pool and the units the cuts share."""
+    comm = MPI.COMM_WORLD
+    if comm.rank == 0:
+        make_classification(path, n=32, features=64)
+    comm.Barrier()
+    layers = [{"type": "linear", "in": 64, "out": 2048}, {"type": "tanh"}, {"type": "linear", "in": 2048, "out": 2048},
+              {"type": "tanh"}, {"type": "linear", "in": 2048, "out": 2048}, {"type": "tanh"},
+              {"type": "linear", "in": 2048, "out": 10}]
+    out = {}
+    for backend in ("cuda", "cpu"):
+        cfg = config(path, model={"layers": layers}, train={"steps": 3, "batch_size": 8, "backend": backend},
+                     optim={"name": "adamw", "lr": 0.001},
+                     parallel={"bucket_mb": 8, "overlap": True, "cuda_aware": False, "zero": 2})
+        mesh = Mesh()
+        trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+        trainer.run()
+        out[backend] = trainer.params.to_host_dict()
+        if backend == "cuda":
+            mem, size = trainer.grad_memory, trainer.params.layout.size
+            if mem is None or trainer.be.release_unsupported:
+                raise SystemExit(f"zero-release: no releasable device buffer ({trainer.be.release_unsupported})")
+            held, full = mem.mapped_bytes, 4 * size
+            chunk = 4 * trainer.shard.size
+            print(f"rank {comm.rank}: gradient memory held {held / 2**20:.1f} MiB of {full / 2**20:.1f} "
+                  f"(chunks {chunk / 2**20:.1f}, pool {mem.pooled_bytes / 2**20:.1f}, released this step "
+                  f"{trainer.sync.released_bytes / 2**20:.1f}, most live {mem.peak_live_bytes / 2**20:.1f})", flush=True)
+            ok_memory = trainer.sync.released_bytes > 0 and held <= chunk + mem.pooled_bytes + 4 * len(
+                trainer.shard.buckets) * mem.unit + mem.unit
+        trainer.close()
+        mesh.free()
+    ok = ok_memory and all(np.allclose(out["cuda"][k], out["cpu"][k], rtol=1e-4, atol=1e-5) for k in out["cpu"])
+    gathered = comm.allgather(np.concatenate([v.ravel() for v in out["cuda"].values()]))
+    ok &= all(np.array_equal(gathered[0], g) for g in gathered)
+    print(f"rank {comm.rank}: zero-release {'OK' if ok else 'MISMATCH'}", flush=True)
+    return 0 if ok else 1
+
+
 def main(path, layout):
     if MPI.COMM_WORLD.size != 2:  # mpiexec from one MPI library, mpi4py loading another: singletons, not a world of 2
         raise SystemExit(f"dp_worker: world size {MPI.COMM_WORLD.size}, expected 2 ({MPI.Get_library_version()[:40]!r}"
@@ -158,6 +200,8 @@ def main(path, layout):
         return deterministic(path)
     if layout == "memory":
         return memory(path)
+    if layout == "zero-release":
+        return zero_release(path)
     if layout.startswith("waits-"):
         return waits(path, layout)
     comm = MPI.COMM_WORLD

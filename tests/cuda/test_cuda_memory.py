@@ -302,3 +302,42 @@ def test_simulator_flag_matches_environment():
     import os
 
     assert SIM == (os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"))
+
+
+# ----------------------------------------------------------------- zero = 2: device memory that goes back
+
+
+@needs_gpu("CUDA's virtual memory management (the simulator has none)")
+def test_zero2_gradient_buffer_gives_device_memory_back_and_takes_it_again(be):
+    """backend/cuda_vmm.py on the device: the units outside a chunk free device memory once released (the driver's
+    free memory grows by as much), read the spare unit meanwhile, and hold what a kernel writes once filled."""
+    from numba import cuda
+
+    assert be.release_unsupported == ""
+    unit_floats = (2 << 20) // 4
+    n = 16 * unit_floats
+    half = n // 2
+    buf = be.releasable_buffer(n, outside=[(half, n)], keep_bytes=0)
+    assert buf.unit % 4 == 0 and n * 4 % buf.unit == 0
+    np.testing.assert_array_equal(be.to_host(buf.array), np.zeros(n, np.float32))
+    buf.fill(half, n)
+    be.fill_(buf.array[half:], 3.0)
+    be.synchronize()
+    before = cuda.current_context().get_memory_info()[0]
+    released = buf.release(half, n)
+    after = cuda.current_context().get_memory_info()[0]
+    assert released == (n - half) * 4
+    assert after - before >= 0.9 * released, (before, after, released)
+    buf.fill(half, n)
+    be.fill_(buf.array[half:], 5.0)
+    host = be.to_host(buf.array)
+    assert (host[:half] == 0).all() and (host[half:] == 5).all()
+    buf.close()
+
+
+def test_zero2_on_the_simulator_keeps_the_full_buffer_and_says_why(be):
+    if not SIM:
+        pytest.skip("the simulator's answer")
+    assert "simulator" in be.release_unsupported
+    with pytest.raises(BackendError, match="simulator"):
+        be.releasable_buffer(8, outside=[(4, 8)], keep_bytes=0)

@@ -140,6 +140,38 @@ def main(argv=None) -> int:
     moved = np.array_equal(got, np.arange(b * per, (b + 1) * per, dtype=np.float32))
     print("a handle mapped at another address:", "keeps its bytes" if moved else "does not keep its bytes")
     map_unit(b)
+
+    # each call on its own (host µs a unit, the mean over the units of the buffer's second half)
+    half = range(n_units // 2, n_units)
+    cost = {}
+
+    def timed(name, fn):
+        t = time.perf_counter()
+        out = [fn(u) for u in half]
+        cost[name] = (time.perf_counter() - t) / len(half) * 1e6
+        return out
+
+    timed("cuMemUnmap", lambda u: _ok(d.cuMemUnmap(va + u * unit, unit)))
+    old = [handles[u] for u in half]
+    timed("cuMemRelease", lambda u: _ok(d.cuMemRelease(old[u - half.start])))
+    new = timed("cuMemCreate", lambda u: _ok(d.cuMemCreate(unit, prop, 0)))
+    timed("cuMemMap", lambda u: _ok(d.cuMemMap(va + u * unit, unit, 0, new[u - half.start], 0)))
+    timed("cuMemSetAccess", lambda u: _ok(d.cuMemSetAccess(va + u * unit, unit, [access], 1)))
+    for u in half:
+        handles[u] = new[u - half.start]
+    print("one call a unit: " + ", ".join(f"{k} {v:.1f} us" for k, v in cost.items()))
+    # one call over a run of units mapped one by one: does the driver take it?
+    run = n_units // 2
+    for name, call in (("cuMemSetAccess", lambda: d.cuMemSetAccess(va + run * unit, 4 * unit, [access], 1)),
+                       ("cuMemUnmap", lambda: d.cuMemUnmap(va + run * unit, 4 * unit))):
+        t = time.perf_counter()
+        err = call()[0]
+        print(f"{name} over 4 units mapped one by one: {err} ({(time.perf_counter() - t) * 1e6:.1f} us)")
+    if err == d.CUresult.CUDA_SUCCESS:
+        for u in range(run, run + 4):
+            _ok(d.cuMemRelease(handles[u]))
+            handles[u] = None
+            map_unit(u)
     for u in range(n_units):
         unmap_unit(u)
     _ok(d.cuMemAddressFree(va, size))

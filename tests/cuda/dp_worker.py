@@ -165,8 +165,10 @@ def zero_release(path):
               {"type": "linear", "in": 2048, "out": 10}]
     out = {}
     for backend in ("cuda", "cpu"):
+        # SGD: the update is linear in the gradient, so the backends' float32 rounding stays at its own size
+        # (Adam's step divides by sqrt(v) and turns a near-zero gradient's rounding into a whole lr)
         cfg = config(path, model={"layers": layers}, train={"steps": 3, "batch_size": 8, "backend": backend},
-                     optim={"name": "adamw", "lr": 0.001},
+                     optim={"name": "sgd", "lr": 0.01, "momentum": 0.9},
                      parallel={"bucket_mb": 8, "overlap": True, "cuda_aware": False, "zero": 2})
         mesh = Mesh()
         trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
@@ -185,10 +187,15 @@ def zero_release(path):
                 trainer.shard.buckets) * mem.unit + mem.unit
         trainer.close()
         mesh.free()
-    ok = ok_memory and all(np.allclose(out["cuda"][k], out["cpu"][k], rtol=1e-4, atol=1e-5) for k in out["cpu"])
+    worst = max(float(np.max(np.abs(out["cuda"][k] - out["cpu"][k]) / (np.abs(out["cpu"][k]) + 1e-3)))
+                for k in out["cpu"])
+    same = all(np.allclose(out["cuda"][k], out["cpu"][k], rtol=1e-4, atol=1e-5) for k in out["cpu"])
     gathered = comm.allgather(np.concatenate([v.ravel() for v in out["cuda"].values()]))
-    ok &= all(np.array_equal(gathered[0], g) for g in gathered)
-    print(f"rank {comm.rank}: zero-release {'OK' if ok else 'MISMATCH'}", flush=True)
+    ranks_agree = all(np.array_equal(gathered[0], g) for g in gathered)
+    ok = ok_memory and same and ranks_agree
+    print(f"rank {comm.rank}: zero-release memory {'ok' if ok_memory else 'NOT WITHIN BOUND'}, against the CPU "
+          f"{'ok' if same else 'DIFFERENT'} (largest relative difference {worst:.2e}), ranks "
+          f"{'agree' if ranks_agree else 'DIFFER'}: {'OK' if ok else 'MISMATCH'}", flush=True)
     return 0 if ok else 1
 
 

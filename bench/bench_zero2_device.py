@@ -8,7 +8,8 @@ neither inherits the other's cached device memory. Both ranks share the GPU; aft
 at a barrier, rank 0 reads the device's used memory (cuMemGetInfo: both processes, the CUDA contexts included).
 Each rank reports the gradient buffer's device memory (the VMM mappings of backend/cuda_vmm.py's ReleasableDevice,
 or the whole buffer) and what hpctrain says its gradients hold (train/memory.py). Step time: the median over the
-steps after the first two, the host waiting for the step's end (the loss read). Staged through host memory
+steps after the first two, the host waiting for the step's end; with it, the host time of the buffer's driver calls
+(both threads) and the last step's wait of the backward for earlier buckets' reductions (zero 2's backpressure). Staged through host memory
 (parallel.cuda_aware = false): the pip MPICH is not CUDA-aware. MB here is 2^20 bytes.
 """
 
@@ -50,19 +51,23 @@ def worker(args) -> None:
     lines = []
     mesh = Mesh()
     trainer = Trainer(cfg, mesh=mesh, log=lines.append)
-    times = []
+    times, vmm = [], []
+    mem = trainer.grad_memory
     for step in range(args.steps):
         t0 = time.perf_counter()
+        before = mem.driver_seconds if mem is not None else 0.0
         trainer.train_step(step, 1e-4)
         trainer.be.synchronize()
         times.append(time.perf_counter() - t0)
+        vmm.append((mem.driver_seconds if mem is not None else 0.0) - before)
     comm.Barrier()
     used = None
     if comm.rank == 0:
         free, total = cuda.current_context().get_memory_info()
         used = total - free
-    mem = trainer.grad_memory
     row = {"rank": comm.rank, "zero": args.zero, "step_ms": statistics.median(times[2:]) * 1e3,
+           "vmm_ms": statistics.median(vmm[2:]) * 1e3,
+           "backpressure_ms": getattr(trainer.sync, "backpressure_seconds", 0.0) * 1e3,
            "grads_device_mb": (mem.mapped_bytes if mem is not None else 4 * trainer.params.layout.size) / 2**20,
            "grads_said_mb": rank_memory(trainer, 0).grads_bytes / 2**20,
            "full_grads_mb": 4 * trainer.params.layout.size / 2**20,
@@ -105,7 +110,8 @@ def main() -> int:
         for r in rows:
             print(f"  rank {r['rank']}: step {r['step_ms']:.2f} ms; gradient buffer on the device "
                   f"{r['grads_device_mb']:.1f} MB of {r['full_grads_mb']:.1f} (hpctrain's figure {r['grads_said_mb']:.1f}; "
-                  f"released in the last step {r['released_mb']:.1f})")
+                  f"released in the last step {r['released_mb']:.1f}); in the driver's memory calls "
+                  f"{r['vmm_ms']:.1f} ms a step, the backward waiting for reductions {r['backpressure_ms']:.1f} ms")
         print(f"  device memory used by both ranks after the last step: {rows[0]['device_used_mb']:.0f} MB")
     one, two = results[1], results[2]
     print(f"zero 2 against zero 1: device memory {two[0]['device_used_mb'] - one[0]['device_used_mb']:+.0f} MB "

@@ -21,7 +21,8 @@ class FakeVmm:
     """CUDA's virtual memory calls (backend/cuda_vmm.py's VmmDriver) over one host array: every map fills its unit
     with NaN, as if the memory mapped there held anything, so a read of released gradients, or of a unit filled
     but not written before it is read, spreads NaN into the result. It checks the calls' rules: no map over a
-    mapping, no unmap of nothing, no release of a mapped handle. ``unit``: bytes (16 float32 by default)."""
+    mapping, no unmap or access of nothing, no release of a mapped handle; ``inaccessible`` counts mapped units
+    never given access. ``unit``: bytes (16 float32 by default)."""
 
     def __init__(self, unit: int = 64):
         self.unit = unit
@@ -29,6 +30,7 @@ class FakeVmm:
         self.base = 1 << 20  # a made-up device address
         self.mapped = {}  # address -> handle
         self.handles = set()  # created, not released
+        self.accessible = set()  # mapped addresses given access
         self._next = 0
 
     def reserve(self, size):
@@ -50,9 +52,24 @@ class FakeVmm:
         at = (va - self.base) // 4
         self.memory[at : at + self.unit // 4] = np.nan
 
-    def unmap(self, va):
-        assert va in self.mapped, va
-        del self.mapped[va]
+    def _units(self, va, size):
+        assert size > 0 and size % self.unit == 0, size
+        return range(va, va + size, self.unit)
+
+    def access(self, va, size):
+        for at in self._units(va, size):
+            assert at in self.mapped, at
+            self.accessible.add(at)
+
+    def unmap(self, va, size):
+        for at in self._units(va, size):
+            assert at in self.mapped, at
+            del self.mapped[at]
+            self.accessible.discard(at)
+
+    def inaccessible(self):
+        """Mapped units without access: a missed ``access`` (a kernel touching them would fault)."""
+        return len(set(self.mapped) - self.accessible)
 
     def release(self, handle):
         assert handle in self.handles and handle not in self.mapped.values(), handle

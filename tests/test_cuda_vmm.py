@@ -15,6 +15,7 @@ def make(n=8 * UNIT, outside=((4 * UNIT, 8 * UNIT),), keep_units=0):
     vmm = FakeVmm()
     buf = ReleasableDevice(n, outside=outside, keep_bytes=keep_units * vmm.unit, driver=vmm, wrap=vmm.wrap)
     buf.array[...] = 0
+    assert not vmm.inaccessible()
     return buf, vmm
 
 
@@ -32,11 +33,12 @@ def test_fill_gives_units_memory_and_release_takes_it_back():
     assert np.isnan(buf.array[5 * UNIT : 7 * UNIT]).all()  # fresh memory: whatever it held
     assert len(vmm.handles) == 7 and buf.peak_live_bytes == 2 * vmm.unit
     buf.array[5 * UNIT : 7 * UNIT] = 1.0
-    assert not buf.needs(5 * UNIT, 7 * UNIT)
+    assert not buf.needs(5 * UNIT, 7 * UNIT) and not vmm.inaccessible()
     released = buf.release(4 * UNIT + 1, 8 * UNIT)  # unit 4 is not wholly inside: only 5 and 6 were live
     assert released == 2 * vmm.unit
     assert len(vmm.handles) == 5  # no pool (keep_bytes 0): back to the driver
     assert np.isnan(buf.array[5 * UNIT : 7 * UNIT]).all()  # they read the spare now
+    assert not vmm.inaccessible()
     np.testing.assert_array_equal(buf.array[: 4 * UNIT], 0)  # the chunk is untouched
 
 
@@ -50,7 +52,7 @@ def test_the_pool_keeps_handles_up_to_keep_bytes_and_the_most_ever_live():
     buf.release(4 * UNIT, 16 * UNIT)
     assert buf.pooled_bytes == 3 * vmm.unit  # keep_bytes bounds it now
     assert len(vmm.handles) == 4 + 1 + 3
-    assert buf.mapped_bytes == (4 + 1 + 3) * vmm.unit
+    assert buf.mapped_bytes == (4 + 1 + 3) * vmm.unit and not vmm.inaccessible()
 
 
 def test_a_buffer_that_does_not_end_on_a_unit_is_padded_at_its_start():

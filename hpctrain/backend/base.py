@@ -23,7 +23,7 @@ from ..errors import BackendError
 
 FLASH_MAX_HS = 128  # the widest head (channels) the CUDA backend's flash attention kernels take (cuda_flash.py)
 
-__all__ = ["Backend", "StreamWaits", "Mark", "check_array"]
+__all__ = ["Backend", "StreamWaits", "Mark", "DecayRuns", "check_array"]
 
 
 _F32 = np.dtype(np.float32)
@@ -67,6 +67,25 @@ def _is_c_contiguous(arr) -> bool:
         return bool(flags["C_CONTIGUOUS"])
     except (KeyError, TypeError):
         return bool(getattr(flags, "c_contiguous", True))
+
+
+class DecayRuns:
+    """Weight decay by runs of a flat slice, so one update covers it (optim.py): ``runs``, the (lo, hi, decay) of
+    ``optim.decay_runs`` counted from the slice's start, cover [0, ``size``) in order, each decay 0 or ``value``.
+    A device backend keeps the runs' starts and decayed flags on the device too (``device``: its arrays), and its
+    update is one launch instead of one per run (34 a step on gpt-char's GPT)."""
+
+    __slots__ = ("runs", "value", "size", "device")
+
+    def __init__(self, runs, device=None):
+        self.runs = tuple((int(lo), int(hi), float(d)) for lo, hi, d in runs)
+        values = {d for _, _, d in self.runs if d != 0}
+        if len(values) > 1 or any(a[1] != b[0] for a, b in zip(self.runs, self.runs[1:])) or (
+                self.runs and self.runs[0][0] != 0):
+            raise BackendError(f"decay runs must tile [0, n) with one weight decay and 0, got {self.runs}")
+        self.value = values.pop() if values else 0.0
+        self.size = self.runs[-1][1] if self.runs else 0
+        self.device = device
 
 
 class Mark:
@@ -144,7 +163,8 @@ class Backend:
     the logits' columns (nn/loss.py combines them over the tensor-parallel group):
     ``ce_shard_stats`` (row max, first argmax, target logit), ``ce_shard_sumexp``,
     ``ce_shard_grad``. Flat buffers: ``sum_squares``, ``scale_``, ``fill_``,
-    ``sgd_update``, ``adam_update``. Device backends also stage gradients for an MPI that
+    ``sgd_update``, ``adam_update`` (whose ``weight_decay`` may be ``decay_table(runs)``: one update over tensors
+    of two decays). Device backends also stage gradients for an MPI that
     is not CUDA-aware: ``pinned_host(shape)``, ``to_host_into(dev, host)``,
     ``from_host_into(host, dev)``.
     """
@@ -214,6 +234,17 @@ class Backend:
         n = self._arg(op, first_name, first, ndim=1).shape[0]
         for name, arr in arrays.items():
             self._arg(op, name, arr, shape=(n,))
+
+    def decay_table(self, runs) -> DecayRuns:
+        """The weight decay of ``runs`` ((lo, hi, decay) from the slice's start) for one ``sgd_update`` or
+        ``adam_update`` over the slice."""
+        return DecayRuns(runs)
+
+    @staticmethod
+    def _check_decay(op, weight_decay, n):
+        """``weight_decay``: a number, or a DecayRuns of ``n`` values."""
+        if isinstance(weight_decay, DecayRuns) and weight_decay.size != n:
+            raise BackendError(f"{op}: weight_decay runs cover {weight_decay.size} values, the arrays {n}")
 
     # ------------------------------------------------------------------ the argument contract of each op
     # Both backends call these first, so a wrongly sized, typed or placed argument is the same BackendError

@@ -15,7 +15,7 @@ import math
 import numba
 import numpy as np
 
-from .base import Backend
+from .base import Backend, DecayRuns
 from .blas import Sgemm
 from .dropout_mask import GOLDEN, MUL1, MUL2, keep_scale, threshold
 from .cpu_transformer import TransformerKernels
@@ -531,6 +531,12 @@ class CpuBackend(TransformerKernels, Backend):
 
     def sgd_update(self, param, grad, momentum_buf, *, lr, momentum, weight_decay, nesterov, grad_scale=1.0):
         self._check_flat("sgd_update", param=param, grad=grad, momentum_buf=momentum_buf)
+        self._check_decay("sgd_update", weight_decay, param.shape[0])
+        if isinstance(weight_decay, DecayRuns):  # run by run: a call costs microseconds here, not a launch
+            for lo, hi, d in weight_decay.runs:
+                self.sgd_update(param[lo:hi], grad[lo:hi], momentum_buf[lo:hi], lr=lr, momentum=momentum,
+                                weight_decay=d, nesterov=nesterov, grad_scale=grad_scale)
+            return
         f32 = np.float32
         if momentum == 0:
             _sgd_plain(param, grad, f32(grad_scale), f32(lr), f32(weight_decay))
@@ -541,6 +547,13 @@ class CpuBackend(TransformerKernels, Backend):
     def adam_update(self, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, decoupled,
                     grad_scale=1.0):
         self._check_flat("adam_update", param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+        self._check_decay("adam_update", weight_decay, param.shape[0])
+        if isinstance(weight_decay, DecayRuns):
+            for lo, hi, d in weight_decay.runs:
+                self.adam_update(param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], lr=lr, beta1=beta1,
+                                 beta2=beta2, eps=eps, weight_decay=d, step=step, decoupled=decoupled,
+                                 grad_scale=grad_scale)
+            return
         f32 = np.float32
         step_size = lr / (1.0 - beta1**step)
         bc2_sqrt = math.sqrt(1.0 - beta2**step)

@@ -49,7 +49,7 @@ import numpy as np
 from numba import cuda
 
 from ..errors import BackendError
-from .base import Backend, Mark, StreamWaits, check_array
+from .base import Backend, DecayRuns, Mark, StreamWaits, check_array
 from .cuda_flash import NT as FLASH_THREADS
 from .cuda_flash import flash_kernels, rows_per_block
 from .cuda_gemm import (EPI_ACCUMULATE, EPI_BIAS, EPI_STORE, GPU_SMALL_TILE, GPU_TILE, GPU_TILES, GPU_TN_TILES,
@@ -755,26 +755,54 @@ class CudaBackend(StreamWaits, Backend):
         self._arg("fill_", "x", x, dtype=x.dtype)
         self._elementwise(self._k.fill, x.size, _flat(x), x.dtype.type(value))
 
+    def decay_table(self, runs) -> DecayRuns:
+        """DecayRuns with the runs' starts and decayed flags uploaded once (the update looks each element's up)."""
+        table = DecayRuns(runs)
+        starts = np.array([lo for lo, _, _ in table.runs] or [0], dtype=np.int64)
+        decayed = np.array([d != 0 for _, _, d in table.runs] or [0], dtype=np.int64)
+        table.device = (self.asarray(starts), self.asarray(decayed))
+        return table
+
     def sgd_update(self, param, grad, momentum_buf, *, lr, momentum, weight_decay, nesterov, grad_scale=1.0):
         """torch.optim.SGD step over the flat buffers, one fused kernel (momentum_buf unused if momentum = 0);
-        ``grad_scale``: the clipping factor, applied as the gradients are read."""
+        ``grad_scale``: the clipping factor, applied as the gradients are read; ``weight_decay`` a number or a
+        ``decay_table``."""
         self._check_flat("sgd_update", param=param, grad=grad, momentum_buf=momentum_buf)
+        self._check_decay("sgd_update", weight_decay, param.shape[0])
         f32 = np.float32
+        if isinstance(weight_decay, DecayRuns):
+            starts, decayed = self._decay_arrays(weight_decay)
+            self._elementwise(self._k.sgd_update_runs, param.size, param, grad, f32(grad_scale), momentum_buf,
+                              starts, decayed, f32(lr), f32(momentum), f32(weight_decay.value), bool(momentum != 0),
+                              bool(nesterov))
+            return
         self._elementwise(self._k.sgd_update, param.size, param, grad, f32(grad_scale), momentum_buf, f32(lr),
                           f32(momentum), f32(weight_decay), bool(momentum != 0), bool(nesterov))
+
+    def _decay_arrays(self, table):
+        if table.device is None:  # made by another backend's decay_table
+            table = self.decay_table(table.runs)
+        return table.device
 
     def adam_update(self, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, decoupled,
                     grad_scale=1.0):
         """torch.optim.Adam (L2 decay) / AdamW (decoupled decay) step over the flat buffers, one fused kernel;
         ``grad_scale``: the clipping factor, applied as the gradients are read."""
         self._check_flat("adam_update", param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+        self._check_decay("adam_update", weight_decay, param.shape[0])
         f32 = np.float32
         step_size = lr / (1.0 - beta1**step)  # bias corrections in float64 on the host, as cpu.py does
         bc2_sqrt = math.sqrt(1.0 - beta2**step)
-        keep, l2 = (1.0 - lr * weight_decay, 0.0) if decoupled else (1.0, weight_decay)
-        self._elementwise(self._k.adam_update, param.size, param, grad, f32(grad_scale), exp_avg, exp_avg_sq,
-                          f32(step_size), f32(beta1), f32(beta2), f32(1.0 - beta1), f32(1.0 - beta2), f32(bc2_sqrt),
-                          f32(eps), f32(l2), f32(keep))
+        runs = weight_decay if isinstance(weight_decay, DecayRuns) else None
+        wd = runs.value if runs is not None else weight_decay  # the decayed runs' (the others: 0, as one-run calls)
+        keep, l2 = (1.0 - lr * wd, 0.0) if decoupled else (1.0, wd)
+        common = (f32(step_size), f32(beta1), f32(beta2), f32(1.0 - beta1), f32(1.0 - beta2), f32(bc2_sqrt), f32(eps),
+                  f32(l2), f32(keep))
+        if runs is not None:
+            self._elementwise(self._k.adam_update_runs, param.size, param, grad, f32(grad_scale), exp_avg, exp_avg_sq,
+                              *self._decay_arrays(runs), *common)
+            return
+        self._elementwise(self._k.adam_update, param.size, param, grad, f32(grad_scale), exp_avg, exp_avg_sq, *common)
 
     # ------------------------------------------------------------------ launching
 

@@ -93,6 +93,8 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "mse_partial": ((F1, F1, F1, f32, D1),),
         "sgd_update": ((F1, F1, f32, F1, f32, f32, f32, b1, b1),),
         "adam_update": ((F1, F1, f32, F1, F1) + (f32,) * 9,),
+        "sgd_update_runs": ((F1, F1, f32, F1, I1, I1, f32, f32, f32, b1, b1),),
+        "adam_update_runs": ((F1, F1, f32, F1, F1, I1, I1) + (f32,) * 9,),
         # cuda_transformer.py
         "embedding_forward": ((I2, F2, F2, F2, I1, i64, i64, b1),),
         "embedding_backward_wte": ((F2, I1, I1, I1, F2),),

@@ -448,6 +448,54 @@ def ops_kernels(nt: int) -> SimpleNamespace:
             v[i] = vi
             p[i] = w * keep - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
 
+    # one launch for a slice whose tensors take two weight decays (optim.decay_runs: weight matrices decayed,
+    # biases and LayerNorm weights not): ``starts`` the runs' first elements (ascending, starts[0] = 0),
+    # ``decayed[r]`` 1 where run r takes the decay; per element the arithmetic of the one-run kernels above
+
+    @cuda.jit(device=True)
+    def decayed_at(starts, decayed, i):
+        """Whether element i lies in a decayed run (the last run starting at or before i)."""
+        lo = 0
+        hi = starts.size - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if starts[mid] <= i:
+                lo = mid
+            else:
+                hi = mid - 1
+        return decayed[lo] != 0
+
+    @kernel
+    def sgd_update_runs(p, g, gs, buf, starts, decayed, lr, momentum, weight_decay, use_momentum, nesterov):
+        """sgd_update with ``weight_decay`` on the decayed runs and 0 elsewhere."""
+        for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
+            wd = weight_decay if decayed_at(starts, decayed, i) else float32(0.0)
+            d = g[i] * gs + wd * p[i]
+            if use_momentum:
+                b = momentum * buf[i] + d
+                buf[i] = b
+                if nesterov:
+                    d = d + momentum * b
+                else:
+                    d = b
+            p[i] -= lr * d
+
+    @kernel
+    def adam_update_runs(p, g, gs, m, v, starts, decayed, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2,
+                         keep):
+        """adam_update with ``l2`` and ``keep`` on the decayed runs, 0 and 1 elsewhere."""
+        for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
+            on = decayed_at(starts, decayed, i)
+            l2_i = l2 if on else float32(0.0)
+            keep_i = keep if on else float32(1.0)
+            w = p[i]
+            d = g[i] * gs + l2_i * w
+            mi = beta1 * m[i] + omb1 * d
+            vi = beta2 * v[i] + omb2 * d * d
+            m[i] = mi
+            v[i] = vi
+            p[i] = w * keep_i - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
+
     return SimpleNamespace(
         NT=NT, RX=RX, RY=RY, fill=fill, scale=scale, add=add, dropout=dropout, sum_squares_partial=sum_squares_partial,
         sum_partials=sum_partials, bias_grad_partials=bias_grad_partials, column_finish=column_finish, relu_forward=relu_forward, relu_backward=relu_backward,
@@ -456,4 +504,5 @@ def ops_kernels(nt: int) -> SimpleNamespace:
         layernorm_backward_rows=layernorm_backward_rows, layernorm_params_partials=layernorm_params_partials,
         cross_entropy_rows=cross_entropy_rows, cross_entropy_finish=cross_entropy_finish, mse_partial=mse_partial,
         ce_shard_stats=ce_shard_stats, ce_shard_sumexp=ce_shard_sumexp, ce_shard_grad=ce_shard_grad,
-        sgd_update=sgd_update, adam_update=adam_update)
+        sgd_update=sgd_update, adam_update=adam_update, sgd_update_runs=sgd_update_runs,
+        adam_update_runs=adam_update_runs)

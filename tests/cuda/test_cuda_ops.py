@@ -283,6 +283,43 @@ def test_adam_update(be, cpu, rng, decoupled, weight_decay, clip):
     np.testing.assert_allclose(be.to_host(dv), cv, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("which", ["cuda", "cpu"])
+@pytest.mark.parametrize("rule", ["sgd", "sgd-momentum", "adam", "adamw"])
+def test_one_update_over_runs_of_two_decays_is_the_updates_run_by_run(be, cpu, rng, rule, which):
+    """``weight_decay = be.decay_table(runs)`` (optim.py: weight matrices decayed, biases not) gives the bits of
+    one update per run with its own decay (on the CUDA backend in one launch, on the CPU run by run)."""
+    be = be if which == "cuda" else cpu
+    n, wd = 77, 0.05
+    runs = [(0, 20, wd), (20, 23, 0.0), (23, 60, wd), (60, 61, 0.0), (61, 77, wd)]
+    p = rand(rng, n)
+    one = [be.asarray(p.copy()) for _ in range(2)]
+    slots = [[be.zeros((n,)), be.zeros((n,))] for _ in range(2)]
+    table = be.decay_table([(lo, hi, d) for lo, hi, d in runs])
+    for step in range(1, 4):
+        g = be.asarray(rand(rng, n))
+        for k, (params, (m, v)) in enumerate(zip(one, slots)):
+            pieces = [(0, n, table)] if k == 0 else runs
+            for lo, hi, decay in pieces:
+                if rule.startswith("sgd"):
+                    be.sgd_update(params[lo:hi], g[lo:hi], m[lo:hi], lr=0.1, momentum=0.9 if "momentum" in rule
+                                  else 0.0, weight_decay=decay, nesterov=False, grad_scale=0.5)
+                else:
+                    be.adam_update(params[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], lr=1e-2, beta1=0.9, beta2=0.999,
+                                   eps=1e-8, weight_decay=decay, step=step, decoupled=rule == "adamw", grad_scale=0.5)
+    per = [be.to_host(a) for a in (one[1], *slots[1])]
+    for got, want in zip((be.to_host(a) for a in (one[0], *slots[0])), per):
+        np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(per[0], p)
+
+
+def test_decay_runs_that_do_not_fit_are_refused(be):
+    with pytest.raises(BackendError, match="one weight decay and 0"):
+        be.decay_table([(0, 4, 0.1), (4, 8, 0.2)])
+    with pytest.raises(BackendError, match="adam_update: weight_decay runs cover 8 values, the arrays 4"):
+        be.adam_update(be.zeros((4,)), be.zeros((4,)), be.zeros((4,)), be.zeros((4,)), lr=1e-3, beta1=0.9,
+                       beta2=0.999, eps=1e-8, weight_decay=be.decay_table([(0, 8, 0.1)]), step=1, decoupled=True)
+
+
 # ----------------------------------------------------------------- the GPU launch shapes in the simulator
 
 

@@ -497,8 +497,16 @@ def _after_lower_ranks() -> None:
             time.sleep(min(2.0, 1.0 + 0.02 * rank))
 
 
+# commands that write one file and never start MPI: under ``mpiexec -n N`` (or srun) the launcher's rank 0 does
+# the work and the others leave at once with exit 0, instead of N processes racing to write (the later ones
+# would find the file there and refuse it without --force)
+ONE_WRITER = ("export", "predict", "data", "plot")
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ONE_WRITER and _launcher_rank() > 0:
+        return 0
     from .parallel.abort import abort_world
     from .parallel.agree import QuietExit
 

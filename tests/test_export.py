@@ -175,3 +175,23 @@ def test_export_to_nanogpt_refuses_an_mlp_and_a_missing_torch(checkpoint, gpt_ch
         assert proc.returncode == 2 and "needs torch importable" in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
     assert not os.path.exists(tmp_path / "ckpt.pt")
+
+
+def test_under_mpiexec_one_rank_exports_and_the_others_leave_quietly(checkpoint, tmp_path):
+    """``mpiexec -n 2 hpctrain export``: the launcher's rank 0 writes the file; rank 1 leaves with exit 0 at once,
+    instead of racing it to the same file (and refusing it as existing without --force)."""
+    import shutil
+
+    from launch import launcher_env, mpi_command
+
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("mpiexec not found")
+    env = launcher_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                      env.get("PYTHONPATH")]))
+    proc = subprocess.run(mpi_command(mpiexec, 2, sys.executable, "-m", "hpctrain", "export", checkpoint, "out.h5"),
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("out.h5") == 1 and "exists" not in proc.stderr, proc.stdout + proc.stderr
+    assert h5py.is_hdf5(tmp_path / "out.h5")

@@ -394,7 +394,7 @@ def _config(args) -> int:
 def _plan(args) -> int:
     from .config import load_config
     from .errors import ConfigError
-    from .plan import advice, parse_size, plan, plan_json, plan_table
+    from .plan import advice, parse_size, plan, plan_json, plan_table, size_text
 
     if args.ranks < 1:
         raise ConfigError(f"-n: must be at least 1, got {args.ranks}")
@@ -415,7 +415,7 @@ def _plan(args) -> int:
     else:
         print(plan_table(ranks, limit))
         if limit is not None and over:
-            print(f"ranks {', '.join(map(str, over))} do not fit in {limit / 1e6:,.0f} MB (largest "
+            print(f"ranks {', '.join(map(str, over))} do not fit in {size_text(limit)} (largest "
                   f"{max(m.total_bytes for m in ranks) / 1e6:,.0f} MB)")
             fixes = advice(cfg, args.ranks, limit, device=device, cuda_aware=cuda_aware)
             print("each of these would fit:\n  " + "\n  ".join(fixes) if fixes else

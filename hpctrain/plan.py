@@ -256,6 +256,11 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.0f}"
 
 
+def size_text(n: int) -> str:
+    """A memory limit as a user reads it: MB, or bytes below one MB (``--mem-per-rank 1KB`` is not "0 MB")."""
+    return f"{n / 1e6:,.0f} MB" if n >= 1e6 else f"{n:,} bytes"
+
+
 def plan_table(ranks: list[RankMemory], limit: int | None = None) -> str:
     """One line per rank, in MB (10^6 bytes)."""
     head = ["rank", "stage", "dp", "tp", "params", "grads", "optimizer", "activations", "buffers", "runtime",
@@ -265,7 +270,7 @@ def plan_table(ranks: list[RankMemory], limit: int | None = None) -> str:
              _mb(m.total_bytes)] + (["fits" if m.total_bytes <= limit else "DOES NOT FIT"] if limit else [])
             for m in ranks]
     if limit:
-        head.append(f"within {_mb(limit)} MB")
+        head.append(f"within {size_text(limit)}")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [head] + rows)
 

@@ -191,6 +191,8 @@ def test_the_command_says_what_does_not_fit():
     r = _plan("jobs/configs/gpt-char.toml", "-n", "2", "--mem-per-rank", "150MB")
     assert r.returncode == 1 and "DOES NOT FIT" in r.stdout
     assert "ranks 0, 1 do not fit in 150 MB" in r.stdout
+    r = _plan("jobs/configs/gpt-char.toml", "--mem-per-rank", "1KB")  # a limit below one MB is not "0 MB"
+    assert "within 1,000 bytes" in r.stdout and "do not fit in 1,000 bytes" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("args, message", [

@@ -313,11 +313,7 @@ class CudaBackend(StreamWaits, Backend):
         training stream records after its ``after``, so it is safe)."""
         self._require_device("stage_in", "dev", dev)
         check_array("stage_in", "host", host, shape=dev.shape, dtype=dev.dtype)
-        if dev.size:
-            dev.copy_to_device(host, stream=self.upload_stream)
-        event = self._event()
-        event.record(self.upload_stream)
-        return Mark(event, None)  # on its own stream: no wait for the training stream covers it
+        return self._upload(host, dev)
 
     def move_async(self, src, dst):
         """dst[...] = src[...] (device arrays of one shape) queued on the upload stream; returns its mark, as
@@ -325,11 +321,15 @@ class CudaBackend(StreamWaits, Backend):
         self._require_device("move_async", "src", src)
         self._require_device("move_async", "dst", dst)
         check_array("move_async", "dst", dst, shape=src.shape, dtype=src.dtype)
-        if dst.size:
-            dst.copy_to_device(src, stream=self.upload_stream)
+        return self._upload(src, dst)
+
+    def _upload(self, src, dev) -> Mark:
+        """dev[...] = src[...] queued on the upload stream, and the mark after it."""
+        if dev.size:
+            dev.copy_to_device(src, stream=self.upload_stream)
         event = self._event()
         event.record(self.upload_stream)
-        return Mark(event, None)
+        return Mark(event, None)  # on its own stream: no wait for the training stream covers it
 
     # ------------------------------------------------------------------ zero = 2: gradients that give memory back
 

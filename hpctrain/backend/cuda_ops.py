@@ -420,33 +420,42 @@ def ops_kernels(nt: int) -> SimpleNamespace:
 
     # ------------------------------------------------------------------ optimizers
 
+    @cuda.jit(device=True)
+    def sgd_at(p, g, gs, buf, i, lr, momentum, weight_decay, use_momentum, nesterov):
+        """Element i of torch.optim.SGD (dampening 0): d = gs·g + wd·p; b = μ·b + d; p −= lr·(d + μ·b | b | d)."""
+        d = g[i] * gs + weight_decay * p[i]
+        if use_momentum:
+            b = momentum * buf[i] + d
+            buf[i] = b
+            if nesterov:
+                d = d + momentum * b
+            else:
+                d = b
+        p[i] -= lr * d
+
+    @cuda.jit(device=True)
+    def adam_at(p, g, gs, m, v, i, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep):
+        """Element i of torch.optim.Adam/AdamW; keep = 1 − lr·wd (AdamW) or 1, l2 = wd (Adam) or 0."""
+        w = p[i]
+        d = g[i] * gs + l2 * w
+        mi = beta1 * m[i] + omb1 * d
+        vi = beta2 * v[i] + omb2 * d * d
+        m[i] = mi
+        v[i] = vi
+        p[i] = w * keep - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
+
     @kernel
     def sgd_update(p, g, gs, buf, lr, momentum, weight_decay, use_momentum, nesterov):
-        """torch.optim.SGD (dampening 0) over flat [n]: d = gs·g + wd·p; b = μ·b + d; p −= lr·(d + μ·b | b | d);
-        gs the clipping factor."""
+        """torch.optim.SGD over flat [n]; gs the clipping factor, applied as the gradients are read."""
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
-            d = g[i] * gs + weight_decay * p[i]
-            if use_momentum:
-                b = momentum * buf[i] + d
-                buf[i] = b
-                if nesterov:
-                    d = d + momentum * b
-                else:
-                    d = b
-            p[i] -= lr * d
+            sgd_at(p, g, gs, buf, i, lr, momentum, weight_decay, use_momentum, nesterov)
 
     @kernel
     def adam_update(p, g, gs, m, v, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep):
-        """torch.optim.Adam/AdamW over flat [n]; keep = 1 − lr·wd (AdamW) or 1, l2 = wd (Adam) or 0;
-        omb1, omb2 = 1 − β1, 1 − β2, computed in float64 on the host as torch.optim does; gs the clipping factor."""
+        """torch.optim.Adam/AdamW over flat [n]; omb1, omb2 = 1 − β1, 1 − β2, computed in float64 on the host as
+        torch.optim does; gs the clipping factor."""
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
-            w = p[i]
-            d = g[i] * gs + l2 * w
-            mi = beta1 * m[i] + omb1 * d
-            vi = beta2 * v[i] + omb2 * d * d
-            m[i] = mi
-            v[i] = vi
-            p[i] = w * keep - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
+            adam_at(p, g, gs, m, v, i, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep)
 
     # one launch for a slice whose tensors take two weight decays (optim.decay_runs: weight matrices decayed,
     # biases and LayerNorm weights not): ``starts`` the runs' first elements (ascending, starts[0] = 0),
@@ -470,15 +479,7 @@ def ops_kernels(nt: int) -> SimpleNamespace:
         """sgd_update with ``weight_decay`` on the decayed runs and 0 elsewhere."""
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
             wd = weight_decay if decayed_at(starts, decayed, i) else float32(0.0)
-            d = g[i] * gs + wd * p[i]
-            if use_momentum:
-                b = momentum * buf[i] + d
-                buf[i] = b
-                if nesterov:
-                    d = d + momentum * b
-                else:
-                    d = b
-            p[i] -= lr * d
+            sgd_at(p, g, gs, buf, i, lr, momentum, wd, use_momentum, nesterov)
 
     @kernel
     def adam_update_runs(p, g, gs, m, v, starts, decayed, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2,
@@ -486,15 +487,8 @@ def ops_kernels(nt: int) -> SimpleNamespace:
         """adam_update with ``l2`` and ``keep`` on the decayed runs, 0 and 1 elsewhere."""
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
             on = decayed_at(starts, decayed, i)
-            l2_i = l2 if on else float32(0.0)
-            keep_i = keep if on else float32(1.0)
-            w = p[i]
-            d = g[i] * gs + l2_i * w
-            mi = beta1 * m[i] + omb1 * d
-            vi = beta2 * v[i] + omb2 * d * d
-            m[i] = mi
-            v[i] = vi
-            p[i] = w * keep_i - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
+            adam_at(p, g, gs, m, v, i, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps,
+                    l2 if on else float32(0.0), keep if on else float32(1.0))
 
     return SimpleNamespace(
         NT=NT, RX=RX, RY=RY, fill=fill, scale=scale, add=add, dropout=dropout, sum_squares_partial=sum_squares_partial,

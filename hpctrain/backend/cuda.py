@@ -349,7 +349,10 @@ class CudaBackend(StreamWaits, Backend):
         driver, why = self._vmm()
         if driver is None:
             raise BackendError(f"zero = 2 cannot release gradient memory here: {why}")
-        buf = ReleasableDevice(n, outside=outside, keep_bytes=keep_bytes, driver=driver, wrap=_wrap_address)
+        try:
+            buf = ReleasableDevice(n, outside=outside, keep_bytes=keep_bytes, driver=driver, wrap=_wrap_address)
+        except RuntimeError as e:  # the driver's error (out of memory, most likely); what it took is given back
+            raise BackendError(f"zero = 2's gradient buffer of {4 * n / 1e6:,.1f} MB on the GPU: {e}") from None
         self.fill_(buf.array, 0)
         return buf
 

@@ -514,6 +514,9 @@ class Trainer:
                     self.saver.finish()  # nothing when no save is in flight (run() commits its own before returning)
             finally:  # a save that failed is reported after everything below is released
                 self.sync.close()
+                if getattr(self.grad_memory, "close", None) is not None and not self._failed_alone:
+                    self.be.synchronize()  # zero = 2 on a GPU: nothing queued touches the gradients any more,
+                    self.grad_memory.close()  # so their device memory and addresses go back now, not at exit
                 self.data.close()
                 if self._p2p is not None:
                     self._p2p.free()

@@ -65,7 +65,7 @@ def run(folder, name, pp, tp, model, backend, cuda_aware):
     flat = trainer.model.layout.pack(gathered[0] if gathered else None)
     mesh.world.Bcast(flat, root=0)
     trainer.close()
-    if released and be.vmm.handles:  # close() gives zero = 2's device memory back
+    if backend == "fake" and released and be.vmm.handles:  # close() gives zero = 2's device memory back
         raise AssertionError(f"{name}: {len(be.vmm.handles)} device allocations left after close()")
     mesh.free()
     return flat, waits

@@ -497,16 +497,30 @@ def _after_lower_ranks() -> None:
             time.sleep(min(2.0, 1.0 + 0.02 * rank))
 
 
-# commands that write one file and never start MPI: under ``mpiexec -n N`` (or srun) the launcher's rank 0 does
-# the work and the others leave at once with exit 0, instead of N processes racing to write (the later ones
-# would find the file there and refuse it without --force)
-ONE_WRITER = ("export", "predict", "data", "plot")
+# commands that run in one process and never start MPI: under ``mpiexec -n N`` every rank runs them (srun's tasks
+# may convert a file each, so no rank skips the work), and an error says so: N ranks writing one file find it
+# there and refuse it without --force
+ONE_PROCESS = ("export", "predict", "data", "plot")
+
+
+def _launcher_size(environ=os.environ) -> int:
+    """How many processes this one's launcher started (read before MPI starts); 1 when not launched."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"):
+        if environ.get(var, "").isdigit():
+            return int(environ[var])
+    return 1
+
+
+def _one_process_hint(command: str) -> str:
+    """For an error of a one-process command started as several: what happened (else "")."""
+    n = _launcher_size()
+    if command not in ONE_PROCESS or n <= 1:
+        return ""
+    return f" (hpctrain {command} runs in one process; the launcher started {n}, and each ran it)"
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    if args.command in ONE_WRITER and _launcher_rank() > 0:
-        return 0
     from .parallel.abort import abort_world
     from .parallel.agree import QuietExit
 
@@ -529,7 +543,7 @@ def main(argv=None) -> int:
             _say(f"hpctrain: error{_where()}: {e}")
             return 2
         _after_lower_ranks()
-        _say(f"hpctrain: error{_where()}: {e}")
+        _say(f"hpctrain: error{_where()}: {e}{_one_process_hint(args.command)}")
         abort_world(2)
         return 2
     except KeyboardInterrupt:

@@ -63,12 +63,13 @@ def state_bytes(*, part_size: int, owned_size: int, shard, zero: int, released: 
     """Parameters, gradients and optimizer state of one rank's part (``shard``: its ZeroShard, or None) at the
     step's peak.
 
-    zero = 2 whose gradient memory is ``released`` (host pages; on a GPU, where the device has CUDA's virtual
-    memory management, which the plan assumes and the run's log confirms) with one micro-batch a rank: the
-    gradients resident are this rank's chunks plus the buckets written but not yet reduced, at most two (the
-    backward pass writes one while the communication thread scatters the other). With several (``micro_batches``, a rank's per step) the buckets are
-    scattered once, after the last backward (accumulate, then scatter: docs/architecture.md), so the whole
-    buffer is resident while they accumulate, as with zero = 1."""
+    zero = 2 whose gradient memory is ``released`` (host pages; on a GPU staged for MPI through host memory, where
+    the device has CUDA's virtual memory management, which the plan assumes and the run's log confirms) with one
+    micro-batch a rank: the gradients resident are this rank's chunks plus the buckets written but not yet
+    reduced, at most two (the backward pass writes one while the communication thread scatters the other). With
+    several (``micro_batches``, a rank's per step) the buckets are scattered once, after the last backward
+    (accumulate, then scatter: docs/architecture.md), so the whole buffer is resident while they accumulate, as
+    with zero = 1."""
     owned = shard.size if shard is not None else owned_size  # a tied replica (beyond owned_size) has no slots
     grads = part_size
     if shard is not None and zero == 2 and released and micro_batches == 1:
@@ -146,12 +147,14 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
                     grads = stats.peak_recv_grad[s] if stats.peak_recv_grad else 1  # zero-bubble's W passes read
                     rings += (grads + 1) * rows * max(w for _, w in part.chunk_widths) * 4
             for d in range(dp):
-                unit = page_unit(part.layout.size) if zero == 2 else 0  # as train/startup.py cuts
+                # zero 2 gives gradient memory back, except on a device whose MPI reads device memory itself
+                released = zero == 2 and not (device and cuda_aware)  # (train/startup.py: _why_full_gradients)
+                unit = page_unit(part.layout.size) if released else 0  # as train/startup.py cuts
                 cut = zero_bucket_elems(p.bucket_mb, unit) if unit else bucket_elems
                 shard = ZeroShard(make_buckets(part.layout.size, cut), dp, d, limit=part.owned_size,
                                   unit=unit) if zero else None
                 state = state_bytes(part_size=part.layout.size, owned_size=part.owned_size, shard=shard, zero=zero,
-                                    released=zero == 2, slots=slots, bucket_elems=max(1, int(cut)),
+                                    released=released, slots=slots, bucket_elems=max(1, int(cut)),
                                     micro_batches=t.micro_batches)
                 # Reduce_scatter's out (zero_reduce = "auto" may take Allreduce at dp 2, without it: a bound then)
                 buffers = rings + (4 * max((p[d][1] - p[d][0] for p in shard.parts), default=0)

@@ -21,7 +21,8 @@ class FakeVmm:
     """CUDA's virtual memory calls (backend/cuda_vmm.py's VmmDriver) over one host array: every map fills its unit
     with NaN, as if the memory mapped there held anything, so a read of released gradients, or of a unit filled
     but not written before it is read, spreads NaN into the result. It checks the calls' rules: no map over a
-    mapping, no unmap or access of nothing, no release of a mapped handle; ``inaccessible`` counts mapped units
+    mapping, no unmap or access of nothing, no release of a mapped handle, no write into an empty unit (on a GPU
+    they all share one spare unit: checked as a unit leaves the spare); ``inaccessible`` counts mapped units
     never given access. ``unit``: bytes (16 float32 by default)."""
 
     def __init__(self, unit: int = 64):
@@ -31,6 +32,7 @@ class FakeVmm:
         self.mapped = {}  # address -> handle
         self.handles = set()  # created, not released
         self.accessible = set()  # mapped addresses given access
+        self.spare = None  # the buffer's spare unit's handle, once built (``releasable_buffer`` below)
         self._next = 0
 
     def reserve(self, size):
@@ -64,6 +66,9 @@ class FakeVmm:
     def unmap(self, va, size):
         for at in self._units(va, size):
             assert at in self.mapped, at
+            if self.mapped[at] == self.spare:  # an empty unit: no gradient was written into it while it was one
+                x = self.memory[(at - self.base) // 4 : (at - self.base + self.unit) // 4]
+                assert (np.isnan(x) | (x == 0)).all(), f"unit at {at} was written while empty (the shared spare)"
             del self.mapped[at]
             self.accessible.discard(at)
 
@@ -142,14 +147,11 @@ class FakeDevice(StreamWaits, CpuBackend):
         dev[...] = host
         return Mark(None, None)
 
-    def move_async(self, src, dst):
-        dst[...] = src
-        return Mark(None, None)
-
     release_unsupported = ""  # zero = 2 releases gradient memory, through FakeVmm
 
     def releasable_buffer(self, n, *, outside, keep_bytes):
         self.vmm = FakeVmm()
         buf = ReleasableDevice(n, outside=outside, keep_bytes=keep_bytes, driver=self.vmm, wrap=self.vmm.wrap)
+        self.vmm.spare = buf._spare
         self.fill_(buf.array, 0)
         return buf

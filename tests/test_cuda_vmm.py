@@ -14,6 +14,7 @@ UNIT = 16  # float32 a unit (FakeVmm's 64 bytes)
 def make(n=8 * UNIT, outside=((4 * UNIT, 8 * UNIT),), keep_units=0):
     vmm = FakeVmm()
     buf = ReleasableDevice(n, outside=outside, keep_bytes=keep_units * vmm.unit, driver=vmm, wrap=vmm.wrap)
+    vmm.spare = buf._spare
     buf.array[...] = 0
     assert not vmm.inaccessible()
     return buf, vmm
@@ -97,3 +98,18 @@ def test_a_failed_start_gives_back_what_it_took():
 def test_no_driver_under_the_simulator():
     driver, why = VmmDriver.open(simulator=True)
     assert driver is None and "simulator" in why
+
+
+def test_a_write_into_an_empty_unit_is_caught():
+    """On a GPU every empty unit maps one spare: a writer that skipped fill() would write into all of them."""
+    buf, vmm = make()
+    buf.array[5 * UNIT] = 3.0  # unit 5 is empty: no fill() first
+    with pytest.raises(AssertionError, match="written while empty"):
+        buf.fill(5 * UNIT, 6 * UNIT)
+
+
+def test_nothing_to_write_needs_nothing():
+    buf, vmm = make()
+    assert not buf.needs(5 * UNIT + 3, 5 * UNIT + 3)
+    buf.fill(5 * UNIT + 3, 5 * UNIT + 3)
+    assert buf.peak_live_bytes == 0

@@ -313,20 +313,8 @@ class CudaBackend(StreamWaits, Backend):
         training stream records after its ``after``, so it is safe)."""
         self._require_device("stage_in", "dev", dev)
         check_array("stage_in", "host", host, shape=dev.shape, dtype=dev.dtype)
-        return self._upload(host, dev)
-
-    def move_async(self, src, dst):
-        """dst[...] = src[...] (device arrays of one shape) queued on the upload stream; returns its mark, as
-        ``stage_in`` does (ZeRO 2 under a CUDA-aware MPI: a reduced chunk from the scratch to its place)."""
-        self._require_device("move_async", "src", src)
-        self._require_device("move_async", "dst", dst)
-        check_array("move_async", "dst", dst, shape=src.shape, dtype=src.dtype)
-        return self._upload(src, dst)
-
-    def _upload(self, src, dev) -> Mark:
-        """dev[...] = src[...] queued on the upload stream, and the mark after it."""
         if dev.size:
-            dev.copy_to_device(src, stream=self.upload_stream)
+            dev.copy_to_device(host, stream=self.upload_stream)
         event = self._event()
         event.record(self.upload_stream)
         return Mark(event, None)  # on its own stream: no wait for the training stream covers it
@@ -354,6 +342,7 @@ class CudaBackend(StreamWaits, Backend):
         except RuntimeError as e:  # the driver's error (out of memory, most likely); what it took is given back
             raise BackendError(f"zero = 2's gradient buffer of {4 * n / 1e6:,.1f} MB on the GPU: {e}") from None
         self.fill_(buf.array, 0)
+        self.synchronize()  # once, at start-up: no kernel still writes the units the first fill() maps again
         return buf
 
     def pinned_host(self, shape, dtype=np.float32):

@@ -188,27 +188,19 @@ class GradSync:
         a, b = parts[self.shard.rank]
         host = None if self.direct else self.host[lo:hi]
         buf = self.transport.outgoing_when(self.grads.data[lo:hi], host, ready)
-        counts = [y - x for x, y in parts]
         if self.allreduce:  # the sum of chunk [a, b) is in its place: staged, only its copy back is queued
             self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
             if b > a and host is not None:
                 self._arrived.append(self.transport.incoming_async(host[a - lo : b - lo], self.grads.data[a:b]))
-        elif host is None and self.release is not None:
-            # zero = 2, CUDA-aware: the sum lands in the scratch chunk and is moved to its place at once, so the
-            # rest of the bucket can go now (in place, it would land on the bucket's start, which is released)
-            out = self._scatter_out[: b - a]
-            self.comm.Reduce_scatter(buf, out, counts, op=self.MPI.SUM)
-            if b > a:  # the training stream reads [a, b) only after wait(), which follows this wait
-                self.backend.host_wait_for(self.backend.move_async(out, self.grads.data[a:b]))
         else:
-            self.comm.Reduce_scatter(self.MPI.IN_PLACE, buf, counts, op=self.MPI.SUM)
+            self.comm.Reduce_scatter(self.MPI.IN_PLACE, buf, [y - x for x, y in parts], op=self.MPI.SUM)
             if b > a and host is not None:
                 self._arrived.append(self.transport.incoming_async(host[: b - a], self.grads.data[a:b]))
             elif host is None and b > a > lo:  # CUDA-aware, not the first chunk: [lo, lo + b - a) and [a, b) do
                 # not overlap, since split_range gives chunk r the offset r * per and each chunk at most per values
-                # (chunks cut on units, parallel/zero.py, come with zero = 2's release, which takes the branch above)
+                # (a device's chunks are split_range's under a CUDA-aware MPI: zero 2 releases only when staged)
                 self._moves.append((lo, a, b))
-        if self.release is not None:  # MPI has read the bucket (staged: its copy out is done)
+        if self.release is not None:  # zero = 2, staged (train/startup.py): the bucket's copy out is done
             self._release_outside(lo, hi, a, b)
 
     def _tree_when(self, i, ready) -> None:

@@ -215,6 +215,8 @@ class ReleasableHost:
 
     def needs(self, lo: int, hi: int) -> bool:
         """Whether writing elements [lo, hi) would bring released units back (``fill`` has work to do)."""
+        if hi <= lo:  # nothing written (a tensor of no elements)
+            return False
         first, stop = (self._pad + 4 * lo) // self.unit, -(-(self._pad + 4 * hi) // self.unit)
         return bool((self._state[first:stop] == _EMPTY).any())
 

@@ -114,6 +114,10 @@ class Trainer:
         parts = getattr(self, "parts", None)
         if parts is not None:
             parts.data.close()
+        try:
+            self._free_grad_memory()
+        except Exception:  # a broken device: the build's own error is the one to report
+            pass
         if agreed:  # communicators are freed together
             if getattr(self, "_p2p", None) is not None:
                 self._p2p.free()
@@ -214,7 +218,7 @@ class Trainer:
                      + ("; gradients outside its chunks leave memory once reduced" + (
                         f" ({self.grad_memory.keep_bytes / 1e6:,.1f} MB of them kept for the next backward)"
                         if self.grad_memory.keep_bytes else "") if self.grad_memory
-                        else f"; the full gradient buffer stays ({self.be.release_unsupported})" if self.zero == 2
+                        else f"; the full gradient buffer stays ({self.state.keeps_grads})" if self.zero == 2
                         else "")
                      + f"; buckets summed by {'Allreduce' if zero_reduce == 'allreduce' else 'Reduce_scatter'}"
                      + (f" (parallel.zero_reduce = \"auto\": {timed[0] * 1e3:.1f} ms by Allreduce, "
@@ -514,9 +518,8 @@ class Trainer:
                     self.saver.finish()  # nothing when no save is in flight (run() commits its own before returning)
             finally:  # a save that failed is reported after everything below is released
                 self.sync.close()
-                if getattr(self.grad_memory, "close", None) is not None and not self._failed_alone:
-                    self.be.synchronize()  # zero = 2 on a GPU: nothing queued touches the gradients any more,
-                    self.grad_memory.close()  # so their device memory and addresses go back now, not at exit
+                if not self._failed_alone:
+                    self._free_grad_memory()
                 self.data.close()
                 if self._p2p is not None:
                     self._p2p.free()
@@ -526,6 +529,15 @@ class Trainer:
                     self.mesh.free()
         finally:
             self._release_lock()
+
+    def _free_grad_memory(self) -> None:
+        """zero = 2 on a GPU: the gradients' device memory and addresses go back now, not at the process's exit (a
+        script may build Trainer after Trainer), once nothing queued on the stream touches them."""
+        state = getattr(self, "state", None)
+        memory = getattr(state, "grad_memory", None)
+        if getattr(memory, "close", None) is not None:
+            self.be.synchronize()
+            memory.close()
 
     def _check_open(self, what: str) -> None:
         if self._closed:

@@ -95,6 +95,7 @@ class RankState:
     params: FlatBuffer
     grads: FlatBuffer
     optim: object
+    keeps_grads: str = ""  # zero = 2: why the whole gradient buffer stays ("" where it gives memory back)
 
 
 def build(cfg, mesh, log) -> RankParts:
@@ -216,7 +217,8 @@ def make_state(cfg, mesh, parts: RankParts) -> RankState:
     # zero = 2: gradient memory outside this rank's chunks leaves once reduced (host pages; on a GPU through
     # CUDA's virtual memory management, where the device has it); buckets and chunks are then cut on 2 MiB units,
     # so released memory leaves and returns whole
-    releasable = zero == 2 and not (be.is_device and be.release_unsupported)
+    keeps_grads = _why_full_gradients(be, parts.cuda_aware, mesh.world) if zero == 2 else ""
+    releasable = zero == 2 and not keeps_grads
     unit = page_unit(size) if releasable else 0
     shard = ZeroShard(make_buckets(size, bucket_elems(p.bucket_mb, unit)), dp, mesh.dp_rank, limit=owned,
                       unit=unit) if zero else None
@@ -232,7 +234,25 @@ def make_state(cfg, mesh, parts: RankParts) -> RankState:
     part.bind(params, grads)
     pieces = shard.pieces if shard else [(0, owned)] if owned < size else None
     optim = make_optimizer(cfg.optim, be, params, grads, pieces=pieces)
-    return RankState(zero=zero, shard=shard, grad_memory=grad_memory, params=params, grads=grads, optim=optim)
+    return RankState(zero=zero, shard=shard, grad_memory=grad_memory, params=params, grads=grads, optim=optim,
+                     keeps_grads=keeps_grads)
+
+
+def _why_full_gradients(be, cuda_aware: bool, world) -> str:
+    """zero = 2: why the whole gradient buffer stays ("" where memory outside the chunks can leave), agreed by
+    every rank (collective over ``world``): the buckets' cuts follow the answer, and must be the same everywhere."""
+    import numpy as np
+    from mpi4py import MPI
+
+    why = ""
+    if be.is_device:
+        why = be.release_unsupported or (
+            "parallel.cuda_aware: an MPI that reads device memory may keep its registration by address, and zero 2 "
+            "maps other memory at the same addresses; staged through host memory it gives gradient memory back"
+            if cuda_aware else "")
+    ok = np.array([0 if why else 1], dtype=np.int32)
+    world.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
+    return why or ("" if ok[0] else "another rank's device cannot give gradient memory back")
 
 
 def load_start(t) -> None:

@@ -77,6 +77,7 @@ def test_close_gives_everything_back():
     buf.release(4 * UNIT, 6 * UNIT)
     buf.close()
     assert not vmm.handles and not vmm.mapped
+    buf.close()  # a second call does nothing
 
 
 def test_a_failed_start_gives_back_what_it_took():

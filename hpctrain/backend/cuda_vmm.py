@@ -134,7 +134,7 @@ class VmmDriver:
 
 
 class ReleasableDevice:
-    """``n`` float32 of device memory (``array``, a numba device array built by ``wrap(address, n)``) whose units
+    """``n`` float32 of device memory (``array``, a device array built by ``wrap(address, n, owner)``) whose units
     wholly inside ``outside`` can give their memory back; the interface of ReleasableHost.
 
     ``driver``: a VmmDriver (or a test's stand-in with the same calls). ``keep_bytes``: released units' handles
@@ -255,8 +255,11 @@ class ReleasableDevice:
             self.driver_seconds += time.perf_counter() - t0
 
     def close(self) -> None:
-        """Unmap and release everything, and free the addresses (the array must not be used after)."""
+        """Unmap and release everything, and free the addresses (the array must not be used after); a second call
+        does nothing."""
         drv = self._drv
+        if self._base is None:
+            return
         for first, stop in _runs(np.flatnonzero(self._mapped)):
             drv.unmap(self._addr(first), (stop - first) * self.unit)
         self._mapped[:] = False
@@ -267,7 +270,8 @@ class ReleasableDevice:
         for handle in self._pool + ([self._spare] if self._spare is not None else []):
             drv.release(handle)
         self._pool, self._spare = [], None
-        drv.free(self._base, len(self._state) * self.unit)
+        base, self._base = self._base, None
+        drv.free(base, len(self._state) * self.unit)
 
 
 def _runs(units):

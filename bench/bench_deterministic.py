@@ -2,6 +2,7 @@
 
     python bench/bench_deterministic.py                  # both jobs, 3 rounds, mpiexec -n 2
     python bench/bench_deterministic.py --jobs digits --repeat 5
+    python bench/bench_deterministic.py --blocks 100      # inside one job, blocks of steps alternated
 
 Each round runs the job once per setting (``hpctrain train JOB --set train.deterministic=...`` under
 ``mpiexec -n 2``), alternated so drift in the machine's load hits both alike. Step time: the median over a
@@ -9,6 +10,12 @@ run's steps (``batch_size / samples_per_s`` from the metrics file, log_every = 1
 then the median over rounds; the ratio deterministic / plain is what docs/performance.md records. Target:
 at most 1.15. The job's own settings otherwise; deterministic with ``deterministic_shards`` 4 (the default:
 two micro-batches per rank at dp 2, where the plain run has one) and 2 (one, as the plain run).
+
+``--blocks N`` measures the same three settings inside one ``mpiexec -n 2`` job instead: each rank builds the
+three ``Trainer``s and runs blocks of ``--block-steps`` training steps of each in turn (a Barrier around each
+block), ``N`` blocks after two untimed ones; it prints the median of the per-block ratios against the plain
+block beside it. Steps only (``Trainer.train_step``: no log lines, no loss reductions); far less noisy than
+separate runs on a shared machine, since each ratio compares blocks a few milliseconds apart.
 """
 
 from __future__ import annotations
@@ -52,13 +59,70 @@ def run_once(folder, job, steps, shards: int) -> float:
     return statistics.median(batch / r["samples_per_s"] for r in rows[5:])
 
 
+def blocks_worker(job: str, folder: str, blocks: int, per: int) -> None:
+    """Under ``mpiexec -n 2``: the three settings' Trainers in this process, their steps run block by block."""
+    import time
+
+    from mpi4py import MPI
+
+    from hpctrain import Trainer, load_config
+
+    world = MPI.COMM_WORLD
+    config, _ = JOBS[job]
+    trainers = {}
+    for shards in (0, 4, 2):
+        sets = [f"train.deterministic={'true' if shards else 'false'}", f"train.deterministic_shards={shards or 4}",
+                "train.steps=1000000", "train.log_every=1000000", "train.eval_every=0", 'train.metrics=""',
+                f'checkpoint.dir="{folder}/ck-{job}-{shards}"', "checkpoint.every=0"]
+        if job == "gpt-char":
+            sets.append(f'data.path="{folder}/pydoc-chars.h5"')
+        trainers[shards] = Trainer(load_config(os.path.join(ROOT, config), sets), log=lambda *a: None)
+    times = {shards: [] for shards in trainers}
+    step = 0
+    for b in range(blocks + 2):
+        for shards, trainer in trainers.items():
+            world.Barrier()
+            t0 = time.perf_counter()
+            for i in range(per):
+                trainer.train_step(step + i, 1e-3)
+            world.Barrier()
+            if b >= 2:
+                times[shards].append((time.perf_counter() - t0) / per)
+        step += per
+    for trainer in trainers.values():
+        trainer.close()
+    if world.rank == 0:
+        plain = statistics.median(times[0])
+        ratios = {s: statistics.median(t / p for t, p in zip(times[s], times[0])) for s in (4, 2)}
+        print(f"{job}: dp 2, step {plain * 1e3:.2f} ms plain; deterministic "
+              + ", ".join(f"{s} shards {statistics.median(times[s]) * 1e3:.2f} ms, {ratios[s]:.3f}x" for s in (4, 2))
+              + f" (median of {blocks} per-block ratios; blocks of {per} steps)", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--jobs", nargs="+", default=list(JOBS), choices=list(JOBS))
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--blocks", type=int, default=0, help="alternate blocks of steps inside one job (see above)")
+    ap.add_argument("--block-steps", type=int, default=0, help="steps per block (default: 20 digits, 3 gpt-char)")
+    ap.add_argument("--worker", nargs=2, metavar=("JOB", "FOLDER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker:
+        job, folder = args.worker
+        blocks_worker(job, folder, args.blocks, args.block_steps)
+        return 0
     folder = tempfile.mkdtemp(prefix="hpctrain-bench-det-")
     try:
+        if args.blocks:
+            bin_dir = os.path.dirname(sys.executable)
+            for job in args.jobs:
+                per = args.block_steps or (20 if job == "digits" else 3)
+                cmd = [os.path.join(bin_dir, "mpiexec"), "-n", "2", sys.executable, os.path.abspath(__file__),
+                       "--worker", job, folder, "--blocks", str(args.blocks), "--block-steps", str(per)]
+                proc = subprocess.run(cmd, cwd=folder, text=True)
+                if proc.returncode:
+                    sys.exit(f"{' '.join(cmd)} failed ({proc.returncode})")
+            return 0
         for job in args.jobs:
             steps = JOBS[job][1]
             times = {0: [], 4: [], 2: []}

@@ -452,7 +452,7 @@ class Trainer:
     def _log_train(self, window, timing, lr, metrics):
         B = self.cfg.train.batch_size
         per_row = self.model.out_features if self.loss.name == "mse" else self.model.positions
-        loss = self.runner.global_mean(timing["loss_sum"], B * per_row)
+        loss = self.runner.global_mean(timing["loss_sum"], B * per_row, timing.get("loss_parts"))
         stages = self._stage_figures(window)
         means, rate = window.flush(B)
         record = dict(step=self.step, loss=loss, lr=lr, samples_per_s=rate, grad_norm=timing["grad_norm"],

@@ -143,7 +143,8 @@ class StepRunner:
         return self.loss.grad_scale(self.cfg.train.batch_size * self.part.positions, self.part.spec.out_features)
 
     def train_step(self, step: int, lr: float) -> dict:
-        """Run one training step (collective over the mesh); returns this stage's timings and loss sum."""
+        """Run one training step (collective over the mesh); returns this stage's timings and loss sum (with
+        ``train.deterministic`` also ``loss_parts``, the sums of this rank's shards in order, for ``global_mean``)."""
         m = self.cfg.train.micro_batches
         rows = self.sampler.local_rows(step)
         per = len(rows) // m
@@ -158,11 +159,12 @@ class StepRunner:
                               on_optimizer_step=lambda: self._finish(step, lr))
         if tp is not None:  # bytes this rank's tensor-parallel Allreduces carried this step
             r.extra["tp_bytes"] = tp.bytes - sent
-        if self.deterministic and self.holds_loss:  # the shards' loss sums in shard order, on dp rank 0 only
-            r.loss_sum = self._ordered_over_dp([r.losses[i] for i in range(m)])
-        return dict(compute=r.busy, comm=r.comm, optim=r.optim, data=r.data, busy=r.busy, wait=r.wait, span=r.span,
-                    bubble=r.bubble, loss_sum=r.loss_sum, peak_live=r.peak_live, peak_bytes=r.peak_bytes,
-                    kernels=r.kernels, **r.extra)
+        out = dict(compute=r.busy, comm=r.comm, optim=r.optim, data=r.data, busy=r.busy, wait=r.wait, span=r.span,
+                   bubble=r.bubble, loss_sum=r.loss_sum, peak_live=r.peak_live, peak_bytes=r.peak_bytes,
+                   kernels=r.kernels, **r.extra)
+        if self.deterministic and self.holds_loss:  # summed in shard order by global_mean, when a line is logged
+            out["loss_parts"] = [r.losses[i] for i in range(m)]
+        return out
 
     def _finish(self, step: int, lr: float) -> dict:
         """The OptimizerStep instruction: the tied gradients' sum (``ends_comm``), the norm over the tp ranks and
@@ -263,10 +265,13 @@ class StepRunner:
         comm.Allgatherv(np.asarray(mine, dtype=np.float64), [out, counts])
         return ordered_sum(out) if self.mesh.dp_rank == 0 else 0.0
 
-    def global_mean(self, local_sum: float, count: int) -> float:
-        """The loss sum of the last stages' ranks over the world, divided by ``count`` (collective)."""
+    def global_mean(self, local_sum: float, count: int, parts=None) -> float:
+        """The loss sum of the last stages' ranks over the world, divided by ``count`` (collective). Deterministic:
+        the sum of ``parts``, this rank's shard sums of a step (``train_step``'s ``loss_parts``), in shard order."""
         from mpi4py import MPI
 
+        if self.deterministic and self.holds_loss:  # the data-parallel group's shards in one fixed tree
+            local_sum = self._ordered_over_dp(parts or [])
         buf = np.array([local_sum if self.holds_loss else 0.0], dtype=np.float64)
         self.mesh.world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         return float(buf[0] / count)

@@ -3,6 +3,7 @@
     python bench/bench_deterministic.py                  # both jobs, 3 rounds, mpiexec -n 2
     python bench/bench_deterministic.py --jobs digits --repeat 5
     python bench/bench_deterministic.py --blocks 100      # inside one job, blocks of steps alternated
+    python bench/bench_deterministic.py --blocks 100 --jobs digits --probe-fused
 
 Each round runs the job once per setting (``hpctrain train JOB --set train.deterministic=...`` under
 ``mpiexec -n 2``), alternated so drift in the machine's load hits both alike. Step time: the median over a
@@ -59,19 +60,56 @@ def run_once(folder, job, steps, shards: int) -> float:
     return statistics.median(batch / r["samples_per_s"] for r in rows[5:])
 
 
-def blocks_worker(job: str, folder: str, blocks: int, per: int) -> None:
-    """Under ``mpiexec -n 2``: the three settings' Trainers in this process, their steps run block by block."""
+def fused_linear(k: int):
+    """The what-if of ``--probe-fused``: Linear's forward and backward for a micro-batch of ``k`` equal shards,
+    each product over one shard's rows (the shapes a one-shard micro-batch has, so the same bits) and the shards'
+    weight and bias gradients summed as the shard tree would (k = 2); activations and the loss see the whole
+    micro-batch. Not hpctrain's code path: it measures what running a rank's shards as one micro-batch could save."""
+    assert k == 2
+
+    def forward(self, be, x):
+        out, r = be.empty((x.shape[0], self.out_features)), x.shape[0] // k
+        for s in range(k):
+            be.matmul_nt(x[s * r:(s + 1) * r], self.w["weight"], out[s * r:(s + 1) * r], bias=self.w.get("bias"))
+        return out, x
+
+    def backward(self, be, dout, x, accumulate=False, need_dinp=True):
+        r, g, b = x.shape[0] // k, self.g["weight"], self.g["bias"]
+        be.matmul_tn(dout[:r], x[:r], g)
+        be.bias_grad(dout[:r], b)
+        g1, b1 = be.empty(g.shape), be.empty(b.shape)
+        be.matmul_tn(dout[r:], x[r:], g1)
+        be.bias_grad(dout[r:], b1)
+        be.add_(g, g1)
+        be.add_(b, b1)
+        if not need_dinp:
+            return None
+        dinp = be.empty(x.shape)
+        for s in range(k):
+            be.matmul_nn(dout[s * r:(s + 1) * r], self.w["weight"], dinp[s * r:(s + 1) * r])
+        return dinp
+
+    return forward, backward
+
+
+def blocks_worker(job: str, folder: str, blocks: int, per: int, probe_fused: bool = False) -> None:
+    """Under ``mpiexec -n 2``: the three settings' Trainers in this process, their steps run block by block
+    (``probe_fused``: a fourth, ``fused_linear``'s what-if on the 2-shard Trainer's one micro-batch)."""
     import time
 
     from mpi4py import MPI
 
     from hpctrain import Trainer, load_config
+    from hpctrain.nn.layers import Linear
 
     world = MPI.COMM_WORLD
     config, _ = JOBS[job]
     trainers = {}
-    for shards in (0, 4, 2):
-        sets = [f"train.deterministic={'true' if shards else 'false'}", f"train.deterministic_shards={shards or 4}",
+    settings = (0, 4, 2) + (("fused",) if probe_fused else ())
+    plain_linear, probe = (Linear.forward, Linear.backward), fused_linear(2)
+    for shards in settings:
+        n = 2 if shards == "fused" else shards
+        sets = [f"train.deterministic={'true' if n else 'false'}", f"train.deterministic_shards={n or 4}",
                 "train.steps=1000000", "train.log_every=1000000", "train.eval_every=0", 'train.metrics=""',
                 f'checkpoint.dir="{folder}/ck-{job}-{shards}"', "checkpoint.every=0"]
         if job == "gpt-char":
@@ -81,6 +119,7 @@ def blocks_worker(job: str, folder: str, blocks: int, per: int) -> None:
     step = 0
     for b in range(blocks + 2):
         for shards, trainer in trainers.items():
+            Linear.forward, Linear.backward = probe if shards == "fused" else plain_linear
             world.Barrier()
             t0 = time.perf_counter()
             for i in range(per):
@@ -93,9 +132,10 @@ def blocks_worker(job: str, folder: str, blocks: int, per: int) -> None:
         trainer.close()
     if world.rank == 0:
         plain = statistics.median(times[0])
-        ratios = {s: statistics.median(t / p for t, p in zip(times[s], times[0])) for s in (4, 2)}
+        ratios = {s: statistics.median(t / p for t, p in zip(times[s], times[0])) for s in settings[1:]}
         print(f"{job}: dp 2, step {plain * 1e3:.2f} ms plain; deterministic "
-              + ", ".join(f"{s} shards {statistics.median(times[s]) * 1e3:.2f} ms, {ratios[s]:.3f}x" for s in (4, 2))
+              + ", ".join(f"{s if s == 'fused' else f'{s} shards'} {statistics.median(times[s]) * 1e3:.2f} ms, "
+                          f"{ratios[s]:.3f}x" for s in settings[1:])
               + f" (median of {blocks} per-block ratios; blocks of {per} steps)", flush=True)
 
 
@@ -105,11 +145,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--blocks", type=int, default=0, help="alternate blocks of steps inside one job (see above)")
     ap.add_argument("--block-steps", type=int, default=0, help="steps per block (default: 20 digits, 3 gpt-char)")
+    ap.add_argument("--probe-fused", action="store_true",
+                    help="with --blocks: also the what-if of a rank's two shards as one micro-batch (fused_linear)")
     ap.add_argument("--worker", nargs=2, metavar=("JOB", "FOLDER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         job, folder = args.worker
-        blocks_worker(job, folder, args.blocks, args.block_steps)
+        blocks_worker(job, folder, args.blocks, args.block_steps, args.probe_fused)
         return 0
     folder = tempfile.mkdtemp(prefix="hpctrain-bench-det-")
     try:
@@ -118,7 +160,8 @@ def main(argv=None) -> int:
             for job in args.jobs:
                 per = args.block_steps or (20 if job == "digits" else 3)
                 cmd = [os.path.join(bin_dir, "mpiexec"), "-n", "2", sys.executable, os.path.abspath(__file__),
-                       "--worker", job, folder, "--blocks", str(args.blocks), "--block-steps", str(per)]
+                       "--worker", job, folder, "--blocks", str(args.blocks), "--block-steps", str(per)] + \
+                    (["--probe-fused"] if args.probe_fused else [])
                 proc = subprocess.run(cmd, cwd=folder, text=True)
                 if proc.returncode:
                     sys.exit(f"{' '.join(cmd)} failed ({proc.returncode})")

@@ -3,6 +3,7 @@
     mpiexec -n 2 python bench/bench_pipeline.py                    # P = 2, m = 1, 2, 4, 8, every schedule
     mpiexec -n 2 python bench/bench_pipeline.py --width 2048 --batch 512 --micro 4 8 --schedules 1f1b zero-bubble
     mpiexec -n 2 python bench/bench_pipeline.py --width 2048 --batch 512 --micro 4 8 --schedules 1f1b interleaved-1f1b
+    mpiexec -n 2 python bench/bench_pipeline.py --fixed-ms 5 --width 256   # stages of fixed, equal cost
     mpiexec -n 4 python bench/bench_pipeline.py --stages 4         # P = 4 (on a node with >= 4 cores)
     srun -n 4 python bench/bench_pipeline.py --stages 4            # P = 4 on a cluster
 
@@ -33,6 +34,9 @@ allow, with stages that are unequal in practice and kernel times that vary. meas
 messages, the data reads and the executor add; replayed / formula what the kernels' own times do.
 ``--detail`` adds a line per row: each stage's least and most kernel time in a step (unequal stages and
 varying kernel times), and how long messages took to arrive once both ends were at them (``Messages``).
+``--fixed-ms F`` puts layers of fixed cost in the wide layers' place (``FixedCost``: F ms asleep in the forward, in
+B and in W): equal, constant stages, so what stands above the formula is the executor's, the messages' and the data
+reads' alone.
 Run with one rank per core: oversubscribed ranks measure the scheduler, not the pipeline.
 """
 
@@ -66,14 +70,68 @@ def say(*a):
         print(*a, flush=True)
 
 
-def pipeline_config(path, stages, width, rows, micro, schedule, virtual=1):
+class FixedCost:
+    """``--fixed-ms``'s stand-in for a wide layer: no parameters, its output a copy of its input, and a fixed cost
+    spent asleep (the two ranks then share no core, cache or memory bandwidth): ``ms`` for the forward, ``ms`` for
+    the backward's input part B and ``ms`` for its weight part W (2 · ms where the backward is not split), the
+    F = B = W of the formula's equal stages."""
+
+    params, ties, in_features, out_features, dropout = (), (), None, None, 0.0
+
+    def __init__(self, ms: float):
+        self.seconds = ms / 1e3
+
+    def init(self, rng):
+        return {}
+
+    def flops(self):
+        return 0
+
+    def scratch_bytes(self, rows, device):
+        return 0
+
+    def bind(self, weights, grads, accumulating=frozenset()):
+        pass
+
+    def _pass(self, be, x, seconds):
+        time.sleep(seconds)
+        out = be.empty(x.shape)
+        be.copy_(out, x)
+        return out
+
+    def forward(self, be, x):
+        return self._pass(be, x, self.seconds), None
+
+    def backward(self, be, dout, saved, accumulate=False, need_dinp=True):
+        out = self._pass(be, dout, 2 * self.seconds)
+        return out if need_dinp else None
+
+    def backward_input(self, be, dout, saved, accumulate=False, need_dinp=True):
+        out = self._pass(be, dout, self.seconds)
+        return (out if need_dinp else None), True
+
+    def backward_weight(self, be, wsaved, accumulate=False):
+        time.sleep(self.seconds)
+
+
+def register_fixed_cost():
+    from hpctrain import register_layer
+    from hpctrain.nn.layers import Layer
+
+    kind = type("FixedCostLayer", (FixedCost, Layer), {})  # nn.Layer's interface, FixedCost's methods
+    register_layer("fixed_cost", kind, keys={"ms": float}, required=("ms",))
+
+
+def pipeline_config(path, stages, width, rows, micro, schedule, virtual=1, fixed_ms=0.0):
     # a cheap input layer on the first stage: its two wide layers then need their input gradients
     # too, so every stage does 2 forward and 4 backward width x width GEMMs per micro-batch
     layers, wide = [{"type": "linear", "in": FEATURES, "out": width}, {"type": "relu"}], []
     for s in range(stages):
         for _ in range(2):
             wide.append(len(layers))
-            layers += [{"type": "linear", "in": width, "out": width}, {"type": "relu"}]
+            # (a fixed-cost layer with a LayerNorm, a few microseconds: every virtual stage must hold parameters)
+            layers += [{"type": "fixed_cost", "ms": fixed_ms}, {"type": "layernorm", "dim": width}] if fixed_ms else \
+                [{"type": "linear", "in": width, "out": width}, {"type": "relu"}]
     layers.append({"type": "linear", "in": width, "out": 10})
     chunks = stages * virtual  # (virtual) stages of 2 / virtual wide layers each, the input layer and head outside
     per = len(wide) // chunks
@@ -212,7 +270,12 @@ def main():
     p.add_argument("--virtual-stages", type=int, default=2, help="model chunks per stage for interleaved-1f1b")
     p.add_argument("--detail", action="store_true",
                    help="also each stage's least and most kernel ms in a step, and the messages' delivery times")
+    p.add_argument("--fixed-ms", type=float, default=0.0,
+                   help="wide layers that sleep this long per pass instead of multiplying (FixedCost): equal, constant "
+                        "stages, so measured / formula is what the executor and the messages add")
     a = p.parse_args()
+    if a.fixed_ms:
+        register_fixed_cost()
     world = MPI.COMM_WORLD
     if world.size != a.stages:
         raise SystemExit(f"run with one rank per stage: mpiexec -n {a.stages} python {sys.argv[0]}")
@@ -223,8 +286,10 @@ def main():
         synthetic_classification(path, max(a.batch, a.rows * max(a.micro)), FEATURES, 10)
     world.Barrier()
     per = f"{a.batch} rows per step" if a.batch else f"{a.rows} rows per micro-batch"
-    say(f"{MPI.Get_library_version().splitlines()[0].strip()}; P = {a.stages} stages of two {a.width}x{a.width} "
-        f"Linear layers, {per}, {a.steps} steps each; "
+    wide = f"fixed-cost layers of {a.fixed_ms} ms a pass (F = B = W), {a.width} wide" if a.fixed_ms else \
+        f"{a.width}x{a.width} Linear layers"
+    say(f"{MPI.Get_library_version().splitlines()[0].strip()}; P = {a.stages} stages of two {wide}, {per}, "
+        f"{a.steps} steps each; "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     say(f"{'schedule':>16} {'m':>3} {'formula':>8} {'measured':>9} {'ratio':>6} {'replayed':>8} {'ratio':>6} "
         f"{'step ms':>8} {'vs 1f1b':>8}   "
@@ -237,7 +302,7 @@ def main():
                 say(f"{schedule:>16} {m:>3}   (m must be a multiple of P = {a.stages})")
                 continue
             rows_per = a.batch // m if a.batch else a.rows
-            cfg = pipeline_config(path, a.stages, a.width, rows_per, m, schedule, v)
+            cfg = pipeline_config(path, a.stages, a.width, rows_per, m, schedule, v, a.fixed_ms)
             rows, messages = measure(mesh, cfg, a.steps, a.detail)
             P = a.stages
             # (P - 1)/(m + P - 1) for 1F1B, (P - 1)/(v m + P - 1) interleaved

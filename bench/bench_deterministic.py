@@ -116,6 +116,7 @@ def blocks_worker(job: str, folder: str, blocks: int, per: int, probe_fused: boo
             sets.append(f'data.path="{folder}/pydoc-chars.h5"')
         trainers[shards] = Trainer(load_config(os.path.join(ROOT, config), sets), log=lambda *a: None)
     times = {shards: [] for shards in trainers}
+    parts = {shards: {k: [] for k in ("compute", "data", "comm", "optim")} for shards in trainers}
     step = 0
     for b in range(blocks + 2):
         for shards, trainer in trainers.items():
@@ -123,7 +124,10 @@ def blocks_worker(job: str, folder: str, blocks: int, per: int, probe_fused: boo
             world.Barrier()
             t0 = time.perf_counter()
             for i in range(per):
-                trainer.train_step(step + i, 1e-3)
+                timing = trainer.train_step(step + i, 1e-3)
+                if b >= 2:
+                    for k, v in parts[shards].items():
+                        v.append(timing[k])
             world.Barrier()
             if b >= 2:
                 times[shards].append((time.perf_counter() - t0) / per)
@@ -137,6 +141,10 @@ def blocks_worker(job: str, folder: str, blocks: int, per: int, probe_fused: boo
               + ", ".join(f"{s if s == 'fused' else f'{s} shards'} {statistics.median(times[s]) * 1e3:.2f} ms, "
                           f"{ratios[s]:.3f}x" for s in settings[1:])
               + f" (median of {blocks} per-block ratios; blocks of {per} steps)", flush=True)
+        for shards in settings:  # rank 0's share, the medians over steps (the executor's and optimizer's clocks)
+            name = "plain" if shards == 0 else shards if shards == "fused" else f"{shards} shards"
+            print(f"    {name}: " + ", ".join(f"{k} {statistics.median(v) * 1e3:.3f}" for k, v in parts[shards].items())
+                  + " ms a step (rank 0)", flush=True)
 
 
 def main(argv=None) -> int:

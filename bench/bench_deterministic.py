@@ -92,6 +92,33 @@ def fused_linear(k: int):
     return forward, backward
 
 
+def gemm_microseconds(rows: int, widths=(64, 128, 128, 10), repeat: int = 2000) -> float:
+    """µs of one micro-batch's Linear products on ``rows`` rows through ``widths`` (the digits model): each layer's
+    forward x·Wᵀ and weight gradient dYᵀ·x, and the input gradient dY·W of every layer but the first, timed
+    with numpy as the CPU backend calls them (median of 5 rounds of ``repeat``)."""
+    import time
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    calls = []
+    for i, (n_in, n_out) in enumerate(zip(widths, widths[1:])):
+        x, w = rng.random((rows, n_in), np.float32), rng.random((n_out, n_in), np.float32)
+        dy, y, g, dx = rng.random((rows, n_out), np.float32), np.empty((rows, n_out), np.float32), \
+            np.empty((n_out, n_in), np.float32), np.empty((rows, n_in), np.float32)
+        calls += [lambda x=x, w=w, y=y: np.matmul(x, w.T, out=y), lambda dy=dy, x=x, g=g: np.matmul(dy.T, x, out=g)]
+        if i:
+            calls.append(lambda dy=dy, w=w, dx=dx: np.matmul(dy, w, out=dx))
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            for call in calls:
+                call()
+        rounds.append((time.perf_counter() - t0) / repeat * 1e6)
+    return statistics.median(rounds)
+
+
 def blocks_worker(job: str, folder: str, blocks: int, per: int, probe_fused: bool = False) -> None:
     """Under ``mpiexec -n 2``: the three settings' Trainers in this process, their steps run block by block
     (``probe_fused``: a fourth, ``fused_linear``'s what-if on the 2-shard Trainer's one micro-batch)."""
@@ -145,6 +172,12 @@ def blocks_worker(job: str, folder: str, blocks: int, per: int, probe_fused: boo
             name = "plain" if shards == 0 else shards if shards == "fused" else f"{shards} shards"
             print(f"    {name}: " + ", ".join(f"{k} {statistics.median(v) * 1e3:.3f}" for k, v in parts[shards].items())
                   + " ms a step (rank 0)", flush=True)
+    if probe_fused and job == "digits":  # the floor of a second micro-batch: the same products on half the rows
+        world.Barrier()
+        times = [gemm_microseconds(16), gemm_microseconds(32)]
+        if world.rank == 0:
+            print(f"    the digits model's 8 products of one micro-batch: {times[0]:.1f} µs on 16 rows, "
+                  f"{times[1]:.1f} µs on 32 (both ranks timing at once)", flush=True)
 
 
 def main(argv=None) -> int:

@@ -34,8 +34,8 @@ allow, with stages that are unequal in practice and kernel times that vary. meas
 messages, the data reads and the executor add; replayed / formula what the kernels' own times do.
 ``--detail`` adds a line per row: each stage's least and most kernel time in a step (unequal stages and
 varying kernel times), and how long messages took to arrive once both ends were at them (``Messages``).
-``--fixed-ms F`` puts layers of fixed cost in the wide layers' place (``FixedCost``: F ms asleep in the forward, in
-B and in W): equal, constant stages, so what stands above the formula is the executor's, the messages' and the data
+``--fixed-ms F`` puts layers of fixed cost in the wide layers' place (``FixedCost``: F ms of a busy loop in the
+forward, in B and in W): equal, constant stages, so what stands above the formula is the executor's, the messages' and the data
 reads' alone.
 Run with one rank per core: oversubscribed ranks measure the scheduler, not the pipeline.
 """
@@ -72,9 +72,9 @@ def say(*a):
 
 class FixedCost:
     """``--fixed-ms``'s stand-in for a wide layer: no parameters, its output a copy of its input, and a fixed cost
-    spent asleep (the two ranks then share no core, cache or memory bandwidth): ``ms`` for the forward, ``ms`` for
-    the backward's input part B and ``ms`` for its weight part W (2 · ms where the backward is not split), the
-    F = B = W of the formula's equal stages."""
+    spent in a loop on the clock (one core each, and no cache or memory bandwidth to share): ``ms`` for the forward,
+    ``ms`` for the backward's input part B and ``ms`` for its weight part W (2 · ms where the backward is not split),
+    the F = B = W of the formula's equal stages."""
 
     params, ties, in_features, out_features, dropout = (), (), None, None, 0.0
 
@@ -94,7 +94,7 @@ class FixedCost:
         pass
 
     def _pass(self, be, x, seconds):
-        time.sleep(seconds)
+        _spend(seconds)
         out = be.empty(x.shape)
         be.copy_(out, x)
         return out
@@ -111,7 +111,15 @@ class FixedCost:
         return (out if need_dinp else None), True
 
     def backward_weight(self, be, wsaved, accumulate=False):
-        time.sleep(self.seconds)
+        _spend(self.seconds)
+
+
+def _spend(seconds: float) -> None:
+    """Busy for ``seconds``, the core kept running as a kernel keeps it (a sleep would hand it back, and the Python
+    after a sleep runs 2-3x slower here: a cold core)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def register_fixed_cost():
@@ -271,7 +279,7 @@ def main():
     p.add_argument("--detail", action="store_true",
                    help="also each stage's least and most kernel ms in a step, and the messages' delivery times")
     p.add_argument("--fixed-ms", type=float, default=0.0,
-                   help="wide layers that sleep this long per pass instead of multiplying (FixedCost): equal, constant "
+                   help="wide layers that spend this long per pass in a busy loop instead of multiplying (FixedCost): equal, constant "
                         "stages, so measured / formula is what the executor and the messages add")
     a = p.parse_args()
     if a.fixed_ms:

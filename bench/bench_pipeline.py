@@ -32,8 +32,10 @@ peak live count is of chunk passes (each 1/v of a stage's activations).
 (``schedule.makespan``; messages, data reads and the executor cost nothing there): what the kernels alone
 allow, with stages that are unequal in practice and kernel times that vary. measured / replayed is what the
 messages, the data reads and the executor add; replayed / formula what the kernels' own times do.
-``--detail`` adds a line per row: each stage's least and most kernel time in a step (unequal stages and
-varying kernel times), and how long messages took to arrive once both ends were at them (``Messages``).
+``--detail`` adds two lines per row: each stage's least and most kernel time in a step (unequal stages and
+varying kernel times), how long messages took to arrive once both ends were at them (``Messages``), and each
+stage's step split by instruction kind (``Timeline``: compute, receives, other instructions, the executor between
+them).
 ``--fixed-ms F`` puts layers of fixed cost in the wide layers' place (``FixedCost``: F ms of a busy loop in the
 forward, in B and in W): equal, constant stages, so what stands above the formula is the executor's, the messages' and the data
 reads' alone.
@@ -55,8 +57,8 @@ from common import shared_tempdir, synthetic_classification  # noqa: E402
 
 from hpctrain.config import parse_config  # noqa: E402
 from hpctrain.parallel.executor import ACTIVATION  # noqa: E402
-from hpctrain.parallel.schedule import (Backward, BackwardInput, BackwardWeight, Forward, make_schedule,  # noqa: E402
-                                        makespan, paper_makespan)
+from hpctrain.parallel.schedule import (Backward, BackwardInput, BackwardWeight, Exchange, Forward,  # noqa: E402
+                                        RecvActivation, RecvGrad, make_schedule, makespan, paper_makespan)
 from hpctrain.parallel.mesh import Mesh  # noqa: E402
 from hpctrain.train import Trainer  # noqa: E402
 
@@ -163,11 +165,13 @@ def measure(mesh, cfg, steps, detail=False):
     t = Trainer(cfg, mesh=mesh, log=lambda *a: None)
     schedule = t.runner.schedule
     messages = Messages(t.runner.executor) if detail else None
+    timeline = Timeline(t.runner.executor) if detail else None
     bubbles, peaks, spans, replays, kernels = [], [], [], [], []
     for s in range(steps + 2):
         mesh.world.Barrier()
         if messages is not None:
             messages.clear()
+            timeline.clear()
         t0 = time.perf_counter()
         timing = t.train_step(s, 1e-4)
         mesh.world.Barrier()
@@ -175,6 +179,7 @@ def measure(mesh, cfg, steps, detail=False):
             kernels.append(sum(timing["kernels"].values()))
             if messages is not None:
                 messages.settle(mesh)
+                timeline.settle()
             bubbles.append(timing["bubble"])
             peaks.append((timing["peak_live"], timing["peak_bytes"]))
             spans.append(time.perf_counter() - t0)
@@ -182,9 +187,51 @@ def measure(mesh, cfg, steps, detail=False):
     t.close()
     mine = np.array([np.median(bubbles), max(p[0] for p in peaks), max(p[1] for p in peaks), np.median(spans),
                      np.median(replays), min(kernels), max(kernels)], dtype=np.float64)
+    if timeline is not None:
+        mine = np.concatenate([mine, timeline.medians()])
     every = np.zeros((mesh.size, len(mine)), dtype=np.float64)
     mesh.world.Allgather(mine, every)
     return every, messages  # one row per stage (dp = 1)
+
+
+class Timeline:
+    """Wraps every instruction of an executor to split a step's time on this stage: compute instructions (forward,
+    backward, B, W), receives (alone or in an exchange: waits), the other instructions (loads, sends, the
+    gradient reduction and the optimizer) and the executor's own time between instructions."""
+
+    PARTS = ("compute", "receive", "other", "between")
+
+    def __init__(self, executor):
+        self.steps, self.spans = [], []
+        for kind, method in list(executor.table.items()):
+            part = "compute" if kind in COMPUTE else "receive" if kind in (RecvActivation, RecvGrad, Exchange) \
+                else "other"
+            executor.table[kind] = self._timed(method, part)
+
+    def _timed(self, method, part):
+        def run(ins):
+            t0 = time.perf_counter()
+            method(ins)
+            t1 = time.perf_counter()
+            self.spans.append((part, t0, t1))
+
+        return run
+
+    def clear(self):
+        self.spans = []
+
+    def settle(self):
+        """This step's seconds per part."""
+        spans = self.spans
+        total = dict.fromkeys(self.PARTS, 0.0)
+        for part, t0, t1 in spans:
+            total[part] += t1 - t0
+        if spans:
+            total["between"] = spans[-1][2] - spans[0][1] - sum(t1 - t0 for _, t0, t1 in spans)
+        self.steps.append([total[p] for p in self.PARTS])
+
+    def medians(self) -> np.ndarray:
+        return np.median(np.array(self.steps, dtype=np.float64), axis=0)
 
 
 class Messages:
@@ -328,6 +375,9 @@ def main():
                 text = delivery(mesh, messages)
                 kernels = "  ".join(f"s{s}: {r[5] * 1e3:.1f}-{r[6] * 1e3:.1f}" for s, r in enumerate(rows))
                 say(f"{'':>20} kernel ms a step, least-most: {kernels}; messages: {text}")
+                parts = "  ".join(f"s{s}: " + ", ".join(f"{name} {v * 1e3:.2f}" for name, v in
+                                                          zip(Timeline.PARTS, r[7:11])) for s, r in enumerate(rows))
+                say(f"{'':>20} ms a step by instruction kind (medians): {parts}")
     mesh.free()
     world.Barrier()
     if world.rank == 0:

@@ -141,6 +141,7 @@ class StageExecutor:
             Exchange: self._exchange, ReduceGrads: self._reduce, OptimizerStep: self._optimizer_step,
         }
         self._rings = {}  # kind -> _Ring, made on first use
+        self._freed = False  # a ring slot was freed since the receives were last posted ahead
         self._plans = {}  # id(instruction list) -> (the list, its receives, its last Backward)
         self._saved_bytes = {}  # rows -> bytes a forward pass keeps for backward (the same for every step)
 
@@ -169,11 +170,13 @@ class StageExecutor:
         self._timed = []  # on a GPU: (start, end) timing events of each forward and backward instruction
         self._timed_mark = None  # a mark after the last of them
         t0 = time.perf_counter()
+        self._freed = True  # a receive slot may be free: _post_ahead has something to look at
         self._post_ahead()
         for self._index, ins in enumerate(instructions):
             self.table[type(ins)](ins)
             if self.p2p is not None:
-                self._post_ahead()
+                if self._freed:
+                    self._post_ahead()
                 self.p2p.progress()
         if self.p2p is not None:
             w0 = time.perf_counter()
@@ -277,6 +280,9 @@ class StageExecutor:
         return self._rings[kind]
 
     def _post_ahead(self) -> None:
+        """Post the next receives of each kind into the ring slots free now (called again once ``_release`` has
+        freed one: nothing else frees a slot)."""
+        self._freed = False
         for kind, queue in self._pending.items():
             if not queue:
                 continue
@@ -302,6 +308,7 @@ class StageExecutor:
             if self.be.is_device and self.p2p.transport.direct:  # MPI will write the device array itself
                 ring.ready[slot] = self.be.mark()
             ring.free.append(slot)
+            self._freed = True
 
     def _recv(self, ins) -> None:
         kind, key = self._kind(ins), (ins.mb, ins.chunk)

@@ -37,8 +37,8 @@ varying kernel times), how long messages took to arrive once both ends were at t
 stage's step split by instruction kind (``Timeline``: compute, receives, other instructions, the executor between
 them).
 ``--fixed-ms F`` puts layers of fixed cost in the wide layers' place (``FixedCost``: F ms of a busy loop in the
-forward, in B and in W): equal, constant stages, so what stands above the formula is the executor's, the messages' and the data
-reads' alone.
+forward, in B and in W): equal, constant stages, so what stands above the formula is the executor's, the
+messages' and the data reads' alone.
 Run with one rank per core: oversubscribed ranks measure the scheduler, not the pipeline.
 """
 
@@ -326,8 +326,9 @@ def main():
     p.add_argument("--detail", action="store_true",
                    help="also each stage's least and most kernel ms in a step, and the messages' delivery times")
     p.add_argument("--fixed-ms", type=float, default=0.0,
-                   help="wide layers that spend this long per pass in a busy loop instead of multiplying (FixedCost): equal, constant "
-                        "stages, so measured / formula is what the executor and the messages add")
+                   help="wide layers that spend this long per pass in a busy loop instead of multiplying "
+                        "(FixedCost): equal, constant stages, so measured / formula is what the executor and the "
+                        "messages add")
     a = p.parse_args()
     if a.fixed_ms:
         register_fixed_cost()

@@ -58,7 +58,8 @@ from common import shared_tempdir, synthetic_classification  # noqa: E402
 from hpctrain.config import parse_config  # noqa: E402
 from hpctrain.parallel.executor import ACTIVATION  # noqa: E402
 from hpctrain.parallel.schedule import (Backward, BackwardInput, BackwardWeight, Exchange, Forward,  # noqa: E402
-                                        RecvActivation, RecvGrad, make_schedule, makespan, paper_makespan)
+                                        LoadMicroBatch, RecvActivation, RecvGrad, SendActivation, SendGrad,
+                                        make_schedule, makespan, paper_makespan)
 from hpctrain.parallel.mesh import Mesh  # noqa: E402
 from hpctrain.train import Trainer  # noqa: E402
 
@@ -197,15 +198,16 @@ def measure(mesh, cfg, steps, detail=False):
 class Timeline:
     """Wraps every instruction of an executor to split a step's time on this stage: compute instructions (forward,
     backward, B, W), receives (alone or in an exchange: waits), the other instructions (loads, sends, the
-    gradient reduction and the optimizer) and the executor's own time between instructions."""
+    gradient reduction and the optimizer) and the executor's own time between instructions; and the median time
+    of one send (alone, not in an exchange) and of one load after the step's first."""
 
-    PARTS = ("compute", "receive", "other", "between")
+    PARTS = ("compute", "receive", "other", "between", "one send", "one load")
 
     def __init__(self, executor):
         self.steps, self.spans = [], []
         for kind, method in list(executor.table.items()):
             part = "compute" if kind in COMPUTE else "receive" if kind in (RecvActivation, RecvGrad, Exchange) \
-                else "other"
+                else "send" if kind in (SendActivation, SendGrad) else "load" if kind is LoadMicroBatch else "other"
             executor.table[kind] = self._timed(method, part)
 
     def _timed(self, method, part):
@@ -225,9 +227,13 @@ class Timeline:
         spans = self.spans
         total = dict.fromkeys(self.PARTS, 0.0)
         for part, t0, t1 in spans:
-            total[part] += t1 - t0
+            total["other" if part in ("send", "load") else part] += t1 - t0
         if spans:
             total["between"] = spans[-1][2] - spans[0][1] - sum(t1 - t0 for _, t0, t1 in spans)
+        sends = [t1 - t0 for part, t0, t1 in spans if part == "send"]
+        loads = [t1 - t0 for part, t0, t1 in spans if part == "load"][1:]  # the first reads the step's rows
+        total["one send"] = float(np.median(sends)) if sends else 0.0
+        total["one load"] = float(np.median(loads)) if loads else 0.0
         self.steps.append([total[p] for p in self.PARTS])
 
     def medians(self) -> np.ndarray:
@@ -379,6 +385,9 @@ def main():
                 parts = "  ".join(f"s{s}: " + ", ".join(f"{name} {v * 1e3:.2f}" for name, v in
                                                           zip(Timeline.PARTS, r[7:11])) for s, r in enumerate(rows))
                 say(f"{'':>20} ms a step by instruction kind (medians): {parts}")
+                each = "  ".join(f"s{s}: one send {r[11] * 1e6:.0f}, one load {r[12] * 1e6:.0f}"
+                                 for s, r in enumerate(rows))
+                say(f"{'':>20} µs an instruction (medians): {each}")
     mesh.free()
     world.Barrier()
     if world.rank == 0:

@@ -35,7 +35,7 @@ messages, the data reads and the executor add; replayed / formula what the kerne
 ``--detail`` adds two lines per row: each stage's least and most kernel time in a step (unequal stages and
 varying kernel times), how long messages took to arrive once both ends were at them (``Messages``), and each
 stage's step split by instruction kind (``Timeline``: compute, receives, other instructions, the executor between
-them).
+them), and, last, a bare ``Isend`` of one activation (``bare_isend``): MPI's own cost of a send.
 ``--fixed-ms F`` puts layers of fixed cost in the wide layers' place (``FixedCost``: F ms of a busy loop in the
 forward, in B and in W): equal, constant stages, so what stands above the formula is the executor's, the
 messages' and the data reads' alone.
@@ -55,7 +55,9 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import shared_tempdir, synthetic_classification  # noqa: E402
 
+from hpctrain import register_layer  # noqa: E402
 from hpctrain.config import parse_config  # noqa: E402
+from hpctrain.nn.layers import Layer  # noqa: E402
 from hpctrain.parallel.executor import ACTIVATION  # noqa: E402
 from hpctrain.parallel.schedule import (Backward, BackwardInput, BackwardWeight, Exchange, Forward,  # noqa: E402
                                         LoadMicroBatch, RecvActivation, RecvGrad, SendActivation, SendGrad,
@@ -73,28 +75,14 @@ def say(*a):
         print(*a, flush=True)
 
 
-class FixedCost:
+class FixedCost(Layer):
     """``--fixed-ms``'s stand-in for a wide layer: no parameters, its output a copy of its input, and a fixed cost
     spent in a loop on the clock (one core each, and no cache or memory bandwidth to share): ``ms`` for the forward,
     ``ms`` for the backward's input part B and ``ms`` for its weight part W (2 · ms where the backward is not split),
     the F = B = W of the formula's equal stages."""
 
-    params, ties, in_features, out_features, dropout = (), (), None, None, 0.0
-
     def __init__(self, ms: float):
         self.seconds = ms / 1e3
-
-    def init(self, rng):
-        return {}
-
-    def flops(self):
-        return 0
-
-    def scratch_bytes(self, rows, device):
-        return 0
-
-    def bind(self, weights, grads, accumulating=frozenset()):
-        pass
 
     def _pass(self, be, x, seconds):
         _spend(seconds)
@@ -126,11 +114,7 @@ def _spend(seconds: float) -> None:
 
 
 def register_fixed_cost():
-    from hpctrain import register_layer
-    from hpctrain.nn.layers import Layer
-
-    kind = type("FixedCostLayer", (FixedCost, Layer), {})  # nn.Layer's interface, FixedCost's methods
-    register_layer("fixed_cost", kind, keys={"ms": float}, required=("ms",))
+    register_layer("fixed_cost", FixedCost, keys={"ms": float}, required=("ms",))
 
 
 def pipeline_config(path, stages, width, rows, micro, schedule, virtual=1, fixed_ms=0.0):
@@ -319,6 +303,23 @@ def replayed_bubble(mesh, schedule, kernels) -> float:
     return float(1 - seconds[s].sum() / span)
 
 
+def bare_isend(world, count: int, repeat: int = 200) -> float:
+    """Median seconds of the ``Isend`` call alone, rank 0 to rank 1, the receive posted beforehand: what MPI
+    itself costs a send, against the executor's send instruction (``Timeline``). Collective over ``world``."""
+    data = np.ones(count, dtype=np.float32)
+    took = []
+    for i in range(repeat):
+        request = world.Irecv(data, source=0, tag=i) if world.rank == 1 else None
+        world.Barrier()
+        if world.rank == 0:
+            t0 = time.perf_counter()
+            request = world.Isend(data, dest=1, tag=i)
+            took.append(time.perf_counter() - t0)
+        if request is not None:
+            request.Wait()
+    return float(np.median(took)) if took else 0.0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=2)
@@ -388,6 +389,9 @@ def main():
                 each = "  ".join(f"s{s}: one send {r[11] * 1e6:.0f}, one load {r[12] * 1e6:.0f}"
                                  for s, r in enumerate(rows))
                 say(f"{'':>20} µs an instruction (medians): {each}")
+    if a.detail and a.stages >= 2:
+        say(f"a bare Isend of one activation ({a.rows} x {a.width} float32), receive posted first, rank 0 to 1: "
+            f"median {bare_isend(world, a.rows * a.width) * 1e6:.1f} µs")
     mesh.free()
     world.Barrier()
     if world.rank == 0:

@@ -34,8 +34,10 @@ marks = sys.argv[2]
 load_mpi = cli._load_mpi
 def load_mpi_and_say():  # MPI is up, nothing of the Trainer yet
     MPI = load_mpi()
-    with open(os.path.join(marks, f"pid{MPI.COMM_WORLD.Get_rank()}"), "w") as f:
+    mark = os.path.join(marks, f"pid{MPI.COMM_WORLD.Get_rank()}")
+    with open(mark + ".tmp", "w") as f:
         f.write(str(os.getpid()))
+    os.replace(mark + ".tmp", mark)  # whole or absent: the test reads it as soon as it exists
     time.sleep(1.0)  # the start-up signal lands here
     return MPI
 cli._load_mpi = load_mpi_and_say

@@ -23,14 +23,22 @@ from launch import launcher_env, launcher_kind, mpi_command, open_mpi_python_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# each rank writes its pid once MPI is up, before the config is read and the Trainer built; world rank 0's
-# checkpoint commit (its index) is slowed down so that the second signal lands inside it
+# each rank writes its pid once MPI is up, before the config is read and the Trainer built (and, when the marks
+# say "hold", waits there until its stop handler has run); world rank 0's checkpoint commit (its index) is
+# slowed down so that the second signal lands inside it
 SCRIPT = """
 import os, sys, time
 import hpctrain.checkpoint.sharded as sharded
 import hpctrain.cli as cli
+import hpctrain.train.stop as stop
 
 marks = sys.argv[2]
+received = []
+handle = stop.StopFlag._handle
+def handle_and_note(self, signum, frame):
+    received.append(signum)
+    return handle(self, signum, frame)
+stop.StopFlag._handle = handle_and_note
 load_mpi = cli._load_mpi
 def load_mpi_and_say():  # MPI is up, nothing of the Trainer yet
     MPI = load_mpi()
@@ -38,7 +46,9 @@ def load_mpi_and_say():  # MPI is up, nothing of the Trainer yet
     with open(mark + ".tmp", "w") as f:
         f.write(str(os.getpid()))
     os.replace(mark + ".tmp", mark)  # whole or absent: the test reads it as soon as it exists
-    time.sleep(1.0)  # the start-up signal lands here
+    t0 = time.monotonic()
+    while os.path.exists(os.path.join(marks, "hold")) and not received and time.monotonic() - t0 < 60:
+        time.sleep(0.01)  # the start-up signal lands here, however late the test sends it
     return MPI
 cli._load_mpi = load_mpi_and_say
 commit = sharded.write_index
@@ -57,14 +67,17 @@ def _launchers():
             "openmpi"]
 
 
-def _start(tmp_path, mpi):
+def _start(tmp_path, mpi, *, hold=False):
     """Start SCRIPT's job under ``mpi`` ("path": the mpiexec on PATH; "openmpi": the Open MPI environment's
-    mpirun); (the launcher's process, the folder of the ranks' pids, its output lines so far, its MPI)."""
+    mpirun); (the launcher's process, the folder of the ranks' pids, its output lines so far, its MPI). With
+    ``hold``, each rank waits after writing its pid until it has received a stop signal (at most 60 s)."""
     make_classification(tmp_path / "d.h5", n=64)
     (tmp_path / "job.toml").write_text(toml_job(train={"steps": 10_000_000, "log_every": 1},
                                                 checkpoint={"dir": "ck"}))
     marks = tmp_path / "marks"
     marks.mkdir()
+    if hold:
+        (marks / "hold").touch()
     if mpi == "path":
         python, launcher = sys.executable, shutil.which("mpiexec")
     else:
@@ -152,7 +165,7 @@ def test_signals_while_the_ranks_exit_after_the_stop_checkpoint_are_not_fatal(tm
 
 @pytest.mark.parametrize("mpi", _launchers())
 def test_a_signal_during_start_up_stops_the_job_at_step_0_with_a_checkpoint(tmp_path, mpi):
-    proc, marks, lines, kind = _start(tmp_path, mpi)
+    proc, marks, lines, kind = _start(tmp_path, mpi, hold=True)
     try:
         _wait_for(lambda: (marks / "pid0").exists() and (marks / "pid1").exists())
         _signal(proc, marks, kind, signal.SIGTERM)

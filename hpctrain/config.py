@@ -107,6 +107,7 @@ class TrainConfig:
     progress: str = "auto"  # the status line: "bar" always, "lines" never, "auto" on a terminal (train/progress.py)
     deterministic: bool = False  # the same bits for any dp and pp (parallel/deterministic.py)
     deterministic_shards: int = 4  # deterministic: the global batch's logical shards (a power of two)
+    peak_tflops: float = 0.0  # one rank's peak for MFU; 0: the GPU's datasheet figure, or measured on the CPU
 
 
 @dataclass(frozen=True)
@@ -409,6 +410,8 @@ def _check_ranges(cfg: Config) -> None:
          f"must divide train.batch_size = {t.batch_size} (every shard the same shape), got {S}")
     need(t.collective_timeout >= 0 and math.isfinite(t.collective_timeout), "train.collective_timeout",
          f"must be a number of seconds >= 0 (0 = off), got {t.collective_timeout}")
+    need(0 <= t.peak_tflops < 1e9, "train.peak_tflops",
+         f"must be one rank's peak in TFLOP/s (0 = from the device, measured on a CPU), got {t.peak_tflops}")
     need(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
     need(o.lr >= 0, "optim.lr", f"must be >= 0, got {o.lr}")
     need(0 <= o.momentum < 1, "optim.momentum", f"must be in [0, 1), got {o.momentum}")

@@ -420,6 +420,15 @@ class GPTSpec(ModelSpec):
         widths = [n_embd] * (n_layer + 1) + [vocab_size]
         self._setup(layers, prefixes, widths, block_size, [(i, i) for i in range(len(layers))])
 
+    def training_flops(self) -> int:
+        """nanoGPT's ``estimate_mfu`` (PaLM's appendix B): 6 FLOPs per non-embedding parameter and 12·L·C·T for
+        attention's two products, per token, over the ``block_size`` tokens of a sample. The position table is
+        not counted (a lookup); the token table is, as the head it is tied to."""
+        c = self.config
+        L, C, T = c["n_layer"], c["n_embd"], c["block_size"]
+        N = self.layout.size - self.layout["transformer.wpe.weight"].size
+        return (6 * N + 12 * L * C * T) * T
+
     def check_tp(self, tp: int) -> None:
         H, V = self.config["n_head"], self.config["vocab_size"]
         if tp > 1 and H % tp:

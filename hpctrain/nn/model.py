@@ -136,6 +136,12 @@ class ModelSpec:
         """Forward FLOPs per row of layers lo..hi (inclusive): what ``partition`` balances."""
         return sum(layer.flops() for layer in self.layers[lo : hi + 1])
 
+    def training_flops(self) -> int:
+        """FLOPs one sample's forward and backward cost the model (MFU's numerator, train/mfu.py): the forward's
+        FLOPs per row three times over (the backward costs twice the forward: the input and the weight
+        gradients), for every row of the sample; for a dense network 6 per weight, the usual 6N."""
+        return 3 * self.flops(0, len(self.layers) - 1) * self.positions
+
     def partition(self, pp: int, stages=(), tp: int = 1, virtual_stages: int = 1) -> list[tuple[int, int]]:
         """Inclusive layer ranges of the ``pp`` stages (``pp × virtual_stages`` virtual stages, in order, for
         interleaved 1F1B's model chunks): ``stages`` when given, else units balanced by their estimated time, the

@@ -47,6 +47,7 @@ from .checkpointing import Checkpointer
 from .progress import Progress, status_line_wanted
 from .memory import gather_memory, rank_memory, summary as memory_summary
 from .metrics import MetricsFile, Window
+from .mfu import Peak
 from .step import StepRunner
 from .stop import StopFlag
 from .trace import Tracer
@@ -202,6 +203,11 @@ class Trainer:
                  f"{('on, communication thread' if self.sync.threaded else 'on') if cfg.parallel.overlap else 'off'}"
                  + (f", gradients {'straight to CUDA-aware MPI' if self.cuda_aware else 'staged through host memory'}"
                     if self.be.is_device else ""))
+        # MFU's denominator, on the rank that logs (a CPU's is measured: a moment of BLAS at start-up)
+        self.peak = Peak.of(self.be, cfg.train.peak_tflops) if self.rank0 and cfg.train.steps > 0 else None
+        if self.peak is not None:
+            self.log(f"MFU against {self.peak.flops / 1e12:,.3g} TFLOP/s a rank ({self.peak.source})"
+                     if self.peak.flops else f"no MFU: {self.peak.source}")
         if not cfg.checkpoint.dir and cfg.train.steps > 0:
             self.log("checkpoint.dir is empty: this run writes no checkpoint, neither at the end nor on a stop "
                      "signal (set it to keep the weights, to resume, or to sample from them)")
@@ -466,12 +472,17 @@ class Trainer:
             record["tp_bytes"] = int(sent[0])
         if self.model.positions > 1:  # a language model: every position of a sample is a token trained on
             record["tokens_per_s"] = rate * self.model.positions
+        mfu = self.peak.mfu(rate, self.model.training_flops(), self.mesh.size) if self.peak else None
+        if mfu is not None:
+            record["mfu"] = mfu
         if stages:
             record["stages"] = stages
         if timing["skipped"]:
             record["skipped"] = True
         metrics.write(record)
         speed = (f"{record['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in record else f"{rate:,.0f} samples/s")
+        if mfu is not None:
+            speed += f"  MFU {mfu:.1%}"
         self.log(f"step {self.step:>6}/{self.cfg.train.steps}  loss {loss:.4f}  lr {lr:.3g}  {speed}  "
                  f"(compute {means['compute'] * 1e3:.1f} ms, comm wait {means['comm'] * 1e3:.1f} ms, "
                  f"optim {means['optim'] * 1e3:.1f} ms"

@@ -28,7 +28,7 @@ __all__ = ["MAY_DIFFER", "changed_settings", "resume_problem"]
 MAY_DIFFER = frozenset({
     "train.steps", "train.log_every", "train.eval_every", "train.metrics", "train.trace", "train.tensorboard",
     "train.backend", "train.micro_batches", "train.recompute", "train.skip_nonfinite", "train.max_skipped_steps",
-    "train.debug_collectives", "train.collective_timeout", "train.progress", "model.attention",
+    "train.debug_collectives", "train.collective_timeout", "train.progress", "train.peak_tflops", "model.attention",
     "data.path", "data.allow_external", "data.corpus",
     "parallel.dp", "parallel.pp", "parallel.tp", "parallel.schedule", "parallel.virtual_stages", "parallel.stages",
     "parallel.bucket_mb",

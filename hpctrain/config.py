@@ -157,6 +157,7 @@ class ParallelConfig:
     staleness: int = 0  # async_ps: a worker is at most this many steps ahead of the slowest
     zero: int = 0  # ZeRO over dp: 1 shards the optimizer state, 2 also the gradients (parallel/zero.py)
     zero_reduce: str = "auto"  # ZeRO: how a bucket's gradients are summed (parallel/zero.py: reduce_choice)
+    reduce_dtype: str = "fp32"  # the type gradient buckets travel in over dp: "bf16" halves them (parallel/wire.py)
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,7 @@ CHOICES = {
     ("train", "progress"): ("auto", "bar", "lines"),
     ("parallel", "mode"): ("sync", "async_ps"),
     ("parallel", "zero_reduce"): ("auto", "reduce_scatter", "allreduce"),
+    ("parallel", "reduce_dtype"): ("fp32", "bf16"),
 }
 
 
@@ -406,6 +408,8 @@ def _check_ranges(cfg: Config) -> None:
     need(S >= 1 and S & (S - 1) == 0, "train.deterministic_shards", f"must be a power of two >= 1, got {S}")
     need(not (t.deterministic and p.mode == "async_ps"), "train.deterministic",
          'not with parallel.mode = "async_ps" (its updates arrive in the order the workers finish)')
+    need(not (t.deterministic and p.reduce_dtype != "fp32"), "parallel.reduce_dtype",
+         f'"{p.reduce_dtype}" is not available with train.deterministic, whose fixed tree adds in float32')
     need(not t.deterministic or t.batch_size % S == 0, "train.deterministic_shards",
          f"must divide train.batch_size = {t.batch_size} (every shard the same shape), got {S}")
     need(t.collective_timeout >= 0 and math.isfinite(t.collective_timeout), "train.collective_timeout",

@@ -128,6 +128,7 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
     zero = p.zero if dp > 1 else 0
     slots = (1 if cfg.optim.momentum else 0) if cfg.optim.name == "sgd" else 2
     bucket_elems = max(1, int(p.bucket_mb * 1e6 / 4))
+    bf16 = p.reduce_dtype == "bf16" and dp > 1  # gradient messages in bfloat16 (parallel/wire.py)
     local_rows = t.batch_size // dp  # samples per rank per step
     runtime = RUNTIME_BYTES["gpt" if cfg.model.kind == "gpt" else "mlp"]
     out = []
@@ -159,10 +160,12 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
                 # Reduce_scatter's out (zero_reduce = "auto" may take Allreduce at dp 2, without it: a bound then)
                 buffers = rings + (4 * max((p[d][1] - p[d][0] for p in shard.parts), default=0)
                                    if shard and cfg.parallel.zero_reduce != "allreduce" else 0)
-                if device and dp > 1 and (not cuda_aware or (t.deterministic and p.overlap)):
+                if device and dp > 1 and (not cuda_aware or (t.deterministic and p.overlap) or bf16):
                     # parallel/data_parallel.py: the gradients staged through pinned host memory for MPI (or the
                     # deterministic tree's additions, which a communication thread makes on the host)
                     buffers += 4 * part.layout.size
+                if bf16:  # parallel/wire.py: the buckets' bfloat16 copies, one packed buffer (on the host)
+                    buffers += 2 * part.layout.size
                 if t.deterministic:  # parallel/deterministic.py: the shard tree's parked sums, the tree's receive
                     buffers += 4 * part.layout.size * (t.micro_batches.bit_length() - 1) + \
                         (4 * min(part.layout.size, bucket_elems) if dp > 1 else 0)

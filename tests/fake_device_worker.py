@@ -23,6 +23,8 @@ LAYOUTS = [  # (name, pp, tp, model, expected waits for the stream per step)
     ("dp", 1, 1, "mlp", 1), ("pp", 2, 1, "mlp", 1), ("gpt-dp", 1, 1, "gpt", 1), ("gpt-pp", 2, 1, "gpt", 3),
     ("tp", 1, 2, "mlp", None),  # tp: one per tensor-parallel Allreduce as well (docs/gpu.md)
     ("zero", 1, 1, "mlp", 1), ("zero-allreduce", 1, 1, "mlp", 1), ("deterministic", 1, 1, "gpt", 1),
+    # parallel.reduce_dtype = "bf16": staged and packed on the host even under a CUDA-aware MPI
+    ("gpt-dp-bf16", 1, 1, "gpt", 1), ("zero-bf16", 1, 1, "mlp", 1),
 ]
 # on 4 ranks: ZeRO at dp 2 with the GPT's table tied across pp 2, whose buckets wait for the two ends' sum and are
 # reduce-scattered on the training thread (a whole-stream wait each), the others on the communication thread
@@ -34,7 +36,8 @@ def run(folder, name, pp, tp, model, backend, cuda_aware):
     path = os.path.join(folder, f"{model}.h5")
     parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": cuda_aware, "pp": pp, "tp": tp,
                 "zero": 2 if "zero" in name else 0,
-                "zero_reduce": "allreduce" if name.endswith("allreduce") else "reduce_scatter"}
+                "zero_reduce": "allreduce" if name.endswith("allreduce") else "reduce_scatter",
+                "reduce_dtype": "bf16" if name.endswith("bf16") else "fp32"}
     train = {"steps": 3, "micro_batches": 2 * pp, "grad_clip": 0.5}
     if name == "deterministic":
         train = {**train, "deterministic": True, "deterministic_shards": 2}

@@ -32,8 +32,8 @@ def _run_worker(ranks: int, tmp_path) -> str:
 
 def test_device_paths_cuda_aware_and_staged_give_the_cpu_bits(tmp_path):
     output = _run_worker(2, tmp_path)
-    # 2 ranks × (CUDA-aware, staged) × 8 layouts, and zero 2 where one rank cannot release
-    assert output.count(" OK") == 2 * 2 * 8 + 2, output[-4000:]
+    # 2 ranks × (CUDA-aware, staged) × 10 layouts, and zero 2 where one rank cannot release
+    assert output.count(" OK") == 2 * 2 * 10 + 2, output[-4000:]
 
 
 def test_zero_with_a_table_tied_across_stages_on_four_ranks(tmp_path):

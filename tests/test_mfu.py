@@ -71,3 +71,19 @@ def test_an_mlp_run_on_the_cpu_measures_its_peak(tmp_path, mesh):
     run_trainer(config(tmp_path / "d.h5"), mesh, log=lines.append)
     if mesh.rank == 0:
         assert any(line.startswith("MFU against ") and "measured" in line for line in lines)
+
+
+def test_a_device_whose_name_cannot_be_read_logs_no_mfu_and_does_not_raise(monkeypatch):
+    """Only the logging rank asks: a raise there would leave the other ranks waiting in a collective."""
+    from numba import cuda
+
+    class Device:
+        is_device = True
+
+    def no_driver():
+        raise RuntimeError("CUDA driver library cannot be found")
+
+    monkeypatch.setattr(cuda, "get_current_device", no_driver)
+    peak = Peak.of(Device())
+    assert peak.flops == 0 and "no MFU" in peak.source
+    assert Peak.of(Device(), override_tflops=2.0).flops == 2e12

@@ -55,6 +55,11 @@ bucket, stages it (or hands device memory to a CUDA-aware MPI), reduce-scatters 
 a gather waits for the event recorded after its chunk's update, stages that chunk out, and
 queues the gathered bucket's copy back. The training stream waits for those copies on the
 device, so ZeRO adds no host wait to a step.
+
+With ``parallel.reduce_dtype = "bf16"`` (parallel/wire.py) every bucket travels as bfloat16: rounded into
+a packed host buffer, summed by a user-defined MPI operator, widened back. A device's buckets are then
+staged through host memory even under a CUDA-aware MPI (the rounding runs on the host). ``sent_bytes``
+counts the step's gradient payload handed to MPI (a bucket's values times the wire type's size).
 """
 
 from __future__ import annotations
@@ -64,7 +69,8 @@ import time
 import numpy as np
 
 from .deterministic import tree_allreduce
-from .transport import CommThread
+from .transport import CommThread, Transport
+from .wire import Wire
 from .zero import overlap as _overlap
 
 __all__ = ["GradSync", "make_buckets"]
@@ -106,7 +112,7 @@ class GradSync:
     """
 
     def __init__(self, *, comm, transport, grads, bucket_mb: float, overlap: bool, diag=None, shard=None,
-                 release=None, tied=None, tree=None, allreduce=False):
+                 release=None, tied=None, tree=None, allreduce=False, reduce_dtype="fp32"):
         from mpi4py import MPI
 
         self.diag = diag  # parallel/watch.py: the waits below are recorded for the watchdog
@@ -117,8 +123,17 @@ class GradSync:
         size = grads.data.shape[0]
         # ZeRO: the shard's buckets (zero = 2 on the host cuts them on huge pages, parallel/zero.py)
         self.buckets = list(shard.buckets) if shard is not None else make_buckets(size, bucket_mb * 1e6 / 4)
-        self.direct = transport.direct
         self.active = comm.Get_size() > 1
+        bf16 = reduce_dtype == "bf16" and self.active
+        if bf16 and tree is not None:
+            raise ValueError("a deterministic (tree) sum adds in float32: parallel.reduce_dtype must be fp32")
+        if bf16 and transport.direct and transport.backend.is_device:  # the rounding runs on the host
+            self.transport = transport = Transport(transport.backend, cuda_aware=False)
+        self.direct = transport.direct
+        self.wire = Wire(size) if bf16 else None
+        self.itemsize = Wire.itemsize if bf16 else 4
+        self.sent_bytes = 0  # the gradient payload this rank handed to MPI this step
+        self._pending = []  # bf16 Iallreduces: (packed, buf) to widen once they complete
         self.host = transport.host_buffer((size,)) if self.active else None  # staging for MPI (None: direct)
         self.shard = shard if self.active else None
         self.release = release if self.shard else None
@@ -175,7 +190,7 @@ class GradSync:
         lo, hi = self.buckets[i]
         dev, host = self.grads.data[lo:hi], None if self.direct else self.host[lo:hi]
         buf = self.transport.outgoing_when(dev, host, ready)
-        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        self._allreduce(buf, lo)
         arrived = self.transport.incoming_async(host, dev)
         if arrived is not None:
             self._arrived.append(arrived)
@@ -189,11 +204,11 @@ class GradSync:
         host = None if self.direct else self.host[lo:hi]
         buf = self.transport.outgoing_when(self.grads.data[lo:hi], host, ready)
         if self.allreduce:  # the sum of chunk [a, b) is in its place: staged, only its copy back is queued
-            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+            self._allreduce(buf, lo)
             if b > a and host is not None:
                 self._arrived.append(self.transport.incoming_async(host[a - lo : b - lo], self.grads.data[a:b]))
         else:
-            self.comm.Reduce_scatter(self.MPI.IN_PLACE, buf, [y - x for x, y in parts], op=self.MPI.SUM)
+            self._reduce_scatter(buf, lo, [y - x for x, y in parts])
             if b > a and host is not None:
                 self._arrived.append(self.transport.incoming_async(host[: b - a], self.grads.data[a:b]))
             elif host is None and b > a > lo:  # CUDA-aware, not the first chunk: [lo, lo + b - a) and [a, b) do
@@ -230,21 +245,56 @@ class GradSync:
             tree_allreduce(self.comm, buf, self._tree_in[: hi - lo], add)
             return
         if not self.shard:
-            self.comm.Allreduce(self.MPI.IN_PLACE, self._buffer(lo, hi), op=self.MPI.SUM)
+            self._allreduce(self._buffer(lo, hi), lo)
             return
         parts = self.shard.parts[i]
         a, b = parts[self.shard.rank]  # the whole chunk, a tied replica's values too (the optimizer skips those)
         if self.allreduce:
             buf = self._buffer(lo, hi)
-            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+            self._allreduce(buf, lo)
             out = None if self.direct else buf[a - lo : b - lo]  # direct: summed in place; staged: copied back
         else:
             out = self._scatter_out[: b - a]
-            self.comm.Reduce_scatter(self._buffer(lo, hi), out, [y - x for x, y in parts], op=self.MPI.SUM)
+            self._reduce_scatter(self._buffer(lo, hi), lo, [y - x for x, y in parts], out)
         if b > a and out is not None:
             self.backend.copy_(self.grads.data[a:b], out)  # a device array, or host memory (staged or the CPU)
         if self.release is not None:  # zero = 2: the rest of the bucket is this rank's unreduced gradients
             self._release_outside(lo, hi, a, b)
+
+    def _allreduce(self, buf, lo: int) -> None:
+        """A blocking Allreduce of ``buf`` (bucket at offset ``lo``) in place; bf16: through the packed wire."""
+        self.sent_bytes += buf.shape[0] * self.itemsize
+        if self.wire is None:
+            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+            return
+        packed = self.wire.pack(buf, lo)
+        self.comm.Allreduce(self.MPI.IN_PLACE, self.wire.message(packed), op=self.wire.op)
+        self.wire.unpack(packed, buf)
+
+    def _reduce_scatter(self, buf, lo: int, counts, out=None) -> None:
+        """Reduce_scatter of bucket ``buf`` (at offset ``lo``) into chunks of ``counts``: this rank's sum into
+        ``out``, or (None) in place at ``buf``'s start; bf16: through the packed wire, in place there."""
+        self.sent_bytes += buf.shape[0] * self.itemsize
+        if self.wire is None:
+            if out is None:
+                self.comm.Reduce_scatter(self.MPI.IN_PLACE, buf, counts, op=self.MPI.SUM)
+            else:
+                self.comm.Reduce_scatter(buf, out, counts, op=self.MPI.SUM)
+            return
+        packed = self.wire.pack(buf, lo)
+        self.comm.Reduce_scatter(self.MPI.IN_PLACE, self.wire.message(packed), counts, op=self.wire.op)
+        n = counts[self.comm.Get_rank()]
+        self.wire.unpack(packed[:n], buf[:n] if out is None else out)
+
+    def _iallreduce(self, lo: int, hi: int):
+        """Bucket [lo, hi)'s Iallreduce in place (bf16: of its packed copy, widened in ``_wait_requests``)."""
+        buf = self._buffer(lo, hi)
+        self.sent_bytes += buf.shape[0] * self.itemsize
+        if self.wire is None:
+            return self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        packed = self.wire.pack(buf, lo)
+        self._pending.append((packed, buf))
+        return self.comm.Iallreduce(self.MPI.IN_PLACE, self.wire.message(packed), op=self.wire.op)
 
     def _release_outside(self, lo, hi, a, b) -> None:
         """zero = 2: bucket [lo, hi)'s values beyond this rank's chunk [a, b) leave memory (MPI is done with them)."""
@@ -267,6 +317,7 @@ class GradSync:
         self._ready = self._launched = 0
         self._requests = []
         self.released_bytes = 0
+        self.sent_bytes = 0
         self.backpressure_seconds = 0.0
         if self.tree is not None:
             self.tree.start()
@@ -303,8 +354,7 @@ class GradSync:
         if self.shard or self.tree is not None:
             return  # no overlap for reduce-scatters or tree sums on this path: wait() runs them
         if self._launched < self._ready:
-            lo, hi = self.buckets[self._launched]
-            self._requests.append(self.comm.Iallreduce(self.MPI.IN_PLACE, self._buffer(lo, hi), op=self.MPI.SUM))
+            self._requests.append(self._iallreduce(*self.buckets[self._launched]))
             self._launched += 1
         if self._requests:
             self.MPI.Request.Testall(self._requests)  # drives MPI's progress on the buckets in flight
@@ -352,6 +402,9 @@ class GradSync:
             finally:
                 self.diag.end()
         self._requests = []
+        for packed, buf in self._pending:
+            self.wire.unpack(packed, buf)
+        self._pending = []
 
     def _arrivals(self) -> None:
         """The training stream waits, on the device, for the copies the communication thread queued; the host
@@ -402,3 +455,5 @@ class GradSync:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+        if self.wire is not None:
+            self.wire.close()

@@ -188,7 +188,7 @@ class Trainer:
             comm=mesh.dp_comm, transport=self.transport, grads=self.grads, bucket_mb=cfg.parallel.bucket_mb,
             overlap=cfg.parallel.overlap, diag=self.diag, shard=self.shard, release=self.grad_memory, tied=tied,
             tree=ShardTree(self.be, self.grads.data, cfg.train.micro_batches) if cfg.train.deterministic else None,
-            allreduce=zero_reduce == "allreduce"))
+            allreduce=zero_reduce == "allreduce", reduce_dtype=cfg.parallel.reduce_dtype))
         self.saver = Checkpointer(self)
         self.tracer = Tracer(mesh) if cfg.train.trace else None
         self._p2p = p2p = PointToPoint(comm=mesh.pp_comm, transport=self.transport, diag=self.diag) \
@@ -201,8 +201,9 @@ class Trainer:
         self.log(f"hpctrain: {mesh.describe()}, backend {self.be.name}, {self.model.layout.size:,} parameters, "
                  f"{len(self.sync.buckets)} gradient bucket(s), overlap "
                  f"{('on, communication thread' if self.sync.threaded else 'on') if cfg.parallel.overlap else 'off'}"
-                 + (f", gradients {'straight to CUDA-aware MPI' if self.cuda_aware else 'staged through host memory'}"
-                    if self.be.is_device else ""))
+                 + (f", gradients {'straight to CUDA-aware MPI' if self.sync.direct else 'staged through host memory'}"
+                    if self.be.is_device else "")
+                 + (", as bfloat16 (parallel.reduce_dtype)" if self.sync.wire is not None else ""))
         # MFU's denominator, on the rank that logs (a CPU's is measured: a moment of BLAS at start-up)
         self.peak = Peak.of(self.be, cfg.train.peak_tflops) if self.rank0 and cfg.train.steps > 0 else None
         if self.peak is not None:
@@ -214,6 +215,9 @@ class Trainer:
         if cfg.parallel.zero_reduce != "auto" and not cfg.parallel.zero:
             self.log(f"parallel.zero_reduce = \"{cfg.parallel.zero_reduce}\" has no effect with parallel.zero = 0: "
                      "without ZeRO every bucket is Allreduced")
+        if cfg.parallel.reduce_dtype != "fp32" and mesh.dp == 1:
+            self.log(f"parallel.reduce_dtype = \"{cfg.parallel.reduce_dtype}\" has no effect with one data-parallel "
+                     "rank (dp = 1): no gradient is sent")
         if cfg.parallel.zero and mesh.dp == 1:
             self.log(f"parallel.zero = {cfg.parallel.zero} has no effect with one data-parallel rank (dp = 1): "
                      "nothing to shard the optimizer state or gradients over")
@@ -463,13 +467,9 @@ class Trainer:
         means, rate = window.flush(B)
         record = dict(step=self.step, loss=loss, lr=lr, samples_per_s=rate, grad_norm=timing["grad_norm"],
                       **{f"{k}_s": means[k] for k in ("compute", "comm", "optim", "data")})
-        if "tp_bytes" in timing:  # this tp rank's, summed over the pipeline stages (collective over pp_comm)
-            sent = np.array([timing["tp_bytes"]], dtype=np.int64)
-            if self.mesh.pp > 1:
-                from mpi4py import MPI
-
-                self.mesh.pp_comm.Allreduce(MPI.IN_PLACE, sent, op=MPI.SUM)
-            record["tp_bytes"] = int(sent[0])
+        for key in ("tp_bytes", "dp_bytes"):  # this rank's bytes, summed over the pipeline stages (collective)
+            if key in timing:
+                record[key] = self._summed_over_stages(timing[key])
         if self.model.positions > 1:  # a language model: every position of a sample is a token trained on
             record["tokens_per_s"] = rate * self.model.positions
         mfu = self.peak.mfu(rate, self.model.training_flops(), self.mesh.size) if self.peak else None
@@ -490,6 +490,15 @@ class Trainer:
                  + f")  ETA {self.progress.eta()}")
         self.progress.summary = f"loss {loss:.4f}  {speed}"
         return record
+
+    def _summed_over_stages(self, count: int) -> int:
+        """``count`` summed over this rank's pipeline stages (collective over pp_comm when pp > 1)."""
+        total = np.array([count], dtype=np.int64)
+        if self.mesh.pp > 1:
+            from mpi4py import MPI
+
+            self.mesh.pp_comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
+        return int(total[0])
 
     def _stage_figures(self, window) -> list[dict]:
         """Per-stage busy/wait seconds, bubble and peaks, from data-parallel rank 0 of each stage (pp > 1; collective)."""

@@ -41,7 +41,8 @@ def rank_memory(t, activation_bytes: int) -> RankMemory:
                         bucket_elems=max(1, int(cfg.parallel.bucket_mb * 1e6 / 4)),
                         micro_batches=cfg.train.micro_batches)
     state["optimizer_bytes"] = t.optim.slot_bytes  # what the slots really hold
-    buffers = nbytes_of([getattr(t.sync, "_scatter_out", None), t.sync.host])  # None: not allocated
+    buffers = nbytes_of([getattr(t.sync, "_scatter_out", None), t.sync.host,  # None: not allocated
+                         t.sync.wire.packed if t.sync.wire is not None else None])
     tree_host = getattr(t.sync, "_tree_host", None)  # the deterministic tree's own staging, where not t.sync.host
     if tree_host is not None and tree_host is not t.sync.host:
         buffers += nbytes_of([tree_host])

@@ -33,6 +33,7 @@ MAY_DIFFER = frozenset({
     "parallel.dp", "parallel.pp", "parallel.tp", "parallel.schedule", "parallel.virtual_stages", "parallel.stages",
     "parallel.bucket_mb",
     "parallel.overlap", "parallel.cuda_aware", "parallel.servers", "parallel.zero", "parallel.zero_reduce",
+    "parallel.reduce_dtype",
     "parallel.mode",  # staleness 0 is synchronous training in either mode; parallel.staleness changes the math
 })  # and every checkpoint.* setting
 

@@ -159,6 +159,8 @@ class StepRunner:
                               on_optimizer_step=lambda: self._finish(step, lr))
         if tp is not None:  # bytes this rank's tensor-parallel Allreduces carried this step
             r.extra["tp_bytes"] = tp.bytes - sent
+        if self.mesh.dp > 1:  # the gradient payload this rank handed to its data-parallel reductions this step
+            r.extra["dp_bytes"] = self.sync.sent_bytes
         out = dict(compute=r.busy, comm=r.comm, optim=r.optim, data=r.data, busy=r.busy, wait=r.wait, span=r.span,
                    bubble=r.bubble, loss_sum=r.loss_sum, peak_live=r.peak_live, peak_bytes=r.peak_bytes,
                    kernels=r.kernels, **r.extra)

@@ -9,6 +9,9 @@ BLAS with beta = 1 (backend/blas.py; what a later micro-batch runs), and adding 
 second pass (what it ran before, and the fallback where numpy's BLAS is not found). The shapes: a Linear
 of the pipeline benchmark (64 rows, 1024 and 2048 wide), a gpt-char projection (K = B·T = 2048), and a
 GPT-2-small token table tied to the head (768 × 50257, 64 rows: 154 MB of gradient).
+
+Figure: the time of a later micro-batch's weight gradient added inside the GEMM, against a temporary and an add;
+docs/performance.md, "CPU step" (every run behind it: docs/performance-log.md).
 """
 
 import argparse

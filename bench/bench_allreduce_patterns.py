@@ -6,6 +6,9 @@
 The figures behind GradSync's design (hpctrain/parallel/data_parallel.py): several large
 Iallreduces in flight at once against one at a time and against blocking pieces. Each
 pattern is timed as the median of --repeat rounds after a Barrier, in the same run.
+
+Figure: one Allreduce against bucket-sized pieces and nonblocking variants (GradSync's design);
+docs/performance.md, "Data parallel" (every run behind it: docs/performance-log.md).
 """
 
 import argparse

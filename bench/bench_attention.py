@@ -10,6 +10,9 @@ median over the run's steps (compute + comm + optim, the first step left out), t
 ``hpctrain plan``'s activation figure for the config. What "flash" saves is n_layer · B · H · (T² − T) · 4
 bytes of kept probabilities plus the backward's [B, H, T, T] scratch, less its own scratch of a few heads'
 [T, T]. MB here is 10^6 bytes.
+
+Figure: peak RSS and step time, attention "flash" against "math"; docs/performance.md, "Flash attention on the CPU"
+(every run behind it: docs/performance-log.md).
 """
 
 from __future__ import annotations

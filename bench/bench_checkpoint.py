@@ -11,6 +11,9 @@ between the two writers and the median of ``--repeat`` runs is compared; the
 target is a ratio of at least 0.7. MB here is 10^6 bytes. Also reports reading
 back: load_checkpoint (with verification) against numpy.fromfile.
 One process, no MPI.
+
+Figure: single-file save_checkpoint / numpy.tofile + fsync; docs/performance.md, "Checkpoints" (every run behind
+it: docs/performance-log.md).
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ checkpoints or metrics, no evaluation but the final one) and times ``Trainer.run
 The configurations alternate, the order rotating each repeat; figures are medians of the wall time
 per step, and ratios against "off" from the same run. Target (issue 14): off costs nothing
 measurable; the others are priced, not targeted.
+
+Figure: step time with the watchdog and with fingerprints against none; docs/performance.md, "Collective
+diagnostics" (every run behind it: docs/performance-log.md).
 """
 
 import argparse

@@ -8,6 +8,9 @@ Timed, alternated, resident buffers, median of ``--repeat`` (each between two Ba
 ``trade_columns`` (Isend of a strided datatype, Irecv into place, the rank's own columns by numpy),
 against one ``Alltoallw`` with the same datatypes, what checkpoint loads used before. Each result
 is checked against the tensor's columns.
+
+Figure: trade_columns against one Alltoallw (a resharding load's trade); docs/performance.md, "Checkpoints" (every
+run behind it: docs/performance-log.md).
 """
 
 from __future__ import annotations

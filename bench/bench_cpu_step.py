@@ -9,6 +9,9 @@
    ``Trainer.train_step``: HDF5 read, forward, cross-entropy, backward, grad norm,
    optimizer) against the sum of the step's GEMMs timed with ``numpy.matmul``.
    Target: step ≤ 1.25 × GEMM time at batch 256, hidden 1024.
+
+Figure: the MLP step / the sum of its GEMMs, and Linear GFLOP/s against numpy; docs/performance.md, "CPU step"
+(every run behind it: docs/performance-log.md).
 """
 
 import argparse

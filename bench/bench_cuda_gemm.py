@@ -11,6 +11,9 @@ gradient); cuBLAS runs the same products (``a @ b.T``, ``a @ b``, ``a.T @ b``) i
 float32 with TF32 disabled (PyTorch: ``allow_tf32 = False``, precision "highest";
 CuPy: ``CUPY_TF32=0``). Each size and layout is checked against cuBLAS's result
 before it is timed. Target: the library at >= 50 % of cuBLAS SGEMM at 4096² (nt).
+
+Figure: the library GEMM / cuBLAS SGEMM (TF32 off) in all three layouts; docs/performance.md, "GEMM" (every run
+behind it: docs/performance-log.md).
 """
 
 import argparse

@@ -15,6 +15,9 @@ PyTorch does the same: ``.to("cuda")`` of the batch, forward, ``cross_entropy``,
 ``backward``, ``clip_grad_norm_`` (norm only), ``step``, ``loss.item()``; float32
 with TF32 off. Both start from the same weights and batch; their losses over the
 first steps are compared before anything is timed. Target: hpctrain <= 2x PyTorch.
+
+Figure: the MLP step on a GPU / PyTorch's; docs/performance.md, "GPU step" (every run behind it:
+docs/performance-log.md).
 """
 
 import argparse

@@ -17,6 +17,9 @@ three ``Trainer``s and runs blocks of ``--block-steps`` training steps of each i
 block), ``N`` blocks after two untimed ones; it prints the median of the per-block ratios against the plain
 block beside it. Steps only (``Trainer.train_step``: no log lines, no loss reductions); far less noisy than
 separate runs on a shared machine, since each ratio compares blocks a few milliseconds apart.
+
+Figure: step time with train.deterministic / plain, digits and gpt-char at dp 2; docs/performance.md,
+"Deterministic mode" (every run behind it: docs/performance-log.md).
 """
 
 from __future__ import annotations

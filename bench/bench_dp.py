@@ -9,6 +9,9 @@
 2. Overlap: step time of a model whose gradient sync is a large part of the step (a wide MLP
    at a small batch), with overlap on and off. hidden = (T_off - T_on) / T_comm, where T_comm
    is the Allreduce time of the off runs. Target: hidden >= 0.5.
+
+Figure: bucketed sync / bare Allreduce, and the share of the sync hidden by overlap; docs/performance.md, "Data
+parallel" (every run behind it: docs/performance-log.md).
 """
 
 import argparse

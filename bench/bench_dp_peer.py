@@ -7,6 +7,9 @@ Run it as a plain process: it launches hpctrain with ``mpiexec -n RANKS`` and Py
 with ``torch.multiprocessing`` (gloo on 127.0.0.1), one after the other in the same run,
 each rank/process with cores // ranks threads. It skips the peer with a message where
 torch is not installed. Target: hpctrain >= 1.0x PyTorch DDP.
+
+Figure: hpctrain at dp 2 / PyTorch DDP (gloo), samples/s; docs/performance.md, "Data parallel" (every run behind
+it: docs/performance-log.md).
 """
 
 import argparse

@@ -18,6 +18,9 @@ parameter difference are printed); then warm-up, then --repeats rounds of --step
 goes first. Prints the median tokens/s of each. Targets: hpctrain / PyTorch >= 1.0 on the CPU,
 >= 0.5 against PyTorch eager fp32 on a GPU (--backend cuda: both on the GPU; loss.item() synchronises each step).
 Where the interpreter has no torch, the peer is skipped with a message.
+
+Figure: GPT tokens/s, hpctrain / PyTorch eager, on the CPU and (--backend cuda) on a GPU; docs/performance.md, "CPU
+step" and "GPU step" (every run behind it: docs/performance-log.md).
 """
 
 import argparse

@@ -18,6 +18,9 @@ that; step time with zero 1 and 2 at least 0.95x zero = 0 at dp 2.
    optim, from the metrics file, the first step left out), and how ZeRO summed its buckets in each run
    (``parallel.zero_reduce = "auto"``'s choice, from the log).
 MB here is 10^6 bytes.
+
+Figure: each rank's peak RSS and the step time at zero 0, 1 and 2; docs/performance.md, "ZeRO: memory and speed"
+(every run behind it: docs/performance-log.md).
 """
 
 from __future__ import annotations

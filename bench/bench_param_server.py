@@ -29,6 +29,9 @@ others wait for it once they are k steps ahead), so the default runs a tight bou
 one (256, more than the lead a 1.5x slower worker builds in 600 steps). Note: async uses one rank
 more than sync (the server), so on a 2-core machine its 3 ranks oversubscribe the cores while
 sync's 2 ranks do not; the CPU seconds each rank used are printed to show where the time went.
+
+Figure: async parameter server / sync data parallel, wall time to a target accuracy; docs/performance.md,
+"Parameter server" (every run behind it: docs/performance-log.md).
 """
 
 import argparse

@@ -40,6 +40,9 @@ them), and, last, a bare ``Isend`` of one activation (``bare_isend``): MPI's own
 forward, in B and in W): equal, constant stages, so what stands above the formula is the executor's, the
 messages' and the data reads' alone.
 Run with one rank per core: oversubscribed ranks measure the scheduler, not the pipeline.
+
+Figure: each schedule's measured bubble against its formula and replay, samples/s, activation memory;
+docs/performance.md, "Pipeline" (every run behind it: docs/performance-log.md).
 """
 
 import argparse

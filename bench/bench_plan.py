@@ -6,6 +6,9 @@
 For each case: ``hpctrain plan CONFIG -n N --json`` (no MPI), then the same config trained for a few steps
 under ``mpiexec -n N sh -c '/usr/bin/time -f %M -o rss.$PMI_RANK hpctrain train ...'``; each rank's plan
 total against its peak RSS. Target: within 15% for every rank. MB here is 10^6 bytes.
+
+Figure: hpctrain plan / measured peak RSS, every rank; docs/performance.md, "hpctrain plan against measured peak
+RSS" (every run behind it: docs/performance-log.md).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ final one, as a run with ``checkpoint.dir`` writes them). Every rank runs under 
 the table gives the server's (world rank 0; with --servers S, the largest of ranks 0 .. S-1) peak RSS and the
 largest worker's for each W, and the server's
 growth per added worker. --pythonpath runs another checkout's hpctrain (a before/after comparison in one run).
+
+Figure: the parameter server's peak RSS against the number of workers; docs/performance.md, "Parameter server"
+(every run behind it: docs/performance-log.md).
 """
 
 import argparse

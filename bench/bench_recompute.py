@@ -8,6 +8,9 @@ machine's load hits both alike. Peak RSS from ``/usr/bin/time -f %M``; step time
 the run's steps (compute + comm + optim from the metrics file, the first step left out), then the
 median over rounds. Targets: peak RSS at least 150 MB lower with "blocks", step time at most 1.35x.
 The data: the pydoc character corpus (``data.corpus = "pydoc"``). MB here is 10^6 bytes.
+
+Figure: peak RSS and step time, recompute "blocks" against "none"; docs/performance.md, "Activation recomputation"
+(every run behind it: docs/performance-log.md).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ An MLP 256-4096-4096-4096-4096-10 with AdamW is trained one step at pp = N and c
 ``mpiexec -n N`` loads it at tp = N (the row-parallel weights and their Adam slots are stored by rows and
 traded for columns). Each loading rank runs under ``/usr/bin/time -f %M``; printed beside its peak RSS is
 what it holds of parameters and optimizer slots. ``--before REV`` loads with git revision REV too.
+
+Figure: each rank's peak RSS while loading at another tensor-parallel size; docs/performance.md, "Checkpoints"
+(every run behind it: docs/performance-log.md).
 """
 
 import argparse

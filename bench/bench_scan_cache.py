@@ -14,6 +14,9 @@ numba's import: the same with any data file or none). Target (issue 28): the sec
 start-up before the record existed. ``--before REV`` measures that one too: this file run from a copy of the git
 revision REV (``c50ff05^``, the last without the record: every rank scanned the whole file, and each kept
 the whole epoch permutation), once to compile its kernels, then timed like the other two starts.
+
+Figure: start-up with a large token file, first start against second; docs/performance.md, "Start-up" (every run
+behind it: docs/performance-log.md).
 """
 
 import argparse

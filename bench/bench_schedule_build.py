@@ -6,6 +6,9 @@
 
 Each shape once: ``make_schedule`` (the instruction lists, sends that would deadlock under rendezvous sends
 fused with a receive) and ``check_schedule`` (the proof the executor relies on), in seconds.
+
+Figure: seconds to build and check a schedule at large pp x micro-batches; docs/performance.md, "Pipeline" (every
+run behind it: docs/performance-log.md).
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ a different layout <= 1.2x the same layout.
 Async cost (one process): wall time of gpt-char's steps with a checkpoint every 10 steps written in
 the background, written synchronously, and with no checkpoint. Target: background <= 1.05x none.
 MB = 10^6 bytes.
+
+Figure: sharded write / tofile + fsync, rank 0's memory while saving, resharding loads; docs/performance.md,
+"Checkpoints" (every run behind it: docs/performance-log.md).
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ The digits job's model (64-128-128-10, AdamW) at batch 32, one process: ``Traine
 micro-batches of 16: what one rank of the deterministic dp 2 digits run does with the default 4 shards).
 Each measurement is a fresh process; with ``--before REV`` the revision is extracted with ``git archive``
 and run the same way, one process of each alternated. Median of ``--rounds`` per tree and setting.
+
+Figure: a small model's step time, plain and deterministic, against another revision; docs/performance.md,
+"Deterministic mode" (every run behind it: docs/performance-log.md).
 """
 
 import argparse

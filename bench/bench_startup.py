@@ -11,6 +11,9 @@ into a temporary folder and times it the same way, one run of each alternated, s
 Its first run of each tree is left out (numba compiles or loads its kernel cache then). The medians and every
 run are printed. ``--backend`` sets ``train.backend`` (the bundled config's ``auto`` by default: on a machine
 without a GPU, what "auto" costs is part of the figure).
+
+Figure: a one-step `hpctrain train`'s wall time from the shell, against another revision; docs/performance.md,
+"Start-up" (every run behind it: docs/performance-log.md).
 """
 
 import argparse

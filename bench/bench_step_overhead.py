@@ -10,6 +10,9 @@ objects (the same model part, gradient sync, optimizer and data) so both paths d
 same arithmetic. Steps alternate between the two (same trainer, same batches, each
 going first every other time), so drift in the machine's load hits both alike; the ratio is fused time / executor time
 (target >= 0.97: the executor may not make data-parallel training slower).
+
+Figure: the schedule executor's step / the fused step it replaced; docs/performance.md, "Data parallel" (every run
+behind it: docs/performance-log.md).
 """
 
 import argparse

@@ -23,6 +23,9 @@ Beside each: the tensor-parallel bytes per step the trainer reports (``tp_bytes`
 Megatron's count (per pair and micro-batch, an Allreduce of rows · width floats forward and one
 backward; the GPT's vocab-parallel embedding and head count as one more pair, and its loss adds 3
 Allreduces of one value a row, 28 bytes), and the time of one bare Allreduce of that rows x width float32 array on the 2 ranks.
+
+Figure: tp 2 / tp 1 step time (MLP block) and tokens/s (gpt-char GPT); docs/performance.md, "Tensor parallel"
+(every run behind it: docs/performance-log.md).
 """
 
 import argparse

@@ -11,6 +11,9 @@ or the whole buffer) and what hpctrain says its gradients hold (train/memory.py)
 steps after the first two, the host waiting for the step's end; with it, the host time of the buffer's driver calls
 (both threads) and the last step's wait of the backward for earlier buckets' reductions (zero 2's backpressure). Staged through host memory
 (parallel.cuda_aware = false): the pip MPICH is not CUDA-aware. MB here is 2^20 bytes.
+
+Figure: zero 2 against zero 1 on a GPU: device memory and step time; docs/performance.md, "zero 2 on a GPU" (every
+run behind it: docs/performance-log.md).
 """
 
 from __future__ import annotations

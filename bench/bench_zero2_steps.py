@@ -6,6 +6,9 @@ What showed that a backward pass outrunning the reductions held every bucket at 
 (``ru_maxrss``) rose above the resident size between steps (``VmRSS``) from the second step on. Prints, for
 the largest rank, after each step: peak MiB, resident MiB, pooled MiB (released pages waiting for the next
 backward), and the seconds the step's backward waited for earlier buckets (``GradSync.will_write``).
+
+Figure: peak and resident memory after every zero 2 step; docs/performance.md, "ZeRO: memory and speed" (every run
+behind it: docs/performance-log.md).
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ out), the slowest rank's: ``Allreduce`` in place (what ``parallel.zero_reduce = 
 ``Reduce_scatter`` into each rank's chunk (``"reduce_scatter"``), ``Allgatherv`` in place (ZeRO's parameter
 gather, the same either way). Then what ``"auto"`` would choose here: ``hpctrain.parallel.zero.reduce_choice``,
 the start-up timing, best of 3. Both give the same bits at 2 ranks; the result of each is checked.
+
+Figure: Reduce_scatter against Allreduce for one ZeRO bucket; docs/performance.md, "ZeRO: memory and speed" (every
+run behind it: docs/performance-log.md).
 """
 
 from __future__ import annotations

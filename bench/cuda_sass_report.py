@@ -13,6 +13,9 @@ also the multiply-adds (FFMA) among the instructions of its K loop, and whether 
 are 128-bit. And the seconds each took to compile to PTX (numba's typing and lowering, then NVVM: what a GPU
 job spends on its first step), with the total per architecture at the end. Targets (issue 13): GEMM K-loop FFMA share >= 60% (40% at the 32×32 tiling for narrow products), <= 128 registers, no stack,
 >= 2 blocks per SM in every layout. tests/test_cuda_compile.py checks the same in CI.
+
+Figure: registers, stack, occupancy and the GEMM's K-loop FFMA share per kernel; docs/performance.md, "GEMM" (every
+run behind it: docs/performance-log.md).
 """
 
 import argparse

@@ -9,6 +9,9 @@ batched products with grid.z over batch × head), computed for each product of o
 backward pass. The list of products comes from the model's layers (``gpt_products``); tests/test_gemm_grids.py
 checks it against the products a real training step asks its backend for. A product passes when its grid
 makes at least one wave (a block per SM) or it carries under 1% of the step's GEMM FLOPs.
+
+Figure: the launch grid of every GEMM of a GPT step against the SMs (--markdown: the tables in docs/gpu.md);
+docs/performance.md, "GEMM" (every run behind it: docs/performance-log.md).
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@
 #
 # 1. the CUDA sub-suite on the GPU, not simulated (HPCTRAIN_SUBSUITE=cuda, NUMBA_ENABLE_CUDASIM unset);
 # 2. the library GEMM against cuBLAS SGEMM (TF32 off) at 1024², 2048², 4096² and gpt-char's shapes (bench_cuda_gemm.py);
-# 3. the GEMM variants' own sweeps (bench/cuda_gemm_3_regblock.py, bench/cuda_gemm_4_pipelined.py);
+# 3. the GEMM variants' own sweeps (bench/history/cuda_gemm_3_regblock.py, bench/history/cuda_gemm_4_pipelined.py);
 # 4. one MLP training step against PyTorch (bench/bench_cuda_step.py, batch 1024, hidden 4096);
 # 5. one GPT training step against PyTorch (bench/bench_gpt.py --backend cuda): gpt-char's shape (gpt_step),
 #    nanoGPT shakespeare-char's (gpt_nanogpt), and that with dropout 0.2 on both sides (gpt_dropout), and with
 #    model.attention = "flash" (gpt_flash);
 # 6. the compile report of every kernel (bench/cuda_sass_report.py), beside the measured figures.
+# Its figures land in docs/performance.md ("GPU step", "GEMM"); each lease's runs in docs/performance-log.md.
 # Each step's full output is kept in OUT_DIR/<step>.log; a failing step is marked in the table and
 # the others still run. Needs numba-cuda, PyTorch (or CuPy) with CUDA, mpi4py and h5py.
 # STEP_TIMEOUT (seconds, default 900) bounds each step, so one hung step cannot take a lease's
@@ -55,8 +56,8 @@ for spec in ${STEPS:-$all_steps}; do
     case "$name" in
         cuda_suite) cmd=(env HPCTRAIN_SUBSUITE=cuda "$py" -m pytest -q -p no:cacheprovider -rf "${pytest_extra[@]}" tests/cuda) ;;
         gemm_vs_cublas) cmd=("$py" bench/bench_cuda_gemm.py --shapes gpt-char) ;;
-        gemm_variant_3) cmd=("$py" bench/cuda_gemm_3_regblock.py --tiles "128,128,8,8,8" --sizes 4096) ;;
-        gemm_variant_4) cmd=("$py" bench/cuda_gemm_4_pipelined.py) ;;
+        gemm_variant_3) cmd=("$py" bench/history/cuda_gemm_3_regblock.py --tiles "128,128,8,8,8" --sizes 4096) ;;
+        gemm_variant_4) cmd=("$py" bench/history/cuda_gemm_4_pipelined.py) ;;
         mlp_step) cmd=("$py" bench/bench_cuda_step.py) ;;
         gpt_step) cmd=("$py" bench/bench_gpt.py --backend cuda --torch-python "$py" --profile 5) ;;
         gpt_nanogpt) cmd=("$py" bench/bench_gpt.py --backend cuda --torch-python "$py" --n-layer 6 --n-embd 384

@@ -8,6 +8,9 @@ messages allow (``schedule.paper_makespan``). The bubble is the share of the mak
 1 − 3·m·v / makespan, next to the formula each schedule is known by: (P − 1)/(m + P − 1) for 1F1B and GPipe,
 (P − 1)/(v·m + P − 1) for interleaved 1F1B, and for the zero-bubble schedules the floor of a step that ends with
 every stage's gradients, (P − 1)/(3m + P − 1). Every schedule listed is proved deadlock-free by the checker first.
+
+Figure: each pipeline schedule's bubble on paper; docs/performance.md, "Pipeline" (every run behind it:
+docs/performance-log.md).
 """
 
 import argparse

@@ -2,7 +2,7 @@
 this GPU: the ground for zero = 2 on a device, whose gradient buffer would give back the physical memory outside the
 rank's chunks once a bucket is reduced, as ReleasableHost does on the host (parallel/grad_pages.py).
 
-    python bench/cuda_vmm_probe.py [--units 64]
+    python bench/history/cuda_vmm_probe.py [--units 64]
 
 Prints: the allocation granularity; that a numba kernel writes and reads a buffer mapped unit by unit; the device's
 free memory before and after unmapping half the units (released handles); the host time of one unit's unmap and of

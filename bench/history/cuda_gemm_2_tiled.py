@@ -1,7 +1,7 @@
 """GEMM variant 2: shared-memory tiles, one output element per thread.
 
-    python bench/cuda_gemm_2_tiled.py                    # 1024², 2048², 4096² on the GPU
-    NUMBA_ENABLE_CUDASIM=1 python bench/cuda_gemm_2_tiled.py   # correctness only, tiny shapes
+    python bench/history/cuda_gemm_2_tiled.py                    # 1024², 2048², 4096² on the GPU
+    NUMBA_ENABLE_CUDASIM=1 python bench/history/cuda_gemm_2_tiled.py   # correctness only, tiny shapes
 
 C[M,N] = A[M,K]·B[N,K]ᵀ. A T×T block stages a T×T tile of A and of B in shared
 memory per K step (coalesced loads along K), so each global element is read M/T

@@ -1,6 +1,6 @@
 """The Adam update as a numba.njit kernel, compiled with and without what lets LLVM vectorise it.
 
-    python bench/cpu_adam_variants.py               # 3.16 M parameters (the bench_cpu_step MLP)
+    python bench/history/cpu_adam_variants.py               # 3.16 M parameters (the bench_cpu_step MLP)
 
 Variant 1 uses numba's default error model ("python": a division by zero raises, so every
 division keeps a check and the loop stays scalar); variant 2 is the library's choice,

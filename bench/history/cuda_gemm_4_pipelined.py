@@ -1,11 +1,11 @@
 """GEMM variant 4: variant 3 with unsigned indexing, 128-bit shared loads and two pipelined stages (the kernel hpctrain uses).
 
-    python bench/cuda_gemm_4_pipelined.py                 # every tiling at 1024², 2048², 4096²
-    python bench/cuda_gemm_4_pipelined.py --tiles 128,128,8,8,8 64,64,8,4,4
-    NUMBA_ENABLE_CUDASIM=1 python bench/cuda_gemm_4_pipelined.py   # correctness only, tiny tilings
+    python bench/history/cuda_gemm_4_pipelined.py                 # every tiling at 1024², 2048², 4096²
+    python bench/history/cuda_gemm_4_pipelined.py --tiles 128,128,8,8,8 64,64,8,4,4
+    NUMBA_ENABLE_CUDASIM=1 python bench/history/cuda_gemm_4_pipelined.py   # correctness only, tiny tilings
 
 The kernel is hpctrain/backend/cuda_gemm.py's. Against variant 3
-(bench/cuda_gemm_3_regblock.py), compiled for sm_90 and sm_80 (bench/cuda_sass_report.py):
+(bench/history/cuda_gemm_3_regblock.py), compiled for sm_90 and sm_80 (bench/cuda_sass_report.py):
 
 - every index is uint64, so numba drops its negative-index wraparound check (a compare and a
   select) from each shared-memory load: the stack frame goes and registers fall from 128-160

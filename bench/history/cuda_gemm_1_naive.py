@@ -1,8 +1,8 @@
 """GEMM variant 1: one thread per output element, reading A and B straight from global memory.
 
-    python bench/cuda_gemm_1_naive.py                    # 1024², 2048², 4096² on the GPU
-    python bench/cuda_gemm_1_naive.py --sizes 512 1024
-    NUMBA_ENABLE_CUDASIM=1 python bench/cuda_gemm_1_naive.py   # correctness only, tiny shapes
+    python bench/history/cuda_gemm_1_naive.py                    # 1024², 2048², 4096² on the GPU
+    python bench/history/cuda_gemm_1_naive.py --sizes 512 1024
+    NUMBA_ENABLE_CUDASIM=1 python bench/history/cuda_gemm_1_naive.py   # correctness only, tiny shapes
 
 C[M,N] = A[M,K]·B[N,K]ᵀ, the Linear forward layout. Every block shape is checked
 against numpy on an odd-sized problem before anything is timed. The baseline for

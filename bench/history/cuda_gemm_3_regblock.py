@@ -1,8 +1,8 @@
 """GEMM variant 3: shared-memory tiles plus register blocking (hpctrain's kernel until variant 4).
 
-    python bench/cuda_gemm_3_regblock.py                 # every tiling below at 1024², 2048², 4096²
-    python bench/cuda_gemm_3_regblock.py --tiles 128,128,8,8,8 64,64,8,4,4
-    NUMBA_ENABLE_CUDASIM=1 python bench/cuda_gemm_3_regblock.py   # correctness only, tiny tilings
+    python bench/history/cuda_gemm_3_regblock.py                 # every tiling below at 1024², 2048², 4096²
+    python bench/history/cuda_gemm_3_regblock.py --tiles 128,128,8,8,8 64,64,8,4,4
+    NUMBA_ENABLE_CUDASIM=1 python bench/history/cuda_gemm_3_regblock.py   # correctness only, tiny tilings
 
 The kernel (kept here as it was in hpctrain/backend/cuda_gemm.py): a BM×BN block tile walks K in BK
 steps through shared memory, and each thread accumulates a TM×TN sub-tile in
@@ -12,7 +12,7 @@ dY·W, dYᵀ·X) on an odd-sized problem before the X·Wᵀ layout is timed; the
 one was the library default (``GPU_TILE``). Compiled for sm_90 (bench/cuda_sass_report.py's
 method) it needs 128-160 registers and a 256-byte stack at the default tiling, and multiply-adds
 are 40% of its K loop: numba checks every signed shared-memory index for wraparound. Variant 4
-(bench/cuda_gemm_4_pipelined.py, the library kernel now) fixes that. bench/bench_cuda_gemm.py
+(bench/history/cuda_gemm_4_pipelined.py, the library kernel now) fixes that. bench/bench_cuda_gemm.py
 compares the library against cuBLAS.
 """
 

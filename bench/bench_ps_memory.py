@@ -6,8 +6,8 @@
 
 Runs ``hpctrain train jobs/configs/digits-ps.toml`` under ``mpiexec -n W+S`` (S servers, 1 unless --servers;
 oversubscribed on a small
-machine) with the digits MLP widened to --hidden (two hidden layers: about 4.3 M parameters at 2048, 17 MB
-a copy), --steps steps, no metrics file, and no checkpoint (--checkpoint: one every --steps / 2 steps and the
+machine) with the digits MLP widened to --hidden (--layers hidden layers, 2 unless given: about 4.3 M parameters
+at 2048, 17 MB a copy; 3: 8.5 M, 34 MB), --steps steps, no metrics file, and no checkpoint (--checkpoint: one every --steps / 2 steps and the
 final one, as a run with ``checkpoint.dir`` writes them). Every rank runs under ``/usr/bin/time -f %M``;
 the table gives the server's (world rank 0; with --servers S, the largest of ranks 0 .. S-1) peak RSS and the
 largest worker's for each W, and the server's
@@ -36,9 +36,9 @@ OTHER = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if type(f).__
 
 
 def run(workers, args):
-    layers = (f"[{{type = \"linear\", in = 64, out = {args.hidden}}}, {{type = \"relu\"}}, "
-              f"{{type = \"linear\", in = {args.hidden}, out = {args.hidden}}}, {{type = \"relu\"}}, "
-              f"{{type = \"linear\", in = {args.hidden}, out = 10}}]")
+    layers = "[" + ", ".join(f"{{type = \"linear\", in = {a}, out = {b}}}, {{type = \"relu\"}}"
+                             for a, b in zip(args.shape[:-1], args.shape[1:-1])) \
+        + f", {{type = \"linear\", in = {args.shape[-2]}, out = 10}}]"
     with tempfile.TemporaryDirectory() as tmp:
         wrapper = os.path.join(tmp, "rss.sh")
         with open(wrapper, "w") as f:
@@ -70,6 +70,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=2, help="hidden layers, each --hidden wide (3: 8.5 M parameters)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--staleness", type=int, default=2)
     p.add_argument("--pythonpath", default="", help="run the hpctrain found here (another checkout)")
@@ -77,8 +78,9 @@ def main():
     p.add_argument("--servers", type=int, default=1, help="parameter servers (world ranks 0 .. servers - 1)")
     p.add_argument("--mpiexec", default=os.path.join(os.path.dirname(sys.executable), "mpiexec"))
     args = p.parse_args()
-    params = 64 * args.hidden + args.hidden + args.hidden * args.hidden + args.hidden + args.hidden * 10 + 10
-    print(f"digits MLP 64-{args.hidden}-{args.hidden}-10: {params:,} parameters ({params * 4 / 2**20:.1f} MiB a "
+    args.shape = [64] + [args.hidden] * args.layers + [10]
+    params = sum(a * b + b for a, b in zip(args.shape[:-1], args.shape[1:]))
+    print(f"digits MLP {'-'.join(map(str, args.shape))}: {params:,} parameters ({params * 4 / 2**20:.1f} MiB a "
           f"copy); staleness {args.staleness}, {args.steps} steps{', checkpoints' if args.checkpoint else ''}; "
           f"hpctrain from {args.pythonpath or 'this checkout'}")
     rows = []

@@ -3,15 +3,17 @@
     python bench/bench_ps_memory.py                          # W = 2, 4, 8 workers, 1 server, staleness 2
     python bench/bench_ps_memory.py --workers 2 4 --hidden 2048 --pythonpath /path/to/other/checkout
     python bench/bench_ps_memory.py --workers 2 --servers 2 --checkpoint   # the servers' peak while saving
+    python bench/bench_ps_memory.py --workers 2 6 --layers 3 --steps 40 --checkpoint    # issue 51's 8.5 M MLP
 
 Runs ``hpctrain train jobs/configs/digits-ps.toml`` under ``mpiexec -n W+S`` (S servers, 1 unless --servers;
-oversubscribed on a small
-machine) with the digits MLP widened to --hidden (--layers hidden layers, 2 unless given: about 4.3 M parameters
-at 2048, 17 MB a copy; 3: 8.5 M, 34 MB), --steps steps, no metrics file, and no checkpoint (--checkpoint: one every --steps / 2 steps and the
-final one, as a run with ``checkpoint.dir`` writes them). Every rank runs under ``/usr/bin/time -f %M``;
-the table gives the server's (world rank 0; with --servers S, the largest of ranks 0 .. S-1) peak RSS and the
-largest worker's for each W, and the server's
-growth per added worker. --pythonpath runs another checkout's hpctrain (a before/after comparison in one run).
+oversubscribed on a small machine) with the digits MLP widened to --hidden (--layers hidden layers, 2 unless
+given: about 4.3 M parameters at 2048, 17 MB a copy; 3: 8.5 M, 34 MB), --steps steps, no metrics file, and no
+checkpoint (--checkpoint: one every --steps / 2 steps and the final one, as a run with ``checkpoint.dir`` writes
+them). Every rank runs under ``/usr/bin/time -f %M``; each W's line gives the server's (world rank 0; with
+--servers S, the largest of ranks 0 .. S-1) peak RSS, the largest worker's, the copies of its range the server
+held at most, the run's wall time and how stale its gradients were; the last line the server's growth per added
+worker and its ratio from the first W to the last. --pythonpath runs another checkout's hpctrain (a
+before/after comparison in one run).
 """
 
 import argparse
@@ -19,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "jobs", "configs", "digits-ps.toml")
@@ -55,15 +58,21 @@ def run(workers, args):
                "--set", f"checkpoint.every={max(1, args.steps // 2)}", "--set", "train.metrics=",
                "--set", "train.eval_every=0",
                "--set", f"train.log_every={args.steps}"]
+        began = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        wall = time.perf_counter() - began
         if proc.returncode:
             raise SystemExit(f"W = {workers}: exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
         rss = {int(n.split("-")[1]): int(open(os.path.join(tmp, n)).read().split()[-1]) / 1024
                for n in os.listdir(tmp) if n.startswith("rank-")}
-        snapshots = [line for line in proc.stdout.splitlines() if "server_snapshots_max" in line]
-        peak = snapshots[-1].split("server_snapshots_max ")[1].split(",")[0] if snapshots else "n/a"
+        summary = ([line for line in proc.stdout.splitlines() if "server_snapshots_max" in line] or [""])[-1]
+
+        def figure(name):
+            return summary.split(f"{name} ")[1].split(",")[0] if f"{name} " in summary else "n/a"
+
         return (max(v for r, v in rss.items() if r < args.servers), max(v for r, v in rss.items() if r >= args.servers),
-                peak)
+                figure("server_snapshots_max"), f"{wall:.1f} s launch to exit, gradients up to "
+                f"{figure('update_lag_max')} updates old (mean {figure('update_lag_mean')})")
 
 
 def main():
@@ -85,13 +94,14 @@ def main():
           f"hpctrain from {args.pythonpath or 'this checkout'}")
     rows = []
     for w in args.workers:
-        server, worker, peak = run(w, args)
-        rows.append((w, server, worker, peak))
-        print(f"W = {w}: server peak RSS {server:,.0f} MB (the largest of {args.servers}), largest worker {worker:,.0f} MB, "
-              f"server snapshots at most {peak}", flush=True)
-    (w0, s0, _, _), (w1, s1, _, _) = rows[0], rows[-1]
+        server, worker, peak, how = run(w, args)
+        rows.append((w, server))
+        print(f"W = {w}: server peak RSS {server:,.0f} MB (the largest of {args.servers}), largest worker "
+              f"{worker:,.0f} MB, server snapshots at most {peak}; {how}", flush=True)
+    (w0, s0), (w1, s1) = rows[0], rows[-1]
     print(f"server growth per added worker: {(s1 - s0) / max(1, w1 - w0):+.1f} MB "
-          f"({(s1 - s0) / max(1, w1 - w0) / (params * 4 / 2**20):+.2f} copies of the parameters)")
+          f"({(s1 - s0) / max(1, w1 - w0) / (params * 4 / 2**20):+.2f} copies of the parameters); "
+          f"W = {w1} / W = {w0}: {s1 / s0:.2f}x")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,9 @@ def _parser():
     s.add_argument("--seed", type=_seed, default=0, help="the random stream of the draws, 0 to 2**63 - 1 (default 0)")
     s.add_argument("--vocab", default="", help="token file whose vocabulary decodes (default: the config's data)")
     s.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
+    s.add_argument("--no-cache", action="store_true", help="run the whole window for every token (no key/value "
+                   "cache; the same tokens, slower)")
+    s.add_argument("--tokens-only", action="store_true", help="print the token ids (prompt and new), not the text")
     ev = sub.add_parser("eval", help="a checkpoint's loss and accuracy on its validation split or on any file",
                         epilog=_epilog("hpctrain eval runs/digits/ckpt-00000600.h5",
                                        "hpctrain eval runs/digits/ckpt-00000600.h5 --data test.h5",
@@ -317,7 +320,8 @@ def _sample(args) -> int:
     from .sample import sample
 
     print(sample(args.checkpoint, args.prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
-                 seed=args.seed, vocab=args.vocab, backend=args.backend))
+                 seed=args.seed, vocab=args.vocab, backend=args.backend, cache=not args.no_cache,
+                 tokens_only=args.tokens_only))
     return 0
 
 

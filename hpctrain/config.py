@@ -17,6 +17,7 @@ import dataclasses
 import keyword
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,24 @@ LAYER_KEYS = {
 }
 LAYER_REQUIRED = {"linear": ("in", "out"), "layernorm": ("dim",)}
 INT64_MAX = 2**63 - 1  # TOML integers are 64-bit; checkpoints store steps and seeds as int64
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: below it a value is subnormal, or 0 on a GPU
+# float settings the kernels read as float32: a value beyond float32's range overflows there (optim.eps = 1e308 gives
+# inf, then NaN), one below its smallest normal number is flushed to 0 (optim.lr = 1e-39 trains nothing)
+FLOAT32_KEYS = frozenset({"optim.lr", "optim.momentum", "optim.eps", "optim.betas", "optim.weight_decay",
+                          "optim.min_lr", "train.grad_clip", "model.dropout", "eps"})
+
+
+class _Literal(float):
+    """A TOML float as written: ``1e-400`` reads as 0.0, and only its text tells it was not zero."""
+
+    text = ""
+
+
+def _parse_float(text: str) -> float:
+    value = _Literal(text.replace("_", ""))
+    value.text = text
+    return value
 SEED_KEYS = (("train", "seed"), ("data", "seed"))
 
 
@@ -80,6 +99,8 @@ class DataConfig:
     tokens: str = ""  # kind = "gpt": a 1-D dataset of token ids, cut into windows of block_size + 1
     corpus: str = ""  # "pydoc": write the bundled text corpus to data.path when the file does not exist
     val_fraction: float = 0.1
+    val_path: str = ""  # a separate validation file (nanoGPT's val.bin): data.path is then all training data
+    sampling: str = "windows"  # kind = "gpt": "windows" of block_size + 1 tokens, or "random" offsets (nanoGPT)
     shuffle: bool = True
     seed: int = 0
     allow_external: bool = False  # follow HDF5 external storage, virtual datasets and external links (hpctrain/_files.py)
@@ -94,6 +115,7 @@ class TrainConfig:
     backend: str = "auto"
     log_every: int = 50
     eval_every: int = 200
+    eval_batches: int = 0  # evaluation reads this many batches of batch_size from the validation split; 0 = all
     metrics: str = ""
     grad_clip: float = 0.0
     micro_batches: int = 1
@@ -182,12 +204,13 @@ SECTIONS = {
     "checkpoint": CheckpointConfig,
     "parallel": ParallelConfig,
 }
-PATH_KEYS = {("data", "path"), ("train", "metrics"), ("train", "trace"), ("train", "tensorboard"), ("checkpoint", "init"),
+PATH_KEYS = {("data", "path"), ("data", "val_path"), ("train", "metrics"), ("train", "trace"), ("train", "tensorboard"), ("checkpoint", "init"),
              ("checkpoint", "dir")}
 CHOICES = {
     ("model", "kind"): ("mlp", "gpt"),
     ("model", "attention"): ("math", "flash"),
     ("data", "corpus"): ("", "pydoc"),
+    ("data", "sampling"): ("windows", "random"),
     ("train", "loss"): ("cross_entropy", "mse"),
     ("train", "recompute"): ("none", "blocks"),
     ("train", "backend"): ("auto", "cpu", "cuda"),
@@ -202,8 +225,9 @@ CHOICES = {
 
 
 def _type_name(value) -> str:
+    kind = float if isinstance(value, _Literal) else type(value)
     return {bool: "bool", int: "integer", float: "float", str: "string", list: "array", dict: "table"}.get(
-        type(value), type(value).__name__
+        kind, kind.__name__
     )
 
 
@@ -223,7 +247,7 @@ def _coerce(key: str, value, annotation: str):
             raise bad
         if not math.isfinite(value):
             raise ConfigError(f"{key}: must be finite, got {value!r}")
-        return float(value)
+        return _float_in_range(key, value)
     if annotation == "str":
         if not isinstance(value, str):
             raise bad
@@ -256,6 +280,26 @@ def _coerce(key: str, value, annotation: str):
             raise ConfigError(f"{key}: expected an array of two floats, got {value!r}")
         return tuple(_coerce(f"{key}[{i}]", v, "float") for i, v in enumerate(value))
     raise AssertionError(annotation)
+
+
+def _float_in_range(key: str, value) -> float:
+    """``value`` as a float, refused where it is not the number written: a literal beyond double precision's range
+    that reads as 0 (``1e-400``), or, for a setting the kernels read as float32 (FLOAT32_KEYS), one that float32
+    turns into inf or flushes towards 0."""
+    text = getattr(value, "text", "")
+    mantissa = text.lower().split("e")[0]
+    if value == 0 and any(c in "123456789" for c in mantissa):
+        raise ConfigError(f"{key}: {text} is below double precision's range and reads as 0; write 0 if 0 is meant")
+    name = re.sub(r"\[\d+\]", "", key)  # optim.betas[1] -> optim.betas, model.layers[2].eps -> model.layers.eps
+    if name in FLOAT32_KEYS or name.rsplit(".", 1)[-1] in FLOAT32_KEYS:
+        shown_value = text or repr(float(value))
+        if abs(value) > FLOAT32_MAX:
+            raise ConfigError(f"{key}: {shown_value} overflows float32 (at most {FLOAT32_MAX:.7g}), which the "
+                              "kernels compute in")
+        if 0 < abs(value) < FLOAT32_TINY:
+            raise ConfigError(f"{key}: {shown_value} is below float32's smallest normal number ({FLOAT32_TINY:.7g}), "
+                              "which the kernels compute in: it would act as 0; write 0 if 0 is meant")
+    return float(value)
 
 
 def _int64(key: str, value: int) -> int:
@@ -392,6 +436,12 @@ def _check_ranges(cfg: Config) -> None:
         need(not d.tokens, "data.tokens", 'token datasets are for kind = "gpt"; an MLP reads data.inputs and '
              "data.targets")
     need(0.0 <= d.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
+    need(d.sampling == "windows" or m.kind == "gpt", "data.sampling", '"random" draws token offsets: for kind = '
+         '"gpt" (rows of an MLP\'s file are shuffled with data.shuffle)')
+    need(not d.val_path or os.path.normpath(d.val_path) != os.path.normpath(d.path), "data.val_path",
+         f"is data.path ({d.path}): the validation split would be training data")
+    need(t.eval_batches >= 0, "train.eval_batches", f"must be >= 0 (0 = the whole validation split), got "
+         f"{t.eval_batches}")
     unknown = [k for k in cfg.checkpoint.allow_changed if k not in setting_names()]
     need(not unknown, "checkpoint.allow_changed", f"{', '.join(map(repr, unknown))}: not a setting (names like "
          '"optim.lr", "train.batch_size")')
@@ -594,9 +644,30 @@ def parse_config(data: dict, base_dir: str = ".", source: str = "<config>", *, c
     if folder and files:  # bare names: inside the run's folder
         sections["train"] = dataclasses.replace(sections["train"], **{k: os.path.join(folder, v)
                                                                       for k, v in files.items()})
+    if "model" in sections and sections["model"].kind == "gpt" and "vocab_size" not in model and "data" in sections:
+        found = _data_vocab_size(sections["data"])  # nanoGPT's meta.pkl: the data says how many ids it has
+        if found:
+            sections["model"] = dataclasses.replace(sections["model"], vocab_size=found)
     cfg = Config(**sections, source=source)
     _check_ranges(cfg)
     return cfg
+
+
+def _data_vocab_size(d: "DataConfig") -> int:
+    """model.vocab_size when the config leaves it out: the vocabulary the token files (data.path, data.val_path)
+    declare, else their largest id + 1; the bundled corpus's when data.path is still to be written; 0 when no
+    file says (the start-up then reports the file's problem, and 50304 stands)."""
+    from .data import token_vocab_size
+
+    sizes = []
+    for path in (d.path, d.val_path):
+        if path and os.path.isfile(path) and d.tokens:
+            sizes.append(token_vocab_size(path, d.tokens, allow_external=d.allow_external))
+        elif path == d.path and d.corpus and path:
+            from .text import CharTokenizer, corpus_text
+
+            sizes.append(len(CharTokenizer.from_text(corpus_text(d.corpus))))
+    return max(sizes, default=0)
 
 
 def _parse_override(item: str):
@@ -607,7 +678,7 @@ def _parse_override(item: str):
     if len(parts) != 2 or not all(parts):
         raise ConfigError(f"--set {item!r}: the key must be section.key, got {key!r}")
     try:
-        value = tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}", parse_float=_parse_float)["v"]
         # one TOML value and nothing after it: "3#x" parses as 3 with a comment, which [3#x] does not
         tomllib.loads(f"v = [{text}]")
     except tomllib.TOMLDecodeError:
@@ -635,7 +706,8 @@ def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
     """
     text = read_capped(path, f"config file {path!r}", ConfigError, MAX_CONFIG_BYTES)
     try:
-        data = tomllib.loads(text.decode("utf-8-sig"))  # a byte order mark (some editors write one) is no TOML
+        # a byte order mark (some editors write one) is no TOML; floats keep their text (_float_in_range)
+        data = tomllib.loads(text.decode("utf-8-sig"), parse_float=_parse_float)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: malformed TOML: {e}") from None
     except RecursionError:  # tomllib parses nested arrays and tables recursively

@@ -33,7 +33,8 @@ import numpy as np
 from ._files import H5_ERRORS, member, regular_file, shown, storage_problem
 from .errors import DataError
 
-__all__ = ["Dataset", "TokenDataset", "Sampler", "continue_order", "open_dataset", "fingerprint", "file_fingerprint"]
+__all__ = ["Dataset", "TokenDataset", "WithValidation", "Sampler", "RandomSampler", "continue_order", "open_dataset",
+           "fingerprint", "file_fingerprint", "token_vocab_size", "make_sampler"]
 
 SCAN_ROWS = 1 << 16
 SCAN_BYTES = 64 << 20  # the start-up scan holds at most about this much of the file at once
@@ -285,8 +286,36 @@ def _get_dataset(file, path, name, key, expected, allow_external):
     return obj
 
 
+def token_vocab_size(path, name, *, allow_external=False) -> int:
+    """How many token ids the dataset ``name`` of ``path`` declares: its ``vocabulary`` (characters), else its
+    tokenizer's ``n_vocab`` attribute (``data text2h5 --tokenizer``), else its largest id + 1 (read in slices of
+    1M ids); 0 when the file or the dataset cannot be read (the start-up reports why)."""
+    try:
+        f = _open_h5(path)
+    except DataError:
+        return 0
+    try:
+        obj, problem = member(f, name, allow_external=allow_external)
+        if problem or not isinstance(obj, h5py.Dataset) or len(obj.shape or ()) != 1 or \
+                not np.issubdtype(obj.dtype, np.integer) or obj.shape[0] == 0:
+            return 0
+        if "vocabulary" in obj.attrs:
+            return int(np.asarray(obj.attrs["vocabulary"]).size)
+        if "n_vocab" in obj.attrs:
+            return int(obj.attrs["n_vocab"])
+        top, step = -1, SCAN_ROWS * 16
+        for lo in range(0, obj.shape[0], step):
+            top = max(top, int(obj[lo : lo + step].max()))
+        return top + 1 if top >= 0 else 0
+    except H5_ERRORS:
+        return 0
+    finally:
+        f.close()
+
+
 class TokenDataset(_Unchanged):
-    """Windows of a 1-D token dataset, read on demand: ``read(rows)`` -> ids (n, T) and targets (n·T,)."""
+    """Windows of a 1-D token dataset, read on demand: ``read(rows)`` -> ids (n, T) and targets (n·T,);
+    ``read_at(starts)``: the windows that begin at those token positions (``data.sampling = "random"``)."""
 
     def __init__(self, path, tokens, *, block_size, val_fraction, vocab_size, allow_external=False):
         self.path, self.T, self.vocab_size, self.allow_external = path, block_size, vocab_size, allow_external
@@ -322,6 +351,9 @@ class TokenDataset(_Unchanged):
         n = (count - 1) // T
         self.n_val = validation_count(n, val_fraction)
         self.n_train = n - self.n_val
+        # data.sampling = "random": a window may start at any token of the training split that leaves it whole
+        # (nanoGPT's randint(len(data) - block_size)); with a validation split, before the first validation window
+        self.n_starts = (count if self.n_val == 0 else self.n_train * T + 1) - T
 
     def close(self):
         self.file.close()
@@ -358,9 +390,20 @@ class TokenDataset(_Unchanged):
             k = j + 1
         return np.ascontiguousarray(windows[:, :T]), np.ascontiguousarray(windows[:, 1:]).reshape(-1)
 
+    def read_at(self, starts: np.ndarray):
+        """Token ids (n, T) int64 and targets (n·T,) int64 of the windows beginning at token positions ``starts``."""
+        self.check_unchanged()
+        T = self.T
+        windows = np.empty((len(starts), T + 1), dtype=np.int64)
+        for i, a in enumerate(np.asarray(starts, dtype=np.int64).tolist()):
+            windows[i] = self._fetch(a, a + T + 1)
+        return np.ascontiguousarray(windows[:, :T]), np.ascontiguousarray(windows[:, 1:]).reshape(-1)
+
     def scan(self, start: int, stop: int) -> str:
         """Check the tokens of windows [start, stop) are ids in [0, vocab_size); '' if clean, else the first problem."""
         lo, hi = start * self.T, stop * self.T + 1 if stop > start else start * self.T
+        if stop == self.n_train + self.n_val and stop > start:  # the tail random windows reach too
+            hi = self.tokens.shape[0]
         for a in range(lo, hi, SCAN_ROWS * 16):
             ids = self._fetch(a, min(hi, a + SCAN_ROWS * 16))
             bad = (ids < 0) | (ids >= self.vocab_size)
@@ -442,6 +485,96 @@ class Sampler:
         """Bytes of the shuffled order this rank keeps between steps."""
         return 0 if self._mine is None else int(self._mine.nbytes)
 
+    def reader(self, data):
+        """What reads the samples ``local_rows`` names: the dataset itself (rows or windows by index)."""
+        return data
+
+
+class RandomSampler(Sampler):
+    """``data.sampling = "random"``, nanoGPT's ``get_batch``: step ``s`` trains on the B windows of T + 1 tokens
+    that begin at ``numpy.random.default_rng([seed, s]).integers(0, n_starts, B)`` (token positions of the
+    training split, drawn with replacement), rank r taking the r-th slice of B/dp of them. A pure function of the
+    seed and the step: every layout (dp, pp, tp, micro-batches) trains on the same windows, and a resumed run
+    continues the stream where it stopped (with another batch size too: the stream is by step)."""
+
+    def __init__(self, n_starts: int, batch_size: int, *, seed: int, dp_rank: int = 0, dp_size: int = 1):
+        if n_starts < 1:
+            raise DataError("data.sampling = \"random\": the training split holds no whole window of "
+                            "model.block_size + 1 tokens")
+        if batch_size % dp_size:
+            raise DataError(f"train.batch_size = {batch_size} is not divisible by the data-parallel size {dp_size}")
+        # an "epoch" (checkpoints record it): as many windows as the starts would cut without overlap
+        super().__init__(max(n_starts, batch_size), batch_size, shuffle=False, seed=seed, dp_rank=dp_rank,
+                         dp_size=dp_size)
+        self.n_starts = n_starts
+
+    def global_rows(self, step: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, step]).integers(0, self.n_starts, self.batch_size, dtype=np.int64)
+
+    def local_rows(self, step: int) -> np.ndarray:
+        lo = self.dp_rank * self.local
+        return self.global_rows(step)[lo : lo + self.local]
+
+    def reader(self, data):
+        return _AtOffsets(data)
+
+
+class _AtOffsets:
+    """A token dataset read by window start (``read_at``) where a batch names rows: the random sampler's reader."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def read(self, starts):
+        return self.data.read_at(starts)
+
+
+class WithValidation:
+    """``data.val_path``: the training file (every window of it training data) and a separate validation file,
+    as one dataset whose rows [0, n_train) are the first file's and [n_train, n_train + n_val) the second's."""
+
+    def __init__(self, train, val):
+        self.train, self.val = train, val
+        self.path = train.path
+        self.n_train, self.n_val = train.n_train, val.n_train
+        self.n_starts = getattr(train, "n_starts", 0)
+        self.scan_checks = None  # the scan cache knows one file: both are scanned at every start
+        self.vocabulary = getattr(train, "vocabulary", "")
+        theirs = getattr(val, "vocabulary", "")
+        if self.vocabulary and theirs and theirs != self.vocabulary:
+            raise DataError(f"data.val_path {val.path}: its vocabulary ({len(theirs)} characters) is not the one "
+                            f"of data.path {train.path} ({len(self.vocabulary)}): its ids would mean other tokens")
+
+    def close(self):
+        try:
+            self.train.close()
+        finally:
+            self.val.close()
+
+    def fingerprint(self) -> str:
+        both = f"{self.train.fingerprint()} {self.val.fingerprint()}".encode()
+        return f"{FINGERPRINT_VERSION}:{hashlib.sha256(both).hexdigest()[:16]}"
+
+    def read(self, rows: np.ndarray):
+        rows = np.asarray(rows, dtype=np.int64)
+        val = rows >= self.n_train
+        if not val.any():
+            return self.train.read(rows)
+        if val.all():
+            return self.val.read(rows - self.n_train)
+        if np.any(np.diff(val.astype(np.int8)) < 0):
+            raise AssertionError("rows of both files are read training rows first")
+        return tuple(np.concatenate(pair) for pair in zip(self.train.read(rows[~val]),
+                                                          self.val.read(rows[val] - self.n_train)))
+
+    def read_at(self, starts):
+        return self.train.read_at(starts)
+
+    def scan(self, start: int, stop: int) -> str:
+        a = self.train.scan(min(start, self.n_train), min(stop, self.n_train)) if start < self.n_train else ""
+        lo, hi = max(start, self.n_train) - self.n_train, max(stop, self.n_train) - self.n_train
+        return a or (self.val.scan(lo, hi) if hi > lo else "")
+
 
 def continue_order(step: int, epoch: int, position: int, then_batch: int, batch: int,
                    steps_per_epoch: int) -> tuple[int, int]:
@@ -493,24 +626,56 @@ def file_fingerprint(cfg) -> str:
     """``fingerprint`` of ``cfg.data``'s datasets, the file opened for it (a rank that holds no ``Dataset``: the
     parameter server's); DataError when they cannot be read."""
     names = [cfg.data.tokens] if cfg.model.kind == "gpt" else [cfg.data.inputs, cfg.data.targets]
-    f = _open_h5(cfg.data.path)
-    try:
-        datasets = []
-        for name in names:
-            obj = f.get(name)
-            if not isinstance(obj, h5py.Dataset):
-                raise DataError(f"{cfg.data.path}: no dataset {name!r}")
-            datasets.append(obj)
-        return fingerprint(cfg.data.path, datasets)
-    finally:
-        f.close()
+    prints = []
+    for path in filter(None, (cfg.data.path, cfg.data.val_path)):
+        f = _open_h5(path)
+        try:
+            datasets = []
+            for name in names:
+                obj = f.get(name)
+                if not isinstance(obj, h5py.Dataset):
+                    raise DataError(f"{path}: no dataset {name!r}")
+                datasets.append(obj)
+            prints.append(fingerprint(path, datasets))
+        finally:
+            f.close()
+    if len(prints) == 1:
+        return prints[0]
+    return f"{FINGERPRINT_VERSION}:{hashlib.sha256(' '.join(prints).encode()).hexdigest()[:16]}"
 
 
-def open_dataset(cfg, loss, model) -> Dataset | TokenDataset:
-    """The data of ``cfg.data`` for ``model`` (a model spec): token windows for the GPT, rows for the MLP."""
+def open_dataset(cfg, loss, model) -> Dataset | TokenDataset | WithValidation:
+    """The data of ``cfg.data`` for ``model`` (a model spec): token windows for the GPT, rows for the MLP; with
+    ``data.val_path`` both files as one (WithValidation)."""
     d = cfg.data
-    if cfg.model.kind == "gpt":
-        return TokenDataset(d.path, d.tokens, block_size=model.block_size, val_fraction=d.val_fraction,
-                            vocab_size=model.vocab_size, allow_external=d.allow_external)
-    return Dataset(d.path, d.inputs, d.targets, val_fraction=d.val_fraction, loss=loss,
-                   in_features=model.in_features, out_features=model.out_features, allow_external=d.allow_external)
+
+    def one(path, val_fraction):
+        if cfg.model.kind == "gpt":
+            return TokenDataset(path, d.tokens, block_size=model.block_size, val_fraction=val_fraction,
+                                vocab_size=model.vocab_size, allow_external=d.allow_external)
+        return Dataset(path, d.inputs, d.targets, val_fraction=val_fraction, loss=loss, in_features=model.in_features,
+                       out_features=model.out_features, allow_external=d.allow_external)
+
+    if not d.val_path:
+        return one(d.path, d.val_fraction)
+    train = one(d.path, 0.0)
+    try:
+        val = one(d.val_path, 0.0)
+    except BaseException:
+        train.close()
+        raise
+    try:
+        return WithValidation(train, val)
+    except BaseException:
+        train.close()
+        val.close()
+        raise
+
+
+def make_sampler(cfg, data, dp_rank: int = 0, dp_size: int = 1) -> Sampler:
+    """The sampler ``cfg.data.sampling`` names over ``data``'s training split."""
+    if cfg.data.sampling == "random":
+        return RandomSampler(data.n_starts, cfg.train.batch_size, seed=cfg.data.seed, dp_rank=dp_rank,
+                             dp_size=dp_size)
+    return Sampler(data.n_train, cfg.train.batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+                   dp_rank=dp_rank, dp_size=dp_size)

@@ -5,11 +5,14 @@
 The checkpoint's own config names the model, and the checkpoint holds the vocabulary its
 data had (a checkpoint without one decodes with the vocabulary of the token file its
 config names, or ``--vocab FILE``). One process, on ``--backend`` (``auto``: a GPU when
-there is one, else the CPU). Each new token runs the model over the last ``block_size``
-tokens of the text so far, left-aligned in a full window: attention is causal, so the
-positions after the text change nothing before it. As nanoGPT's ``generate``: logits of the
-last position divided by the temperature, cropped to the ``top_k`` largest, softmax, one
-draw (``--temperature 0``: the most likely token).
+there is one, else the CPU). The prompt (its last ``block_size`` tokens) runs through the model
+once, left-aligned in a full window (attention is causal, so the positions after the text change
+nothing before it), and each block's keys and values are kept; every new token then costs one
+position: its row through each block, attending over the cache (nn/decode.py). Past ``block_size``
+tokens the window slides: the last ``block_size`` tokens run through again. ``--no-cache`` runs the
+whole window for every token instead (the same tokens for the same seed, slower). As nanoGPT's
+``generate``: logits of the last position divided by the temperature, cropped to the ``top_k``
+largest, softmax, one draw (``--temperature 0``: the most likely token).
 """
 
 from __future__ import annotations
@@ -46,12 +49,24 @@ class Generator:
         out, _ = self.part.forward(self.be, self.be.asarray(window))
         return self.be.to_host(out)[len(context) - 1].astype(np.float64)
 
-    def generate(self, ids, n: int, *, temperature: float, top_k: int, rng, vocab: int = 0) -> list[int]:
+    def generate(self, ids, n: int, *, temperature: float, top_k: int, rng, vocab: int = 0,
+                 cache: bool = True) -> list[int]:
         """``ids`` and ``n`` more; only ids below ``vocab`` are drawn when given (a padded table's
-        extra rows are no characters)."""
+        extra rows are no characters). ``cache``: with a key/value cache (nn/decode.py), else the whole
+        window through the model for every token; the same logits up to float32 rounding either way."""
         ids = list(ids)
-        for _ in range(n):
-            z = self.logits(ids)
+        decoder = None
+        if cache and n:
+            from .nn.decode import CachedDecoder
+
+            decoder = CachedDecoder(self.part, self.be)
+        for i in range(n):
+            if decoder is None:
+                z = self.logits(ids)
+            elif i == 0 or decoder.full:  # the prompt, or the window slid past block_size
+                z = decoder.prefill(ids)
+            else:
+                z = decoder.step(ids[-1])
             if vocab:
                 z = z[:vocab]
             if temperature == 0:
@@ -65,8 +80,10 @@ class Generator:
         return ids
 
 
-def sample(path: str, prompt: str, n: int, *, temperature=1.0, top_k=0, seed=0, vocab="", backend="auto") -> str:
-    """The prompt and ``n`` generated characters from the GPT checkpoint ``path``."""
+def sample(path: str, prompt: str, n: int, *, temperature=1.0, top_k=0, seed=0, vocab="", backend="auto",
+           cache=True, tokens_only=False) -> str:
+    """The prompt and ``n`` generated characters from the GPT checkpoint ``path``; ``tokens_only``: their token
+    ids instead, separated by spaces; ``cache = False``: without the key/value cache (``--no-cache``)."""
     from .backend import get_backend
     from .config import parse_config
     from .nn.gpt import GPTSpec
@@ -100,8 +117,8 @@ def sample(path: str, prompt: str, n: int, *, temperature=1.0, top_k=0, seed=0, 
     if len(tokenizer) > spec.vocab_size:
         raise DataError(f"the vocabulary has {len(tokenizer)} characters but the model only {spec.vocab_size} ids")
     out = gen.generate(ids, n, temperature=temperature, top_k=top_k, rng=np.random.default_rng(seed),
-                       vocab=len(tokenizer))
-    return tokenizer.decode(out)
+                       vocab=len(tokenizer), cache=cache)
+    return " ".join(map(str, out)) if tokens_only else tokenizer.decode(out)
 
 
 def _tokenizer(meta, cfg, vocab: str):

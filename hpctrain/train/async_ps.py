@@ -340,7 +340,8 @@ class AsyncTrainer:
             link.request(clock + 1, host, stop=bool(self._stop.name))  # answered while this step computes
             rows = self.sampler.local_rows(clock)
             per = len(rows) // m
-            batch = _Batch(self.data, [rows[i * per : (i + 1) * per] for i in range(m)], self.part.positions,
+            batch = _Batch(self.sampler.reader(self.data), [rows[i * per : (i + 1) * per] for i in range(m)],
+                           self.part.positions,
                            dropout=(t.seed, clock, self.sampler.dp_rank * self.sampler.local)
                            if self.cfg.model.dropout else None)
             r = self.executor.run(self.schedule.stages[0], batch, grad_scale=grad_scale,
@@ -448,8 +449,11 @@ class AsyncTrainer:
         if not self.is_server and self.data.n_val:
             self.be.copy_(self.params.data, self.be.asarray(params))
             w = self.workers_comm.Get_rank()
-            lo = self.data.n_train + self.data.n_val * w // self.W
-            hi = self.data.n_train + self.data.n_val * (w + 1) // self.W
+            n_val = self.data.n_val  # train.eval_batches: the split's first batches of batch_size samples
+            if self.cfg.train.eval_batches:
+                n_val = min(n_val, self.cfg.train.eval_batches * self.cfg.train.batch_size)
+            lo = self.data.n_train + n_val * w // self.W
+            hi = self.data.n_train + n_val * (w + 1) // self.W
             chunk = max(1, self.sampler.local)
             row_lists = [np.arange(a, min(hi, a + chunk)) for a in range(lo, hi, chunk)]
             if row_lists:

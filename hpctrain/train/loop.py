@@ -312,13 +312,15 @@ class Trainer:
         return self.runner.train_step(step, lr)
 
     def evaluate(self) -> dict:
-        """Loss (and accuracy) over the validation split (collective)."""
+        """Loss (and accuracy) over the validation split, its first ``train.eval_batches`` batches where that is set
+        (collective)."""
         self._check_open("evaluate")
+        batches = self.cfg.train.eval_batches
         if self.tracer is None:
-            return self.runner.evaluate()
+            return self.runner.evaluate(batches=batches)
         self.tracer.evaluating = True  # its spans are marked as evaluation's in the trace
         try:
-            return self.runner.evaluate()
+            return self.runner.evaluate(batches=batches)
         finally:
             self.tracer.evaluating = False
 

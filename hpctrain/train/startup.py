@@ -28,7 +28,7 @@ from .. import checkpoint as ckpt
 from .. import scan_cache
 from ..backend import get_backend
 from ..checkpoint.lock import LOCK_NAME, FolderLock
-from ..data import Sampler, continue_order, open_dataset
+from ..data import Sampler, continue_order, make_sampler, open_dataset
 from ..errors import CheckpointError, ConfigError, DataError, LayoutError
 from ..nn import make_loss, make_model
 from ..optim import make_optimizer
@@ -127,8 +127,7 @@ def build(cfg, mesh, log) -> RankParts:
     loss = make_loss(cfg.train.loss, vocab_shard=getattr(part.layers[-1], "vocab_shard", None))
     data = open_dataset(cfg, loss, model)
     try:
-        sampler = Sampler(data.n_train, cfg.train.batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
-                          dp_rank=mesh.dp_rank, dp_size=mesh.dp)
+        sampler = make_sampler(cfg, data, dp_rank=mesh.dp_rank, dp_size=mesh.dp)
         if sampler.local % cfg.train.micro_batches:
             raise DataError(f"train.micro_batches = {cfg.train.micro_batches} does not divide this rank's share "
                             f"of the batch ({sampler.local} = batch_size {cfg.train.batch_size} / dp {mesh.dp})")

@@ -148,8 +148,8 @@ class StepRunner:
         m = self.cfg.train.micro_batches
         rows = self.sampler.local_rows(step)
         per = len(rows) // m
-        batch = _Batch(self.data, [rows[i * per : (i + 1) * per] for i in range(m)], self.part.positions,
-                       at_once=True, dropout=self._dropout(step))
+        batch = _Batch(self.sampler.reader(self.data), [rows[i * per : (i + 1) * per] for i in range(m)],
+                       self.part.positions, at_once=True, dropout=self._dropout(step))
         if self.tracer is not None:
             self.tracer.step = step + 1
         self.sync.start_step()
@@ -278,9 +278,10 @@ class StepRunner:
         self.mesh.world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         return float(buf[0] / count)
 
-    def evaluate(self, split: str = "val", *, count: bool = False) -> dict:
+    def evaluate(self, split: str = "val", *, count: bool = False, batches: int = 0) -> dict:
         """Loss (and accuracy) over the validation split (``split = "all"``: every sample of the data file),
-        forward-only through the pipeline (collective); ``count``: with the number of samples.
+        forward-only through the pipeline (collective); ``count``: with the number of samples; ``batches``
+        (``train.eval_batches``, nanoGPT's eval_iters): only the split's first ``batches`` × batch_size samples.
 
         Each data-parallel rank takes a contiguous share of the split, in chunks of one training micro-batch (the
         most the pipeline's receive buffers hold).
@@ -289,6 +290,8 @@ class StepRunner:
 
         mesh, data = self.mesh, self.data
         first, end = (0 if split == "all" else data.n_train), data.n_train + data.n_val
+        if batches and split != "all":
+            end = min(end, first + batches * self.cfg.train.batch_size)
         chunk = micro_rows(self.sampler.local, self.cfg.train.micro_batches)
         if self.deterministic:  # chunks of one shard cut from the whole split, then dealt out: the same everywhere
             chunks = [np.arange(s, min(end, s + chunk)) for s in range(first, end, chunk)]

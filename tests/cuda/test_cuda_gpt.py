@@ -67,3 +67,22 @@ def test_training_on_cuda_matches_the_cpu_backend(tmp_path, dropout, attention):
     assert cuda_val == pytest.approx(cpu_val, rel=1e-5)
     for name in cpu:
         np.testing.assert_allclose(cuda[name], cpu[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_sampling_with_the_key_value_cache_gives_the_cpu_logits(be, cpu):
+    """nn/decode.py on the CUDA backend: the prompt's window and then one cached position, against the CPU's
+    whole-window logits; the same tokens with and without the cache."""
+    from hpctrain.nn.decode import CachedDecoder
+    from hpctrain.sample import Generator
+
+    def spec():
+        return GPTSpec(vocab_size=7, block_size=4, n_layer=1, n_head=2, n_embd=4)
+
+    params = spec().init_params(2)
+    gen, ref_gen = Generator(spec(), params, be), Generator(spec(), params, cpu)  # a part binds its spec's layers
+    dec = CachedDecoder(gen.part, be)
+    np.testing.assert_allclose(dec.prefill([3, 1]), ref_gen.logits([3, 1]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dec.step(5), ref_gen.logits([3, 1, 5]), rtol=1e-4, atol=1e-5)
+    draws = [gen.generate([2], 5, temperature=1.0, top_k=0, rng=np.random.default_rng(1), cache=c)
+             for c in (True, False)]
+    assert draws[0] == draws[1]

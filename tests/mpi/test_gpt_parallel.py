@@ -159,3 +159,11 @@ def test_gpt_validation_loss_matches_one_process(comm, tokens):
         t.close()
         mesh.free()
     assert results[0]["val_loss"] == pytest.approx(results[1]["val_loss"], rel=1e-6)
+
+
+def test_random_windows_on_every_layout_equal_one_process(comm, tokens):
+    """data.sampling = "random": the windows of a step are drawn from the seed and the step, then cut by rank and
+    micro-batch, so dp, pp and micro-batches train on the same samples as one process."""
+    pp = 2 if comm.size % 2 == 0 else 1
+    cfg = cfg_for(tokens, comm, pp, train={"micro_batches": 2}, data={"sampling": "random", "seed": 7})
+    assert_close(train(cfg, comm), alone(cfg))

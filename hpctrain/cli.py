@@ -345,8 +345,10 @@ def _data(args) -> int:
 
     from . import convert
     from .errors import DataError
+    from ._files import check_replaceable
     from .text import text_to_h5
 
+    check_replaceable(args.output, f"cannot write {args.output}", DataError)  # never a device or FIFO, --force or not
     if os.path.exists(args.output):
         if os.path.exists(args.input) and os.path.samefile(args.input, args.output):
             raise DataError(f"{args.output} is the input file itself")

@@ -80,12 +80,44 @@ def read_capped(path: str, label: str, error, cap: int) -> bytes:
     return data
 
 
+def check_replaceable(path: str, label: str, error, verb: str = "replaces") -> bool:
+    """True when ``path`` is a regular file hpctrain may replace, False when nothing is there; ``error`` when
+    something else is (a device, FIFO, socket, folder or symbolic link): never replaced, ``--force`` or not. Run
+    as root, renaming a file over ``/dev/null`` destroys the device for the whole machine."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise error(f"{label}: {shown(e.strerror or e)}") from None
+    if stat.S_ISREG(st.st_mode):
+        return True
+    if stat.S_ISLNK(st.st_mode):
+        kind = "a symbolic link"
+    elif stat.S_ISDIR(st.st_mode):
+        kind = "a directory"
+    else:
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+    who = "it" if path in label else shown(path)
+    raise error(f"{label}: {who} is {kind}, not a regular file; hpctrain {verb} only regular files"
+                + (" (--force or not)" if verb == "replaces" else ""))
+
+
+def replace_file(tmp: str, path: str, label: str, error) -> None:
+    """Rename the written temporary ``tmp`` over ``path``, once ``path`` is checked to be nothing or a regular
+    file (``check_replaceable``): the one way every writer puts its output under its name."""
+    check_replaceable(path, label, error)
+    os.replace(tmp, path)
+
+
 @contextlib.contextmanager
 def replaced_atomically(path: str, label: str, error):
     """Yield a temporary name beside ``path`` to write; then rename it over ``path``, so a half-written file
     never stands under its name. The temporary is created here, exclusively and never through a symbolic link,
     under a name nobody can guess (a link planted at a predictable ``<path>.tmp`` would have the write land on
-    its target). An OSError on the way is ``error("{label}: reason")``; the temporary goes."""
+    its target). Anything at ``path`` that is not a regular file is refused before and again at the rename
+    (``check_replaceable``). An OSError on the way is ``error("{label}: reason")``; the temporary goes."""
+    check_replaceable(path, label, error)
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
                        f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
     try:
@@ -95,7 +127,7 @@ def replaced_atomically(path: str, label: str, error):
         yield tmp
         if stat.S_IMODE(os.lstat(tmp).st_mode) != mode:  # a writer that made its own file (safetensors: 0600)
             os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        replace_file(tmp, path, label, error)
     except OSError as e:
         raise error(f"{label}: {shown(e.strerror or e)}") from None
     finally:
@@ -107,6 +139,7 @@ def open_for_writing(path: str, label: str, error, *, append: bool = False, upda
     """``path`` opened to write text (created 0666 less the umask; truncated unless ``append`` or ``update``:
     opened to read and rewrite as it is), never through a symbolic link and only as a regular file: one ``error``
     line otherwise."""
+    check_replaceable(path, label, error, "writes")  # a device or FIFO is never opened, not even to be refused
     flags = ((os.O_RDWR if update else os.O_WRONLY) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
              | (os.O_APPEND if append else 0))
     try:

@@ -349,8 +349,10 @@ def _data(args) -> int:
 
     from . import convert
     from .errors import DataError
+    from ._files import check_replaceable
     from .text import text_to_h5
 
+    check_replaceable(args.output, f"cannot write {args.output}", DataError)  # never a device or FIFO, --force or not
     if os.path.exists(args.output):
         if os.path.exists(args.input) and os.path.samefile(args.input, args.output):
             raise DataError(f"{args.output} is the input file itself")
@@ -504,7 +506,7 @@ def _after_lower_ranks() -> None:
 # commands that run in one process and never start MPI: under ``mpiexec -n N`` every rank runs them (srun's tasks
 # may convert a file each, so no rank skips the work), and an error says so: N ranks writing one file find it
 # there and refuse it without --force
-ONE_PROCESS = ("export", "predict", "data", "plot")
+ONE_PROCESS = ("export", "predict", "data", "plot", "sample", "inspect", "config")
 
 
 def _launcher_size(environ=os.environ) -> int:
@@ -544,7 +546,7 @@ def main(argv=None) -> int:
         return 2
     except HpctrainError as e:
         if getattr(e, "collective", False):  # every rank agreed on it: this one alone says it
-            _say(f"hpctrain: error{_where()}: {e}")
+            _say(f"hpctrain: error{_where()}: {e}{_one_process_hint(args.command)}")
             return 2
         _after_lower_ranks()
         _say(f"hpctrain: error{_where()}: {e}{_one_process_hint(args.command)}")

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import csv
 import io
+import struct
+import zipfile
+import zlib
 
 import h5py
 import numpy as np
@@ -123,8 +126,12 @@ def npz_to_h5(source: str, path: str, *, inputs: str, targets: str, regression: 
             x, y = z[inputs], z[targets]
     except DataError:
         raise
-    except (OSError, ValueError, EOFError) as e:  # not a zip, a truncated member, an object array (needs pickle)
-        raise DataError(f"{source}: cannot read it as an .npz of numeric arrays: {shown(e)}") from None
+    except (OSError, ValueError, EOFError, KeyError, RuntimeError, NotImplementedError, MemoryError,
+            zipfile.BadZipFile, zlib.error, struct.error) as e:
+        # not a zip, a damaged or truncated one (a bad CRC, a corrupt deflate stream, an unknown compression),
+        # a member declaring more than memory holds, an object array (needs pickle)
+        raise DataError(f"{source}: cannot read it as an .npz of numeric arrays: "
+                        f"{type(e).__name__}: {' '.join(shown(e).split())}") from None
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]
     if x.ndim > 2:

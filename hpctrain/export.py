@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from ._files import replaced_atomically
+from ._files import check_replaceable, replaced_atomically
 from .errors import CheckpointError, ConfigError
 
 __all__ = ["export", "FORMATS"]
@@ -43,6 +43,7 @@ def export(path: str, out: str, fmt: str = "", force: bool = False) -> str:
     if fmt not in FORMATS:
         raise ConfigError(f"export: cannot tell the format of {out} from its extension; give --format "
                           f"({' or '.join(FORMATS)})")
+    check_replaceable(out, f"export: cannot write {out}", ConfigError)  # never a device or FIFO, --force or not
     if os.path.abspath(out) == os.path.abspath(path) or (os.path.exists(out) and os.path.exists(path)
                                                          and os.path.samefile(out, path)):
         raise ConfigError(f"export: {out} is the checkpoint itself")

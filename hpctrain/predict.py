@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 
 from . import checkpoint as ckpt
-from ._files import replaced_atomically
+from ._files import check_replaceable, replaced_atomically
 from .errors import CheckpointError, ConfigError, DataError
 
 __all__ = ["predict"]
@@ -37,6 +37,7 @@ def predict(checkpoint: str, data: str, out: str, *, inputs: str = "", batch: in
 
     if batch < 1:
         raise ConfigError(f"--batch must be >= 1, got {batch}")
+    check_replaceable(out, f"cannot write {out}", DataError)  # never a device or FIFO, --force or not
     if os.path.exists(out):
         if os.path.exists(data) and os.path.samefile(data, out):
             raise DataError(f"{out} is the input file itself")

@@ -123,3 +123,34 @@ def test_the_command_converts_and_a_config_trains_on_it(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hpctrain", "train", "job.toml"], cwd=tmp_path, capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_damaged_npz_is_one_line(tmp_path):
+    """Issue 52: a corrupt zip (a flipped byte in the archive or a deflate stream, a truncation) printed a
+    traceback (zipfile.BadZipFile, zlib.error); now every damage is a DataError of one line, exit 2."""
+    import random
+    import subprocess
+    import sys
+
+    rng = random.Random(52)
+    for i, save in enumerate([np.savez, np.savez_compressed] * 20):
+        save(tmp_path / "a.npz", X=rng.random() * np.ones((40, 3)), y=np.arange(40))
+        raw = bytearray((tmp_path / "a.npz").read_bytes())
+        if i % 3 == 0:
+            raw = raw[: rng.randrange(4, len(raw))]
+        else:
+            for _ in range(3):
+                raw[rng.randrange(2, len(raw))] ^= rng.randrange(1, 256)
+        (tmp_path / "b.npz").write_bytes(raw)
+        try:
+            npz_to_h5(str(tmp_path / "b.npz"), str(tmp_path / f"b{i}.h5"), inputs="X", targets="y")
+        except DataError as e:
+            assert "\n" not in str(e)
+    raw = bytearray((tmp_path / "a.npz").read_bytes())
+    raw[-30] ^= 0xFF  # the end-of-central-directory record
+    (tmp_path / "c.npz").write_bytes(raw[:-10])
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", "data", "npz2h5", "c.npz", "c.h5", "--inputs", "X",
+                           "--targets", "y"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("hpctrain: error: c.npz: cannot read it as an .npz of numeric arrays: BadZipFile")
+    assert not os.path.exists(tmp_path / "c.h5")

@@ -42,7 +42,12 @@ def inspect(path: str) -> tuple[str, bool]:
         try:
             _inspect_file(f, path, lines, problems)
         except H5_ERRORS as e:
-            problems.append(f"the file is damaged: {e}")
+            problems.append(f"the file is damaged: {shown(e)}")
+        except CheckpointError as e:
+            problems.append(str(e))
+        except Exception as e:  # noqa: BLE001 - inspect reports, never raises: a damage nobody foresaw
+            problems.append(f"the file could not be read further: {type(e).__name__}: {shown(e)}")
+    problems = list(dict.fromkeys(problems))  # a shard refused for params and again for each slot: once
     for p in problems:
         lines.append(f"  problem: {p}")
     lines.append("result: OK, every checksum verifies" if not problems else f"result: FAILED ({len(problems)} problem(s))")

@@ -29,18 +29,19 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from concurrent.futures import ThreadPoolExecutor
 
 import h5py
 import numpy as np
 
 from . import format as fmt
-from .._files import H5_ERRORS, regular_file, shown, storage_problem
+from .._files import H5_ERRORS, regular_file, replace_file, shown, storage_problem
 from ..errors import CheckpointError
 from .pieces import Piece, local_matrix, matches, segments, strided
 
 __all__ = ["SHARD_FORMAT", "BLOCK", "new_set_id", "set_dir_name", "shard_name", "write_shard", "write_index",
-           "open_set", "read_pieces", "close_all", "shard_entries", "set_dir_of", "remove_set", "clean_orphans", "SetIndex"]
+           "open_set", "read_pieces", "close_all", "shard_entries", "set_dir_of", "owned_set", "owned_set_dir", "remove_set", "clean_orphans", "SetIndex"]
 
 SHARD_FORMAT = "hpctrain-checkpoint-shard"
 VERSION = 3
@@ -172,7 +173,7 @@ def write_index(directory: str, state, *, set_id: str, shards: list[str], entrie
             fmt.set_attr(ds.attrs, fmt.DIGEST, hashlib.sha256(text.tobytes()).hexdigest())
             _write_virtual(f, folder, shards, entries, manifest["labels"], layout)
         fmt.fsync_file(tmp)
-        os.replace(tmp, final)
+        replace_file(tmp, final, f"cannot commit checkpoint {final}", CheckpointError)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -292,7 +293,8 @@ def open_set(path: str, f: h5py.File, state, layout) -> SetIndex:
         block = m["block"]
     except (ValueError, KeyError, TypeError):
         raise CheckpointError(f"checkpoint {path}: /manifest is not the JSON hpctrain writes") from None
-    problem = _manifest_problem(m, folder, shards, labels, entries, block, set_id, state)
+    problem = (_manifest_problem(m, folder, shards, labels, entries, block, set_id, state)
+               or _count_problem(f, path, shards, state))
     if problem:
         raise CheckpointError(f"checkpoint {path}: {problem}")
     base = os.path.dirname(os.path.abspath(path))
@@ -338,6 +340,20 @@ def _manifest_problem(m, folder, shards, labels, entries, block, set_id, state) 
     return ""
 
 
+def _count_problem(f, path, shards, state) -> str:
+    """'' when the index's ``shards`` attribute counts the manifest's shards and each is a rank of the run's
+    ``world_size`` (once): the attributes and the manifest describe the same set."""
+    count = fmt.int_attr(f.attrs, "shards", path)
+    if count != len(shards):
+        return f"its shards attribute says {count} shard(s), its manifest lists {len(shards)}"
+    ranks = [int(_SHARD_RE.match(s).group(1)) for s in shards]
+    world = int(state.layout["world_size"])
+    if len(set(ranks)) != len(ranks) or max(ranks, default=0) >= world:
+        return (f"its manifest lists shards {shown(repr(shards))[:120]}, which are not distinct ranks of its "
+                f"world_size {world}")
+    return ""
+
+
 def _coverage_problem(pieces, spec) -> str:
     """'' when ``pieces`` cover the tensor exactly once, else why not."""
     if not pieces:
@@ -379,21 +395,24 @@ def _open_shard(index: SetIndex, shard: int, opened: dict):
                               "checkpoint's shards live in its own folder beside the index")
     regular_file(path, f"shard {path} of checkpoint {index.path}", CheckpointError, follow=False)  # never a FIFO
     f = fmt.open_read(path, "checkpoint shard")
-    opened[shard] = (f, None, None)
-    try:
-        fmt_name = fmt.decode_attr(f.attrs.get("format"))
-        theirs = fmt.decode_attr(f.attrs.get("set_id"))
-    except H5_ERRORS as e:
-        raise CheckpointError(f"shard {path} is damaged: {shown(e)}") from None
-    if fmt_name != SHARD_FORMAT:
-        raise CheckpointError(f"shard {path} is not an hpctrain checkpoint shard")
-    if theirs != index.set_id:
-        raise CheckpointError(f"shard {path} belongs to another checkpoint (set {shown(theirs)}, the index names "
-                              f"set {index.set_id})")
-    try:
-        opened[shard] = (f,) + _shard_data(f, path)
-    except H5_ERRORS as e:
-        raise CheckpointError(f"shard {path} is damaged: {shown(e)}") from None
+    try:  # cached only once every check passed: a refused shard is refused again by the next read, never used
+        try:
+            fmt_name = fmt.decode_attr(f.attrs.get("format"))
+            theirs = fmt.decode_attr(f.attrs.get("set_id"))
+        except H5_ERRORS as e:
+            raise CheckpointError(f"shard {path} is damaged: {shown(e)}") from None
+        if fmt_name != SHARD_FORMAT:
+            raise CheckpointError(f"shard {path} is not an hpctrain checkpoint shard")
+        if theirs != index.set_id:
+            raise CheckpointError(f"shard {path} belongs to another checkpoint (set {shown(theirs)}, the index "
+                                  f"names set {index.set_id})")
+        try:
+            opened[shard] = (f,) + _shard_data(f, path)
+        except H5_ERRORS as e:
+            raise CheckpointError(f"shard {path} is damaged: {shown(e)}") from None
+    except BaseException:
+        f.close()
+        raise
     return opened[shard][1:]
 
 
@@ -501,15 +520,93 @@ def set_dir_of(index_path: str) -> str | None:
     return os.path.join(os.path.dirname(index_path), set_dir_name(step, set_id))
 
 
-def remove_set(index_path: str) -> None:
-    """Remove a checkpoint: its index first (the set is gone at once), then its shards' folder if any."""
-    folder = set_dir_of(index_path)
+def owned_set(index_path: str) -> tuple[str | None, str]:
+    """``(shards' folder or None, "")`` when the checkpoint at ``index_path`` is one hpctrain may remove: its
+    name is ``ckpt-<step>.h5``, its ``step`` attribute that step and, for a sharded set, its ``set_id`` and its
+    manifest's folder name ``ckpt-<step>.<set id>.shards`` beside it, a real folder holding only shard files
+    (None: a single file, nothing else to remove). Else ``(None, why not)``: a copy of another step's index
+    saved under this name would otherwise have its removal take that step's shards."""
+    name = os.path.basename(index_path)
+    m = re.match(r"^ckpt-(\d{8,})\.h5$", name)
+    if not m:
+        return None, "its name is not ckpt-<step>.h5"
+    try:
+        st = os.lstat(index_path)
+    except OSError as e:
+        return None, f"it cannot be read ({e.strerror or e})"
+    if not stat.S_ISREG(st.st_mode):  # never opened: a FIFO would block
+        return None, "it is not a regular file"
+    try:
+        with h5py.File(index_path, "r", locking=False) as f:
+            set_id = fmt.decode_attr(f.attrs.get("set_id"))
+            step = fmt.decode_attr(f.attrs.get("step"))
+            ds = f.get("manifest") if set_id is not None else None
+            raw = ds[()] if isinstance(ds, h5py.Dataset) and ds.dtype == np.uint8 and ds.ndim == 1 else None
+    except (OSError, *H5_ERRORS) as e:
+        return None, f"it cannot be read ({' '.join(shown(e).split())})"
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step != int(m.group(1)):
+        return None, (f"its step attribute is {shown(repr(step))[:40]}, not the {int(m.group(1))} of its name "
+                      "(a copy or a renamed file)")
+    if set_id is None:
+        return None, ""  # a single-file checkpoint: the file is all there is
+    if not isinstance(set_id, str) or not _SET_ID_RE.match(set_id):
+        return None, f"its set_id {shown(repr(set_id))[:40]} is not 16 hex digits"
+    folder = set_dir_name(int(step), set_id)
+    try:
+        manifest_folder = json.loads(raw.tobytes().decode("utf-8"))["folder"] if raw is not None else None
+    except (ValueError, KeyError, TypeError):
+        manifest_folder = None
+    if manifest_folder != folder:
+        return None, f"its manifest does not name the shards' folder {folder} (damaged, or another set's)"
+    path = os.path.join(os.path.dirname(index_path), folder)
+    if os.path.islink(path):
+        return None, f"its shards' folder {folder} is a symbolic link"
+    if not os.path.lexists(path):
+        return None, f"its shards' folder {folder} does not exist"
+    if not os.path.isdir(path):
+        return None, f"its shards' folder {folder} is not a folder"
+    foreign = _foreign(path)
+    if foreign:
+        return None, f"its shards' folder {folder} holds {shown(foreign)}, which is no shard of a set"
+    return path, ""
+
+
+def _foreign(folder: str) -> str:
+    """The first entry of a set's folder that is not a shard file hpctrain writes (``rank-<n>.h5``), or ''."""
+    try:
+        with os.scandir(folder) as entries:
+            for e in entries:
+                if not _SHARD_RE.match(e.name) or not e.is_file(follow_symlinks=False):
+                    return e.name
+    except OSError as e:
+        return f"an unreadable listing ({e.strerror or e})"
+    return ""
+
+
+def owned_set_dir(index_path: str) -> str | None:
+    """The shards' folder of the set at ``index_path`` when ``owned_set`` finds it ours, else None."""
+    return owned_set(index_path)[0] if os.path.lexists(index_path) else None
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def remove_set(index_path: str, log=None) -> bool:
+    """Remove a checkpoint: its index first (the set is gone at once), then its shards' folder if any; only when
+    ``owned_set`` finds name, step, set id and folder in agreement. Else both stay, with one ``log`` line; False."""
+    folder, problem = owned_set(index_path)
+    if problem:
+        (log or _say)(f"checkpoint: left {index_path} in place, not removed: {problem}; hpctrain removes only "
+                      "checkpoints whose name, step, set id and shards' folder agree")
+        return False
     try:
         os.unlink(index_path)
     except FileNotFoundError:
         pass
-    if folder and os.path.isdir(folder) and not os.path.islink(folder):
+    if folder:
         shutil.rmtree(folder, ignore_errors=True)
+    return True
 
 
 def clean_orphans(directory: str, keep: str = "") -> list[str]:
@@ -528,7 +625,7 @@ def clean_orphans(directory: str, keep: str = "") -> list[str]:
         if any(n == index or n.startswith(index + ".skipped") for n in names):
             continue
         path = os.path.join(directory, name)
-        if os.path.isdir(path) and not os.path.islink(path):
+        if os.path.isdir(path) and not os.path.islink(path) and not _foreign(path):  # only shards: ours
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import format as fmt
 from . import sharded
+from .._files import replace_file
 from ..errors import CheckpointError
 from ..layer_kinds import plugin_modules
 from .state import CheckpointState, check_slot_names, nonfinite, value_problem
@@ -24,7 +25,7 @@ from .state import CheckpointState, check_slot_names, nonfinite, value_problem
 __all__ = ["save_checkpoint", "write_single_file", "save_weights", "retain", "write_root_attrs", "checked_arrays"]
 
 
-def save_checkpoint(directory: str, state: CheckpointState, *, keep: int) -> str:
+def save_checkpoint(directory: str, state: CheckpointState, *, keep: int, log=None) -> str:
     """Write ``<directory>/ckpt-<step:08d>.h5`` atomically, then keep only the ``keep`` newest checkpoints.
 
     Returns the path. Stale temp files of killed writers are removed first. An
@@ -44,7 +45,7 @@ def save_checkpoint(directory: str, state: CheckpointState, *, keep: int) -> str
     _write_file(final, state, arrays)
     try:
         fmt.fsync_dir(directory)
-        retain(directory, keep, final)
+        retain(directory, keep, final, log)
     except OSError as e:
         raise CheckpointError(f"checkpoint {final} was written, but pruning old checkpoints failed: {e}") from None
     return final
@@ -69,8 +70,8 @@ def _write_file(final: str, state: CheckpointState, arrays) -> None:
                 optim.create_group(slot, track_order=True)
             fmt.write_datasets(f, arrays)
         fmt.fsync_file(tmp)
-        replaced = sharded.set_dir_of(final) if os.path.exists(final) else None
-        os.replace(tmp, final)
+        replaced = sharded.owned_set_dir(final)
+        replace_file(tmp, final, f"cannot write checkpoint {final}", CheckpointError)
         if replaced:  # a sharded set of the same step, now named by no index
             shutil.rmtree(replaced, ignore_errors=True)
     except BaseException as e:
@@ -161,14 +162,21 @@ def write_root_attrs(f: h5py.File, state: CheckpointState, version: int = fmt.SI
     fmt.set_attr(a, fmt.ATTRS_DIGEST, fmt.attrs_digest(a))
 
 
-def retain(directory: str, keep: int, newest: str) -> None:
-    """Delete the oldest checkpoints below ``newest``'s step until ``keep`` remain, whole sets; never a newer one."""
+def retain(directory: str, keep: int, newest: str, log=None) -> None:
+    """Delete the oldest checkpoints below ``newest``'s step until ``keep`` remain, whole sets; never a newer one,
+    and never one whose name, step, set id and shards' folder disagree (``sharded.remove_set``: one ``log`` line)."""
     found = fmt.list_checkpoints(directory)
     step = next((s for s, p in found if os.path.abspath(p) == os.path.abspath(newest)), None)
-    older = [p for s, p in found if step is not None and s < step]
+    older = []
+    for s, p in found:
+        if step is not None and s < step:
+            if sharded.owned_set(p)[1]:
+                sharded.remove_set(p, log)  # refuses, with its one line; it does not count towards keep
+            else:
+                older.append(p)
     doomed = older[: max(0, len(older) - (keep - 1))]
     for path in doomed:
-        sharded.remove_set(path)  # the index, then a sharded set's folder
+        sharded.remove_set(path, log)  # the index, then a sharded set's folder
     if doomed:
         fmt.fsync_dir(directory)
 
@@ -184,7 +192,7 @@ def save_weights(path: str, params: dict[str, np.ndarray]) -> None:
             for name, arr in params.items():
                 group.create_dataset(name, data=np.asarray(arr, dtype=np.float32), fletcher32=True)
         fmt.fsync_file(tmp)
-        os.replace(tmp, path)
+        replace_file(tmp, path, f"cannot write weights {path}", CheckpointError)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -429,7 +429,8 @@ class AsyncTrainer:
             lo, hi = self.ranges[self.servers_comm.Get_rank()]
             for label, buf in [("params", self.params)] + list(self.optim.slots.items()):
                 items += [(label, p, buf.data[p.at : p.at + p.size]) for p in range_pieces(layout, lo, hi)]
-        path = save_pieces(comm, state, items, directory=cfg.checkpoint.dir, layout=layout, keep=cfg.checkpoint.keep)
+        path = save_pieces(comm, state, items, directory=cfg.checkpoint.dir, layout=layout, keep=cfg.checkpoint.keep,
+                           log=log or self.log)
         (log or self.log)(f"checkpoint {path} written")
 
     def _vocabulary(self) -> str:

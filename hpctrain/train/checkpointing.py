@@ -127,7 +127,8 @@ class Checkpointer:
             thread.join()
         t = self.t
         path = commit_set(self.mesh.world, t.cfg.checkpoint.dir, state, set_id=set_id, manifest=manifest,
-                          error=outcome.get("error"), layout=t.model.layout, keep=t.cfg.checkpoint.keep)
+                          error=outcome.get("error"), layout=t.model.layout, keep=t.cfg.checkpoint.keep,
+                          log=t.log)
         self.last_path = path
         total = time.perf_counter() - t0
         t.log(f"checkpoint {path} written in {total:.2f} s" + (f" (training went on after a {snap:.2f} s snapshot)"
@@ -138,7 +139,7 @@ class Checkpointer:
 # --------------------------------------------------------------------------- a set, whoever writes it
 
 
-def save_pieces(world, state, items, *, directory: str, layout, keep: int) -> str:
+def save_pieces(world, state, items, *, directory: str, layout, keep: int, log=None) -> str:
     """Collective over ``world``: a sharded checkpoint of ``state`` (root attributes) in which each rank writes
     its ``items`` ``(label, Piece, values)`` (none: no shard), in the foreground; its index path on rank 0.
     What the parameter server's servers save (their ranges); a Trainer's ``Checkpointer`` uses the same steps."""
@@ -148,7 +149,7 @@ def save_pieces(world, state, items, *, directory: str, layout, keep: int) -> st
     outcome = {}
     _write_shard(folder, world.Get_rank(), state.step, set_id, items, False, outcome)
     return commit_set(world, directory, state, set_id=set_id, manifest=manifest, error=outcome.get("error"),
-                      layout=layout, keep=keep)
+                      layout=layout, keep=keep, log=log)
 
 
 def start_set(world, directory: str, step: int) -> tuple[str, str]:
@@ -197,7 +198,7 @@ def _write_shard(folder, rank, step, set_id, items, background, outcome) -> None
     outcome["done"] = True
 
 
-def commit_set(world, directory: str, state, *, set_id: str, manifest, error, layout, keep: int) -> str:
+def commit_set(world, directory: str, state, *, set_id: str, manifest, error, layout, keep: int, log=None) -> str:
     """Collective: once every rank's ``error`` is known (any one ends the save on all ranks alike), world rank 0
     writes the index over the ranks' ``manifest`` entries, renames it into place and applies retention."""
     bad, error = agree_error(world, error)
@@ -215,14 +216,14 @@ def commit_set(world, directory: str, state, *, set_id: str, manifest, error, la
                 shards.append(sharded.shard_name(rank))
         try:
             final = os.path.join(directory, fmt.checkpoint_name(state.step))
-            replaced = sharded.set_dir_of(final) if os.path.exists(final) else None
+            replaced = sharded.owned_set_dir(final)  # a set of the same step, replaced: its folder, if ours
             path = sharded.write_index(directory, state, set_id=set_id, shards=shards, entries=entries,
                                        layout=layout, write_attrs=write_root_attrs)
             if replaced and os.path.basename(replaced) != sharded.set_dir_name(state.step, set_id):
                 import shutil
 
                 shutil.rmtree(replaced, ignore_errors=True)
-            retain(directory, keep, path)
+            retain(directory, keep, path, log=log)
         except HpctrainError:
             raise
         except Exception as e:  # OSError, or anything else: one message on every rank, none left waiting

@@ -197,3 +197,53 @@ def test_a_column_split_that_fails_verification_on_one_rank_falls_back_to_the_pr
     if comm.rank == 0:
         assert any(line.startswith("resume: skipping ckpt-00000004.h5:") and "digest differs" in line for line in lines)
     comm.Barrier()
+
+
+def test_pruning_on_the_world_leaves_a_renamed_copy_and_the_shards_it_names(comm, data, shared_dir):
+    """Issue 52: a copy of step 4's index saved as ckpt-00000001.h5 made pruning "step 1" remove step 4's
+    shards; now it is left in place with one line, and every set hpctrain owns is pruned whole."""
+    import shutil
+
+    ck = f"{shared_dir}/ck"
+    t = Trainer(job(data, ck, comm, zero=1, steps=4), log=lambda *a: None)
+    t.run()
+    t.close()
+    if comm.rank == 0:
+        shutil.copy(f"{ck}/ckpt-00000004.h5", f"{ck}/ckpt-00000001.h5")
+    comm.Barrier()
+    lines = []
+    t = Trainer(job(data, ck, comm, zero=1, steps=6), log=lines.append)
+    try:
+        t.run()
+        layout = t.model.layout
+    finally:
+        t.close()
+    if comm.rank == 0:
+        assert any(line.startswith(f"checkpoint: left {ck}/ckpt-00000001.h5 in place, not removed: its step "
+                                   "attribute is 4, not the 1 of its name") for line in lines), lines
+        from hpctrain.checkpoint import load_checkpoint
+
+        # the copy is no checkpoint of hpctrain's: keep = 3 counts steps 2, 4 and 6, and the copy still reads
+        assert [s for s, _ in list_checkpoints(ck)] == [1, 2, 4, 6]
+        assert load_checkpoint(f"{ck}/ckpt-00000001.h5", layout).step == 4
+    comm.Barrier()
+
+
+def test_a_fifo_at_the_index_name_is_never_replaced(comm, data, shared_dir):
+    """A FIFO where rank 0 commits an index: one agreed error on every rank, the FIFO left as it was."""
+    import stat
+
+    ck = f"{shared_dir}/ck"
+    t = Trainer(job(data, ck, comm, steps=2), log=lambda *a: None)
+    try:
+        if comm.rank == 0:
+            os.mkfifo(f"{ck}/ckpt-00000002.h5")
+        comm.Barrier()
+        with pytest.raises((CheckpointError, QuietExit)) as e:
+            t.run()
+        if comm.rank == 0:
+            assert "ckpt-00000002.h5: it is a FIFO (named pipe), not a regular file" in str(e.value)
+    finally:
+        t.close()
+    assert stat.S_ISFIFO(os.lstat(f"{ck}/ckpt-00000002.h5").st_mode)
+    comm.Barrier()

@@ -352,7 +352,8 @@ def _data(args) -> int:
     from ._files import check_replaceable
     from .text import text_to_h5
 
-    check_replaceable(args.output, f"cannot write {args.output}", DataError)  # never a device or FIFO, --force or not
+    what = "the token file" if args.data_command in ("text2h5", "bin2h5") else "the data file"
+    check_replaceable(args.output, f"cannot write {what} {args.output}", DataError)  # never a device or a FIFO
     if os.path.exists(args.output):
         if os.path.exists(args.input) and os.path.samefile(args.input, args.output):
             raise DataError(f"{args.output} is the input file itself")

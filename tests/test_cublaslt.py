@@ -405,9 +405,16 @@ def test_missing_nvmath_is_one_clear_line(monkeypatch):
     assert reason.startswith("cuBLASLt needs nvmath-python") and "\n" not in reason
 
 
+class ProtocolStream:
+    def __cuda_stream__(self):
+        return (0, 0xDEF0)
+
+
 def test_stream_pointer():
     assert cublaslt.stream_pointer(None) == 0 and cublaslt.stream_pointer(5) == 5
-    assert cublaslt.stream_pointer(FakeStream()) == 0xABC0
+    assert cublaslt.stream_pointer(FakeStream()) == 0xABC0 and cublaslt.stream_pointer(ProtocolStream()) == 0xDEF0
+    with pytest.raises(BackendError, match="expected a CUDA stream, got str"):
+        cublaslt.stream_pointer("default")
 
 
 # --------------------------------------------------------------------------- 3. the real bindings

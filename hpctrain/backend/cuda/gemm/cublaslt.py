@@ -216,13 +216,18 @@ def device_pointer(x) -> int:
 
 
 def stream_pointer(stream) -> int:
-    """A cudaStream_t as an int: an int as it is, a numba stream's handle, 0 (the default stream) for None."""
+    """A cudaStream_t as an int: an int as it is, 0 (the default stream) for None, else the CUDA stream
+    protocol's ``__cuda_stream__()`` (numba-cuda's Stream, CuPy's, PyTorch's) or ``int(stream.handle)``."""
     if stream is None:
         return 0
     if isinstance(stream, (int, np.integer)):
         return int(stream)
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
     handle = getattr(stream, "handle", None)
-    value = getattr(handle, "value", handle)
+    if handle is None:
+        raise BackendError(f"cublaslt: expected a CUDA stream, got {type(stream).__name__}")
+    value = getattr(handle, "value", handle)  # a ctypes c_void_p (older numba) or a driver handle
     return int(value or 0)
 
 
@@ -316,8 +321,9 @@ class Cublaslt:
         desc = lt.matmul_desc_create(lib.compute_type[call.compute], lib.data_type.CUDA_R_32F)
         layouts = []
         try:
-            setd = lambda at, v: self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype,  # noqa: E731
-                                           desc, at, v)
+            def setd(at, v):
+                self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, desc, at, v)
+
             op = lambda t: 1 if t == "T" else 0  # noqa: E731  (cublasOperation_t: N 0, T 1)
             setd(D.TRANSA, op(call.transa))
             setd(D.TRANSB, op(call.transb))
@@ -332,8 +338,9 @@ class Cublaslt:
                         self._set(lt.matrix_layout_set_attribute, lt.get_matrix_layout_attribute_dtype, handle,
                                   at, v)
             pref = lt.matmul_preference_create()
-            setp = lambda at, v: self._set(lt.matmul_preference_set_attribute,  # noqa: E731
-                                           lt.get_matmul_preference_attribute_dtype, pref, at, v)
+            def setp(at, v):
+                self._set(lt.matmul_preference_set_attribute, lt.get_matmul_preference_attribute_dtype, pref, at, v)
+
             setp(P.MAX_WORKSPACE_BYTES, self.workspace_bytes)
             setp(P.REDUCTION_SCHEME_MASK, int(lt.ReductionScheme.MASK) & ~int(lt.ReductionScheme.INPLACE))
             # cuBLASLt's first operand is the row-major B, its second the row-major A

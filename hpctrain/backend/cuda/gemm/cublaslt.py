@@ -291,10 +291,11 @@ class Cublaslt:
             self._set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, prep.matmul_desc,
                       attr.EPILOGUE_AUX_POINTER, ptrs["aux"])
         la, lb, lc = prep.layouts
+        sp = stream_pointer(stream)
         try:  # cuBLASLt's A is the row-major B (module docstring); C and D are one buffer
             lt.matmul(self._handle, prep.matmul_desc, prep.alpha.ctypes.data, ptrs["b"], la, ptrs["a"], lb,
                       prep.beta.ctypes.data, ptrs["c"], lc, ptrs["c"], lc, prep.heuristic.ctypes.data,
-                      self._workspace_ptr, self.workspace_bytes, stream_pointer(stream))
+                      self._workspace_ptr, self.workspace_bytes, sp)
         except Exception as e:
             raise BackendError(f"cuBLASLt matmul {_describe(req)} failed: {_first_line(e)}") from None
 

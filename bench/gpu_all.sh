@@ -5,6 +5,8 @@
 #
 # 1. the CUDA sub-suite on the GPU, not simulated (HPCTRAIN_SUBSUITE=cuda, NUMBA_ENABLE_CUDASIM unset);
 # 2. the library GEMM against cuBLAS SGEMM (TF32 off) at 1024², 2048², 4096² and gpt-char's shapes (bench_cuda_gemm.py);
+# 2b. the cuBLASLt provider in fp32, tf32 and bf16 against the numba GEMM and PyTorch/CuPy at 4096² and
+#     nanoGPT's shapes (bench_cublaslt.py, step cublaslt);
 # 3. the GEMM variants' own sweeps (bench/history/cuda_gemm_3_regblock.py, bench/history/cuda_gemm_4_pipelined.py);
 # 4. one MLP training step against PyTorch (bench/bench_cuda_step.py, batch 1024, hidden 4096);
 # 5. one GPT training step against PyTorch (bench/bench_gpt.py --backend cuda): gpt-char's shape (gpt_step),
@@ -46,7 +48,7 @@ PY
 # STEPS picks and orders the steps, each NAME or NAME:SECONDS (its own timeout), e.g. for a short lease:
 #     STEPS="gpt_step:120 gpt_nanogpt:150 cuda_suite:240" bash bench/gpu_all.sh $OUT/gpu
 # PYTEST_ARGS adds to the suite's pytest line (e.g. "-n 8" where pytest-xdist is there, to compile in parallel).
-all_steps="cuda_suite gemm_vs_cublas gemm_variant_3 gemm_variant_4 mlp_step gpt_step gpt_nanogpt gpt_dropout gpt_flash sass_report"
+all_steps="cuda_suite gemm_vs_cublas cublaslt gemm_variant_3 gemm_variant_4 mlp_step gpt_step gpt_nanogpt gpt_dropout gpt_flash sass_report"
 ran=""
 read -ra pytest_extra <<<"${PYTEST_ARGS:-}"
 for spec in ${STEPS:-$all_steps}; do
@@ -56,6 +58,7 @@ for spec in ${STEPS:-$all_steps}; do
     case "$name" in
         cuda_suite) cmd=(env HPCTRAIN_SUBSUITE=cuda "$py" -m pytest -q -p no:cacheprovider -rf "${pytest_extra[@]}" tests/cuda) ;;
         gemm_vs_cublas) cmd=("$py" bench/bench_cuda_gemm.py --shapes gpt-char) ;;
+        cublaslt) cmd=("$py" bench/bench_cublaslt.py) ;;
         gemm_variant_3) cmd=("$py" bench/history/cuda_gemm_3_regblock.py --tiles "128,128,8,8,8" --sizes 4096) ;;
         gemm_variant_4) cmd=("$py" bench/history/cuda_gemm_4_pipelined.py) ;;
         mlp_step) cmd=("$py" bench/bench_cuda_step.py) ;;
@@ -81,6 +84,7 @@ done
     row() { case " $ran " in *" $1 "*) echo "| $1 | $(cat "$out/$1.rc") | $2 |" ;; esac; }
     row cuda_suite "$(grep -E '[0-9]+ (passed|failed)' "$out/cuda_suite.log" | tail -1)"
     row gemm_vs_cublas "$(grep -E '^target|library/cuBLAS' "$out/gemm_vs_cublas.log" | grep -E 'target|4096' | tr '\n' ';')"
+    row cublaslt "$(grep -E '^(summary|FAIL|bench_cublaslt:.*nothing)' "$out/cublaslt.log" | tr '\n' ';')"
     row gemm_variant_3 "$(grep -E 'M=N=K= *4096' "$out/gemm_variant_3.log" | tr '\n' ';')"
     row gemm_variant_4 "$(grep -E 'M=N=K= *4096' "$out/gemm_variant_4.log" | tr '\n' ';')"
     row mlp_step "$(grep -E '^(MLP|PyTorch|target)' "$out/mlp_step.log" | tr '\n' ';')"

@@ -20,6 +20,7 @@ case "$*" in
   *pytest*tests/cuda*) echo "157 passed, 3 skipped in 9.0s";;
   *bench_cuda_gemm.py*) echo "nt  M=N=K= 4096  library 10.0 ms   cuBLAS 6.0 ms   library/cuBLAS  60.0 %"
                         echo "target library >= 50 % of cuBLAS SGEMM at 4096² (nt): 60.0 % -> met";;
+  *bench_cublaslt.py*) echo "summary cuBLASLt bf16 4096² nt: 600.0 TFLOP/s, 0.98x PyTorch";;
   *cuda_gemm_3_regblock.py*) echo "regblock M=N=K= 4096  tile 128,128,8,8,8  30.000 ms";;
   *cuda_gemm_4_pipelined.py*) echo "pipelined M=N=K= 4096  tile 128,128,8,8,8  12.000 ms";;
   *bench_cuda_step.py*) echo "MLP 1024-4096-4096-10 batch 1024 adamw: hpctrain 9.00 ms/step"
@@ -42,9 +43,10 @@ def test_gpu_all_runs_every_step_and_writes_one_table(tmp_path):
     table = (out / "summary.md").read_text()
     assert "on Fake GPU compute capability (9, 0)" in table
     rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ") and "---" not in line}
-    assert set(rows) == {"step", "cuda_suite", "gemm_vs_cublas", "gemm_variant_3", "gemm_variant_4", "mlp_step",
-                         "gpt_step", "gpt_nanogpt", "gpt_dropout", "gpt_flash", "sass_report"}
+    assert set(rows) == {"step", "cuda_suite", "gemm_vs_cublas", "cublaslt", "gemm_variant_3", "gemm_variant_4",
+                         "mlp_step", "gpt_step", "gpt_nanogpt", "gpt_dropout", "gpt_flash", "sass_report"}
     assert "157 passed" in rows["cuda_suite"] and "60.0 % -> met" in rows["gemm_vs_cublas"]
+    assert "600.0 TFLOP/s, 0.98x PyTorch" in rows["cublaslt"]
     assert "12.000 ms" in rows["gemm_variant_4"] and "1.50x -> met" in rows["mlp_step"]
     assert "| 3 |" in rows["gpt_step"] and "0.80" in rows["gpt_step"] and "| 0 |" in rows["sass_report"]
     assert (out / "gpt_step.log").read_text().count("exit 3") == 1

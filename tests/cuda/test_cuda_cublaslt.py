@@ -1,0 +1,78 @@
+"""The cuBLASLt provider on a real GPU: the cases tests/test_cublaslt.py proves against its emulator, run by the
+real library (the same buffers, reference and checks: padding untouched, bias and aux where the epilogue writes
+them), and the same bits from a repeated call.
+
+Skipped with the reason where cuBLASLt cannot load (no nvmath-python, no libcublasLt: pip install
+'hpctrain[cuda]'); bench/bench_cublaslt.py prints the same reason in bench/gpu_all.sh's table.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+from cudatest import needs_gpu
+from numba import cuda
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the CPU-side proof
+from cublaslt_load import cublaslt  # noqa: E402
+from test_cublaslt import Req, run_case  # noqa: E402
+
+pytestmark = needs_gpu("cuBLASLt runs on a device; the simulator has none")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    reason = cublaslt.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with cublaslt.Cublaslt() as lib:
+        yield lib
+
+
+def on_device(lib, req, stream):
+    """An ``emulate`` for run_case that copies the host buffers to the GPU, runs cuBLASLt and copies back."""
+    def run(call, b, a, c, bias=None, aux=None):
+        dev = {}
+        for name, x in (("a", a), ("b", b), ("c", c), ("bias", bias), ("aux", aux)):
+            if x is not None:
+                dev[name] = cuda.to_device(x.view(np.uint16) if x.dtype.itemsize == 2 else x, stream=stream)
+        lib.gemm(req, stream=stream, **dev)
+        for name, x in (("c", c), ("bias", bias), ("aux", aux)):
+            if x is not None and name in dev:
+                host = dev[name].copy_to_host(stream=stream)
+                stream.synchronize()
+                x[...] = host.view(x.dtype)
+    return run
+
+
+CASES = [Req(op, 37, 45, 29, precision=p) for op in cublaslt.OPS for p in ("fp32", "tf32", "bf16")] + [
+    Req("nt", 37, 45, 29, precision="bf16", out="fp32"),
+    Req("tn", 33, 40, 300, accumulate=True, alpha=0.5),
+    Req("nn", 19, 24, 31, lda=40, ldb=32, ldc=32),
+    Req("nt", 16, 24, 32, batch=12, stride_a=16 * 32 + 8, stride_b=24 * 32, stride_c=16 * 24 + 8),
+    Req("tn", 16, 24, 32, precision="bf16", batch=6, stride_a=32 * 16, stride_b=32 * 24, stride_c=16 * 24),
+] + [Req(op, 64, 96, 48, precision=p, epilogue=e) for e, op in (("bias", "nt"), ("gelu_aux_bias", "nt"),
+                                                                  ("dgelu", "nn"), ("bgradb", "tn"))
+     for p in ("fp32", "bf16")]
+
+
+@pytest.mark.parametrize("req", CASES, ids=lambda r: f"{r.op}-{r.precision}-{r.epilogue}-b{r.batch}")
+def test_cublaslt_matches_the_row_major_reference(lib, req):
+    run_case(req, seed=1, emulate=on_device(lib, req, cuda.stream()))
+
+
+def test_cublaslt_repeats_bitwise(lib):
+    """One algorithm per shape, no in-place split-K: a long-K weight gradient gives the same bits every call."""
+    rng = np.random.default_rng(0)
+    K, M, N = 8192, 256, 192
+    da, db = (cuda.to_device(rng.standard_normal((K, n)).astype(np.float32)) for n in (M, N))
+    dc = cuda.device_array((M, N), np.float32)
+    req = Req("tn", M, N, K, precision="tf32")
+    queries = lib.heuristic_queries
+    results = []
+    for _ in range(3):
+        lib.gemm(req, a=da, b=db, c=dc)
+        results.append(dc.copy_to_host())
+    assert lib.heuristic_queries == queries + 1
+    assert all(np.array_equal(results[0], r) for r in results[1:])

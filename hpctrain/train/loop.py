@@ -289,7 +289,7 @@ class Trainer:
             layout=dict(mesh.layout), params={}, optim_name=self.optim.name,
             optim_step=self.optim.step_count, slots={slot: {} for slot in self.optim.slots},
             rng={"data_seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "init_seed": cfg.train.seed},
-            vocabulary=getattr(self.data, "vocabulary", ""),
+            vocabulary=getattr(self.data, "vocabulary", ""), tokenizer=getattr(self.data, "tokenizer", ""),
             data_fingerprint=self.data.fingerprint() if self.rank0 else "")  # taken at start-up (load_start)
         path = self.saver.save(state, background=background)
         return path if self.rank0 else ""

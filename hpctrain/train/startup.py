@@ -313,6 +313,12 @@ def check_resume(t, state, auto: bool, fingerprint: str, vocabulary: str) -> Non
                               f"{t.cfg.data.path} has {_chars(vocabulary)}: its token ids would mean other "
                               "characters; train on a token file made with the checkpoint's vocabulary, or give "
                               "this run a new checkpoint.dir")
+    tokenizer = getattr(t.data, "tokenizer", "")
+    if state.tokenizer and tokenizer and state.tokenizer != tokenizer:
+        raise CheckpointError(f"{state.path} was written for the tokenizer {state.tokenizer} and "
+                              f"{t.cfg.data.path} was tokenized with {tokenizer}: its token ids would mean other "
+                              "tokens; train on a token file of the checkpoint's tokenizer, or give this run a new "
+                              "checkpoint.dir")
     if auto:
         changed = changed_settings(state.config_text, t.cfg, data=(state.data_fingerprint, fingerprint))
         problem = resume_problem(state.path, changed, t.cfg.checkpoint.allow_changed)

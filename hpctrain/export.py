@@ -70,15 +70,21 @@ def export(path: str, out: str, fmt: str = "", force: bool = False) -> str:
                 f"{os.path.dirname(out) or '.'}")
     if fmt == "h5":
         ckpt.write_single_file(out, state)
-        return f"{out}: the whole checkpoint (step {state.step}) in one HDF5 file, format version 2"
+        version = ckpt.read_meta(out).version  # what the file says, as `hpctrain inspect` reads it
+        source = f" (the source, a sharded set, is version {meta.version})" if meta.version != version else ""
+        return (f"{out}: the whole checkpoint (step {state.step}) in one HDF5 file, format version {version}"
+                f"{source}")
     try:
         from safetensors.numpy import save_file
     except ImportError:
         raise ConfigError("export to safetensors needs the safetensors package: pip install 'hpctrain[export]'") \
             from None
     with replaced_atomically(out, f"export: cannot write {out}", CheckpointError) as tmp:
-        save_file(dict(state.params), tmp,
-                  metadata={"format": "pt", "hpctrain_step": str(state.step), "hpctrain_config": state.config_text})
+        tokens = {"hpctrain_tokenizer": state.tokenizer} if state.tokenizer else {}  # what decodes its ids
+        if state.vocabulary:
+            tokens["hpctrain_vocabulary"] = state.vocabulary
+        save_file(dict(state.params), tmp, metadata={"format": "pt", "hpctrain_step": str(state.step),
+                                                     "hpctrain_config": state.config_text, **tokens})
     n = sum(a.size for a in state.params.values())
     return f"{out}: {len(state.params)} tensors, {n:,} parameters (step {state.step}), safetensors"
 

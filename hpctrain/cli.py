@@ -118,11 +118,13 @@ def _parser():
                        formatter_class=RAW,
                        epilog=_epilog("hpctrain export runs/gpt-char/ckpt-00001500.h5 gpt.safetensors",
                                       "hpctrain export runs/gpt-char/ckpt-00001500.h5 out-gpt/ckpt.pt",
-                                      "hpctrain export runs/digits/ckpt-00000600.h5 digits-whole.h5"))
+                                      "hpctrain export runs/digits/ckpt-00000600.h5 digits-whole.h5",
+                                      "hpctrain export runs/gpt-char/ckpt-00001500.h5 gpt-hf --format hf"))
     x.add_argument("checkpoint", help="a checkpoint (ckpt-<step>.h5)")
-    x.add_argument("output", help="the file to write: .safetensors, .pt (nanoGPT) or .h5")
-    x.add_argument("--format", choices=("safetensors", "h5", "nanogpt"), default="",
-                   help="default: from the output's extension; safetensors needs pip install 'hpctrain[export]', "
+    x.add_argument("output", help="the file to write: .safetensors, .pt (nanoGPT) or .h5; the folder for --format hf")
+    x.add_argument("--format", choices=("safetensors", "h5", "nanogpt", "hf"), default="",
+                   help="default: from the output's extension; safetensors and hf (Hugging Face's GPT2LMHeadModel: "
+                        "model.safetensors + config.json in a folder) need pip install 'hpctrain[export]', "
                         "nanogpt needs torch")
     x.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     s = sub.add_parser("sample", help="print text a GPT checkpoint writes after a prompt", formatter_class=RAW,

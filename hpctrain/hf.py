@@ -45,7 +45,7 @@ def _biases(m) -> list[str]:
 def to_hf(params: dict, m) -> tuple[dict, dict]:
     """(tensors by GPT2LMHeadModel's names, config.json's dict) of a GPT's ``params`` (hpctrain names) and its
     ``[model]`` config ``m``."""
-    out = {name: (np.ascontiguousarray(a.T) if _conv1d(name) else np.ascontiguousarray(a)) for name, a in params.items()}
+    out = {name: np.ascontiguousarray(a.T if _conv1d(name) else a) for name, a in params.items()}
     if not m.bias:
         C = m.n_embd
         widths = {"ln_1": C, "attn.c_attn": 3 * C, "attn.c_proj": C, "ln_2": C, "mlp.c_fc": 4 * C, "mlp.c_proj": C}

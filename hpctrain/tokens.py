@@ -214,7 +214,7 @@ def bpe_from_attrs(info: dict, override: str = "", where: str = "") -> Bpe:
     spec = override or (info.get("file") if info.get("file") and os.path.isfile(info["file"]) else info["name"])
     bpe = load_bpe(spec)
     if info.get("sha256") and bpe.sha256 != info["sha256"]:
-        raise DataError(f"tokenizer {spec}: its ranks (sha256 {bpe.sha256[:12]}…) are not the ones {where or 'the data'} "
-                        f"was tokenized with ({info['name']}, sha256 {info['sha256'][:12]}…): its ids would mean other "
-                        "tokens")
+        raise DataError(f"tokenizer {spec}: its ranks (sha256 {bpe.sha256[:12]}…) are not the ones "
+                        f"{where or 'the data'} was tokenized with ({info['name']}, sha256 {info['sha256'][:12]}…): its "
+                        "ids would mean other tokens")
     return bpe

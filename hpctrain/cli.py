@@ -118,11 +118,13 @@ def _parser():
                        formatter_class=RAW,
                        epilog=_epilog("hpctrain export runs/gpt-char/ckpt-00001500.h5 gpt.safetensors",
                                       "hpctrain export runs/gpt-char/ckpt-00001500.h5 out-gpt/ckpt.pt",
-                                      "hpctrain export runs/digits/ckpt-00000600.h5 digits-whole.h5"))
+                                      "hpctrain export runs/digits/ckpt-00000600.h5 digits-whole.h5",
+                                      "hpctrain export runs/gpt-char/ckpt-00001500.h5 gpt-hf --format hf"))
     x.add_argument("checkpoint", help="a checkpoint (ckpt-<step>.h5)")
-    x.add_argument("output", help="the file to write: .safetensors, .pt (nanoGPT) or .h5")
-    x.add_argument("--format", choices=("safetensors", "h5", "nanogpt"), default="",
-                   help="default: from the output's extension; safetensors needs pip install 'hpctrain[export]', "
+    x.add_argument("output", help="the file to write: .safetensors, .pt (nanoGPT) or .h5; the folder for --format hf")
+    x.add_argument("--format", choices=("safetensors", "h5", "nanogpt", "hf"), default="",
+                   help="default: from the output's extension; safetensors and hf (Hugging Face's GPT2LMHeadModel: "
+                        "model.safetensors + config.json in a folder) need pip install 'hpctrain[export]', "
                         "nanogpt needs torch")
     x.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     s = sub.add_parser("sample", help="print text a GPT checkpoint writes after a prompt", formatter_class=RAW,
@@ -140,6 +142,9 @@ def _parser():
     s.add_argument("--no-cache", action="store_true", help="run the whole window for every token (no key/value "
                    "cache; the same tokens, slower)")
     s.add_argument("--tokens-only", action="store_true", help="print the token ids (prompt and new), not the text")
+    s.add_argument("--tokenizer", default="", metavar="NAME|PATH.tiktoken", help="where the ranks of the "
+                   "checkpoint's subword tokenizer are (default: the ranks file its token file names, else "
+                   "tiktoken's cache); checked against the checkpoint's")
     ev = sub.add_parser("eval", help="a checkpoint's loss and accuracy on its validation split or on any file",
                         epilog=_epilog("hpctrain eval runs/digits/ckpt-00000600.h5",
                                        "hpctrain eval runs/digits/ckpt-00000600.h5 --data test.h5",
@@ -168,11 +173,17 @@ def _parser():
     d = sub.add_parser("data", help="make data files", formatter_class=RAW,
                        epilog=_epilog("hpctrain data text2h5 input.txt chars.h5", "hpctrain data csv2h5 --help"))
     dsub = d.add_subparsers(dest="data_command", required=True)
-    t2h = dsub.add_parser("text2h5", help="a text file -> a character-level token file (HDF5)", formatter_class=RAW,
-                          epilog=_epilog("hpctrain data text2h5 shakespeare.txt shakespeare.h5"))
+    t2h = dsub.add_parser("text2h5", help="a text file -> a token file (HDF5): characters, or --tokenizer's subwords",
+                          formatter_class=RAW,
+                          epilog=_epilog("hpctrain data text2h5 shakespeare.txt shakespeare.h5",
+                                         "hpctrain data text2h5 input.txt train.h5 --tokenizer gpt2",
+                                         "hpctrain data text2h5 input.txt train.h5 --tokenizer ./gpt2.tiktoken"))
     t2h.add_argument("input", help="a UTF-8 text file")
     t2h.add_argument("output", help="the HDF5 file to write (dataset 'tokens' with its vocabulary)")
     t2h.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+    t2h.add_argument("--tokenizer", default="", metavar="NAME|PATH.tiktoken",
+                     help="subword tokens through tiktoken (pip install 'hpctrain[tokens]'): gpt2, cl100k_base, ... "
+                          "(fetched once, kept in TIKTOKEN_CACHE_DIR), or a local ranks file (offline)")
     c2h = dsub.add_parser("csv2h5", help="a numeric CSV table -> inputs and targets (HDF5)",
                           epilog=_epilog("hpctrain data csv2h5 iris.csv iris.h5 --target species"),
                           formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,6 +210,9 @@ def _parser():
     b2h.add_argument("output", help="the HDF5 file to write (dataset 'tokens')")
     b2h.add_argument("--vocab-from", default="", metavar="TEXT",
                      help="the text a character-level prepare.py read: its sorted characters are the vocabulary")
+    b2h.add_argument("--tokenizer", default="", metavar="NAME|PATH.tiktoken",
+                     help="the subword tokenizer the .bin was made with (nanoGPT's openwebtext: gpt2): kept with the "
+                          "tokens so that sample decodes them")
     for p_ in (c2h, n2h, b2h):
         p_.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     pl = sub.add_parser(
@@ -321,7 +335,7 @@ def _sample(args) -> int:
 
     print(sample(args.checkpoint, args.prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
                  seed=args.seed, vocab=args.vocab, backend=args.backend, cache=not args.no_cache,
-                 tokens_only=args.tokens_only))
+                 tokens_only=args.tokens_only, tokenizer=args.tokenizer))
     return 0
 
 
@@ -369,7 +383,23 @@ def _data(args) -> int:
                                 regression=args.regression))
         return 0
     if args.data_command == "bin2h5":
-        print(convert.bin_to_h5(args.input, args.output, vocab_from=args.vocab_from))
+        if args.tokenizer and args.vocab_from:
+            raise DataError("--tokenizer and --vocab-from: give one (subword or character tokens)")
+        bpe = None
+        if args.tokenizer:
+            from .tokens import load_bpe
+
+            bpe = load_bpe(args.tokenizer)  # before anything is written
+        line = convert.bin_to_h5(args.input, args.output, vocab_from=args.vocab_from)
+        if bpe is not None:
+            from .tokens import attach_to_file
+
+            try:
+                line = attach_to_file(args.output, bpe)
+            except DataError:
+                os.remove(args.output)  # written just now, for these ids: nothing half-right is left
+                raise
+        print(line)
         return 0
     from ._files import read_capped
 
@@ -378,6 +408,15 @@ def _data(args) -> int:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"cannot read {args.input} as UTF-8 text: {e}") from None
+    if args.tokenizer:
+        from .tokens import load_bpe, write_bpe_tokens
+
+        bpe = load_bpe(args.tokenizer)
+        ids = bpe.encode(text)
+        write_bpe_tokens(args.output, ids, bpe)
+        print(f"{args.output}: {len(ids):,} tokens of {bpe.name} from {len(text):,} characters (dataset 'tokens'; "
+              f"use data.tokens = \"tokens\"; model.vocab_size is read from it: {bpe.n_vocab})")
+        return 0
     tok = text_to_h5(text, args.output)
     print(f"{args.output}: {len(text):,} tokens, {len(tok)} characters in the vocabulary "
           f"(dataset 'tokens'; use data.tokens = \"tokens\" and model.vocab_size >= {len(tok)})")

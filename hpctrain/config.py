@@ -204,7 +204,8 @@ SECTIONS = {
     "checkpoint": CheckpointConfig,
     "parallel": ParallelConfig,
 }
-PATH_KEYS = {("data", "path"), ("data", "val_path"), ("train", "metrics"), ("train", "trace"), ("train", "tensorboard"), ("checkpoint", "init"),
+PATH_KEYS = {("data", "path"), ("data", "val_path"), ("train", "metrics"), ("train", "trace"), ("train", "tensorboard"),
+             ("checkpoint", "init"),
              ("checkpoint", "dir")}
 CHOICES = {
     ("model", "kind"): ("mlp", "gpt"),

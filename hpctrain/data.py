@@ -23,6 +23,7 @@ B/dp rows of every global batch, and reads only those rows from the file.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import time
@@ -344,6 +345,13 @@ class TokenDataset(_Unchanged):
         if len(self.vocabulary) > self.vocab_size:
             raise DataError(f"{path}: the vocabulary of {name!r} has {len(self.vocabulary)} characters but "
                             f"model.vocab_size = {self.vocab_size}; set vocab_size >= {len(self.vocabulary)}")
+        from .tokens import bpe_attrs
+
+        bpe = bpe_attrs(self.tokens.attrs)  # subword tokens (hpctrain/tokens.py): kept in checkpoints too
+        self.tokenizer = json.dumps({k: bpe[k] for k in ("name", "sha256", "n_vocab")}, sort_keys=True) if bpe else ""
+        if bpe and bpe["n_vocab"] > self.vocab_size:
+            raise DataError(f"{path}: the tokenizer of {name!r} ({bpe['name']}) has {bpe['n_vocab']} ids but "
+                            f"model.vocab_size = {self.vocab_size}; set vocab_size >= {bpe['n_vocab']}")
         self._label = f"dataset {name!r} (data.tokens)"
         self.scan_checks = None if self.allow_external else \
             f"tokens: {self._label} {self.tokens.shape} {self.tokens.dtype}, vocabulary {self.vocab_size}, " \
@@ -412,6 +420,23 @@ class TokenDataset(_Unchanged):
                 return (f"{self.path}: token id {int(ids[i])} at position {a + i} of {self._label} is outside the "
                         f"vocabulary [0, {self.vocab_size}) (model.vocab_size)")
         return ""
+
+
+def token_mismatch(checkpoint: str, state, data) -> str:
+    """'' when the token file ``data`` (a TokenDataset) holds ids of the vocabulary or tokenizer the checkpoint
+    ``state`` was trained on (or either does not say); else one line saying how they differ."""
+    ours, theirs = getattr(data, "vocabulary", ""), getattr(state, "vocabulary", "")
+    if ours and theirs and ours != theirs:
+        return (f"{checkpoint} was trained on a vocabulary of {len(theirs)} characters and {data.path} holds ids of "
+                f"another ({len(ours)} characters): its token ids would mean other characters")
+    ours, theirs = getattr(data, "tokenizer", ""), getattr(state, "tokenizer", "")
+    if ours and theirs and ours != theirs:
+        return (f"{checkpoint} was trained on tokenizer {theirs} and {data.path} was tokenized with {ours}: its "
+                "token ids would mean other tokens")
+    if bool(getattr(data, "vocabulary", "")) != bool(getattr(state, "vocabulary", "")) and \
+            (getattr(state, "tokenizer", "") or getattr(data, "tokenizer", "")):
+        return f"{checkpoint} and {data.path}: one holds character ids, the other subword ids"
+    return ""
 
 
 def _rows_text(dset, rows) -> str:
@@ -540,10 +565,14 @@ class WithValidation:
         self.n_starts = getattr(train, "n_starts", 0)
         self.scan_checks = None  # the scan cache knows one file: both are scanned at every start
         self.vocabulary = getattr(train, "vocabulary", "")
+        self.tokenizer = getattr(train, "tokenizer", "")
         theirs = getattr(val, "vocabulary", "")
         if self.vocabulary and theirs and theirs != self.vocabulary:
             raise DataError(f"data.val_path {val.path}: its vocabulary ({len(theirs)} characters) is not the one "
                             f"of data.path {train.path} ({len(self.vocabulary)}): its ids would mean other tokens")
+        if (self.tokenizer or getattr(val, "tokenizer", "")) and getattr(val, "tokenizer", "") != self.tokenizer:
+            raise DataError(f"data.val_path {val.path}: its tokenizer ({getattr(val, 'tokenizer', '') or 'none'}) is "
+                            f"not the one of data.path {train.path} ({self.tokenizer or 'none'})")
 
     def close(self):
         try:

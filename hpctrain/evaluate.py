@@ -135,6 +135,7 @@ def evaluate(target: str, *, data: str = "", overrides=(), log=print) -> dict:
     quiet = (lambda *a, **k: None)
     trainer = Trainer(cfg, mesh=mesh, log=quiet)
     try:
+        run_everywhere(world, lambda: _same_tokens(weights, trainer.data))
         if data:
             result = trainer.runner.evaluate(split="all", count=True)
         else:
@@ -153,3 +154,21 @@ def evaluate(target: str, *, data: str = "", overrides=(), log=print) -> dict:
         log(f"{weights}: loss {result['val_loss']:.4f}{acc} on {what} ({result['samples']:,} samples, "
             f"{world.size} rank(s))")
     return result
+
+
+def _same_tokens(weights: str, data) -> None:
+    """DataError when ``data`` holds token ids of another vocabulary or tokenizer than the checkpoint ``weights``
+    was trained on (a weights-only file does not say: nothing to compare)."""
+    from . import checkpoint as ckpt
+    from .data import token_mismatch
+    from .errors import CheckpointError, DataError
+
+    if not weights or (not hasattr(data, "tokens") and not hasattr(data, "train")):
+        return
+    try:
+        meta = ckpt.read_meta(weights)
+    except CheckpointError:
+        return  # weights only
+    problem = token_mismatch(weights, meta, data)
+    if problem:
+        raise DataError(problem)

@@ -27,7 +27,7 @@ from .errors import CheckpointError, ConfigError
 
 __all__ = ["export", "FORMATS"]
 
-FORMATS = ("safetensors", "h5", "nanogpt")
+FORMATS = ("safetensors", "h5", "nanogpt", "hf")
 EXTENSIONS = {".safetensors": "safetensors", ".h5": "h5", ".hdf5": "h5", ".pt": "nanogpt"}
 
 
@@ -54,6 +54,17 @@ def export(path: str, out: str, fmt: str = "", force: bool = False) -> str:
         cfg = parse_config(tomllib.loads(meta.config_text), source=f"{path} (its config)")
     except tomllib.TOMLDecodeError as e:
         raise CheckpointError(f"checkpoint {path}: its config attribute is not TOML: {e}") from None
+    if fmt == "hf" and cfg.model.kind != "gpt":
+        raise ConfigError(f"export: Hugging Face's GPT2LMHeadModel holds a GPT; {path} is a model.kind = "
+                          f"{cfg.model.kind!r} checkpoint (export it to .safetensors)")
+    if fmt == "hf":
+        from .hf import write_hf
+
+        state = ckpt.load_checkpoint(path, make_model(cfg.model).layout)
+        n = write_hf(out, state.params, cfg.model, {"hpctrain_step": str(state.step),
+                                                    "hpctrain_config": state.config_text})
+        return (f"{out}: model.safetensors ({n} tensors, GPT2LMHeadModel's names, lm_head.weight tied) and "
+                f"config.json; transformers.GPT2LMHeadModel.from_pretrained({out!r}) loads it")
     if fmt == "nanogpt" and cfg.model.kind != "gpt":
         raise ConfigError(f"export: nanoGPT's ckpt.pt holds a GPT; {path} is a model.kind = {cfg.model.kind!r} "
                           "checkpoint (export it to .safetensors)")
@@ -71,15 +82,24 @@ def export(path: str, out: str, fmt: str = "", force: bool = False) -> str:
                 f"{os.path.dirname(out) or '.'}")
     if fmt == "h5":
         ckpt.write_single_file(out, state)
-        return f"{out}: the whole checkpoint (step {state.step}) in one HDF5 file, format version 2"
+        version = ckpt.read_meta(out).version  # what the file says, as `hpctrain inspect` reads it
+        source = f" (the source, a sharded set, is version {meta.version})" if meta.version != version else ""
+        return (f"{out}: the whole checkpoint (step {state.step}) in one HDF5 file, format version {version}"
+                f"{source}")
     try:
         from safetensors.numpy import save_file
     except ImportError:
         raise ConfigError("export to safetensors needs the safetensors package: pip install 'hpctrain[export]'") \
             from None
     with replaced_atomically(out, f"export: cannot write {out}", CheckpointError) as tmp:
-        save_file(dict(state.params), tmp,
-                  metadata={"format": "pt", "hpctrain_step": str(state.step), "hpctrain_config": state.config_text})
+        tokens = {"hpctrain_tokenizer": state.tokenizer} if state.tokenizer else {}  # what decodes its ids
+        if state.vocabulary:
+            tokens["hpctrain_vocabulary"] = state.vocabulary
+        tensors = dict(state.params)
+        if cfg.model.kind == "gpt":  # the tied head under its own name too: a strict nanoGPT load wants it
+            tensors["lm_head.weight"] = tensors["transformer.wte.weight"].copy()
+        save_file(tensors, tmp, metadata={"format": "pt", "hpctrain_step": str(state.step),
+                                                     "hpctrain_config": state.config_text, **tokens})
     n = sum(a.size for a in state.params.values())
     return f"{out}: {len(state.params)} tensors, {n:,} parameters (step {state.step}), safetensors"
 

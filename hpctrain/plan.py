@@ -282,7 +282,9 @@ def plan_table(ranks: list[RankMemory], limit: int | None = None) -> str:
 
 
 def advice(cfg, world_size: int, limit: int, *, device: bool = False, cuda_aware: bool = False) -> list[str]:
-    """Which single change of zero / recompute / pp / tp (keeping the world size) makes every rank fit."""
+    """Which single change of zero / recompute / micro-batches / pp / tp (keeping the world size) makes every rank
+    fit; of the micro-batch counts (each a divisor of a rank's share of the batch: the activations of one kept at a
+    time, as gradient accumulation does), the smallest that fits."""
     from .backend.base import FLASH_MAX_HS
     from .errors import HpctrainError
 
@@ -301,11 +303,21 @@ def advice(cfg, world_size: int, limit: int, *, device: bool = False, cuda_aware
         while n * 2 <= world_size:
             n *= 2
             tries.append((f"parallel.{key}={n}", dict(parallel={key: n, "stages": ()} if key == "pp" else {key: n})))
+    mp = p.pp * p.tp
+    dp = p.dp if p.dp != "auto" else max(1, world_size // mp)
+    local, m = t.batch_size // dp if t.batch_size % dp == 0 else 0, t.micro_batches * 2
+    micro = []
+    while local and m <= local:
+        if local % m == 0:
+            micro.append((f"train.micro_batches={m}", dict(train=dict(micro_batches=m))))
+        m *= 2
     if p.zero < 2 and t.recompute != "blocks":
         tries.append(("parallel.zero=2 with train.recompute=blocks",
                       dict(parallel=dict(zero=2), train=dict(recompute="blocks"))))
     out = []
-    for label, change in tries:
+    for label, change in tries + micro:
+        if label.startswith("train.micro_batches") and any(o.startswith("--set train.micro_batches") for o in out):
+            break  # the smallest count that fits is the one to take
         sections = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in change.items()}
         try:
             worst = max(m.total_bytes for m in plan(dataclasses.replace(cfg, **sections), world_size, device=device,

@@ -52,16 +52,23 @@ def plot(path, output: str, *, steps: str | None = None) -> str:
     events = trace_events(text)
     if events is not None:
         rows = read_trace(path, events, first=first, last=last)
-        figure = _draw_timeline(rows, title=os.path.basename(path))
+        figure = _draw_timeline(rows, title=_title(path))
         what = f"{sum(len(spans) for _, spans in rows):,} spans on {len(rows)} track(s)"
     else:
         series, note = read_metrics(path, text, first=first, last=last)
         memory = read_memory(path, text, first=first, last=last)
-        figure = _draw_metrics(series, title=os.path.basename(path), memory=memory)
+        figure = _draw_metrics(series, title=_title(path), memory=memory)
         what = (f"{len(series['loss'][0]):,} training and {len(series['val_loss'][0]):,} validation records"
                 + (f", the memory of {len(memory[1])} rank(s) at step {memory[0]}" if memory else "") + note)
     _save(figure, output, out_format)
     return f"{output}: {what}"
+
+
+def _title(path) -> str:
+    """A figure's title: the run (the folder of its metrics file or trace: runs/digits/metrics.jsonl -> digits), the
+    file's name after it where it says more (a trace beside the metrics)."""
+    run, name = run_names([path])[0], os.path.basename(path)
+    return run if name in ("metrics.jsonl", "metrics.csv") else f"{run}: {name}"
 
 
 def run_names(paths) -> list[str]:

@@ -59,7 +59,7 @@ def predict(checkpoint: str, data: str, out: str, *, inputs: str = "", batch: in
     params.load_host_dict(part.local_tensors(ckpt.load_weights(checkpoint, model.layout)))
     part.bind(params, grads)
     gpt = cfg.model.kind == "gpt"
-    n, read = _token_windows(cfg, model, data, inputs) if gpt else _table(cfg, part, data, inputs)
+    n, read = _token_windows(cfg, model, data, inputs, checkpoint, meta) if gpt else _table(cfg, part, data, inputs)
     classify = gpt or cfg.train.loss == "cross_entropy"
     width = part.out_features
     with replaced_atomically(out, f"cannot write {out}", DataError) as tmp, h5py.File(tmp, "w") as f:
@@ -110,12 +110,17 @@ def _table(cfg, part, data, inputs):
     return x.shape[0], read
 
 
-def _token_windows(cfg, model, data, tokens):
-    """(windows, read(lo, hi) -> ids (n, block_size)) of a GPT's token file, checked as training checks it."""
-    from .data import TokenDataset
+def _token_windows(cfg, model, data, tokens, checkpoint, meta):
+    """(windows, read(lo, hi) -> ids (n, block_size)) of a GPT's token file, checked as training checks it (and
+    refused when its ids are of another vocabulary or tokenizer than the checkpoint's, as resume refuses it)."""
+    from .data import TokenDataset, token_mismatch
 
     ds = TokenDataset(data, tokens or cfg.data.tokens or "tokens", block_size=model.block_size, val_fraction=0.0,
                       vocab_size=model.vocab_size, allow_external=cfg.data.allow_external)
+    problem = token_mismatch(checkpoint, meta, ds)
+    if problem:
+        ds.close()
+        raise DataError(problem)
     bad = ds.scan(0, ds.n_train)
     if bad:
         raise DataError(bad)

@@ -81,7 +81,7 @@ class Generator:
 
 
 def sample(path: str, prompt: str, n: int, *, temperature=1.0, top_k=0, seed=0, vocab="", backend="auto",
-           cache=True, tokens_only=False) -> str:
+           cache=True, tokens_only=False, tokenizer="") -> str:
     """The prompt and ``n`` generated characters from the GPT checkpoint ``path``; ``tokens_only``: their token
     ids instead, separated by spaces; ``cache = False``: without the key/value cache (``--no-cache``)."""
     from .backend import get_backend
@@ -108,22 +108,48 @@ def sample(path: str, prompt: str, n: int, *, temperature=1.0, top_k=0, seed=0, 
     if cfg.model.kind != "gpt":
         raise ConfigError(f"checkpoint {path} holds a {cfg.model.kind} model; sample needs a GPT (model.kind = \"gpt\")")
     spec = GPTSpec.from_config(cfg.model)
-    tokenizer = _tokenizer(meta, cfg, vocab)
+    tokenizer = _tokenizer(meta, cfg, vocab, tokenizer)
     if not prompt:
         raise ConfigError("--prompt must hold at least one character")
     ids = tokenizer.encode(prompt)
     weights = ckpt.load_weights(path, spec.layout)
     gen = Generator(spec, weights, get_backend(backend))
     if len(tokenizer) > spec.vocab_size:
-        raise DataError(f"the vocabulary has {len(tokenizer)} characters but the model only {spec.vocab_size} ids")
+        raise DataError(f"the vocabulary has {len(tokenizer)} tokens but the model only {spec.vocab_size} ids")
     out = gen.generate(ids, n, temperature=temperature, top_k=top_k, rng=np.random.default_rng(seed),
                        vocab=len(tokenizer), cache=cache)
     return " ".join(map(str, out)) if tokens_only else tokenizer.decode(out)
 
 
-def _tokenizer(meta, cfg, vocab: str):
-    """The checkpoint's vocabulary; else the token file's (``--vocab``, or the config's data), said clearly."""
+def _tokenizer(meta, cfg, vocab: str, ranks: str = ""):
+    """The checkpoint's vocabulary; else the token file's (``--vocab``, or the config's data), said clearly. Subword
+    tokens (hpctrain/tokens.py): the tokenizer the checkpoint (else the token file) names, its ranks from
+    ``ranks`` (``--tokenizer``: a name or ranks file), the ranks file the token file names, or tiktoken's cache,
+    checked against the SHA-256 the model was trained with."""
+    import json
+
     from .text import CharTokenizer, read_vocabulary
+    from .tokens import bpe_from_attrs, read_attrs
+
+    info = json.loads(meta.tokenizer) if meta.tokenizer else None
+    if not meta.vocabulary:
+        source = vocab or cfg.data.path
+        try:
+            stored = read_attrs(source, cfg.data.tokens if not vocab else "tokens")
+        except DataError:
+            stored = None  # no file: the checkpoint's own description, if any, still decodes
+        if info is None:
+            info = stored
+        elif stored is not None and stored["sha256"] != info["sha256"]:
+            raise DataError(f"{source}: tokenized with {stored['name']} (sha256 {stored['sha256'][:12]}…), not with "
+                            f"the checkpoint's {info['name']} (sha256 {info['sha256'][:12]}…)")
+        elif stored is not None:
+            info = {**info, **{k: v for k, v in stored.items() if k == "file"}}
+    if info is not None:
+        return bpe_from_attrs(info, ranks, where=meta.path or "the checkpoint")
+    if ranks:
+        raise DataError(f"--tokenizer {ranks}: the checkpoint was trained on character tokens (or says nothing of "
+                        "a tokenizer); leave --tokenizer out")
 
     stored = CharTokenizer(meta.vocabulary) if meta.vocabulary else None
     if stored is not None and not vocab:

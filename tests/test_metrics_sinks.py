@@ -114,10 +114,11 @@ def test_tensorboard_scalars_carry_every_number_of_every_record(tmp_path, mesh):
     run(config(tmp_path / "d.h5", train={"steps": 4, "log_every": 2, "eval_every": 4, "tensorboard": str(board)}),
         mesh)
     found = events(board)
-    assert [step for tag, step, _ in found if tag == "loss"] == [2, 4]
-    assert [step for tag, step, _ in found if tag == "val_accuracy"] == [4]
-    assert {"lr", "samples_per_s", "grad_norm", "val_loss"} <= {tag for tag, _, _ in found}
-    assert all(value > 0 for tag, _, value in found if tag == "loss")
+    assert [step for tag, step, _ in found if tag == "train/loss"] == [2, 4]  # train/ and val/ groups
+    assert [step for tag, step, _ in found if tag == "val/accuracy"] == [4]
+    assert {"train/lr", "train/samples_per_s", "train/grad_norm", "val/loss"} <= {tag for tag, _, _ in found}
+    assert all(tag.startswith(("train/", "val/")) for tag, _, _ in found)
+    assert all(value > 0 for tag, _, value in found if tag == "train/loss")
 
 
 def test_a_bare_tensorboard_name_lands_in_the_run_folder_and_a_missing_package_is_one_line(tmp_path, monkeypatch):

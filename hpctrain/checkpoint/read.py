@@ -205,6 +205,8 @@ def read_root(f: h5py.File, path: str) -> CheckpointState:
         state.vocabulary = _vocabulary(fmt.str_attr(a, "vocabulary", path), path)
     if "data_fingerprint" in a:
         state.data_fingerprint = fmt.str_attr(a, "data_fingerprint", path)
+    if "tokenizer" in a:
+        state.tokenizer = fmt.str_attr(a, "tokenizer", path)
     return state
 
 

@@ -38,6 +38,7 @@ class CheckpointState:
     slots: dict = field(default_factory=dict)
     rng: dict = field(default_factory=dict)
     vocabulary: str = ""
+    tokenizer: str = ""  # subword tokens (hpctrain/tokens.py): JSON {"name", "sha256", "n_vocab"}, or ""
     data_fingerprint: str = ""
     path: str = ""
     version: int = fmt.SINGLE_FILE_VERSION  # 3: a sharded set (checkpoint/sharded.py)

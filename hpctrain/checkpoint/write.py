@@ -149,6 +149,8 @@ def write_root_attrs(f: h5py.File, state: CheckpointState, version: int = fmt.SI
     values.update({fmt.RNG_PREFIX + key: value for key, value in state.rng.items()})
     if state.vocabulary:
         values["vocabulary"] = json.dumps([ord(ch) for ch in state.vocabulary])
+    if state.tokenizer:
+        values["tokenizer"] = state.tokenizer
     if state.data_fingerprint:
         values["data_fingerprint"] = state.data_fingerprint
     plugins = plugin_modules(state.config_text)  # the modules that register the model's own layer kinds

@@ -423,7 +423,8 @@ class AsyncTrainer:
             optim_step=self.optim.step_count if self.is_server else 0,
             slots={name: {} for name in names},
             rng={"data_seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "init_seed": cfg.train.seed},
-            vocabulary=self._vocabulary() if self.rank0 else "", data_fingerprint=self.data_fingerprint)
+            vocabulary=self._vocabulary() if self.rank0 else "", data_fingerprint=self.data_fingerprint,
+            tokenizer=self._tokenizer() if self.rank0 else "")
         items = []
         if self.is_server:
             lo, hi = self.ranges[self.servers_comm.Get_rank()]
@@ -441,6 +442,17 @@ class AsyncTrainer:
 
         tok = read_vocabulary(self.cfg.data.path, self.cfg.data.tokens)
         return tok.vocabulary if tok is not None else ""
+
+    def _tokenizer(self) -> str:
+        """A language model's subword tokenizer (hpctrain/tokens.py) for its checkpoint, as JSON; "" for none."""
+        if self.cfg.model.kind != "gpt":
+            return ""
+        import json
+
+        from ..tokens import read_attrs
+
+        info = read_attrs(self.cfg.data.path, self.cfg.data.tokens)
+        return json.dumps({k: info[k] for k in ("name", "sha256", "n_vocab")}, sort_keys=True) if info else ""
 
     def _evaluate(self, params: np.ndarray) -> dict:
         """Validation loss (and accuracy) of ``params``, each worker a share of the split (collective)."""

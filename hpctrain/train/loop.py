@@ -299,7 +299,7 @@ class Trainer:
             layout=dict(mesh.layout), params={}, optim_name=self.optim.name,
             optim_step=self.optim.step_count, slots={slot: {} for slot in self.optim.slots},
             rng={"data_seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "init_seed": cfg.train.seed},
-            vocabulary=getattr(self.data, "vocabulary", ""),
+            vocabulary=getattr(self.data, "vocabulary", ""), tokenizer=getattr(self.data, "tokenizer", ""),
             data_fingerprint=self.data.fingerprint() if self.rank0 else "")  # taken at start-up (load_start)
         path = self.saver.save(state, background=background)
         return path if self.rank0 else ""
@@ -372,6 +372,7 @@ class Trainer:
         stop = self._stop
         saved_at = -1
         first_step, peak_activations = self.step, 0
+        run_began = time.perf_counter()  # for the end-of-run line
         skipped = 0  # non-finite steps skipped in a row (every rank sees the same skip decision)
         deferred = False  # a checkpoint fell due while steps were being skipped
         try:
@@ -435,6 +436,7 @@ class Trainer:
         finally:
             self.progress.clear()
             self.log = plain_log
+        self.log(run_summary(cfg, first_step, self.step, time.perf_counter() - run_began, last))
         return last
 
     def _log_memory(self, metrics, peak_activations: int, *, say: bool) -> None:
@@ -574,6 +576,19 @@ class Trainer:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def run_summary(cfg, first_step: int, step: int, seconds: float, last: dict) -> str:
+    """The end-of-run line: the steps run and their time, the last losses, where the weights are."""
+    ran = step - first_step
+    rate = f", {ran * cfg.train.batch_size / seconds:,.0f} samples/s overall" if ran and seconds > 0 else ""
+    m, s = divmod(int(round(seconds)), 60)
+    losses = "".join(f", {key} {last[key]:.4f}" for key in ("loss", "val_loss", "val_accuracy") if key in last)
+    c = cfg.checkpoint
+    where = (f"; checkpoint {os.path.join(c.dir, f'ckpt-{step:08d}.h5')}" if c.dir
+             else "; no checkpoint (checkpoint.dir is empty)")
+    end = "done" if step >= cfg.train.steps else "stopped"
+    return (f"{end}: step {step} of {cfg.train.steps} ({ran:,} this run) in {m}:{s:02d}{rate}{losses}{where}")
 
 
 def finished_line(cfg, step: int) -> str:

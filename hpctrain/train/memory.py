@@ -73,10 +73,18 @@ def gather_memory(comm, mine: RankMemory) -> list[dict] | None:
 
 
 def summary(records: list[dict]) -> str:
-    """One log line: the rank with the highest peak RSS, its tracked figures in MB."""
+    """One log line: the rank with the highest peak RSS, its tracked figures in MB (KB below a megabyte: a small
+    model's parameters are not "0 MB")."""
     top = max(records, key=lambda m: m["peak_rss_bytes"])
-    mb = lambda key: f"{top[key] / 1e6:,.0f}"  # noqa: E731
-    return (f"memory: peak RSS {mb('peak_rss_bytes')} MB on rank {top['rank']} (largest of {len(records)}); it holds "
+    mb = lambda key: size_text(top[key])  # noqa: E731
+    return (f"memory: peak RSS {mb('peak_rss_bytes')} on rank {top['rank']} (largest of {len(records)}); it holds "
             f"params {mb('params_bytes')}, grads {mb('grads_bytes')}, optimizer {mb('optimizer_bytes')}, activations "
-            f"{mb('activation_bytes')}, buffers {mb('buffer_bytes')} MB + runtime ~{mb('runtime_bytes')} MB "
-            f"= {mb('total_bytes')} MB (hpctrain plan's fields)")
+            f"{mb('activation_bytes')}, buffers {mb('buffer_bytes')} + runtime ~{mb('runtime_bytes')} "
+            f"= {mb('total_bytes')} (hpctrain plan's fields)")
+
+
+def size_text(n: int) -> str:
+    """Bytes as MB (decimal, as the plan prints them), or KB below a megabyte; 0 as "0 B"."""
+    if n >= 1e6:
+        return f"{n / 1e6:,.0f} MB"
+    return f"{n / 1e3:,.1f} KB" if n else "0 B"

@@ -111,8 +111,15 @@ class CsvTable:
         self.f.flush()
 
 
+def tag(name: str) -> str:
+    """The TensorBoard tag of a metrics name: ``val_loss`` -> ``val/loss``, ``loss`` -> ``train/loss``."""
+    return "val/" + name[len("val_"):] if name.startswith("val_") else "train/" + name
+
+
 class TensorBoard:
-    """Each record's numbers as TensorBoard scalars (tag: the name, step: the record's step), on rank 0."""
+    """Each record's numbers as TensorBoard scalars (step: the record's step), on rank 0, in two groups as
+    PyTorch users name them: ``val/loss``, ``val/accuracy`` for the validation figures (``val_*``), ``train/<name>``
+    for the others (``train/loss``, ``train/lr``, ``train/samples_per_s``, ``train/stages.1.bubble``)."""
 
     def __init__(self, logdir: str, resume_step: int = 0):
         try:
@@ -132,7 +139,7 @@ class TensorBoard:
         step = record.get("step", 0)
         for name, value in scalars(record).items():
             if name != "step" and isinstance(value, (int, float)):
-                self.writer.add_scalar(name, float(value), global_step=step)
+                self.writer.add_scalar(tag(name), float(value), global_step=step)
         self.writer.flush()
 
     def close(self) -> None:

@@ -280,7 +280,7 @@ def load_start(t) -> None:
         if state is not None and mesh.rank == 0:
             warn_about_resume(t, state)
         c = t.cfg.checkpoint
-        weights = run_everywhere(mesh.world, (lambda: ckpt.load_weights(c.init, t.model.layout))
+        weights = run_everywhere(mesh.world, (lambda: _init_weights(c.init, t.model.layout))
                                  if mesh.rank == 0 and state is None and c.init else lambda: None)
         scatter_start(t, state if whole else None, weights)
     offset = np.array([run_everywhere(mesh.world, (lambda: order_offset(t.log, t.cfg, state, t.sampler.steps_per_epoch))
@@ -313,6 +313,12 @@ def check_resume(t, state, auto: bool, fingerprint: str, vocabulary: str) -> Non
                               f"{t.cfg.data.path} has {_chars(vocabulary)}: its token ids would mean other "
                               "characters; train on a token file made with the checkpoint's vocabulary, or give "
                               "this run a new checkpoint.dir")
+    tokenizer = getattr(t.data, "tokenizer", "")
+    if state.tokenizer and tokenizer and state.tokenizer != tokenizer:
+        raise CheckpointError(f"{state.path} was written for the tokenizer {state.tokenizer} and "
+                              f"{t.cfg.data.path} was tokenized with {tokenizer}: its token ids would mean other "
+                              "tokens; train on a token file of the checkpoint's tokenizer, or give this run a new "
+                              "checkpoint.dir")
     if auto:
         changed = changed_settings(state.config_text, t.cfg, data=(state.data_fingerprint, fingerprint))
         problem = resume_problem(state.path, changed, t.cfg.checkpoint.allow_changed)
@@ -323,6 +329,14 @@ def check_resume(t, state, auto: bool, fingerprint: str, vocabulary: str) -> Non
 def _chars(vocabulary: str) -> str:
     shown = repr(vocabulary if len(vocabulary) <= 24 else vocabulary[:21] + "...")
     return f"{shown} ({len(vocabulary)} characters)"
+
+
+def _init_weights(path: str, layout) -> dict:
+    """checkpoint.init's weights: an hpctrain checkpoint or weights file, or a Hugging Face GPT2LMHeadModel folder
+    (model.safetensors + config.json: hpctrain/hf.py)."""
+    from ..hf import is_hf_folder, read_hf
+
+    return read_hf(path, layout) if is_hf_folder(path) else ckpt.load_weights(path, layout)
 
 
 def order_offset(log, cfg, state, steps_per_epoch: int) -> int:

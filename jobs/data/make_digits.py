@@ -4,10 +4,15 @@
 """
 
 import os
+import sys
 
 import h5py
 import numpy as np
-from sklearn.datasets import load_digits
+
+try:
+    from sklearn.datasets import load_digits
+except ImportError:
+    sys.exit("make_digits.py needs scikit-learn (its copy of the UCI digits): pip install scikit-learn")
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "..", "hpctrain", "datasets", "digits.h5")
 

@@ -211,7 +211,7 @@ class StepRunner:
             if norm * coef >= self.optim.SAFE_NORM[self.optim.name]:  # every rank sees the same norm
                 skipped = self._overflow(step, coef)
         if not skipped:
-            if self.shard is None:
+            if self.shard is None or self.cfg.parallel.zero == 3:  # zero 3: each unit gathers in its forward
                 self.optim.step(lr, grad_scale=coef)
             else:  # ZeRO: each bucket's updated chunks to every rank, as soon as this rank's chunk is updated
                 params = self.optim.params.data

@@ -170,3 +170,23 @@ def test_zero_3_refuses_what_it_does_not_support_yet_in_one_line(data, setting, 
 def test_zero_3_refuses_the_deterministic_mode(data):
     with pytest.raises(ConfigError, match="train.deterministic"):
         config(data, train={"deterministic": True}, parallel={"zero": 3})
+
+
+def test_the_memory_lines_of_a_zero_3_run_are_its_plan(comm, tokens, shared_dir):
+    """Every rank's parameter, gradient and optimizer bytes in the metrics file are ``hpctrain plan``'s."""
+    import json
+
+    from hpctrain.plan import plan
+
+    metrics = f"{shared_dir}/m3.jsonl"
+    cfg = gpt_config(tokens, model={"n_layer": 4}, train={"batch_size": 4 * comm.size, "steps": 2,
+                                                          "metrics": metrics},
+                     parallel={"zero": 3, **SMALL_BUCKETS})
+    train(cfg, comm)
+    if comm.rank == 0:
+        with open(metrics) as f:
+            got = [json.loads(line) for line in f if '"memory"' in line][-1]["memory"]
+        want = plan(cfg, comm.size)
+        for g, w in zip(got, want):
+            for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+                assert g[key] == getattr(w, key), (key, g, w)

@@ -131,6 +131,7 @@ class ParamGather:
         self._last = None  # the unit used last: the next one is after it (forward) or before it (backward)
         self._direction = 1
         self.gathered_bytes = 0  # over the run: what this rank received
+        self.released_bytes = 0  # over the run: what ``done`` gave back (whole pages only)
 
     @staticmethod
     def pool_bytes(part) -> int:
@@ -197,7 +198,7 @@ class ParamGather:
         self._held.discard(u)
         busy = [x for v in set(self._held) | set(self._posted) for x in self.units[v]]  # a tied tensor: both
         for lo, hi in without(self.outside[u], busy):
-            self.memory.release(lo, hi)
+            self.released_bytes += self.memory.release(lo, hi)
 
     def release_all(self) -> None:
         """Every value outside this rank's chunks leaves (after start-up, evaluation, a step's end)."""

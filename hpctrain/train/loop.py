@@ -279,7 +279,9 @@ class Trainer:
         out = []
         for buf in [self.params] + list(self.optim.slots.values()):  # a tied tensor's replica stays behind
             local = self.be.to_host(buf.data)
-            if buf is not self.params and self.shard:  # ZeRO: every rank's chunks to data-parallel rank 0
+            if buf is self.params and self.state.gather is not None:  # zero 3: its chunks are all it holds
+                local = np.concatenate([local[a:b] for a, b in self.shard.pieces])
+            if (buf is not self.params or self.state.gather is not None) and self.shard:  # ZeRO: to dp rank 0
                 local = gather_shards(self.mesh.dp_comm, local, self.shard)
                 if local is None:  # gather_flat would return None here too: only dp rank 0 speaks for a stage
                     out.append(None)

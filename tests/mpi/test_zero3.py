@@ -3,7 +3,8 @@
 Run under ``mpiexec -n 1``, ``-n 2`` and ``-n 4`` by tests/test_suites.py: dp is the world size (pp = tp = 1,
 all this step supports). zero 3 runs zero 2's reductions and optimizer on the same chunks and gathers the very
 values zero 2's Allgatherv would have, so the two agree bit for bit at any dp; against one process they agree
-to float32 rounding. Small buckets (50 floats) put bucket and chunk cuts inside every unit.
+to float32 rounding. Buckets of many pages put bucket and chunk cuts inside units and leave whole pages outside
+every chunk, which zero 3 releases (``train_releasing`` checks it did).
 """
 
 import ctypes
@@ -20,8 +21,12 @@ from hpctrain.parallel.zero3 import ParamGather, unit_ranges, without
 
 SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
 ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01}
-SMALL_BUCKETS = {"bucket_mb": 0.0002}
-GPT_ADAMW_RTOL = 1e-4  # tests/mpi/test_zero.py: AdamW turns the key bias's rounding noise into lr-sized steps
+# buckets of many pages: whole pages outside every chunk, which zero 3 releases and gathers again (buckets of a
+# few floats would leave every page holding part of a chunk, nothing released, and the tests blind to it)
+MLP_BUCKETS = {"bucket_mb": 0.1}
+GPT_BUCKETS = {"bucket_mb": 0.05}
+GPT_WIDE = {"n_embd": 64}
+GPT_ADAMW_RTOL = 1e-4  # AdamW turns a near-zero gradient's rounding noise into lr-sized steps (tests/mpi/test_zero.py)
 
 
 def with_zero(cfg, zero, **parallel):
@@ -41,34 +46,48 @@ def same_bits(a, b) -> bool:
     return set(a) == set(b) and all(np.array_equal(a[n], b[n]) for n in a)
 
 
+def train_releasing(cfg, comm):
+    """``train``, checking that the run released parameter pages (with dp >= 2) and gathered them back."""
+    seen = []
+    got = train(cfg, comm, look=lambda t: seen.append(t.state.gather.released_bytes if t.state.gather else 0))
+    if comm.size > 1:
+        assert comm.allreduce(seen[0]) > 0, "zero 3 released no parameter page: the test would not see a stale one"
+    return got
+
+
 @pytest.mark.parametrize("optim", [SGD, ADAMW], ids=["sgd", "adamw"])
 @pytest.mark.parametrize("micro", [1, 2], ids=["1-micro", "2-micro"])
 def test_zero_3_mlp_trains_as_zero_2_bitwise_and_as_one_process(comm, data, optim, micro):
     dp = comm.size
-    cfg = config(data, optim=optim, train={"steps": 5, "batch_size": 8 * dp, "micro_batches": micro,
-                                           "grad_clip": 0.5, "eval_every": 2},
-                 data={"shuffle": True}, parallel=SMALL_BUCKETS)
-    three = train(with_zero(cfg, 3), comm)
+    cfg = config(data, hidden=512, optim=optim, train={"steps": 5, "batch_size": 8 * dp, "micro_batches": micro,
+                                                       "grad_clip": 0.5, "eval_every": 2},
+                 data={"shuffle": True}, parallel=MLP_BUCKETS)
+    three = train_releasing(with_zero(cfg, 3), comm)
     assert same_bits(three, train(with_zero(cfg, 2), comm))
-    assert max_error(three, alone(cfg)) < (1e-5 if optim is ADAMW else 1e-6)
+    assert max_error(three, alone(cfg)) < (GPT_ADAMW_RTOL if optim is ADAMW else 1e-5)  # AdamW: see above
 
 
 @pytest.mark.parametrize("recompute", ["none", "blocks"])
 def test_zero_3_gpt_with_its_tied_head_and_dropout_trains_as_zero_2_bitwise(comm, tokens, recompute):
     """The head's unit gathers the embedding's wte too; the recomputed forward gathers again."""
     dp = comm.size
-    cfg = gpt_config(tokens, model={"dropout": 0.1}, train={"batch_size": 4 * dp, "micro_batches": 2,
-                                                            "grad_clip": 1.0, "recompute": recompute},
-                     parallel=SMALL_BUCKETS)
-    three = train(with_zero(cfg, 3), comm)
+    cfg = gpt_config(tokens, model={"dropout": 0.1, **GPT_WIDE}, train={"batch_size": 4 * dp, "micro_batches": 2,
+                                                                        "grad_clip": 1.0, "recompute": recompute},
+                     parallel=GPT_BUCKETS)
+    three = train_releasing(with_zero(cfg, 3), comm)
     assert same_bits(three, train(with_zero(cfg, 2), comm))
-    plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=0.0))
-    assert max_error(train(with_zero(plain, 3), comm), alone(plain)) < GPT_ADAMW_RTOL
+    # against one process: without dropout (its masks are drawn per rank's rows), with SGD (AdamW amplifies the
+    # rounding of near-zero gradients: zero 2 differs from one process by 1e-3 there, and zero 3 is its bits)
+    plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=0.0),
+                                optim=dataclasses.replace(cfg.optim, name="sgd", lr=0.1, momentum=0.9,
+                                                          weight_decay=0.0))
+    assert max_error(train(with_zero(plain, 3), comm), alone(plain)) < 1e-5
 
 
 def test_zero_3_without_prefetch_trains_the_same_bits(comm, tokens, monkeypatch):
-    cfg = gpt_config(tokens, train={"batch_size": 4 * comm.size}, parallel={"zero": 3, **SMALL_BUCKETS})
-    prefetched = train(cfg, comm)
+    cfg = gpt_config(tokens, model=GPT_WIDE, train={"batch_size": 4 * comm.size},
+                     parallel={"zero": 3, **GPT_BUCKETS})
+    prefetched = train_releasing(cfg, comm)
     init = ParamGather.__init__
 
     def blocking(self, *args, **kwargs):
@@ -124,11 +143,12 @@ def test_a_rank_holds_its_chunks_of_the_parameters_and_at_most_two_units_more(co
 
 def test_zero_3_checkpoints_resume_across_zero_0_2_3(comm, tokens, shared_dir):
     """zero 3 on the world -> zero 0 on one process; zero 0 on one process -> zero 3 on the world; zero 2 on
-    the world -> zero 3 on the world (bitwise: the same chunks): each as four straight steps."""
+    the world -> zero 3 on the world (bitwise: the same chunks): each as four straight steps. SGD with momentum
+    (a slot to resume): AdamW's amplified rounding would hide a small error."""
     ck = f"{shared_dir}/ck3"
-    base = gpt_config(tokens, optim=ADAMW, train={"batch_size": 4 * comm.size, "steps": 2},
-                      checkpoint={"dir": ck}, parallel={"zero": 3, **SMALL_BUCKETS})
-    train(base, comm)
+    base = gpt_config(tokens, model=GPT_WIDE, optim=SGD, train={"batch_size": 4 * comm.size, "steps": 2},
+                      checkpoint={"dir": ck}, parallel={"zero": 3, **GPT_BUCKETS})
+    train_releasing(base, comm)
     four = dataclasses.replace(base.train, steps=4)
     no_dir = dataclasses.replace(base.checkpoint, dir="")
     straight = alone(dataclasses.replace(base, train=four, checkpoint=no_dir))
@@ -137,7 +157,7 @@ def test_zero_3_checkpoints_resume_across_zero_0_2_3(comm, tokens, shared_dir):
         resumed = train(with_zero(dataclasses.replace(base, train=four), 0), MPI.COMM_SELF)
         worst[0] = max_error(resumed, straight)
     comm.Bcast(worst, root=0)
-    assert worst[0] < GPT_ADAMW_RTOL
+    assert worst[0] < 1e-5
 
     ck0 = f"{shared_dir}/ck0"
     if comm.rank == 0:
@@ -145,7 +165,7 @@ def test_zero_3_checkpoints_resume_across_zero_0_2_3(comm, tokens, shared_dir):
     comm.Barrier()
     resumed = train(dataclasses.replace(base, train=four, checkpoint=dataclasses.replace(base.checkpoint, dir=ck0)),
                     comm)
-    assert max_error(resumed, straight) < GPT_ADAMW_RTOL
+    assert max_error(resumed, straight) < 1e-5
 
     ck2, ck2b = f"{shared_dir}/ck2", f"{shared_dir}/ck2b"
     two = with_zero(dataclasses.replace(base, checkpoint=dataclasses.replace(base.checkpoint, dir=ck2)), 2)
@@ -179,9 +199,9 @@ def test_the_memory_lines_of_a_zero_3_run_are_its_plan(comm, tokens, shared_dir)
     from hpctrain.plan import plan
 
     metrics = f"{shared_dir}/m3.jsonl"
-    cfg = gpt_config(tokens, model={"n_layer": 4}, train={"batch_size": 4 * comm.size, "steps": 2,
-                                                          "metrics": metrics},
-                     parallel={"zero": 3, **SMALL_BUCKETS})
+    cfg = gpt_config(tokens, model={"n_layer": 4, **GPT_WIDE}, train={"batch_size": 4 * comm.size, "steps": 2,
+                                                                      "metrics": metrics},
+                     parallel={"zero": 3, **GPT_BUCKETS})
     train(cfg, comm)
     if comm.rank == 0:
         with open(metrics) as f:

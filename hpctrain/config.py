@@ -505,8 +505,13 @@ def _check_ranges(cfg: Config) -> None:
     need(0 < p.bucket_mb <= 1e6, "parallel.bucket_mb", f"must be > 0 and at most 1e6 (a terabyte), got {p.bucket_mb}")
     need(p.servers >= 1, "parallel.servers", f"must be >= 1, got {p.servers}")
     need(p.staleness >= 0, "parallel.staleness", f"must be >= 0 (0 = synchronous), got {p.staleness}")
-    need(isinstance(p.zero, int) and not isinstance(p.zero, bool) and p.zero in (0, 1, 2), "parallel.zero",
-         f"must be 0, 1 or 2 (0: off; 1: optimizer state sharded over dp; 2: gradients too), got {p.zero!r}")
+    need(isinstance(p.zero, int) and not isinstance(p.zero, bool) and p.zero in (0, 1, 2, 3), "parallel.zero",
+         f"must be 0, 1, 2 or 3 (0: off; 1: optimizer state sharded over dp; 2: gradients too; 3: parameters "
+         f"too), got {p.zero!r}")
+    if p.zero == 3:
+        from .parallel.zero3 import refusal
+
+        need(not refusal(cfg), "parallel.zero", refusal(cfg))
     if p.mode == "async_ps":
         need(p.zero == 0, "parallel.zero", f'zero = {p.zero} with parallel.mode = "async_ps" is not supported (the '
              "parameter servers already hold the optimizer state in ranges); use zero = 0")

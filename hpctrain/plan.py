@@ -59,7 +59,7 @@ class RankMemory:
 
 
 def state_bytes(*, part_size: int, owned_size: int, shard, zero: int, released: bool, slots: int,
-                bucket_elems: int, micro_batches: int) -> dict:
+                bucket_elems: int, micro_batches: int, gather_bytes: int = 0) -> dict:
     """Parameters, gradients and optimizer state of one rank's part (``shard``: its ZeroShard, or None) at the
     step's peak.
 
@@ -69,12 +69,16 @@ def state_bytes(*, part_size: int, owned_size: int, shard, zero: int, released: 
     reduced, at most two (the backward pass writes one while the communication thread scatters the other). With
     several (``micro_batches``, a rank's per step) the buckets are scattered once, after the last backward
     (accumulate, then scatter: docs/architecture.md), so the whole buffer is resident while they accumulate, as
-    with zero = 1."""
+    with zero = 1. zero = 3: the gradients as zero 2's, and the parameters this rank's chunks plus
+    ``gather_bytes`` (parallel/zero3.py: the two largest units, gathered at once)."""
     owned = shard.size if shard is not None else owned_size  # a tied replica (beyond owned_size) has no slots
     grads = part_size
-    if shard is not None and zero == 2 and released and micro_batches == 1:
+    if shard is not None and zero >= 2 and released and micro_batches == 1:
         grads = min(part_size, owned + 2 * bucket_elems)
-    return dict(params_bytes=4 * part_size, grads_bytes=4 * grads, optimizer_bytes=4 * slots * owned)
+    params = 4 * part_size
+    if shard is not None and zero == 3:
+        params = min(params, 4 * owned + gather_bytes)
+    return dict(params_bytes=params, grads_bytes=4 * grads, optimizer_bytes=4 * slots * owned)
 
 
 def background_saves(cfg) -> bool:
@@ -108,7 +112,9 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
     from .parallel.executor import micro_rows
     from .parallel.mesh import resolve_layout
     from .parallel.schedule import checked
+    from .errors import ConfigError
     from .parallel.zero import ZeroShard, page_unit
+    from .parallel.zero3 import ParamGather, refusal
     from .parallel.zero import bucket_elems as zero_bucket_elems
 
     from .parallel.deterministic import resolve as deterministic_layout
@@ -126,6 +132,8 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
     stages = model.partition(pp, p.stages, tp=tp, virtual_stages=v)  # stage s holds stages[s::pp]
     stats = checked(p.schedule if pp > 1 else "1f1b", pp, t.micro_batches, v)[1]
     zero = p.zero if dp > 1 else 0
+    if zero == 3 and refusal(cfg, device=device):  # parallel/zero3.py: what this version runs
+        raise ConfigError(refusal(cfg, device=device))
     slots = (1 if cfg.optim.momentum else 0) if cfg.optim.name == "sgd" else 2
     bucket_elems = max(1, int(p.bucket_mb * 1e6 / 4))
     bf16 = p.reduce_dtype == "bf16" and dp > 1  # gradient messages in bfloat16 (parallel/wire.py)
@@ -149,14 +157,15 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
                     rings += (grads + 1) * rows * max(w for _, w in part.chunk_widths) * 4
             for d in range(dp):
                 # zero 2 gives gradient memory back, except on a device whose MPI reads device memory itself
-                released = zero == 2 and not (device and cuda_aware)  # (train/startup.py: _why_full_gradients)
+                released = zero >= 2 and not (device and cuda_aware)  # (train/startup.py: _why_full_gradients)
                 unit = page_unit(part.layout.size) if released else 0  # as train/startup.py cuts
                 cut = zero_bucket_elems(p.bucket_mb, unit) if unit else bucket_elems
                 shard = ZeroShard(make_buckets(part.layout.size, cut), dp, d, limit=part.owned_size,
                                   unit=unit) if zero else None
                 state = state_bytes(part_size=part.layout.size, owned_size=part.owned_size, shard=shard, zero=zero,
                                     released=released, slots=slots, bucket_elems=max(1, int(cut)),
-                                    micro_batches=t.micro_batches)
+                                    micro_batches=t.micro_batches,
+                                    gather_bytes=ParamGather.pool_bytes(part) if zero == 3 else 0)
                 # Reduce_scatter's out (zero_reduce = "auto" may take Allreduce at dp 2, without it: a bound then)
                 buffers = rings + (4 * max((p[d][1] - p[d][0] for p in shard.parts), default=0)
                                    if shard and cfg.parallel.zero_reduce != "allreduce" else 0)
@@ -290,7 +299,7 @@ def advice(cfg, world_size: int, limit: int, *, device: bool = False, cuda_aware
 
     p, t = cfg.parallel, cfg.train
     tries = []
-    for zero in (1, 2):
+    for zero in (1, 2, 3):
         if zero > p.zero:
             tries.append((f"parallel.zero={zero}", dict(parallel=dict(zero=zero))))
     if t.recompute != "blocks":
@@ -311,9 +320,10 @@ def advice(cfg, world_size: int, limit: int, *, device: bool = False, cuda_aware
         if local % m == 0:
             micro.append((f"train.micro_batches={m}", dict(train=dict(micro_batches=m))))
         m *= 2
-    if p.zero < 2 and t.recompute != "blocks":
-        tries.append(("parallel.zero=2 with train.recompute=blocks",
-                      dict(parallel=dict(zero=2), train=dict(recompute="blocks"))))
+    for zero in (2, 3):
+        if p.zero < zero and t.recompute != "blocks":
+            tries.append((f"parallel.zero={zero} with train.recompute=blocks",
+                          dict(parallel=dict(zero=zero), train=dict(recompute="blocks"))))
     out = []
     for label, change in tries + micro:
         if label.startswith("train.micro_batches") and any(o.startswith("--set train.micro_batches") for o in out):

@@ -14,6 +14,7 @@ import pytest
 
 from helpers import config, gpt_config
 from hpctrain.errors import ConfigError, LayoutError
+from hpctrain.nn import make_model
 from hpctrain.plan import RankMemory, advice, parse_size, plan, plan_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -270,3 +271,27 @@ def test_a_gpu_without_cuda_aware_mpi_plans_the_pinned_staging_of_the_gradients(
     size = 6 * 8 + 8 + 8 * 8 + 8 + 8 * 3 + 3 + 2 * 8  # tests/helpers.py config: three Linear layers, a LayerNorm
     assert [s.buffer_bytes - a.buffer_bytes for s, a in zip(staged, aware)] == [4 * size] * 2
     assert plan(config("d.h5"), 1, device=True, cuda_aware=False)[0].buffer_bytes == 0  # dp 1: no MPI, no staging
+
+
+def test_zero_3_plans_the_parameter_chunks_and_two_gathered_units():
+    """zero 3: each rank's parameters are its chunks plus the two largest units (parallel/zero3.py's pool);
+    gradients and optimizer state as zero 2's. The advice names zero 3 where zero 2 does not fit, and a
+    layout zero 3 does not run yet (pp = 2) is never advised."""
+    from hpctrain.parallel.zero3 import ParamGather
+
+    cfg = gpt_config("t.h5", model={"n_layer": 8, "n_embd": 128, "n_head": 4, "vocab_size": 64},
+                     optim={"name": "adam", "lr": 1e-3}, train={"batch_size": 4})
+    two, three = (plan(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=z)), 4)
+                  for z in (2, 3))
+    n = two[0].params_bytes // 4
+    part = make_model(cfg.model).part()
+    pool = ParamGather.pool_bytes(part)
+    for m2, m3 in zip(two, three):
+        assert m3.grads_bytes == m2.grads_bytes and m3.optimizer_bytes == m2.optimizer_bytes
+        assert m3.params_bytes == m3.optimizer_bytes // 2 + pool and m3.params_bytes < 4 * n * 0.75
+    limit = (max(m.total_bytes for m in two) + max(m.total_bytes for m in three)) // 2
+    said = advice(cfg, 4, limit)
+    assert any(line.startswith("--set parallel.zero=3") for line in said), said
+    assert not any(line.startswith("--set parallel.zero=2:") for line in said), said
+    with pytest.raises(ConfigError, match="pp = 2"):
+        plan(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=3, pp=2)), 4)

@@ -43,7 +43,8 @@ def _run(cmd, env_extra, timeout):
 
 
 LAYOUT_TESTS = ["tests/mpi/test_pipeline.py", "tests/mpi/test_checkpoint_resharding.py", "tests/mpi/test_gpt_parallel.py",
-                "tests/mpi/test_tensor_parallel.py", "tests/mpi/test_zero.py", "tests/mpi/test_sharded_checkpoint.py",
+                "tests/mpi/test_tensor_parallel.py", "tests/mpi/test_zero.py", "tests/mpi/test_zero3.py",
+                "tests/mpi/test_sharded_checkpoint.py",
                 "tests/mpi/test_deterministic.py"]
 RUNS = [(1, ["tests/mpi"]), (2, ["tests/mpi"]), (3, ["tests/mpi/test_param_server.py"]),
         (4, LAYOUT_TESTS + ["tests/mpi/test_param_server.py"])]

@@ -319,6 +319,7 @@ class ModelPart:
         self.units = [(x + start, y + start) for (start, _), us in zip(self.chunk_layers, self.chunk_units)
                       for x, y in us]  # all of them, local to the part
         self.recompute = False  # train.recompute = "blocks": keep each unit's input only, recompute in backward
+        self.gather = None  # zero = 3: gathers each unit's parameters over dp around its use (parallel/zero3.py)
         # the local offset from which each layer's backward leaves every gradient final; None: it writes none
         # of its own (a tie to a tensor another layer of this part owns and writes later)
         self._first_offset = []
@@ -417,16 +418,28 @@ class ModelPart:
         layers = self.layers[start : end + 1]
         if self.recompute:
             inputs = []
-            for a, b in self.chunk_units[chunk]:
+            for u, (a, b) in enumerate(self.chunk_units[chunk]):
                 inputs.append(x)
+                self._gathered(chunk, u, True)
                 for layer in layers[a : b + 1]:
                     x, _ = _forward(layer, be, x, key)  # what the layer saved is dropped and rebuilt in backward
+                self._gathered(chunk, u, False)
             return x, UnitInputs(inputs, key)
         saved = []
-        for layer in layers:
-            x, s = _forward(layer, be, x, key)
-            saved.append(s)
+        for u, (a, b) in enumerate(self.chunk_units[chunk]):
+            self._gathered(chunk, u, True)
+            for layer in layers[a : b + 1]:
+                x, s = _forward(layer, be, x, key)
+                saved.append(s)
+            self._gathered(chunk, u, False)
         return x, saved
+
+    def _gathered(self, chunk: int, u: int, use: bool) -> None:
+        """zero = 3 (parallel/zero3.py, ``gather``): unit u of chunk ``chunk``'s full parameters gathered over dp
+        before it runs (``use``), released after (collective over dp then); nothing without ZeRO-3."""
+        if self.gather is not None:
+            k = sum(len(us) for us in self.chunk_units[:chunk]) + u
+            self.gather.use(k) if use else self.gather.done(k)
 
     def backward(self, be, dout, saved, *, accumulate=False, need_dinp=True, on_final=None, on_write=None,
                  chunk: int = 0):
@@ -444,6 +457,7 @@ class ModelPart:
         units = self.chunk_units[chunk]
         for u in range(len(units) - 1, -1, -1):
             a, b = units[u]
+            self._gathered(chunk, u, True)  # zero = 3: before the recomputed forward too
             mine = self._unit_saved(be, saved, u, chunk)
             for k in range(b, a - 1, -1):
                 last = k == 0 and not need_dinp
@@ -454,6 +468,7 @@ class ModelPart:
                 mine[k - a] = None  # this layer's activations can go now
                 if on_final is not None and self._first_offset[layer] is not None:
                     on_final(self._first_offset[layer])
+            self._gathered(chunk, u, False)
         return dout
 
     def _unit_saved(self, be, saved, u: int, chunk: int = 0) -> list:

@@ -38,6 +38,7 @@ from ..parallel.agree import agree_error, bcast_text, gather_text, raise_agreed,
 from ..parallel.columns import row_bounds, start_trade
 from ..parallel.tied import broadcast_tied
 from ..parallel.zero import split_range
+from ..parallel.zero3 import param_pieces
 
 __all__ = ["Checkpointer", "resume", "save_pieces"]
 
@@ -49,6 +50,9 @@ class Checkpointer:
         self.t, self.mesh = t, t.mesh
         self.items = written(t.part, t.optim.pieces, dp_rank=t.mesh.dp_rank, sharded_optimizer=bool(t.shard),
                              slots=list(t.optim.slots))
+        if getattr(t.state, "gather", None) is not None:  # zero = 3: every rank its chunks of the parameters
+            self.items = [("params", p) for p in param_pieces(t.part, t.shard)] + [
+                (label, p) for label, p in self.items if label != "params"]
         self.nbytes = 4 * sum(p.size for _, p in self.items)
         self._snapshot = None  # reused host copy of what this rank writes, for saves in the background
         self._pending = None  # the save in flight: (state, set id, manifest, outcome, t0, snapshot s, thread)
@@ -338,6 +342,8 @@ def _load_here(t, path):
             if t.mesh.dp > 1 and whole_shards:  # replicated over data parallelism
                 parts = split_range(0, max((p.at + p.size for p in wanted), default=0), t.mesh.dp)
                 wanted = _clip(wanted, *parts[t.mesh.dp_rank])
+            if label == "params" and getattr(getattr(t, "state", None), "gather", None) is not None:
+                parts, wanted = None, [w for a, b in t.shard.pieces for w in _clip(params, a, b)]  # zero = 3
             ckpt_read.read_set(index, label, wanted, out, opened=opened)
             t._loaded[label] = (out, parts)
     finally:

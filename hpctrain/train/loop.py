@@ -41,6 +41,7 @@ from ..parallel.tied import sum_tied_grads
 from ..parallel.transport import PointToPoint
 from ..parallel.watch import Diagnostics, enabled_by_env
 from ..parallel.zero import reduce_choice
+from ..parallel.zero3 import gathered_whole
 from ..optim import lr_at
 from . import startup
 from .checkpointing import Checkpointer
@@ -189,6 +190,8 @@ class Trainer:
             overlap=cfg.parallel.overlap, diag=self.diag, shard=self.shard, release=self.grad_memory, tied=tied,
             tree=ShardTree(self.be, self.grads.data, cfg.train.micro_batches) if cfg.train.deterministic else None,
             allreduce=zero_reduce == "allreduce", reduce_dtype=cfg.parallel.reduce_dtype))
+        if self.state.gather is not None:  # zero = 3: evaluation gathers the whole model once (parallel/zero3.py)
+            self.evaluate = gathered_whole(self.state.gather, self.evaluate)
         self.saver = Checkpointer(self)
         self.tracer = Tracer(mesh) if cfg.train.trace else None
         self._p2p = p2p = PointToPoint(comm=mesh.pp_comm, transport=self.transport, diag=self.diag) \
@@ -230,6 +233,8 @@ class Trainer:
                         if self.grad_memory.keep_bytes else "") if self.grad_memory
                         else f"; the full gradient buffer stays ({self.state.keeps_grads})" if self.zero == 2
                         else "")
+                     + ("; parameters outside its chunks gathered unit by unit around their use"
+                        if self.zero == 3 else "")
                      + f"; buckets summed by {'Allreduce' if zero_reduce == 'allreduce' else 'Reduce_scatter'}"
                      + (f" (parallel.zero_reduce = \"auto\": {timed[0] * 1e3:.1f} ms by Allreduce, "
                         f"{timed[1] * 1e3:.1f} ms by Reduce_scatter on a bucket at start-up, the slowest group's)"
@@ -274,7 +279,9 @@ class Trainer:
         out = []
         for buf in [self.params] + list(self.optim.slots.values()):  # a tied tensor's replica stays behind
             local = self.be.to_host(buf.data)
-            if buf is not self.params and self.shard:  # ZeRO: every rank's chunks to data-parallel rank 0
+            if buf is self.params and self.state.gather is not None:  # zero 3: its chunks are all it holds
+                local = np.concatenate([local[a:b] for a, b in self.shard.pieces])
+            if (buf is not self.params or self.state.gather is not None) and self.shard:  # ZeRO: to dp rank 0
                 local = gather_shards(self.mesh.dp_comm, local, self.shard)
                 if local is None:  # gather_flat would return None here too: only dp rank 0 speaks for a stage
                     out.append(None)
@@ -542,6 +549,8 @@ class Trainer:
                     self.saver.finish()  # nothing when no save is in flight (run() commits its own before returning)
             finally:  # a save that failed is reported after everything below is released
                 self.sync.close()
+                if self.state.gather is not None and not self._failed_alone:
+                    self.state.gather.close()  # collective: its communicator is freed
                 if not self._failed_alone:
                     self._free_grad_memory()
                 self.data.close()

@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 from ..parallel.executor import nbytes_of
+from ..parallel.zero3 import ParamGather
 from ..plan import RUNTIME_BYTES, RankMemory, background_saves, checkpoint_bytes, state_bytes
 
 __all__ = ["rank_memory", "gather_memory", "peak_rss_bytes"]
@@ -39,7 +40,8 @@ def rank_memory(t, activation_bytes: int) -> RankMemory:
     state = state_bytes(part_size=t.part.layout.size, owned_size=t.part.owned_size, shard=t.shard, zero=t.zero,
                         released=t.grad_memory is not None, slots=len(t.optim.slots),
                         bucket_elems=max(1, int(cfg.parallel.bucket_mb * 1e6 / 4)),
-                        micro_batches=cfg.train.micro_batches)
+                        micro_batches=cfg.train.micro_batches,
+                        gather_bytes=ParamGather.pool_bytes(t.part) if t.state.gather is not None else 0)
     state["optimizer_bytes"] = t.optim.slot_bytes  # what the slots really hold
     buffers = nbytes_of([getattr(t.sync, "_scatter_out", None), t.sync.host,  # None: not allocated
                          t.sync.wire.packed if t.sync.wire is not None else None])

@@ -41,6 +41,7 @@ from ..parallel.tied import broadcast_tied
 from ..parallel.transport import Transport
 from ..parallel.data_parallel import make_buckets
 from ..parallel.grad_pages import ReleasableHost
+from ..parallel import zero3
 from ..parallel.zero import ZeroShard, bucket_elems, page_unit
 from ..params import FlatBuffer
 from .resume_check import changed_settings, resume_problem
@@ -96,6 +97,7 @@ class RankState:
     grads: FlatBuffer
     optim: object
     keeps_grads: str = ""  # zero = 2: why the whole gradient buffer stays ("" where it gives memory back)
+    gather: object | None = None  # zero = 3: parallel/zero3.py's ParamGather (the parameters' gathers)
 
 
 def build(cfg, mesh, log) -> RankParts:
@@ -216,13 +218,21 @@ def make_state(cfg, mesh, parts: RankParts) -> RankState:
     # zero = 2: gradient memory outside this rank's chunks leaves once reduced (host pages; on a GPU through
     # CUDA's virtual memory management, where the device has it); buckets and chunks are then cut on 2 MiB units,
     # so released memory leaves and returns whole
+    if zero == 3 and be.is_device:
+        raise ConfigError(zero3.refusal(cfg, device=True))
     keeps_grads = _why_full_gradients(be, parts.cuda_aware, mesh.world) if zero == 2 else ""
-    releasable = zero == 2 and not keeps_grads
+    releasable = zero >= 2 and not keeps_grads
     unit = page_unit(size) if releasable else 0
     shard = ZeroShard(make_buckets(size, bucket_elems(p.bucket_mb, unit)), dp, mesh.dp_rank, limit=owned,
                       unit=unit) if zero else None
-    grad_memory = None
-    params = FlatBuffer(be, part.layout)
+    grad_memory = gather = None
+    if zero == 3:  # parameters too: this rank's chunks stay, each unit's values come and go (parallel/zero3.py)
+        memory = ReleasableHost(size, outside=zero3.ParamGather.tracked(part, shard),
+                                keep_bytes=zero3.ParamGather.pool_bytes(part))
+        params = FlatBuffer(be, part.layout, data=memory.array)
+        gather = zero3.ParamGather(part, shard, memory, mesh.dp_comm)
+    else:
+        params = FlatBuffer(be, part.layout)
     if releasable:
         outside, keep = shard.outside(), shard.keep_bytes()
         grad_memory = be.releasable_buffer(size, outside=outside, keep_bytes=keep) if be.is_device else \
@@ -231,10 +241,11 @@ def make_state(cfg, mesh, parts: RankParts) -> RankState:
     else:
         grads = FlatBuffer(be, part.layout)
     part.bind(params, grads)
+    part.gather = gather
     pieces = shard.pieces if shard else [(0, owned)] if owned < size else None
     optim = make_optimizer(cfg.optim, be, params, grads, pieces=pieces)
     return RankState(zero=zero, shard=shard, grad_memory=grad_memory, params=params, grads=grads, optim=optim,
-                     keeps_grads=keeps_grads)
+                     keeps_grads=keeps_grads, gather=gather)
 
 
 def _why_full_gradients(be, cuda_aware: bool, world) -> str:
@@ -287,6 +298,8 @@ def load_start(t) -> None:
                                       if mesh.rank == 0 and state is not None else lambda: 0)], dtype=np.int64)
     mesh.world.Bcast(offset, root=0)  # where the checkpoint's data order stood (rank 0 read its state)
     t.sampler.offset = int(offset[0])
+    if t.state.gather is not None:  # zero = 3: what a checkpoint or weights file gave beyond the chunks leaves
+        t.state.gather.release_all()
 
 
 def candidates(t) -> tuple[list[str], bool]:
@@ -406,6 +419,8 @@ def scatter_start(t, state, weights) -> None:
         def draw():
             for name, arr in t.part.init_tensors(cfg.train.seed):  # one layer's tensors at a time
                 t.be.copy_(t.params[name], t.be.asarray(np.ascontiguousarray(arr, dtype=np.float32)))
+                if t.state.gather is not None:  # zero = 3: only this rank's chunks of it stay
+                    t.state.gather.release_all()
 
         run_everywhere(mesh.world, draw)
         return

@@ -211,8 +211,10 @@ class StepRunner:
             if norm * coef >= self.optim.SAFE_NORM[self.optim.name]:  # every rank sees the same norm
                 skipped = self._overflow(step, coef)
         if not skipped:
-            if self.shard is None:
+            if self.shard is None or part.gather is not None:  # zero 3: each unit gathers in its forward
                 self.optim.step(lr, grad_scale=coef)
+                if part.gather is not None:  # nothing gathered before the step outlives it (stale values)
+                    part.gather.release_all()
             else:  # ZeRO: each bucket's updated chunks to every rank, as soon as this rank's chunk is updated
                 params = self.optim.params.data
                 self.optim.step(lr, after=lambda i: self.sync.gather_bucket(i, params), grad_scale=coef)

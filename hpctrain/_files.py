@@ -87,7 +87,7 @@ def check_replaceable(path: str, label: str, error, verb: str = "replaces") -> b
     as root, renaming a file over ``/dev/null`` destroys the device for the whole machine."""
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (a folder that is a file: the writer says so)
         return False
     except OSError as e:
         raise error(f"{label}: {shown(e.strerror or e)}") from None

@@ -3,6 +3,15 @@
     mpiexec -n 2 hpctrain train jobs/configs/digits.toml
 """
 
+import sys as _sys
+
+if _sys.argv[1:2] == ["train"] and _sys.argv[0].replace("\\", "/").rsplit("/", 1)[-1] in ("hpctrain", "-m"):
+    # ``hpctrain train`` (the console script, or python -m hpctrain while it is located): stop signals are
+    # recorded from here, before numpy, mpi4py and MPI start (train/stop.py)
+    from .train.stop import early as _early
+
+    _early()
+
 from ._threads import share_cores_between_local_ranks
 
 share_cores_between_local_ranks()  # before anything imports numpy

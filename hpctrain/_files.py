@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import math
 import os
 import secrets
@@ -86,7 +87,7 @@ def check_replaceable(path: str, label: str, error, verb: str = "replaces") -> b
     as root, renaming a file over ``/dev/null`` destroys the device for the whole machine."""
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (a folder that is a file: the writer says so)
         return False
     except OSError as e:
         raise error(f"{label}: {shown(e.strerror or e)}") from None
@@ -129,10 +130,121 @@ def replaced_atomically(path: str, label: str, error):
             os.chmod(tmp, mode)
         replace_file(tmp, path, label, error)
     except OSError as e:
-        raise error(f"{label}: {shown(e.strerror or e)}") from None
+        raise error(f"{label}: {failure(e)}") from None
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
+
+
+def failure(e: OSError) -> str:
+    """An OSError as a short phrase naming its errno: ``No space left on device (ENOSPC)``."""
+    name = errno.errorcode.get(e.errno or 0, "")
+    text = " ".join(shown(e.strerror or e).split())
+    return f"{text} ({name})" if name and name not in text else text
+
+
+class _KeepsFirstError(io.RawIOBase):
+    """The file HDF5 writes a new file through (h5py's file-object driver): positioned reads and writes on a
+    descriptor, where the first failing write (a full disk: ENOSPC; a file-size limit: EFBIG) is kept in
+    ``error`` and every write after it dropped, so HDF5 itself never sees a failure. An HDF5 write that fails
+    leaves the library's objects half-closed: h5py printed a traceback for each as it was freed, and the
+    process ended with a segmentation fault. The writer checks ``error`` once HDF5 has closed the file."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self.fd, self.pos, self.end, self.error = fd, 0, 0, None
+
+    def readable(self):
+        return True
+
+    def writable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, offset, whence=0):
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.end + offset
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def readinto(self, b):
+        view = memoryview(b).cast("B")
+        data = os.pread(self.fd, len(view), self.pos) if self.error is None else b""
+        n = len(data)
+        view[:n] = data
+        view[n:] = bytes(len(view) - n)  # what a dropped write would have put there is gone: zeros
+        self.pos += len(view)
+        return len(view)
+
+    def write(self, b):
+        view = memoryview(b).cast("B")
+        if self.error is None:
+            done = 0
+            try:
+                while done < len(view):
+                    done += os.pwrite(self.fd, view[done:], self.pos + done)
+            except OSError as e:
+                self.error = e
+        self.pos += len(view)
+        self.end = max(self.end, self.pos)
+        return len(view)
+
+    def truncate(self, size=None):
+        size = self.pos if size is None else size
+        if self.error is None:
+            try:
+                os.ftruncate(self.fd, size)
+            except OSError as e:
+                self.error = e
+        self.end = size
+        return size
+
+    def flush(self):
+        pass
+
+
+@contextlib.contextmanager
+def h5_output(path: str, label: str, error, **kwargs):
+    """A new HDF5 file at ``path`` (created exclusively unless it is the empty temporary ``replaced_atomically``
+    made), opened to write with h5py; ``kwargs`` go to ``h5py.File`` (``libver``). A failing write (a full disk)
+    is one ``error`` line naming ``label`` and the errno, raised once HDF5 has closed the file; the caller
+    removes the file (a temporary). fsynced before it is closed."""
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags) if os.path.lexists(path) and os.path.getsize(path) == 0 else \
+            os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError as e:
+        raise error(f"{label}: {failure(e)}") from None
+    raw = _KeepsFirstError(fd)
+    try:
+        with h5py.File(raw, "w", **kwargs) as f:
+            yield f
+        if raw.error is None:
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                raw.error = e
+    finally:
+        os.close(fd)
+    if raw.error is not None:
+        raise error(f"{label}: {failure(raw.error)}")
+
+
+def write_bytes(path: str, data) -> None:
+    """Write ``data`` (bytes or a buffer) to the existing empty file ``path`` and fsync it; an OSError on failure
+    (for ``replaced_atomically`` to turn into one line)."""
+    view = memoryview(data).cast("B")
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def open_for_writing(path: str, label: str, error, *, append: bool = False, update: bool = False):

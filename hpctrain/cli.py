@@ -567,13 +567,13 @@ def _one_process_hint(command: str) -> str:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "train":  # the stop signals are recorded from here on, if not already (see _train)
+        from .train.stop import early
+
+        args.stop = early()
     from .parallel.abort import abort_world
     from .parallel.agree import QuietExit
 
-    if args.command == "train":  # the stop signals are recorded from here on (see _train)
-        from .train.stop import StopFlag
-
-        args.stop = StopFlag()
     try:
         from .layer_kinds import load_plugins, plugins_from_env
 

@@ -24,7 +24,7 @@ import zlib
 import h5py
 import numpy as np
 
-from ._files import read_capped, regular_file, replaced_atomically, shown
+from ._files import h5_output, read_capped, regular_file, replaced_atomically, shown
 from .errors import DataError
 from .text import TOKENS, CharTokenizer
 
@@ -62,7 +62,8 @@ def _write_table(path: str, x: np.ndarray, y: np.ndarray, regression: bool = Fal
                         "label (int64); pass --regression to keep the targets as float32 values")
     targets = yf.astype(np.int64) if labels else yf.astype(np.float32)
     inputs = x.astype(np.float32)
-    with replaced_atomically(path, f"cannot write {path}", DataError) as tmp, h5py.File(tmp, "w") as f:
+    with replaced_atomically(path, f"cannot write {path}", DataError) as tmp, \
+            h5_output(tmp, f"cannot write {path}", DataError) as f:
         f.create_dataset("inputs", data=inputs, chunks=True)
         f.create_dataset("targets", data=targets, chunks=True)
     return inputs, targets
@@ -164,7 +165,8 @@ def bin_to_h5(source: str, path: str, *, vocab_from: str = "") -> str:
         if top >= len(vocab):
             raise DataError(f"{source}: token id {top} is outside the {len(vocab)}-character vocabulary of "
                             f"{vocab_from}: not the text this .bin was made from")
-    with replaced_atomically(path, f"cannot write {path}", DataError) as tmp, h5py.File(tmp, "w") as f:
+    with replaced_atomically(path, f"cannot write {path}", DataError) as tmp, \
+            h5_output(tmp, f"cannot write {path}", DataError) as f:
         dset = f.create_dataset(TOKENS, shape=ids.shape, dtype=np.uint16, chunks=True)
         step = 1 << 24
         for lo in range(0, len(ids), step):

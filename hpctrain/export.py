@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from ._files import check_replaceable, replaced_atomically
+from ._files import check_replaceable, replaced_atomically, write_bytes
 from .errors import CheckpointError, ConfigError
 
 __all__ = ["export", "FORMATS"]
@@ -75,8 +75,12 @@ def export(path: str, out: str, fmt: str = "", force: bool = False) -> str:
     torch = _torch() if fmt == "nanogpt" else None
     state = ckpt.load_checkpoint(path, make_model(cfg.model).layout)
     if fmt == "nanogpt":
+        import io
+
+        buf = io.BytesIO()  # serialised in memory, written by us: a full disk is an OSError, not torch's error
+        torch.save(nanogpt_checkpoint(torch, state, cfg), buf)
         with replaced_atomically(out, f"export: cannot write {out}", CheckpointError) as tmp:
-            torch.save(nanogpt_checkpoint(torch, state, cfg), tmp)
+            write_bytes(tmp, buf.getbuffer())
         return (f"{out}: nanoGPT's checkpoint of {len(state.params) + 1} tensors (lm_head.weight tied to "
                 f"transformer.wte.weight), iter_num {state.step}; sample with nanoGPT's sample.py --out_dir="
                 f"{os.path.dirname(out) or '.'}")
@@ -87,19 +91,21 @@ def export(path: str, out: str, fmt: str = "", force: bool = False) -> str:
         return (f"{out}: the whole checkpoint (step {state.step}) in one HDF5 file, format version {version}"
                 f"{source}")
     try:
-        from safetensors.numpy import save_file
+        from safetensors.numpy import save
     except ImportError:
         raise ConfigError("export to safetensors needs the safetensors package: pip install 'hpctrain[export]'") \
             from None
+    tokens = {"hpctrain_tokenizer": state.tokenizer} if state.tokenizer else {}  # what decodes its ids
+    if state.vocabulary:
+        tokens["hpctrain_vocabulary"] = state.vocabulary
+    tensors = dict(state.params)
+    if cfg.model.kind == "gpt":  # the tied head under its own name too: a strict nanoGPT load wants it
+        tensors["lm_head.weight"] = tensors["transformer.wte.weight"].copy()
+    data = save(tensors,  # serialised in memory: a full disk is then our OSError, not SafetensorError
+                metadata={"format": "pt", "hpctrain_step": str(state.step), "hpctrain_config": state.config_text,
+                          **tokens})
     with replaced_atomically(out, f"export: cannot write {out}", CheckpointError) as tmp:
-        tokens = {"hpctrain_tokenizer": state.tokenizer} if state.tokenizer else {}  # what decodes its ids
-        if state.vocabulary:
-            tokens["hpctrain_vocabulary"] = state.vocabulary
-        tensors = dict(state.params)
-        if cfg.model.kind == "gpt":  # the tied head under its own name too: a strict nanoGPT load wants it
-            tensors["lm_head.weight"] = tensors["transformer.wte.weight"].copy()
-        save_file(tensors, tmp, metadata={"format": "pt", "hpctrain_step": str(state.step),
-                                                     "hpctrain_config": state.config_text, **tokens})
+        write_bytes(tmp, data)
     n = sum(a.size for a in state.params.values())
     return f"{out}: {len(state.params)} tensors, {n:,} parameters (step {state.step}), safetensors"
 

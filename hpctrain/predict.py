@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 
 from . import checkpoint as ckpt
-from ._files import check_replaceable, replaced_atomically
+from ._files import check_replaceable, h5_output, replaced_atomically
 from .errors import CheckpointError, ConfigError, DataError
 
 __all__ = ["predict"]
@@ -62,7 +62,8 @@ def predict(checkpoint: str, data: str, out: str, *, inputs: str = "", batch: in
     n, read = _token_windows(cfg, model, data, inputs, checkpoint, meta) if gpt else _table(cfg, part, data, inputs)
     classify = gpt or cfg.train.loss == "cross_entropy"
     width = part.out_features
-    with replaced_atomically(out, f"cannot write {out}", DataError) as tmp, h5py.File(tmp, "w") as f:
+    with replaced_atomically(out, f"cannot write {out}", DataError) as tmp, \
+            h5_output(tmp, f"cannot write {out}", DataError) as f:
         outputs = f.create_dataset("outputs", shape=(n, width), dtype=np.float32, chunks=True)
         labels = f.create_dataset("predictions", shape=(n,), dtype=np.int64, chunks=True) if classify else None
         for lo in range(0, n, batch):

@@ -20,7 +20,7 @@ import os
 import h5py
 import numpy as np
 
-from ._files import H5_ERRORS, member, regular_file, replaced_atomically, shown
+from ._files import H5_ERRORS, h5_output, member, regular_file, replaced_atomically, shown
 from .errors import ConfigError, DataError
 
 __all__ = ["CharTokenizer", "corpus_text", "write_tokens", "text_to_h5", "write_corpus", "read_vocabulary"]
@@ -74,7 +74,7 @@ def write_tokens(path: str, ids: np.ndarray, vocabulary: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     except OSError as e:
         raise DataError(f"{label}: {e.strerror or e}") from None
-    with replaced_atomically(path, label, DataError) as tmp, h5py.File(tmp, "w") as f:
+    with replaced_atomically(path, label, DataError) as tmp, h5_output(tmp, label, DataError) as f:
         dset = f.create_dataset(TOKENS, data=np.asarray(ids).astype(dtype), chunks=True)
         dset.attrs["vocabulary"] = np.array([ord(ch) for ch in vocabulary], dtype=np.int32)
 

@@ -613,7 +613,7 @@ def test_a_full_disk_under_the_metrics_file_is_one_line_and_close_does_not_fail_
     m.f = Full()
     with pytest.raises(ConfigError) as e:
         m.write({"step": 1, "loss": 0.5})
-    assert str(e.value) == f"train.metrics: cannot write {tmp_path / 'metrics.jsonl'}: No space left on device"
+    assert str(e.value) == f"train.metrics: cannot write {tmp_path / 'metrics.jsonl'}: No space left on device (ENOSPC)"
     m.write({"step": 2})  # nothing more is tried once a write failed
     m.close()  # the failed buffer is dropped: no second error
 
@@ -629,7 +629,7 @@ def test_a_full_disk_under_the_trace_is_one_line_and_leaves_no_temporary(tmp_pat
 
     monkeypatch.setattr(trace, "_write_events", full)
     _run_raising(_metrics_job(tmp_path, trace=str(tmp_path / "trace.json")), mesh,
-                 r"^train.trace: cannot write .*trace.json: No space left on device$")
+                 r"^train.trace: cannot write .*trace.json: No space left on device \(ENOSPC\)$")
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
 
 

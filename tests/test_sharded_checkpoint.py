@@ -352,7 +352,7 @@ def test_the_documented_sharded_snippet_runs(tmp_path, mesh):
     """docs/checkpoint-format.md's plain-h5py reader of a sharded checkpoint, run as written."""
     run(job(tmp_path, steps=3), mesh)
     doc = open(os.path.join(ROOT, "docs", "checkpoint-format.md")).read()
-    code = doc.split("## Reading a checkpoint with plain h5py")[1].split("```python")[2].split("```")[0]
+    code = doc.split("## Reading a checkpoint with plain h5py")[1].split("```python")[3].split("```")[0]
     code = code.replace('"ckpt-00001200.h5"', repr(str(tmp_path / "ck" / "ckpt-00000003.h5")))
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -160,7 +160,7 @@ def _inspect_set(f: h5py.File, path: str, state, lines: list, problems: list) ->
     lines.append(f"parameters: {len(specs)} tensors, {total:,} values ({_size(total * 4)} as float32)")
     width = max([len(n) for n, _ in specs] + [4])
     lines += [f"  {name:<{width}}  {'x'.join(map(str, shape)) or 'scalar'}" for name, shape in specs]
-    layout = ParamLayout(specs)
+    layout = _model_layout(state) or ParamLayout(specs)  # the model's tensors: each must be in the index
     try:
         index = sharded.open_set(path, f, state, layout)
     except CheckpointError as e:
@@ -193,6 +193,20 @@ def _inspect_set(f: h5py.File, path: str, state, lines: list, problems: list) ->
                  "of every shard read")
     lines.append("config:")
     lines += [f"  {shown(line)}" for line in state.config_text.splitlines()]
+
+
+def _model_layout(state):
+    """The layout of the model the checkpoint's config describes (what a resume checks the index against), or
+    None when the config does not build one here (a layer kind from a plugin not loaded)."""
+    try:
+        import tomllib
+
+        from ..config import parse_config
+        from ..nn import make_model
+
+        return make_model(parse_config(tomllib.loads(state.config_text)).model).layout
+    except Exception:  # noqa: BLE001 - then the index's own tensors are checked
+        return None
 
 
 def _usable(group: h5py.Group, size: int, problems: list) -> list[tuple[str, h5py.Dataset]]:

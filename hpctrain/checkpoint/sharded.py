@@ -36,7 +36,7 @@ import h5py
 import numpy as np
 
 from . import format as fmt
-from .._files import H5_ERRORS, regular_file, replace_file, shown, storage_problem
+from .._files import H5_ERRORS, h5_output, regular_file, replace_file, shown, storage_problem
 from ..errors import CheckpointError
 from .pieces import Piece, local_matrix, matches, segments, strided
 
@@ -101,7 +101,7 @@ def write_shard(path: str, *, set_id: str, rank: int, step: int, items, backgrou
     entries = shard_entries([(label, p) for label, p, _ in items])
     total = sum(p.size for _, p, _ in items)
     digests = np.zeros((sum(_blocks(p.size) for _, p, _ in items), 32), dtype=np.uint8)
-    with h5py.File(path, "x", libver=fmt.LIBVER, locking=False) as f:
+    with h5_output(path, f"cannot write checkpoint shard {path}", CheckpointError, libver=fmt.LIBVER) as f:
         for key, value in (("format", SHARD_FORMAT), ("set_id", set_id), ("rank", rank), ("step", step)):
             fmt.set_attr(f.attrs, key, value)
         values_at = _allocate(f, "values", (total,), "<f4")
@@ -167,7 +167,7 @@ def write_index(directory: str, state, *, set_id: str, shards: list[str], entrie
     fmt.fsync_dir(os.path.join(directory, folder))
     tmp = fmt.temp_path(directory, state.step)
     try:
-        with h5py.File(tmp, "x", libver=INDEX_LIBVER, locking=False) as f:
+        with h5_output(tmp, f"cannot commit checkpoint {final}", CheckpointError, libver=INDEX_LIBVER) as f:
             write_attrs(f, state, VERSION, extra={"set_id": set_id, "shards": len(shards)})
             ds = f.create_dataset("manifest", data=text)
             fmt.set_attr(ds.attrs, fmt.DIGEST, hashlib.sha256(text.tobytes()).hexdigest())
@@ -184,37 +184,99 @@ def write_index(directory: str, state, *, set_id: str, shards: list[str], entrie
     return final
 
 
+def _virtual_maps(folder, shards, entries, labels, layout) -> dict:
+    """``{(label, name): [(start, count, source, source start, values, source size)]}``: the mappings of every
+    tensor of the index onto the shards' ``/values``, as the manifest's ``entries`` place its pieces. What the
+    index is written with, and what ``virtual_problem`` compares an index's own mappings with."""
+    by_tensor, sizes = {}, {}
+    for e in entries:
+        by_tensor.setdefault((e[0], e[1]), []).append(e)
+        sizes[e[9]] = max(sizes.get(e[9], 0), e[7] + e[6] - e[5])
+    out = {}
+    for label in labels:
+        for spec in layout:
+            shape, maps = tuple(spec.shape), []
+            for _, name, kind, tp_rank, tp, lo, hi, at, _, shard in by_tensor.get((label, spec.name), []):
+                for segment in segments(Piece(name, spec.shape, kind, tp_rank, tp, lo, hi)):
+                    for start, count, off, n in _virtual_boxes(shape, *segment):
+                        maps.append((tuple(start), tuple(count), f"{folder}/{shards[shard]}", at + off, n,
+                                     sizes[shard]))
+            out[(label, spec.name)] = maps
+    return out
+
+
 def _write_virtual(f, folder, shards, entries, labels, layout) -> None:
     """``/params/<name>`` and ``/optim/<slot>/<name>``: full tensors mapped from the shards' ``/values``
     (h5py's low-level calls: the high-level VirtualLayout copies itself for every mapping)."""
-    by_tensor = {}
-    for e in entries:
-        by_tensor.setdefault((e[0], e[1]), []).append(e)
-    sizes = {}
-    for e in entries:
-        sizes[e[9]] = max(sizes.get(e[9], 0), e[7] + e[6] - e[5])
     f.create_group("params", track_order=True)
     optim = f.create_group("optim")
     for label in labels[1:]:
         optim.create_group(label, track_order=True)
     nan = np.array(np.nan, dtype="<f4")
+    maps = _virtual_maps(folder, shards, entries, labels, layout)
     for label in labels:
         group = f["params"] if label == "params" else optim[label]
         for spec in layout:
             shape = tuple(spec.shape)
             dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
             dcpl.set_fill_value(nan)
-            for _, name, kind, tp_rank, tp, lo, hi, at, _, shard in by_tensor.get((label, spec.name), []):
-                source = f"{folder}/{shards[shard]}".encode()
-                for segment in segments(Piece(name, spec.shape, kind, tp_rank, tp, lo, hi)):
-                    for start, count, off, n in _virtual_boxes(shape, *segment):
-                        vspace = _space(shape)
-                        if shape:
-                            vspace.select_hyperslab(start, count)
-                        src = h5py.h5s.create_simple((sizes[shard],))
-                        src.select_hyperslab((at + off,), (n,))
-                        dcpl.set_virtual(vspace, source, b"values", src)
+            for start, count, source, src_at, n, size in maps[(label, spec.name)]:
+                vspace = _space(shape)
+                if shape:
+                    vspace.select_hyperslab(start, count)
+                src = h5py.h5s.create_simple((size,))
+                src.select_hyperslab((src_at,), (n,))
+                dcpl.set_virtual(vspace, source.encode(), b"values", src)
             h5py.h5d.create(group.id, spec.name.encode(), h5py.h5t.IEEE_F32LE, _space(shape), dcpl=dcpl)
+
+
+def _box(space) -> tuple | None:
+    """(start, count) of a selection that is one box, in the dataspace's own dimensions; None otherwise."""
+    kind = space.get_select_type()
+    if kind == h5py.h5s.SEL_ALL:
+        return (0,) * len(space.shape), tuple(space.shape)
+    if kind != h5py.h5s.SEL_HYPERSLABS or not space.is_regular_hyperslab():
+        return None
+    start, stride, count, block = space.get_regular_hyperslab()
+    if any(c > 1 and s != b for s, c, b in zip(stride, count, block)):
+        return None  # gaps between the blocks: not one box
+    return tuple(start), tuple(c * b for c, b in zip(count, block))
+
+
+def virtual_problem(f: h5py.File, folder: str, shards: list, entries: list, labels: list, layout) -> str:
+    """'' when every tensor of the index ``f`` is a virtual dataset whose sources are the set's own shard files
+    (``<folder>/rank-<n>.h5``, relative: inside the set's folder beside the index) and whose mappings are exactly
+    those the manifest gives; else the first problem. hpctrain reads the shards by the manifest, but a user
+    reading the index with h5py (checkpoint-format.md) reads what these mappings say: another file's bytes, if
+    they were re-pointed."""
+    expected = _virtual_maps(folder, shards, entries, labels, layout)
+    allowed = {f"{folder}/{s}" for s in shards}
+    for (label, name), maps in expected.items():
+        where = f"/params/{name}" if label == "params" else f"/optim/{label}/{name}"
+        try:
+            link = f.get(where, getlink=True)
+            if not isinstance(link, h5py.HardLink):
+                return f"{where} is {'missing' if link is None else 'a link'}, not a virtual dataset of the index"
+            ds = f[where]
+            if not isinstance(ds, h5py.Dataset) or not ds.is_virtual:
+                return (f"{where} is not a virtual dataset over the set's shards (data of its own, which a reader "
+                        "of the index with h5py would take for the weights)")
+            got = []
+            for m in ds.virtual_sources():
+                source, dset = m.file_name, m.dset_name
+                if source not in allowed or dset not in ("values", "/values"):
+                    return (f"{where} maps {shown(source)!r}:{shown(dset)}, not /values of one of the set's own "
+                            f"shards ({folder}/rank-<n>.h5): a reader of the index with h5py would read another "
+                            "file's bytes")
+                vbox, sbox = _box(m.vspace), _box(m.src_space)
+                if vbox is None or sbox is None or len(sbox[0]) != 1:
+                    return f"{where} has a virtual mapping that is not one box"
+                got.append((vbox[0], vbox[1], source, sbox[0][0], sbox[1][0]))
+        except H5_ERRORS as e:
+            return f"{where}: its virtual dataset cannot be read, the index is damaged ({shown(e)})"
+        if sorted(got) != sorted(m[:5] for m in maps):  # (HDF5 keeps a source's extent as the selection's end)
+            return f"{where}: its virtual dataset's mappings are not those of the manifest"
+    return ""
 
 
 def _space(shape: tuple):
@@ -311,6 +373,9 @@ def open_set(path: str, f: h5py.File, state, layout) -> SetIndex:
             if problem:
                 where = f"/params/{spec.name}" if label == "params" else f"/optim/{label}/{spec.name}"
                 raise CheckpointError(f"checkpoint {path}: {where} {problem}")
+    problem = virtual_problem(f, folder, shards, [e for e in entries if e[1] in layout], labels, layout)
+    if problem:  # what a reader of the index with h5py gets must be what the manifest says
+        raise CheckpointError(f"checkpoint {path}: {problem}")
     return SetIndex(path, state, set_id, labels, paths, pieces)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import format as fmt
 from . import sharded
-from .._files import replace_file
+from .._files import h5_output, replace_file
 from ..errors import CheckpointError
 from ..layer_kinds import plugin_modules
 from .state import CheckpointState, check_slot_names, nonfinite, value_problem
@@ -62,7 +62,7 @@ def write_single_file(path: str, state: CheckpointState) -> None:
 def _write_file(final: str, state: CheckpointState, arrays) -> None:
     tmp = fmt.temp_path(os.path.dirname(os.path.abspath(final)), state.step)
     try:
-        with h5py.File(tmp, "x", libver=fmt.LIBVER, locking=False) as f:
+        with h5_output(tmp, f"cannot write checkpoint {final}", CheckpointError, libver=fmt.LIBVER) as f:
             write_root_attrs(f, state)
             f.create_group("params", track_order=True)
             optim = f.create_group("optim")
@@ -189,7 +189,7 @@ def save_weights(path: str, params: dict[str, np.ndarray]) -> None:
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".tmp-{secrets.token_hex(8)}.h5")
     try:
-        with h5py.File(tmp, "x", locking=False) as f:
+        with h5_output(tmp, f"cannot write weights {path}", CheckpointError) as f:
             group = f.create_group("params", track_order=True)
             for name, arr in params.items():
                 group.create_dataset(name, data=np.asarray(arr, dtype=np.float32), fletcher32=True)

@@ -193,6 +193,8 @@ def _write_shard(folder, rank, step, set_id, items, background, outcome) -> None
     try:
         if items:
             sharded.write_shard(path, set_id=set_id, rank=rank, step=step, items=items, background=background)
+    except CheckpointError as e:  # h5_output's line: the shard's layout could not be written (a full disk)
+        outcome["error"] = CheckpointError(f"rank {rank}: {e}")
     except OSError as e:  # one line, whatever the library's text holds (HDF5's can hold newlines)
         outcome["error"] = CheckpointError(f"rank {rank}: cannot write checkpoint shard {path}: "
                                            f"{' '.join(str(e).split())}")

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from .._files import open_for_writing, replaced_atomically
+from .._files import failure, open_for_writing, replaced_atomically
 from ..errors import ConfigError
 from ..parallel.executor import bubble_share
 from .sinks import CsvTable, TensorBoard
@@ -69,7 +69,7 @@ class MetricsFile:
                     self.f.flush()
             except OSError as e:  # a full disk, a quota, a folder gone read-only
                 self.failed = True
-                raise ConfigError(f"train.metrics: cannot write {self.path}: {e.strerror or e}") from None
+                raise ConfigError(f"train.metrics: cannot write {self.path}: {failure(e)}") from None
 
     def close(self):
         """Close the file; after a failed write the buffer that failed is dropped, not flushed (and failed) again."""
@@ -82,7 +82,7 @@ class MetricsFile:
                 f.close()
             except OSError as e:
                 if not self.failed:
-                    raise ConfigError(f"train.metrics: cannot write {self.path}: {e.strerror or e}") from None
+                    raise ConfigError(f"train.metrics: cannot write {self.path}: {failure(e)}") from None
 
 
 def _lock(fd: int, path: str) -> None:

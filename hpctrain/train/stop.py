@@ -11,6 +11,12 @@ every rank in a Barrier until world rank 0's write is durable, and a signal afte
 and ignored. While the stop checkpoint is written, SIGINT is recorded too (``shield_interrupts``): a
 Ctrl-C then does not lose the checkpoint either; during training it interrupts as usual.
 
+The command line records them from its first instruction: ``hpctrain/__init__.py`` calls ``early()`` when the
+process is ``hpctrain train`` (before numpy, mpi4py and MPI's start-up, which took the first second of a run;
+a SIGTERM then killed the rank, rc 15). There, SIGINT is a stop signal too: a first Ctrl-C stops the run
+at the next step boundary with a checkpoint, exactly like SIGTERM; a second one aborts at once
+(KeyboardInterrupt: ``hpctrain: interrupted``, exit 130), as PyTorch Lightning and DeepSpeed users expect.
+
 Open MPI's ``mpirun`` is different: on SIGTERM or SIGINT it kills its ranks itself about half a
 second later, whatever they do with the signal. Under it, stop a job with SIGUSR1 (which it forwards)
 or signal the ranks themselves, as Slurm does (docs/reliability.md).
@@ -33,13 +39,14 @@ class StopFlag:
 
     SIGNALS = ("SIGTERM", "SIGUSR1")
 
-    def __init__(self):
-        self.name, self.later, self._old = "", [], {}
+    def __init__(self, *, interrupts: bool = False):
+        """``interrupts``: SIGINT is a stop signal too (the command line): the first stops, the second aborts."""
+        self.name, self.later, self._old, self.interrupts, self._sigint = "", [], {}, 0, interrupts
         self.install()
 
     def install(self) -> None:
-        """Record SIGTERM and SIGUSR1 from now on (again, after ``restore``)."""
-        for name in self.SIGNALS:
+        """Record SIGTERM and SIGUSR1 (and SIGINT, for the command line) from now on (again, after ``restore``)."""
+        for name in self.SIGNALS + (("SIGINT",) if self._sigint else ()):
             self._install(name)
 
     def _install(self, name: str) -> None:
@@ -50,6 +57,10 @@ class StopFlag:
 
     def _handle(self, signum, frame):
         received = signal.Signals(signum).name
+        if received == "SIGINT":
+            self.interrupts += 1
+            if self.interrupts > 1 and self._sigint:  # a second Ctrl-C: abort now, whatever is being done
+                raise KeyboardInterrupt
         if self.name:
             self.later.append(received)  # already stopping: recorded, nothing more
         else:
@@ -82,11 +93,21 @@ class StopFlag:
         signal while the process exits, after a stop checkpoint, would otherwise kill it: exit status 143 for
         a run that did its part.) SIGINT keeps its action: a Ctrl-C still ends a teardown that hangs."""
         for sig in self._old:
-            if sig != signal.SIGINT:
-                signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, signal.SIG_IGN if sig != signal.SIGINT else signal.default_int_handler)
 
     def restore(self) -> None:
         """The handlers there were before this flag (not collective)."""
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old = {}
+
+
+_EARLY: list = []  # the command line's flag, made by early() at its first instruction
+
+
+def early() -> StopFlag:
+    """The command line's StopFlag (SIGINT included), made once: by ``hpctrain/__init__.py`` when the process is
+    ``hpctrain train``, before anything else is imported, or by ``cli.main``."""
+    if not _EARLY:
+        _EARLY.append(StopFlag(interrupts=True))
+    return _EARLY[0]

@@ -95,10 +95,10 @@ def is_hf_folder(path: str) -> bool:
 def write_hf(folder: str, params: dict, m, metadata: dict) -> int:
     """``model.safetensors`` and ``config.json`` of a GPT into ``folder`` (made if missing; each written aside and
     renamed); returns the number of tensors."""
-    from ._files import replaced_atomically
+    from ._files import replaced_atomically, write_bytes
 
     try:
-        from safetensors.numpy import save_file
+        from safetensors.numpy import save
     except ImportError:
         raise ConfigError("export to Hugging Face's layout needs the safetensors package: pip install "
                           "'hpctrain[export]'") from None
@@ -107,14 +107,12 @@ def write_hf(folder: str, params: dict, m, metadata: dict) -> int:
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"export: cannot make the folder {folder}: {e.strerror or e}") from None
-    path = os.path.join(folder, WEIGHTS)
-    with replaced_atomically(path, f"export: cannot write {path}", CheckpointError) as tmp:
-        save_file(tensors, tmp, metadata={"format": "pt", **metadata})
-    path = os.path.join(folder, CONFIG)
-    with replaced_atomically(path, f"export: cannot write {path}", CheckpointError) as tmp:
-        with open(tmp, "w") as f:
-            json.dump(config, f, indent=2)
-            f.write("\n")
+    # each file serialised in memory and written by us: a full disk is then an OSError, one line (_files.py)
+    for name, data in ((WEIGHTS, save(tensors, metadata={"format": "pt", **metadata})),
+                       (CONFIG, (json.dumps(config, indent=2) + "\n").encode())):
+        path = os.path.join(folder, name)
+        with replaced_atomically(path, f"export: cannot write {path}", CheckpointError) as tmp:
+            write_bytes(tmp, data)
     return len(tensors)
 
 

@@ -60,6 +60,7 @@ from numba import cuda
 from ...errors import BackendError
 from ..base import Backend, Mark, StreamWaits, check_array
 from . import activations, attention, blocks, dropout, embedding, linear, loss, norm, optim
+from .activations import Activations
 from .attention import Attention
 from .dropout import Dropout
 from .embedding import Embedding
@@ -67,11 +68,10 @@ from .flash import FlashAttention
 from .gemm import Gemm
 from .gemm.tiled import GPU_SMALL_TILE, GPU_TILE, GPU_TILES, GPU_TN_TILES, SIM_TILE, GemmTile
 from .launch import Launcher
-from .memory import (DevicePool, flat, is_device_array, is_out_of_memory, out_of_memory_error, raw_alloc, wrap,
-                     wrap_address)
-from .activations import Activations
 from .linear import Linear
 from .loss import Loss
+from .memory import (DevicePool, flat, is_device_array, is_out_of_memory, out_of_memory_error, raw_alloc, wrap,
+                     wrap_address)
 from .norm import Norm
 from .optim import Optim
 from .vmm import ReleasableDevice, VmmDriver
@@ -383,42 +383,12 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
             dev.copy_to_device(host, stream=self.stream)
         self._wait()  # the caller may overwrite ``host`` (MPI receives into it) next
 
-    # ------------------------------------------------------------------ launching
-
-    def _column_sums(self, op, partials, B, C, outputs, inputs, outs, accumulate):
-        """Column sums over B rows in two passes: ``partials`` on a grid of column blocks × G row groups (enough
-        blocks for about two waves, each thread at least COLUMN_ROWS rows) writes float64 sums per row group, then
-        ``column_finish`` adds each output's G partials in order into ``outs`` (float32, += with accumulate)."""
-        k = self._k
-        col_blocks = -(-C // k.RX)
-        G = max(1, min(-(-2 * self.wave // col_blocks), -(-B // (k.RY * COLUMN_ROWS))))
-        partial = self._alloc(op, (outputs * G, C), np.float64)
-        self._launch(partials, (col_blocks, G), (k.RX, k.RY), *inputs, partial, -(-B // G) if B else 1)
-        for i, out in enumerate(outs):
-            self._elementwise(k.column_finish, C, partial[i * G:(i + 1) * G], out, bool(accumulate))
-
-    def _check_ids_on_host(self, op, ids, limit):
-        """Host token ids or targets: the first one outside [0, limit) raises BackendError, as the kernels would."""
-        flat = ids.reshape(-1)
-        bad = np.flatnonzero((flat < 0) | (flat >= limit))
-        if bad.size:
-            if op == "cross_entropy":
-                self.bad_target(ids, int(bad[0]), limit)
-            self.bad_token(ids, int(bad[0]), limit, op=op)
-
-    def _device_ids(self, op, ids, limit):
-        """Ids for a kernel: host ids range-checked (``limit``: None for no check) and uploaded, device ids as
-        they are."""
-        if is_device_array(ids):
-            return ids
-        if limit is not None:
-            self._check_ids_on_host(op, ids, limit)
-        return self.upload(ids)
-
     def fill_(self, x, value):
         """x[...] = value, any dtype."""
         self._arg("fill_", "x", x, dtype=x.dtype)
         self._elementwise(self._k.fill, x.size, flat(x), x.dtype.type(value))
+
+    # ------------------------------------------------------------------ launching
 
     def _launch(self, kernel, grid, threads, *args):
         if self.launcher is None:
@@ -435,6 +405,18 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
 
     def _rows_grid(self, rows):
         return max(1, min(rows, self.max_blocks if self.simulator else 65535))
+
+    def _column_sums(self, op, partials, B, C, outputs, inputs, outs, accumulate):
+        """Column sums over B rows in two passes: ``partials`` on a grid of column blocks × G row groups (enough
+        blocks for about two waves, each thread at least COLUMN_ROWS rows) writes float64 sums per row group, then
+        ``column_finish`` adds each output's G partials in order into ``outs`` (float32, += with accumulate)."""
+        k = self._k
+        col_blocks = -(-C // k.RX)
+        G = max(1, min(-(-2 * self.wave // col_blocks), -(-B // (k.RY * COLUMN_ROWS))))
+        partial = self._alloc(op, (outputs * G, C), np.float64)
+        self._launch(partials, (col_blocks, G), (k.RX, k.RY), *inputs, partial, -(-B // G) if B else 1)
+        for i, out in enumerate(outs):
+            self._elementwise(k.column_finish, C, partial[i * G:(i + 1) * G], out, bool(accumulate))
 
     def _sum_reduce(self, op, kernel, n, *args, into=None):
         """Run a kernel that writes per-block float64 partial sums and add them up on the device: the total into
@@ -459,6 +441,24 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
 
     # ------------------------------------------------------------------ argument checks
 
+    def _check_ids_on_host(self, op, ids, limit):
+        """Host token ids or targets: the first one outside [0, limit) raises BackendError, as the kernels would."""
+        every = ids.reshape(-1)
+        bad = np.flatnonzero((every < 0) | (every >= limit))
+        if bad.size:
+            if op == "cross_entropy":
+                self.bad_target(ids, int(bad[0]), limit)
+            self.bad_token(ids, int(bad[0]), limit, op=op)
+
+    def _device_ids(self, op, ids, limit):
+        """Ids for a kernel: host ids range-checked (``limit``: None for no check) and uploaded, device ids as
+        they are."""
+        if is_device_array(ids):
+            return ids
+        if limit is not None:
+            self._check_ids_on_host(op, ids, limit)
+        return self.upload(ids)
+
     def _require_device(self, op, name, arr):
         if not is_device_array(arr):
             shape = getattr(arr, "shape", None)
@@ -479,8 +479,12 @@ def _multiprocessors() -> int:
 
 
 def kernel_table(block: int) -> SimpleNamespace:
-    """Every family's kernels for blocks of ``block`` threads, by name (the names are unique across FAMILIES)."""
+    """Every family's kernels for blocks of ``block`` threads, by name (unique across FAMILIES)."""
     table = {}
     for family in FAMILIES:
-        table.update(vars(family.kernels(block)))
+        kernels = vars(family.kernels(block))
+        clash = sorted(set(kernels) & set(table))
+        if clash:
+            raise RuntimeError(f"{family.__name__} names kernels another family has: {clash}")
+        table.update(kernels)
     return SimpleNamespace(**table)

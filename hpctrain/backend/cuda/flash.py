@@ -73,12 +73,12 @@ def flash_kernels(hs: int) -> SimpleNamespace:
     if not 1 <= hs <= MAX_HS:
         raise BackendError(f'model.attention = "flash" on the CUDA backend takes heads of at most {MAX_HS} '
                            f'channels (n_embd / n_head = {hs}); use model.attention = "math"')
-    return SimpleNamespace(flash_forward=_forward(hs), flash_backward_dq=_backward_dq(hs),
-                           flash_backward_dkdv=_backward_dkdv(hs))
+    pieces = _pieces(hs)  # the launch shape's constants and device functions, closed over by each kernel
+    return SimpleNamespace(flash_forward=_forward(*pieces), flash_backward_dq=_backward_dq(*pieces),
+                           flash_backward_dkdv=_backward_dkdv(*pieces))
 
 
-@functools.cache
-def _pieces(hs: int) -> SimpleNamespace:
+def _pieces(hs: int) -> tuple:
     """What the three kernels share for heads of ``hs`` channels: the launch shape's constants and the device
     functions (inlined into each kernel)."""
     sim.install()  # under the simulator: shared arrays that every thread of a block agrees on
@@ -153,18 +153,13 @@ def _pieces(hs: int) -> SimpleNamespace:
             s += part[l, lane_row, c]
         return s
 
-    return SimpleNamespace(HS=HS, TR=TR, HL=HL, WHOLE=WHOLE, BR=BR, SP=SP, kernel=sim.kernel_jit(NT), kept=kept,
-                           row_start=row_start, place=place, load_tile=load_tile, lane_dot=lane_dot,
-                           lane_axpy=lane_axpy, row_sum=row_sum)
+    return (HS, TR, HL, WHOLE, BR, SP, sim.kernel_jit(NT), kept, row_start, place, load_tile, lane_dot, lane_axpy,
+            row_sum)
 
 
-@functools.cache
-def _forward(hs: int):
-    s = _pieces(hs)
-    HS, TR, HL, WHOLE, BR, SP = s.HS, s.TR, s.HL, s.WHOLE, s.BR, s.SP
-    kept, row_start, place, load_tile = s.kept, s.row_start, s.place, s.load_tile
-    lane_dot, lane_axpy, row_sum = s.lane_dot, s.lane_axpy, s.row_sum
-    kernel = s.kernel
+def _forward(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load_tile, lane_dot, lane_axpy,
+             row_sum):
+    """The forward kernel: out and lse, each block's query rows against every key tile up to the diagonal."""
 
     @kernel
     def flash_forward(qkv, out, lse, T, H, scale, key, cut, kscale, row0, group, stride, drop):
@@ -224,13 +219,9 @@ def _forward(hs: int):
     return flash_forward
 
 
-@functools.cache
-def _backward_dq(hs: int):
-    s = _pieces(hs)
-    HS, TR, HL, WHOLE, BR, SP = s.HS, s.TR, s.HL, s.WHOLE, s.BR, s.SP
-    kept, row_start, place, load_tile = s.kept, s.row_start, s.place, s.load_tile
-    lane_dot, lane_axpy, row_sum = s.lane_dot, s.lane_axpy, s.row_sum
-    kernel = s.kernel
+def _backward_dq(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load_tile, lane_dot, lane_axpy,
+                 row_sum):
+    """The dq kernel, which also leaves dsum (each row's dout·out) for the dk/dv kernel."""
 
     @kernel
     def flash_backward_dq(qkv, dout, out, lse, dsum, dqkv, T, H, scale, key, cut, kscale, row0, group, stride,
@@ -290,13 +281,9 @@ def _backward_dq(hs: int):
     return flash_backward_dq
 
 
-@functools.cache
-def _backward_dkdv(hs: int):
-    s = _pieces(hs)
-    HS, TR, HL, WHOLE, BR, SP = s.HS, s.TR, s.HL, s.WHOLE, s.BR, s.SP
-    kept, row_start, place, load_tile = s.kept, s.row_start, s.place, s.load_tile
-    lane_dot, lane_axpy, row_sum = s.lane_dot, s.lane_axpy, s.row_sum
-    kernel = s.kernel
+def _backward_dkdv(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load_tile, lane_dot, lane_axpy,
+                   row_sum):
+    """The dk/dv kernel: each block's key rows against every query tile from the diagonal on."""
 
     @kernel
     def flash_backward_dkdv(qkv, dout, lse, dsum, dqkv, T, H, scale, key, cut, kscale, row0, group, stride, drop):

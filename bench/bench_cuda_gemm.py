@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_common import check, gemm_tolerance, gflops, gpu_mode, time_kernel  # noqa: E402
 
 from hpctrain.backend.cuda import CudaBackend  # noqa: E402
-from hpctrain.backend.cuda_gemm import GemmTile  # noqa: E402
+from hpctrain.backend.cuda.gemm.tiled import GemmTile  # noqa: E402
 
 LAYOUTS = ("nt", "nn", "tn")
 # gpt-char's products (jobs/configs/gpt-char.toml: batch 32 x block 64 = 2048 rows, n_embd 128, vocab 128), as

@@ -23,8 +23,8 @@ import re
 import sys
 import time
 
-from hpctrain.backend import cuda_compile as cc
-from hpctrain.backend.cuda_gemm import GPU_TILE, GemmTile
+from hpctrain.backend.cuda import compile as cc
+from hpctrain.backend.cuda.gemm.tiled import GPU_TILE, GemmTile
 
 
 def main() -> int:

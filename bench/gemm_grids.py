@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hpctrain.backend.cuda_gemm import (GPU_SMALL_TILE, GPU_TILES, GPU_TN_TILES, choose_tile, grid_blocks,  # noqa: E402
+from hpctrain.backend.cuda.gemm.tiled import (GPU_SMALL_TILE, GPU_TILES, GPU_TN_TILES, choose_tile, grid_blocks,  # noqa: E402
                                         k_splits)
 
 H100_SMS = 132

@@ -14,11 +14,11 @@ import numpy as np
 
 from hpctrain.backend.base import Mark, StreamWaits
 from hpctrain.backend.cpu import CpuBackend
-from hpctrain.backend.cuda_vmm import ReleasableDevice
+from hpctrain.backend.cuda.vmm import ReleasableDevice
 
 
 class FakeVmm:
-    """CUDA's virtual memory calls (backend/cuda_vmm.py's VmmDriver) over one host array: every map fills its unit
+    """CUDA's virtual memory calls (backend/cuda/vmm.py's VmmDriver) over one host array: every map fills its unit
     with NaN, as if the memory mapped there held anything, so a read of released gradients, or of a unit filled
     but not written before it is read, spreads NaN into the result. It checks the calls' rules: no map over a
     mapping, no unmap or access of nothing, no release of a mapped handle, no write into an empty unit (on a GPU

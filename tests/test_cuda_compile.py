@@ -4,7 +4,7 @@ NVVM (numba-cuda[cu12], in the test extra) makes the PTX and ptxas assembles it;
 nvidia-cuda-nvdisasm wheel, also in the test extra) shows the GEMM's machine code. The checks:
 
 * every kernel of the backend compiles and assembles, at the argument types it is launched with
-  (hpctrain/backend/cuda_compile.py lists them), and a kernel missing from that list fails;
+  (hpctrain/backend/cuda/compile.py lists them), and a kernel missing from that list fails;
 * every kernel launches at the largest block the backend accepts (1024 threads: at most 64
   registers) as well as at the default (256), where none spills or needs a local-memory stack
   (at 1024 a few bytes may spill: the register limit is the point there); the GEMM never does;
@@ -18,7 +18,7 @@ import functools
 
 import pytest
 
-cuda_compile = pytest.importorskip("hpctrain.backend.cuda_compile")
+cuda_compile = pytest.importorskip("hpctrain.backend.cuda.compile")
 
 
 def _nvvm_reason():
@@ -81,9 +81,9 @@ def test_float64_only_where_meant():
 def test_a_kernel_without_a_launch_signature_fails_the_check(monkeypatch):
     from numba import cuda
 
-    import hpctrain.backend.cuda_ops as cuda_ops
+    import hpctrain.backend.cuda.norm as norm
 
-    original = cuda_ops.ops_kernels
+    original = norm.kernels
 
     @cuda.jit
     def new_kernel(x):
@@ -93,7 +93,7 @@ def test_a_kernel_without_a_launch_signature_fails_the_check(monkeypatch):
         k = original(nt)
         return type(k)(**vars(k), new_kernel=new_kernel)
 
-    monkeypatch.setattr(cuda_ops, "ops_kernels", with_new)
+    monkeypatch.setattr(norm, "kernels", with_new)
     with pytest.raises(LookupError, match="new_kernel"):
         cuda_compile.kernels(block=256)
 

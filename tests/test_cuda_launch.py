@@ -1,4 +1,4 @@
-"""The CUDA backend's direct launch path (hpctrain/backend/cuda_launch.py), without a GPU: device arrays over fake
+"""The CUDA backend's direct launch path (hpctrain/backend/cuda/launch.py), without a GPU: device arrays over fake
 memory, numba-cuda's own argument flattening (``_Kernel._prepare_args``) as the reference, and a recording
 ``launch`` in place of cuda.core's."""
 
@@ -11,7 +11,7 @@ pytest.importorskip("numba.cuda.dispatcher", reason="needs numba-cuda")
 from numba.cuda.cudadrv.devicearray import DeviceNDArray  # noqa: E402
 from numba.cuda.dispatcher import CUDADispatcher, _Kernel  # noqa: E402
 
-from hpctrain.backend.cuda_launch import Launcher, argument_kinds, same_parameters  # noqa: E402
+from hpctrain.backend.cuda.launch import Launcher, argument_kinds, same_parameters  # noqa: E402
 
 
 class Memory:

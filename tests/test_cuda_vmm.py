@@ -1,4 +1,4 @@
-"""zero = 2's device gradient buffer (backend/cuda_vmm.py: ReleasableDevice) on FakeVmm, CUDA's virtual memory calls
+"""zero = 2's device gradient buffer (backend/cuda/vmm.py: ReleasableDevice) on FakeVmm, CUDA's virtual memory calls
 over a host array (tests/fake_device.py): which units hold memory when, the handle pool's bound, and that released
 memory reads as garbage (NaN) until written again. The same class on a GPU: tests/cuda/test_cuda_memory.py."""
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fake_device import FakeVmm
-from hpctrain.backend.cuda_vmm import ReleasableDevice, VmmDriver
+from hpctrain.backend.cuda.vmm import ReleasableDevice, VmmDriver
 
 UNIT = 16  # float32 a unit (FakeVmm's 64 bytes)
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import reference as ref
-from hpctrain.backend import cpu_transformer
+from hpctrain.backend.cpu import attention as cpu_attention
 from hpctrain.backend.cpu import CpuBackend
 from hpctrain.nn.dropout import DropoutKey
 from hpctrain.errors import BackendError
@@ -128,7 +128,7 @@ def test_flash_attention_kernels(B, T, H, hs, heads_at_once, monkeypatch):
     """The flash path (lse kept, probabilities recomputed) against the numpy reference, taking the heads all at
     once and in chunks of one or two (the scratch budget made small)."""
     if heads_at_once:
-        monkeypatch.setattr(cpu_transformer, "FLASH_SCRATCH", 4 * T * T * heads_at_once)
+        monkeypatch.setattr(cpu_attention, "FLASH_SCRATCH", 4 * T * T * heads_at_once)
     C = H * hs
     qkv, dout = rand(B * T, 3 * C), rand(B * T, C)
     out, lse = np.full((B * T, C), 3.0, np.float32), np.full((B, H, T), 3.0, np.float32)
@@ -146,7 +146,7 @@ def test_flash_attention_with_dropout_is_the_math_path(heads_at_once, monkeypatc
     chunking: the flash path equals the stored-probabilities path to float32 rounding."""
     B, T, H, hs = 3, 6, 3, 4
     if heads_at_once:
-        monkeypatch.setattr(cpu_transformer, "FLASH_SCRATCH", 4 * T * T * heads_at_once)
+        monkeypatch.setattr(cpu_attention, "FLASH_SCRATCH", 4 * T * T * heads_at_once)
     draw = DropoutKey(seed=3, step=1, sample0=2).attention(0.3, 5, T, 3, H, 2 * H)
     C = H * hs
     qkv, dout = rand(B * T, 3 * C), rand(B * T, C)

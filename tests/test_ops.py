@@ -54,7 +54,7 @@ def test_linear_kernels(B, K, N):
 
 @pytest.mark.parametrize("K,M,N", [(0, 3, 4), (1, 1, 1), (64, 96, 80), (7, 130, 3)])
 def test_weight_gradient_accumulates_inside_the_gemm_as_numpy_adds_it(K, M, N):
-    """matmul_tn(accumulate=True) through numpy's BLAS with beta = 1 (backend/blas.py) and through the temporary
+    """matmul_tn(accumulate=True) through numpy's BLAS with beta = 1 (backend/cpu/blas.py) and through the temporary
     and add it replaces: both equal the float64 sum, and an empty product leaves the gradient as it was."""
     a, b, start = rand(K, M), rand(K, N), rand(M, N)
     expected = start.astype(np.float64) + a.astype(np.float64).T @ b.astype(np.float64)
@@ -71,7 +71,7 @@ def test_numpy_wheels_bundled_blas_is_found():
     fallback (which other builds take)."""
     import sys
 
-    from hpctrain.backend.blas import Sgemm
+    from hpctrain.backend.cpu.blas import Sgemm
 
     try:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]

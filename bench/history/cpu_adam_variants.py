@@ -13,7 +13,7 @@ import time
 import numba
 import numpy as np
 
-from hpctrain.backend.cpu import _adam_update
+from hpctrain.backend.cpu.optim import _adam_update
 
 
 def make(**options):

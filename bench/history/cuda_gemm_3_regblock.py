@@ -30,8 +30,8 @@ from numba import cuda  # noqa: E402
 
 from numba import float32, uint64  # noqa: E402
 
-from hpctrain.backend import cuda_sim  # noqa: E402
-from hpctrain.backend.cuda_gemm import (EPI_ACCUMULATE, EPI_BIAS, EPI_STORE, GPU_TILE, GemmTile,  # noqa: E402
+from hpctrain.backend.cuda import sim as cuda_sim  # noqa: E402
+from hpctrain.backend.cuda.gemm.tiled import (EPI_ACCUMULATE, EPI_BIAS, EPI_STORE, GPU_TILE, GemmTile,  # noqa: E402
                                         _bank_pad, launch_config)
 
 TILES = [GemmTile(64, 64, 8, 4, 4), GemmTile(64, 64, 16, 4, 4), GemmTile(128, 64, 8, 8, 4),

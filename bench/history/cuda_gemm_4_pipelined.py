@@ -27,7 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_gemm_3_regblock import main  # noqa: E402
 
-from hpctrain.backend.cuda_gemm import gemm_kernels  # noqa: E402
+from hpctrain.backend.cuda.gemm.tiled import gemm_kernels  # noqa: E402
 
 if __name__ == "__main__":
     main(gemm_kernels, "cuda_gemm_4_pipelined", "pipelined", __doc__)

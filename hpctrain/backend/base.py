@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import BackendError
 
-FLASH_MAX_HS = 128  # the widest head (channels) the CUDA backend's flash attention kernels take (cuda_flash.py)
+FLASH_MAX_HS = 128  # the widest head (channels) the CUDA backend's flash attention kernels take (cuda/flash.py)
 
 __all__ = ["Backend", "StreamWaits", "Mark", "DecayRuns", "check_array"]
 
@@ -139,7 +139,7 @@ class StreamWaits:
 
 
 class Backend:
-    """Base of CpuBackend and CudaBackend: shared checks; see cpu.py for the kernel list.
+    """Base of CpuBackend and CudaBackend: shared checks; see cpu/ for the kernel list.
 
     Memory: ``empty``, ``zeros``, ``asarray`` (host -> backend), ``to_host``,
     ``copy_``, ``synchronize``. Products: ``matmul_nt`` (X·Wᵀ + b),

@@ -166,12 +166,12 @@ class CausalSelfAttention(Layer):
     def scratch_bytes(self, rows: int, device: bool) -> int:
         """The largest scratch of either pass. math: the backward's datt and dscores [B, H, T, T] on the CPU; on a
         GPU dscores, and the dropped probabilities with dropout. flash: a few heads' [T, T] on the CPU (two
-        arrays, three with dropout: backend/cpu_transformer.py), a float per row on a GPU."""
+        arrays, three with dropout: backend/cpu/attention.py), a float per row on a GPU."""
         B, H, T = rows // self.T, self.n_head, self.T
         if self.flash:
             if device:
                 return B * H * T * 4
-            from ..backend.cpu_transformer import heads_at_once
+            from ..backend.cpu.attention import heads_at_once
 
             return (3 if self.dropout else 2) * heads_at_once(H, T) * T * T * 4
         return (2 if self.dropout or not device else 1) * B * H * T * T * 4

@@ -102,7 +102,7 @@ class GradSync:
 
     ZeRO (``shard``: a ZeroShard, parallel/zero.py, whose buckets these are): each bucket is
     reduce-scattered into its dp chunks, chunk r to rank r. ``release``: the gradient buffer's
-    ReleasableHost (zero = 2, parallel/grad_pages.py) or on a GPU its ReleasableDevice (backend/cuda_vmm.py),
+    ReleasableHost (zero = 2, parallel/grad_pages.py) or on a GPU its ReleasableDevice (backend/cuda/vmm.py),
     whose memory outside this rank's chunk leaves once its bucket is scattered (``will_write`` gives a layer some
     back before it writes).
     ``tied``: (local ranges, presum) of tensors tied across pipeline stages; their buckets are

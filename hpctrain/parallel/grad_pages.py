@@ -39,10 +39,11 @@ import threading
 
 import numpy as np
 
+from ..backend.releasable import EMPTY, LIVE, ReleasableUnits
+
 __all__ = ["ReleasableHost", "unit_bytes"]
 
 _MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
-_UNTRACKED, _EMPTY, _LIVE = -1, 0, 1  # a unit's state; untracked: not wholly outside this rank's chunks
 
 
 def _huge_page_bytes() -> int:
@@ -109,7 +110,7 @@ def _aligned_map(nbytes: int, unit: int):
     return m, start + offset, offset
 
 
-class ReleasableHost:
+class ReleasableHost(ReleasableUnits):
     """A zeroed float32 host array whose pages outside ``outside`` can leave memory (Linux ``MADV_DONTNEED``),
     up to ``keep_bytes`` of them kept aside for the next ``fill``.
 
@@ -119,25 +120,18 @@ class ReleasableHost:
     """
 
     def __init__(self, n: int, *, outside=(), keep_bytes: int = 0):
-        self.n = int(n)
-        nbytes = max(1, self.n) * 4
-        self.unit = unit_bytes(nbytes)
-        # the array ends on a unit boundary, as the buckets are cut from its end (parallel/data_parallel.py)
-        self._pad = (-nbytes) % self.unit
+        # n, unit, _pad (the array ends on a unit boundary), _state, _live, _peak (backend/releasable.py)
+        nbytes = self._init_units(n, unit_bytes(max(1, int(n)) * 4), outside)
         self._map, self._origin, offset = _aligned_map(self._pad + nbytes, self.unit)
         self._offset = offset + self._pad  # the array's start in the mmap
         self.array = np.frombuffer(self._map, dtype=np.float32, count=self.n, offset=self._offset)
         self.releasable = hasattr(self._map, "madvise") and hasattr(mmap, "MADV_DONTNEED")
-        self._state = np.full((self._pad + nbytes) // self.unit, _UNTRACKED, dtype=np.int8)
-        for lo, hi in outside:
-            self._state[self._units_inside(lo, hi)] = _EMPTY
-        self._live = self._peak = 0  # live units, now and at most
         self._lock = threading.Lock()  # fill (training thread) and release (communication thread)
         self.moved_in = 0
         self._libc = _Libc()
         slots = keep_bytes // self.unit
         self._pool = None
-        if self.releasable and self._libc.ok and slots >= 1 and (self._state == _EMPTY).any():
+        if self.releasable and self._libc.ok and slots >= 1 and (self._state == EMPTY).any():
             self._pool_map, base, _ = _aligned_map(slots * self.unit, self.unit)
             self._pool = {"free": [base + i * self.unit for i in range(slots)], "full": [], "slots": slots}
 
@@ -147,21 +141,12 @@ class ReleasableHost:
         return self._pool["slots"] * self.unit if self._pool else 0
 
     @property
-    def peak_live_bytes(self) -> int:
-        """The most released-and-written-again bytes (live units) held at once, over the buffer's life."""
-        return self._peak * self.unit
-
-    @property
     def pooled_bytes(self) -> int:
         """Released pages waiting in the pool for the next backward."""
         return len(self._pool["full"]) * self.unit if self._pool else 0
 
     def _addr(self, u: int) -> int:
         return self._origin + u * self.unit
-
-    def _units_inside(self, lo: int, hi: int) -> slice:
-        """The units wholly inside elements [lo, hi)."""
-        return slice(-(-(self._pad + 4 * lo) // self.unit), (self._pad + 4 * hi) // self.unit)
 
     def _pool_off(self) -> None:
         """A move failed: no pool from now on, and what it held goes back to the kernel."""
@@ -189,9 +174,8 @@ class ReleasableHost:
             else:
                 back += [(start, u0 * self.unit), (u1 * self.unit, end)]
                 for u in range(u0, u1):
-                    if self._state[u] == _LIVE:
-                        self._live -= 1
-                        self._state[u] = _EMPTY
+                    if self._state[u] == LIVE:
+                        self._go_empty(u)
                         if self._to_pool(u):
                             continue
                     back.append((u * self.unit, (u + 1) * self.unit))
@@ -213,26 +197,16 @@ class ReleasableHost:
         pool["full"].append(slot)
         return True
 
-    def needs(self, lo: int, hi: int) -> bool:
-        """Whether writing elements [lo, hi) would bring released units back (``fill`` has work to do)."""
-        if hi <= lo:  # nothing written (a tensor of no elements)
-            return False
-        first, stop = (self._pad + 4 * lo) // self.unit, -(-(self._pad + 4 * hi) // self.unit)
-        return bool((self._state[first:stop] == _EMPTY).any())
-
     def fill(self, lo: int, hi: int) -> None:
         """Elements [lo, hi) are about to be written: their empty units become live and get pooled pages while
         there are some. An empty unit has not been written since its release (every writer calls this first),
         so whatever those pages held is overwritten before anything reads it."""
         if not self.needs(lo, hi):  # release() never changes a unit being written
             return
-        first, stop = (self._pad + 4 * lo) // self.unit, -(-(self._pad + 4 * hi) // self.unit)
         with self._lock:
-            for u in first + np.flatnonzero(self._state[first:stop] == _EMPTY):
+            for u in self._empty_touched(lo, hi):
                 u = int(u)
-                self._state[u] = _LIVE
-                self._live += 1
-                self._peak = max(self._peak, self._live)
+                self._go_live(u)
                 pool = self._pool
                 if pool is None or not pool["full"]:
                     continue

@@ -92,7 +92,7 @@ class RankState:
 
     zero: int
     shard: ZeroShard | None
-    grad_memory: object | None  # ReleasableHost or backend/cuda_vmm.py's ReleasableDevice
+    grad_memory: object | None  # ReleasableHost or backend/cuda/vmm.py's ReleasableDevice
     params: FlatBuffer
     grads: FlatBuffer
     optim: object

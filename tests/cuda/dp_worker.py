@@ -153,7 +153,7 @@ def waits(path, layout):
 def zero_release(path):
     """``zero-release`` (a GPU only: CUDA's virtual memory management): zero = 2 at dp 2 on an MLP of 8.5 M
     parameters, big enough for its buckets and chunks to be cut on 2 MiB units (parallel/zero.py): the units
-    outside each rank's chunks give their device memory back once reduced (backend/cuda_vmm.py) and take it again
+    outside each rank's chunks give their device memory back once reduced (backend/cuda/vmm.py) and take it again
     for the next backward. The parameters equal the CPU backend's, the same on both ranks, and the gradient
     buffer held at the end of a step is this rank's chunks, the pool and the units the cuts share."""
     comm = MPI.COMM_WORLD

@@ -11,7 +11,7 @@ import pytest
 import reference as ref
 from cudatest import AGREE, F32, SIM, needs_gpu, rand
 from hpctrain.backend.cuda import CudaBackend
-from hpctrain.backend.cuda_gemm import (GPU_SMALL_TILE, GPU_TILE, GPU_TILES, GPU_TINY_TILE, GPU_TN_TILES, SIM_TILE,
+from hpctrain.backend.cuda.gemm.tiled import (GPU_SMALL_TILE, GPU_TILE, GPU_TILES, GPU_TINY_TILE, GPU_TN_TILES, SIM_TILE,
                                         GemmTile, choose_tile, grid_blocks, k_splits)
 from hpctrain.errors import BackendError
 

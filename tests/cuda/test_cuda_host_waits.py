@@ -36,7 +36,7 @@ def waits_per_step(cfg, mesh, steps=2):
         direct = be.launcher.slow if be.launcher is not None else None
         trainer.train_step(step, 0.01)
         counts.append(be.host_waits - before)
-        if not SIM:  # on a GPU, every launch after the first step's takes the direct path (cuda_launch.py)
+        if not SIM:  # on a GPU, every launch after the first step's takes the direct path (backend/cuda/launch.py)
             assert be.launcher.refused == [] and be.launcher.slow == direct and be.launcher.fast > 0
     trainer.close()
     return counts

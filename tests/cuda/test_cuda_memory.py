@@ -9,7 +9,7 @@ import pytest
 from cudatest import SIM, needs_gpu, rand
 from hpctrain.backend import get_backend
 from hpctrain.backend.cuda import CudaBackend
-from hpctrain.backend.cuda_mem import DevicePool, is_out_of_memory, rounded_bytes
+from hpctrain.backend.cuda.memory import DevicePool, is_out_of_memory, rounded_bytes
 from hpctrain.errors import BackendError
 from hpctrain.params import FlatBuffer, ParamLayout
 
@@ -309,7 +309,7 @@ def test_simulator_flag_matches_environment():
 
 @needs_gpu("CUDA's virtual memory management (the simulator has none)")
 def test_zero2_gradient_buffer_gives_device_memory_back_and_takes_it_again(be):
-    """backend/cuda_vmm.py on the device: the units outside a chunk free device memory once released (the driver's
+    """backend/cuda/vmm.py on the device: the units outside a chunk free device memory once released (the driver's
     free memory grows by as much), read the spare unit meanwhile, and hold what a kernel writes once filled."""
     from numba import cuda
 

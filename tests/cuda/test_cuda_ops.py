@@ -13,7 +13,7 @@ import pytest
 import reference as ref
 from cudatest import AGREE, F32, rand
 from hpctrain.backend.cuda import CudaBackend
-from hpctrain.backend.cuda_gemm import GPU_TILE
+from hpctrain.backend.cuda.gemm.tiled import GPU_TILE
 from hpctrain.errors import BackendError
 
 SHAPES = [(1, 1), (5, 9), (6, 37)]  # (B, C)

@@ -4,7 +4,7 @@ numba-cuda's simulator creates a block's ``cuda.shared.array`` in whichever thre
 the line first, with an unlocked check-then-store; a thread switch inside that window gave
 threads of the same block different arrays, so reductions and GEMM tiles read garbage now
 and then (a training test failed once with "the gradients contain NaN or Inf").
-hpctrain.backend.cuda_sim makes the store atomic. These tests widen the window (every
+hpctrain.backend.cuda.sim makes the store atomic. These tests widen the window (every
 ``np.empty`` sleeps, so the interpreter switches threads right there) to make the old race
 happen on every launch.
 """
@@ -17,7 +17,7 @@ from numba import cuda, float32, float64
 
 import reference as ref
 from cudatest import SIM, F32, rand
-from hpctrain.backend import cuda_sim
+from hpctrain.backend.cuda import sim as cuda_sim
 
 pytestmark = pytest.mark.skipif(not SIM, reason="tests the CUDA simulator's shared arrays (no simulator on a GPU)")
 

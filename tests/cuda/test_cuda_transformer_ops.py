@@ -244,7 +244,7 @@ FLASH_CASES = [(2, 5, 3, 2, 0.0), (2, 9, 2, 4, 0.3), (1, 40, 1, 40, 0.0), (1, 35
 
 @pytest.mark.parametrize("B,T,H,hs,p", FLASH_CASES)
 def test_flash_attention_agrees_with_the_cpu(be, cpu, rng, B, T, H, hs, p):
-    """The fused kernels (cuda_flash.py) against the CPU backend's flash path and the numpy reference: out, lse
+    """The fused kernels (backend/cuda/flash.py) against the CPU backend's flash path and the numpy reference: out, lse
     and dqkv (overwritten), with dropout's draw in forward and again in backward; bit-identical run to run."""
     C = H * hs
     qkv, dout = rand(rng, B * T, 3 * C), rand(rng, B * T, C)
@@ -277,9 +277,9 @@ def test_flash_attention_refuses_heads_wider_than_its_kernels(be, rng):
 
 def test_attention_batch_longer_than_one_launch(be, rng, monkeypatch):
     """B·H batched products beyond CUDA's grid limit go in several launches (here: limit 2, 6 products)."""
-    import hpctrain.backend.cuda as cuda_backend
+    import hpctrain.backend.cuda.gemm as gemm
 
-    monkeypatch.setattr(cuda_backend, "MAX_GRID_Z", 2)
+    monkeypatch.setattr(gemm, "MAX_GRID_Z", 2)
     B, T, H, hs = 2, 5, 3, 2
     C = H * hs
     qkv, dout = rand(rng, B * T, 3 * C), rand(rng, B * T, C)

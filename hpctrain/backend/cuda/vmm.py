@@ -39,10 +39,9 @@ import time
 
 import numpy as np
 
+from ..releasable import EMPTY, LIVE, ReleasableUnits
+
 __all__ = ["ReleasableDevice", "VmmDriver"]
-
-_UNTRACKED, _EMPTY, _LIVE = -1, 0, 1  # a unit's state; untracked: holds some of this rank's chunks
-
 
 class VmmDriver:
     """The few driver calls ReleasableDevice makes, for one device (cuda-python's ``cuda.bindings.driver``).
@@ -133,7 +132,7 @@ class VmmDriver:
         self._ok(self._d.cuMemRelease(handle))
 
 
-class ReleasableDevice:
+class ReleasableDevice(ReleasableUnits):
     """``n`` float32 of device memory (``array``, a device array built by ``wrap(address, n, owner)``) whose units
     wholly inside ``outside`` can give their memory back; the interface of ReleasableHost.
 
@@ -144,30 +143,24 @@ class ReleasableDevice:
     releasable = True
 
     def __init__(self, n: int, *, outside=(), keep_bytes: int = 0, driver, wrap):
-        self.n, self._drv = int(n), driver
-        self.unit = driver.unit
-        nbytes = max(1, self.n) * 4
-        self._pad = (-nbytes) % self.unit  # the array ends on a unit boundary, as the buckets are cut from its end
-        units = (self._pad + nbytes) // self.unit
-        self._state = np.full(units, _UNTRACKED, dtype=np.int8)
-        for lo, hi in outside:
-            self._state[self._units_inside(lo, hi)] = _EMPTY
+        self._drv = driver
+        self._init_units(n, driver.unit, outside)  # n, unit, _pad, _state, _live, _peak (backend/releasable.py)
+        units = len(self._state)
         self._lock = threading.Lock()  # fill (training thread) and release (communication thread)
         self._handles = [None] * units
         self._pool, self._slots = [], keep_bytes // self.unit
-        self._live = self._peak = 0
         self.moved_in = 0
         self.driver_seconds = 0.0  # host time in the driver's calls, from both threads (bench/bench_zero2_device.py)
         self._base = driver.reserve(units * self.unit)
         self._mapped = np.zeros(units, dtype=bool)
         self._spare = None
         try:
-            if (self._state == _EMPTY).any():
+            if (self._state == EMPTY).any():
                 self._spare = driver.create()
             for u in range(units):
-                if self._state[u] != _EMPTY:
+                if self._state[u] != EMPTY:
                     self._handles[u] = driver.create()
-                driver.map(self._addr(u), self._handles[u] if self._state[u] != _EMPTY else self._spare)
+                driver.map(self._addr(u), self._handles[u] if self._state[u] != EMPTY else self._spare)
                 self._mapped[u] = True
             driver.access(self._base, units * self.unit)
         except Exception:
@@ -178,11 +171,6 @@ class ReleasableDevice:
     @property
     def keep_bytes(self) -> int:
         return self._slots * self.unit
-
-    @property
-    def peak_live_bytes(self) -> int:
-        """The most released-and-written-again bytes (live units) held at once, over the buffer's life."""
-        return self._peak * self.unit
 
     @property
     def pooled_bytes(self) -> int:
@@ -197,9 +185,6 @@ class ReleasableDevice:
     def _addr(self, u: int) -> int:
         return self._base + u * self.unit
 
-    def _units_inside(self, lo: int, hi: int) -> slice:
-        return slice(-(-(self._pad + 4 * lo) // self.unit), (self._pad + 4 * hi) // self.unit)
-
     def release(self, lo: int, hi: int) -> int:
         """The live units wholly inside elements [lo, hi) give their memory back (their handles to the pool while
         it has room, else to the driver) and read the spare unit; returns the bytes given back."""
@@ -208,14 +193,13 @@ class ReleasableDevice:
         inside = self._units_inside(lo, hi)
         with self._lock:
             t0 = time.perf_counter()
-            live = inside.start + np.flatnonzero(self._state[inside] == _LIVE)
+            live = inside.start + np.flatnonzero(self._state[inside] == LIVE)
             for first, stop in _runs(live):
                 self._drv.unmap(self._addr(first), (stop - first) * self.unit)
                 for u in range(first, stop):
                     handle, self._handles[u] = self._handles[u], None
                     self._drv.map(self._addr(u), self._spare)
-                    self._state[u] = _EMPTY
-                    self._live -= 1
+                    self._go_empty(u)
                     if len(self._pool) + 1 + self._live <= min(self._slots, self._peak):
                         self._pool.append(handle)
                     else:
@@ -224,23 +208,15 @@ class ReleasableDevice:
             self.driver_seconds += time.perf_counter() - t0
         return len(live) * self.unit
 
-    def needs(self, lo: int, hi: int) -> bool:
-        """Whether writing elements [lo, hi) would bring released units back (``fill`` has work to do)."""
-        if hi <= lo:  # nothing written (a tensor of no elements)
-            return False
-        first, stop = (self._pad + 4 * lo) // self.unit, -(-(self._pad + 4 * hi) // self.unit)
-        return bool((self._state[first:stop] == _EMPTY).any())
-
     def fill(self, lo: int, hi: int) -> None:
         """Elements [lo, hi) are about to be written: their empty units get a handle of their own (a pooled one
         while there are some). Whatever a pooled handle held is overwritten before anything reads it (every
         writer calls this first, and a step's first backward overwrites every gradient)."""
         if not self.needs(lo, hi):
             return
-        first, stop = (self._pad + 4 * lo) // self.unit, -(-(self._pad + 4 * hi) // self.unit)
         with self._lock:
             t0 = time.perf_counter()
-            for a, b in _runs(first + np.flatnonzero(self._state[first:stop] == _EMPTY)):
+            for a, b in _runs(self._empty_touched(lo, hi)):
                 self._drv.unmap(self._addr(a), (b - a) * self.unit)
                 for u in range(a, b):
                     pooled = bool(self._pool)
@@ -248,9 +224,7 @@ class ReleasableDevice:
                     self.moved_in += pooled
                     self._drv.map(self._addr(u), handle)
                     self._handles[u] = handle
-                    self._state[u] = _LIVE
-                    self._live += 1
-                    self._peak = max(self._peak, self._live)
+                    self._go_live(u)
                 self._drv.access(self._addr(a), (b - a) * self.unit)
             self.driver_seconds += time.perf_counter() - t0
 

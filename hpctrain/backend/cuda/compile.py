@@ -7,7 +7,7 @@ shared memory per thread; ``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel) show
 machine code (SASS). None of them needs a GPU or a driver. tests/test_cuda_compile.py
 and bench/cuda_sass_report.py use this module:
 
-    from hpctrain.backend import cuda_compile as cc
+    from hpctrain.backend.cuda import compile as cc
     for k in cc.kernels(block=256):                   # every kernel, each launch signature
         ptx = cc.ptx(k, (9, 0))
         info = cc.assemble(ptx, (9, 0))               # registers, stack, spills, shared, cubin
@@ -63,7 +63,7 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
     batched = ((F2, F2, F2) + (i64,) * 6 + (U4, U4, U4, i64),)
     flash = (i64, i64, f32, t.u64, t.u64, f32, i64, i64, i64, b1)
     table = {
-        # cuda_gemm.py: c = a·b in three layouts, the epilogue a launch argument, at the default tiling, the
+        # gemm/tiled.py: c = a·b in three layouts, the epilogue a launch argument, at the default tiling, the
         # small one (_small) and, for X·Wᵀ and dY·W, the tiny one (_tiny); the batched kernels (attention,
         # split-K: a GPU runs them at the small tiling only) and split-K's second stage
         "gemm_nt": gemm, "gemm_nn": gemm, "gemm_tn": gemm,
@@ -71,7 +71,7 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "gemm_tiny_nt": gemm, "gemm_tiny_nn": gemm,  # weight gradients never take the tiny tiling
         "gemm_small_batched_nt": batched, "gemm_small_batched_nn": batched, "gemm_small_batched_tn": batched,
         "sum_splits": ((F1, F1, i64, b1),),
-        # cuda_ops.py
+        # blocks.py, linear.py, activations.py, dropout.py, optim.py, norm.py, loss.py
         "fill": ((F1, f32), (I1, i64), (D1, f64)),
         "scale": ((F1, f32),),
         "add": ((F1, F1),),
@@ -95,13 +95,13 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "adam_update": ((F1, F1, f32, F1, F1) + (f32,) * 9,),
         "sgd_update_runs": ((F1, F1, f32, F1, I1, I1, f32, f32, f32, b1, b1),),
         "adam_update_runs": ((F1, F1, f32, F1, F1, I1, I1) + (f32,) * 9,),
-        # cuda_transformer.py
+        # embedding.py, attention.py
         "embedding_forward": ((I2, F2, F2, F2, I1, i64, i64, b1),),
         "embedding_backward_wte": ((F2, I1, I1, I1, F2),),
         "embedding_backward_wpe": ((F2, i64, i64, F2, b1),),
         "attention_softmax_rows": ((F2, i64, f32),),
         "attention_softmax_backward_rows": ((F2, F2, i64, f32),),
-        # cuda_flash.py, at each of FLASH_HS (flash_forward_hs128, ..): dropout's key, cut, scale, row0, group,
+        # flash.py, at each of FLASH_HS (flash_forward_hs128, ..): dropout's key, cut, scale, row0, group,
         # stride and flag after T, H and the scale
         "flash_forward": ((F2, F2, F1) + flash,),
         "flash_backward_dq": ((F2, F2, F2, F1, F1, F2) + flash,),
@@ -133,16 +133,15 @@ def kernels(block: int = 256, tile=None) -> list[Kernel]:
     (or the reverse)."""
     from numba.cuda.dispatcher import CUDADispatcher
 
-    from .cuda_flash import NT as FLASH_THREADS
-    from .cuda_flash import flash_kernels
-    from .cuda_gemm import GPU_SMALL_TILE, GPU_TILE, GPU_TINY_TILE, batched_gemm_kernels, gemm_kernels
-    from .cuda_ops import ops_kernels
-    from .cuda_transformer import transformer_kernels
+    from . import FAMILIES
+    from .flash import NT as FLASH_THREADS
+    from .flash import flash_kernels
+    from .gemm.tiled import GPU_SMALL_TILE, GPU_TILE, GPU_TINY_TILE, batched_gemm_kernels, gemm_kernels
 
     tile = tile or GPU_TILE
     found = {}
-    for factory in (ops_kernels(block), transformer_kernels(block)):
-        found.update({n: k for n, k in vars(factory).items() if isinstance(k, CUDADispatcher)})
+    for family in FAMILIES:
+        found.update({n: k for n, k in vars(family.kernels(block)).items() if isinstance(k, CUDADispatcher)})
     threads = {}
     small = GPU_SMALL_TILE
     for layout, k, sk, bk in zip(("nt", "nn", "tn"), gemm_kernels(tile), gemm_kernels(small),
@@ -162,7 +161,7 @@ def kernels(block: int = 256, tile=None) -> list[Kernel]:
     table = signatures()
     unknown, missing = sorted(set(found) - set(table)), sorted(set(table) - set(found))
     if unknown or missing:
-        raise LookupError(f"kernels without launch signatures in cuda_compile.signatures(): {unknown}; "
+        raise LookupError(f"kernels without launch signatures in compile.signatures(): {unknown}; "
                           f"signatures of kernels that no longer exist: {missing}")
     return [Kernel(name, found[name], sig, threads.get(name, block))
             for name in sorted(found) for sig in table[name]]

@@ -21,7 +21,7 @@ with "the gradients contain NaN or Inf". See tests/cuda/test_cuda_simulator.py.
 
 ``install()`` replaces ``FakeCUDAShared.array`` with the same lookup, keyed by
 the same (file, line) of the caller, done under a lock. It is called by the
-kernel factories (cuda_ops.ops_kernels, cuda_gemm.gemm_kernels) and does
+kernel factories (blocks.kernel_decorator, gemm/tiled.py's, flash.py's) and does
 nothing on a real GPU. Shared arrays still alias by source line, as before: one
 ``cuda.shared.array(...)`` per line (docs: DESIGN.md).
 """
@@ -99,7 +99,7 @@ def install() -> None:
                     res = self._allocations[caller] = np.empty(shape, _as_dtype(dtype))
             return res
 
-        array.__doc__ = "Thread-safe FakeCUDAShared.array (hpctrain.backend.cuda_sim)."
+        array.__doc__ = "Thread-safe FakeCUDAShared.array (hpctrain.backend.cuda.sim)."
         array._hpctrain_thread_safe = True
         shared_cls.array = array
         _installed = True

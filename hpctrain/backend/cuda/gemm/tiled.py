@@ -50,8 +50,8 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32, uint64
 
-from ..errors import BackendError
-from . import cuda_sim
+from ....errors import BackendError
+from .. import sim
 
 __all__ = ["GemmTile", "GPU_TILE", "GPU_SMALL_TILE", "GPU_TINY_TILE", "GPU_TILES", "GPU_TN_TILES", "SIM_TILE", "gemm_kernels", "batched_gemm_kernels",
            "launch_config", "EPI_STORE", "EPI_ACCUMULATE", "EPI_BIAS", "MODE_PLAIN", "MODE_CAUSAL_UPPER",
@@ -162,7 +162,7 @@ def k_splits(tile: GemmTile, wave: int, M: int, N: int, K: int) -> int:
 def gemm_kernels(tile: GemmTile):
     """The (nt, nn, tn) kernels for one tiling; compiled lazily on first launch, once per process."""
     tile.check()
-    cuda_sim.install()  # under the simulator: shared arrays that every thread of a block agrees on
+    sim.install()  # under the simulator: shared arrays that every thread of a block agrees on
     return (_make_gemm(tile, a_kmajor=True, b_kmajor=True),
             _make_gemm(tile, a_kmajor=True, b_kmajor=False),
             _make_gemm(tile, a_kmajor=False, b_kmajor=False))
@@ -172,7 +172,7 @@ def gemm_kernels(tile: GemmTile):
 def batched_gemm_kernels(tile: GemmTile):
     """The batched (nt, nn, tn) kernels for one tiling and ``sum_splits``, the split-K second stage."""
     tile.check()
-    cuda_sim.install()
+    sim.install()
     return (_make_gemm(tile, a_kmajor=True, b_kmajor=True, batched=True),
             _make_gemm(tile, a_kmajor=True, b_kmajor=False, batched=True),
             _make_gemm(tile, a_kmajor=False, b_kmajor=False, batched=True),
@@ -217,7 +217,7 @@ def _operand_io(width: int, BK: int, NT: int, kmajor: bool):
     EVEN = ELEMS % NT == 0  # every thread loads the same count: no check
     uW, uBK, uNT, uELEMS = U(width), U(BK), U(NT), U(ELEMS)
 
-    @cuda_sim.inlined_device_jit()
+    @sim.inlined_device_jit()
     def load(src, regs, tid, r0, k0, rows, uk, ro, co):
         e = tid
         for slot in range(LOADS):
@@ -232,7 +232,7 @@ def _operand_io(width: int, BK: int, NT: int, kmajor: bool):
             regs[slot] = v
             e += uNT
 
-    @cuda_sim.inlined_device_jit()
+    @sim.inlined_device_jit()
     def store(tile, stage, regs, tid):
         e = tid
         for slot in range(LOADS):
@@ -262,7 +262,7 @@ def _make_gemm(tile: GemmTile, *, a_kmajor: bool, b_kmajor: bool, batched: bool 
     uBM, uBN, uBK, uNTX, uTM, uTN = U(BM), U(BN), U(BK), U(NTX), U(TM), U(TN)
     ZERO, ONE = U(0), U(1)
 
-    @cuda_sim.inlined_device_jit()
+    @sim.inlined_device_jit()
     def tile_product(a, b, c, bias, um, un, uk, k0, epilogue, ar, ac, br, bc, cr, cc):
         """This block's BM×BN tile of c (at row cr, column cc of the array) from k0 to uk."""
         a_tile = cuda.shared.array((2, BK, AW), float32)  # two stages: one computed from, one filled
@@ -321,7 +321,7 @@ def _make_gemm(tile: GemmTile, *, a_kmajor: bool, b_kmajor: bool, batched: bool 
                         c[cr + gm, cc + gn] = v
 
     if not batched:
-        @cuda_sim.kernel_jit(NT)
+        @sim.kernel_jit(NT)
         def gemm(a, b, c, bias, M, N, K, epilogue):
             """c[M,N] = a·b with the operand layouts fixed above; epilogue: store, accumulate or add bias[N]."""
             tile_product(a, b, c, bias, uint64(M), uint64(N), uint64(K), ZERO, epilogue,
@@ -329,7 +329,7 @@ def _make_gemm(tile: GemmTile, *, a_kmajor: bool, b_kmajor: bool, batched: bool 
 
         return gemm
 
-    @cuda_sim.kernel_jit(NT)
+    @sim.kernel_jit(NT)
     def gemm_batched(a, b, c, M, N, K, k_total, H, z0, ao, bo, co, mode):
         """For z = z0 + blockIdx.z: c_z[M,N] = a_z·b_z, each operand at its (rb, rh, c0, ch) offsets (module
         docstring); ``mode`` one of the MODE_ constants. Stores, never accumulates."""

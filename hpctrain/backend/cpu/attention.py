@@ -1,83 +1,23 @@
-"""The CPU backend's transformer kernels: token + position embedding, causal multi-head attention.
+"""Causal multi-head self-attention on the CPU: the math path (att[B, H, T, T] kept for the backward pass) and
+the flash path (model.attention = "flash": a few heads of one sample at a time, lse kept instead of att).
 
-``CpuBackend`` (cpu.py) takes these methods from ``TransformerKernels``; the contract is
-in base.py and the CUDA twins in cuda_transformer.py. Shape letters: B batch, T positions,
-C width, V vocabulary, H heads of hs = C/H. Batched products go to numpy's BLAS one
-(batch, head) at a time; loops are ``numba.njit``, cached on disk, and the softmax's exp
-is numpy's SIMD one. The embedding's backward is one sequential pass in token order:
-deterministic.
+Shape letters: B batch, T positions, C width, H heads of hs = C/H; qkv[B·T, 3C] the fused projection. Batched
+products go to numpy's BLAS one (batch, head) at a time; loops are ``numba.njit``, cached on disk, and the
+softmax's exp is numpy's SIMD one. The CUDA twins are cuda/attention.py and cuda/flash.py.
 """
 
 from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 
-__all__ = ["TransformerKernels", "heads_at_once", "FLASH_SCRATCH"]
+from .jit import jit, jit_reduce
 
-# as in cpu.py: numpy's error model lets LLVM vectorise; reductions may reassociate their sums
-_jit = numba.njit(cache=True, nogil=True, error_model="numpy")
-_jit_reduce = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
+__all__ = ["Attention", "heads_at_once", "FLASH_SCRATCH"]
 
 
-# --------------------------------------------------------------------------- embedding (token + position)
-
-
-@_jit
-def _embedding_forward(idx, wte, wpe, out, lo, vocab, add_positions):
-    """out[b·T + t] = wte[idx[b, t] − lo] + wpe[t]; returns the flat position of the first id outside [0, vocab),
-    or -1. An id outside the table's block [lo, lo + V) (a vocab-parallel shard) takes a zero row; without
-    ``add_positions`` no wpe row is added (another tensor-parallel rank adds it)."""
-    B, T = idx.shape
-    V, C = wte.shape
-    for b in range(B):
-        for t in range(T):
-            v = idx[b, t]
-            if v < 0 or v >= vocab:
-                return b * T + t
-            r = b * T + t
-            u = v - lo
-            if 0 <= u < V:
-                for c in range(C):
-                    out[r, c] = wte[u, c] + wpe[t, c] if add_positions else wte[u, c]
-            else:
-                for c in range(C):
-                    out[r, c] = wpe[t, c] if add_positions else 0.0
-    return -1
-
-
-@_jit
-def _embedding_backward(dout, idx, dwte, dwpe, lo, vocab, accumulate_wte, accumulate_wpe):
-    """Scatter-add of dout's rows into dwte by token id (the ids of its block [lo, lo + V) only), summed over
-    the batch into dwpe; one fixed order."""
-    B, T = idx.shape
-    V, C = dwte.shape
-    for b in range(B):
-        for t in range(T):
-            if idx[b, t] < 0 or idx[b, t] >= vocab:
-                return b * T + t
-    if not accumulate_wte:
-        dwte[:] = 0.0
-    if not accumulate_wpe:
-        dwpe[:] = 0.0
-    for b in range(B):
-        for t in range(T):
-            u = idx[b, t] - lo
-            r = b * T + t
-            if 0 <= u < V:
-                for c in range(C):
-                    dwte[u, c] += dout[r, c]
-            for c in range(C):
-                dwpe[t, c] += dout[r, c]
-    return -1
-
-
-# --------------------------------------------------------------------------- causal attention
-
-
-@_jit_reduce
+@jit_reduce
 def _causal_shift(scores, scale, att, shift):
     """att[..., i, j] = scale · scores[..., i, j] − shift[..., i] for j ≤ i, −inf above, where shift is the row's
     scaled maximum."""
@@ -94,7 +34,7 @@ def _causal_shift(scores, scale, att, shift):
             shift[n, i] = mx * scale
 
 
-@_jit_reduce
+@jit_reduce
 def _normalise_rows(att, lse):
     """Divide each row (of exponentials, zero above the diagonal) by its sum; lse[..., i] += log of the sum."""
     N, T, _ = att.shape
@@ -118,7 +58,7 @@ def _causal_softmax(scores, scale, att, lse=None):
     _normalise_rows(att, lse)
 
 
-@_jit
+@jit
 def _causal_log_probabilities(scores, scale, lse, att):
     """att[..., i, j] = scale · scores[..., i, j] − lse[..., i] for j ≤ i, −inf above (exp: the probabilities)."""
     N, T, _ = scores.shape
@@ -130,7 +70,7 @@ def _causal_log_probabilities(scores, scale, lse, att):
                 att[n, i, j] = -np.inf
 
 
-@_jit
+@jit
 def _causal_softmax_backward(att, datt, scale, dscores):
     """dscores = scale · att ⊙ (datt − Σ_j att·datt); dscores may be datt (each row's sum is taken before the
     row is written)."""
@@ -171,31 +111,9 @@ def _heads(qkv, B, T, H, hs):
     return tuple(five[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
 
 
-class TransformerKernels:
-    """Embedding and attention methods of ``CpuBackend`` (host numpy arrays)."""
+class Attention:
+    """CpuBackend's attention, math and flash paths (a mixin)."""
 
-    # -- embedding: token and learned position
-    def embedding_forward(self, idx, wte, wpe, out, *, vocab_start=0, vocab=None, add_positions=True):
-        """out[B·T, C] = wte[idx[b, t]] + wpe[t] for token ids idx[B, T] (int64), wte[V, C], wpe[≥T, C].
-        A vocab-parallel shard: wte holds ids [vocab_start, vocab_start + V) of ``vocab``, other ids take a
-        zero row; ``add_positions = False`` leaves wpe out (base.py: ``_embedding_args``)."""
-        B, T, V, C, lo, vocab = self._embedding_args("embedding_forward", idx, wte, wpe, out, "out",
-                                                     vocab_start, vocab)
-        bad = _embedding_forward(idx, wte, wpe, out, lo, vocab, bool(add_positions))
-        if bad >= 0:
-            self.bad_token(idx, bad, vocab, op="embedding_forward")
-
-    def embedding_backward(self, dout, idx, dwte, dwpe, *, vocab_start=0, vocab=None, accumulate_wte=False,
-                           accumulate_wpe=False):
-        """dwte[v − vocab_start] (+)= Σ dout rows with id v (ids of dwte's block); dwpe[t] (+)= Σ_b dout[b·T + t]
-        (rows ≥ T of dwpe: 0 or kept)."""
-        B, T, V, C, lo, vocab = self._embedding_args("embedding_backward", idx, dwte, dwpe, dout, "dout",
-                                                     vocab_start, vocab)
-        bad = _embedding_backward(dout, idx, dwte, dwpe, lo, vocab, bool(accumulate_wte), bool(accumulate_wpe))
-        if bad >= 0:
-            self.bad_token(idx, bad, vocab, op="embedding_backward")
-
-    # -- causal multi-head self-attention on the fused q, k, v projection
     def attention_forward(self, qkv, T, n_head, out, att, *, dropout=None):
         """out[B·T, C] = softmax(q·kᵀ/√hs, causal)·v per head, from qkv[B·T, 3C] (q, k, v, heads of hs = C/H);
         att[B, H, T, T] keeps the probabilities for the backward pass. ``dropout`` (a DropRows over att's
@@ -223,7 +141,6 @@ class TransformerKernels:
         np.matmul(dscores, k, out=dq)
         np.matmul(dscores.transpose(0, 1, 3, 2), q, out=dk)
 
-    # -- the same attention without att[B, H, T, T] (model.attention = "flash")
     def flash_attention_forward(self, qkv, T, n_head, out, lse, *, dropout=None):
         """out as ``attention_forward``'s, keeping lse[B, H, T] (each row's log Σ_j exp(q·k_j/√hs)) instead of the
         probabilities: a few heads of one sample at a time (at most ``FLASH_SCRATCH`` bytes of [T, T] each), so

@@ -43,10 +43,12 @@ import math
 import threading
 
 import numpy as np
+from numba import cuda
 
-from ..errors import BackendError
+from ...errors import BackendError
 
-__all__ = ["DevicePool", "is_out_of_memory", "out_of_memory_error"]
+__all__ = ["DevicePool", "is_out_of_memory", "out_of_memory_error", "is_device_array", "flat", "raw_alloc", "wrap",
+           "wrap_address"]
 
 _GRANULE = 512  # bytes; cudaMalloc aligns to at least this anyway
 _CUDA_ERROR_OUT_OF_MEMORY = 2
@@ -152,3 +154,30 @@ class DevicePool:
                     self._owned.pop(id(block), None)
             self._free.clear()
             self.cached_bytes = 0
+
+
+def is_device_array(arr) -> bool:
+    return bool(getattr(arr, "__cuda_ndarray__", False) or hasattr(arr, "__cuda_array_interface__"))
+
+
+def flat(arr):
+    """A 1-D view of a C-contiguous device array (the element-wise kernels index flat)."""
+    return arr if arr.ndim == 1 else arr.reshape(arr.size)
+
+
+def raw_alloc(nbytes):
+    """``nbytes`` of device memory from the driver (the pool's source)."""
+    return cuda.current_context().memalloc(nbytes)
+
+
+def wrap(block, shape, dtype, owner):
+    """A device array over a pool block that ``owner`` (its lease) keeps alive."""
+    desc = {"shape": shape, "strides": None, "typestr": dtype.str, "data": (block.device_pointer_value, False),
+            "version": 3}
+    return cuda.from_cuda_array_interface(desc, owner=owner, sync=False)
+
+
+def wrap_address(address, n, owner):
+    """``n`` float32 at a device address that ``owner`` holds (a ReleasableDevice's reserved range)."""
+    desc = {"shape": (n,), "strides": None, "typestr": "<f4", "data": (address, False), "version": 3}
+    return cuda.from_cuda_array_interface(desc, owner=owner, sync=False)

@@ -3,7 +3,7 @@
 recomputes the probabilities from it (FlashAttention-2's split: one kernel for dq, one for dk and dv, so no
 atomics and every result is bit-identical run to run).
 
-Layout (cuda_transformer.py's): qkv[B·T, 3C] with head h of sample b in columns h·hs.. (q), C + h·hs.. (k) and
+Layout (attention.py's): qkv[B·T, 3C] with head h of sample b in columns h·hs.. (q), C + h·hs.. (k) and
 2C + h·hs.. (v); out and dout [B·T, C]; for row r = z·T + i of head z = b·H + h
 
     lse[r] = log Σ_{j≤i} exp(scale · q_i·k_j)          the forward's, kept for the backward
@@ -36,12 +36,12 @@ from types import SimpleNamespace
 import numpy as np
 from numba import cuda, float32, uint64
 
-from ..errors import BackendError
-from . import cuda_sim
-from .base import FLASH_MAX_HS
-from .dropout_mask import GOLDEN, MUL1, MUL2
+from ...errors import BackendError
+from ..base import FLASH_MAX_HS
+from ..dropout_mask import GOLDEN, MUL1, MUL2, keep_scale, threshold
+from . import sim
 
-__all__ = ["flash_kernels", "MAX_HS", "NT", "rows_per_block"]
+__all__ = ["flash_kernels", "MAX_HS", "NT", "rows_per_block", "FlashAttention"]
 
 MAX_HS = FLASH_MAX_HS
 NT = 128  # threads per block: ``lanes`` threads per row, NT // lanes rows
@@ -73,14 +73,21 @@ def flash_kernels(hs: int) -> SimpleNamespace:
     if not 1 <= hs <= MAX_HS:
         raise BackendError(f'model.attention = "flash" on the CUDA backend takes heads of at most {MAX_HS} '
                            f'channels (n_embd / n_head = {hs}); use model.attention = "math"')
-    cuda_sim.install()  # under the simulator: shared arrays that every thread of a block agrees on
+    pieces = _pieces(hs)  # the launch shape's constants and device functions, closed over by each kernel
+    return SimpleNamespace(flash_forward=_forward(*pieces), flash_backward_dq=_backward_dq(*pieces),
+                           flash_backward_dkdv=_backward_dkdv(*pieces))
+
+
+def _pieces(hs: int) -> tuple:
+    """What the three kernels share for heads of ``hs`` channels: the launch shape's constants and the device
+    functions (inlined into each kernel)."""
+    sim.install()  # under the simulator: shared arrays that every thread of a block agrees on
     HS, TR = hs, lanes(hs)
     HL = -(-hs // TR)  # channels per lane: lane l holds channels l·HL .. l·HL + HL − 1 of its row (those < HS)
     WHOLE = HL * TR == HS
     BR = NT // TR
     SP = BC + 1  # a row of partial sums, padded: conflict-free
-    kernel = cuda_sim.kernel_jit(NT)
-    device = cuda_sim.inlined_device_jit()
+    device = sim.inlined_device_jit()
 
     @device
     def kept(key, cut, index):
@@ -146,6 +153,14 @@ def flash_kernels(hs: int) -> SimpleNamespace:
             s += part[l, lane_row, c]
         return s
 
+    return (HS, TR, HL, WHOLE, BR, SP, sim.kernel_jit(NT), kept, row_start, place, load_tile, lane_dot, lane_axpy,
+            row_sum)
+
+
+def _forward(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load_tile, lane_dot, lane_axpy,
+             row_sum):
+    """The forward kernel: out and lse, each block's query rows against every key tile up to the diagonal."""
+
     @kernel
     def flash_forward(qkv, out, lse, T, H, scale, key, cut, kscale, row0, group, stride, drop):
         """out rows and lse of one block of query rows of one head: keys in tiles of BC, an online softmax."""
@@ -201,6 +216,13 @@ def flash_kernels(hs: int) -> SimpleNamespace:
             if lane == 0:
                 lse[z * T + i] = m + math.log(total)
 
+    return flash_forward
+
+
+def _backward_dq(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load_tile, lane_dot, lane_axpy,
+                 row_sum):
+    """The dq kernel, which also leaves dsum (each row's dout·out) for the dk/dv kernel."""
+
     @kernel
     def flash_backward_dq(qkv, dout, out, lse, dsum, dqkv, T, H, scale, key, cut, kscale, row0, group, stride,
                           drop):
@@ -255,6 +277,13 @@ def flash_kernels(hs: int) -> SimpleNamespace:
                 d = lane * HL + k
                 if WHOLE or d < HS:
                     dqkv[base + i, h * HS + d] = dq[k] * scale
+
+    return flash_backward_dq
+
+
+def _backward_dkdv(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load_tile, lane_dot, lane_axpy,
+                   row_sum):
+    """The dk/dv kernel: each block's key rows against every query tile from the diagonal on."""
 
     @kernel
     def flash_backward_dkdv(qkv, dout, lse, dsum, dqkv, T, H, scale, key, cut, kscale, row0, group, stride, drop):
@@ -314,5 +343,46 @@ def flash_kernels(hs: int) -> SimpleNamespace:
                     dqkv[base + j, C + h * HS + d] = dk[k]
                     dqkv[base + j, 2 * C + h * HS + d] = dv[k]
 
-    return SimpleNamespace(flash_forward=flash_forward, flash_backward_dq=flash_backward_dq,
-                           flash_backward_dkdv=flash_backward_dkdv)
+    return flash_backward_dkdv
+
+
+
+class FlashAttention:
+    """CudaBackend's fused attention, model.attention = "flash" (a mixin)."""
+
+    def flash_attention_forward(self, qkv, T, n_head, out, lse, *, dropout=None):
+        """out as ``attention_forward``'s, keeping lse[B, H, T] instead of att: one fused kernel, an online
+        softmax over tiles of keys (flash.py); heads of at most 128 channels."""
+        op = "flash_attention_forward"
+        B, H, C, hs, T = self._flash_args(op, qkv, T, n_head, lse, out=out)
+        if B == 0:
+            return
+        fk = flash_kernels(hs)
+        grid = B * H * -(-T // rows_per_block(hs))
+        self._launch(fk.flash_forward, grid, NT, qkv, out, lse.reshape(B * H * T), T, H,
+                     np.float32(1.0 / math.sqrt(hs)), *self._flash_draw(dropout, B * H * T))
+
+    def flash_attention_backward(self, dout, qkv, out, lse, T, n_head, dqkv, *, dropout=None):
+        """dqkv[B·T, 3C] from dout, the forward's qkv, out and lse: a dq kernel (which leaves each row's
+        dout·out), then a dk/dv kernel; overwritten, never accumulated."""
+        op = "flash_attention_backward"
+        B, H, C, hs, T = self._flash_args(op, qkv, T, n_head, lse, out=out, dout=dout, dqkv=dqkv)
+        if B == 0:
+            return
+        fk = flash_kernels(hs)
+        rows = B * H * T
+        dsum = self._alloc(op, (rows,), np.float32)
+        grid, lse1 = B * H * -(-T // rows_per_block(hs)), lse.reshape(rows)
+        scale, draw = np.float32(1.0 / math.sqrt(hs)), self._flash_draw(dropout, rows)
+        self._launch(fk.flash_backward_dq, grid, NT, qkv, dout, out, lse1, dsum, dqkv, T, H, scale,
+                     *draw)
+        self._launch(fk.flash_backward_dkdv, grid, NT, qkv, dout, lse1, dsum, dqkv, T, H, scale, *draw)
+
+    @staticmethod
+    def _flash_draw(dropout, rows):
+        """The flash kernels' dropout arguments: key, cut, keep scale, row0, group, stride, drop."""
+        if dropout is None:
+            return np.uint64(0), np.uint64(0), np.float32(1.0), 0, 1, 1, False
+        group = dropout.group or max(rows, 1)
+        return (np.uint64(dropout.key), np.uint64(threshold(dropout.p)), keep_scale(dropout.p), dropout.row0, group,
+                dropout.stride or group, True)

@@ -1,0 +1,138 @@
+"""Element-wise ops on the CPU: ReLU, GELU (exact: erf), tanh forward and backward, and the residual add.
+
+GELU takes exp(−x²/2) from numpy's SIMD exp, then a vectorised erf polynomial (``jit_fast``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from .jit import jit, jit_fast
+
+__all__ = ["Activations", "add_inplace"]
+
+_SQRT_HALF = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+
+
+@jit
+def add_inplace(out, x):
+    o = out.ravel()
+    v = x.ravel()
+    for i in range(o.size):
+        o[i] += v[i]
+
+
+@jit
+def _relu_forward(x, out):
+    xs, o = x.ravel(), out.ravel()
+    for i in range(xs.size):
+        o[i] = np.float32(0.0) if xs[i] <= 0 else xs[i]  # NaN passes through, as in torch
+
+
+@jit
+def _relu_backward(x, dout, dinp):
+    xs, d, di = x.ravel(), dout.ravel(), dinp.ravel()
+    for i in range(xs.size):
+        di[i] = d[i] if xs[i] > 0 else np.float32(0.0)
+
+
+# The GELU's erf by Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7), the formula of torch's vectorised
+# CPU erf, so GELU matches torch.nn.GELU on the CPU. Its exp(-x²/2) comes from numpy's SIMD exp,
+# written into the output array first; the loops below then vectorise (fast math inside them only).
+
+_ERF_P, _ERF_A = 0.3275911, (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+@numba.njit(inline="always", cache=True)
+def _gelu_cdf(v, e):
+    """Φ(v) = (1 + erf(v/√2)) / 2 of float32 v, given e = exp(-v²/2)."""
+    f32 = np.float32
+    t = f32(1.0) / (f32(1.0) + f32(_ERF_P * _SQRT_HALF) * abs(v))
+    poly = t * (f32(_ERF_A[0]) + t * (f32(_ERF_A[1]) + t * (f32(_ERF_A[2]) + t * (f32(_ERF_A[3])
+                                                                                + t * f32(_ERF_A[4])))))
+    erf = f32(1.0) - poly * e
+    return f32(0.5) * (f32(1.0) + (erf if v >= 0 else -erf))
+
+
+@jit_fast
+def _gelu_forward_from_exp(x, out):
+    """out = x · Φ(x), where out holds exp(-x²/2) on entry."""
+    xs, o = x.ravel(), out.ravel()
+    for i in range(xs.size):
+        o[i] = xs[i] * _gelu_cdf(xs[i], o[i])
+
+
+@jit_fast
+def _gelu_backward_from_exp(x, dout, dinp):
+    """dinp = dout · (Φ(x) + x·φ(x)), where dinp holds exp(-x²/2) on entry."""
+    xs, d, di = x.ravel(), dout.ravel(), dinp.ravel()
+    for i in range(xs.size):
+        e = di[i]
+        di[i] = d[i] * (_gelu_cdf(xs[i], e) + xs[i] * np.float32(_INV_SQRT_2PI) * e)
+
+
+def _exp_neg_half_square(x, out):
+    np.multiply(x, x, out=out)
+    out *= np.float32(-0.5)
+    np.exp(out, out=out)
+
+
+def _gelu_forward(x, out):
+    _exp_neg_half_square(x, out)
+    _gelu_forward_from_exp(x, out)
+
+
+def _gelu_backward(x, dout, dinp):
+    _exp_neg_half_square(x, dinp)
+    _gelu_backward_from_exp(x, dout, dinp)
+
+
+@jit
+def _tanh_forward(x, out):
+    xs, o = x.ravel(), out.ravel()
+    for i in range(xs.size):
+        o[i] = math.tanh(xs[i])
+
+
+@jit
+def _tanh_backward(y, dout, dinp):
+    ys, d, di = y.ravel(), dout.ravel(), dinp.ravel()
+    for i in range(ys.size):
+        di[i] = d[i] * (1.0 - ys[i] * ys[i])
+
+
+class Activations:
+    """CpuBackend's activations and residual add (a mixin)."""
+
+    def relu_forward(self, x, out):
+        self._unary_args("relu_forward", x, out)
+        _relu_forward(x, out)
+
+    def relu_backward(self, x, dout, dinp):
+        self._check_same("relu_backward", x=x, dout=dout, dinp=dinp)
+        _relu_backward(x, dout, dinp)
+
+    def gelu_forward(self, x, out):
+        self._unary_args("gelu_forward", x, out)
+        _gelu_forward(x, out)
+
+    def gelu_backward(self, x, dout, dinp):
+        self._check_same("gelu_backward", x=x, dout=dout, dinp=dinp)
+        _gelu_backward(x, dout, dinp)
+
+    def tanh_forward(self, x, out):
+        self._unary_args("tanh_forward", x, out)
+        _tanh_forward(x, out)
+
+    def tanh_backward(self, y, dout, dinp):
+        self._check_same("tanh_backward", y=y, dout=dout, dinp=dinp)
+        _tanh_backward(y, dout, dinp)
+
+    def add_(self, out, x):
+        """out += x (same shapes): a residual connection and its gradient."""
+        self._check_same("add_", out=out, x=x)
+        add_inplace(out, x)

@@ -1,0 +1,116 @@
+"""Element-wise kernels on the GPU: ReLU, GELU (exact, erf), tanh forward and backward, and the residual add.
+
+Shape letter n: elements of a flat buffer; the kernels are grid-stride loops over it, so any grid covers any n
+(the backend caps the grid; the simulator runs a tiny one). Arithmetic is float32 (float32 literals keep numba
+off the float64 units). The CPU backend's are cpu/activations.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+
+import numpy as np
+from numba import cuda
+
+from . import blocks
+from .memory import flat
+
+__all__ = ["kernels", "Activations"]
+
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+_HALF = np.float32(0.5)
+_SQRT_HALF = np.float32(1.0 / math.sqrt(2.0))
+_INV_SQRT_2PI = np.float32(1.0 / math.sqrt(2.0 * math.pi))
+
+
+@functools.cache
+def kernels(nt: int) -> SimpleNamespace:
+    """The element-wise kernels for blocks of ``nt`` threads; compiled lazily, once per process."""
+    NT, kernel = nt, blocks.kernel_decorator(nt)
+
+    @kernel
+    def relu_forward(x, out):
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            v = x[i]
+            out[i] = _ZERO if v <= _ZERO else v  # NaN passes through, as in torch
+
+    @kernel
+    def relu_backward(x, dout, dinp):
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            dinp[i] = dout[i] if x[i] > _ZERO else _ZERO
+
+    @kernel
+    def gelu_forward(x, out):
+        """Exact GELU: 0.5·x·(1 + erf(x/√2))."""
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            v = x[i]
+            out[i] = _HALF * v * (_ONE + math.erf(v * _SQRT_HALF))
+
+    @kernel
+    def gelu_backward(x, dout, dinp):
+        """dinp = dout·(Φ(x) + x·φ(x))."""
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            v = x[i]
+            cdf = _HALF * (_ONE + math.erf(v * _SQRT_HALF))
+            pdf = _INV_SQRT_2PI * math.exp(-_HALF * v * v)
+            dinp[i] = dout[i] * (cdf + v * pdf)
+
+    @kernel
+    def tanh_forward(x, out):
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            out[i] = math.tanh(x[i])
+
+    @kernel
+    def tanh_backward(y, dout, dinp):
+        """Takes y = tanh(x), as the layer saves it."""
+        for i in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+            v = y[i]
+            dinp[i] = dout[i] * (_ONE - v * v)
+
+    @kernel
+    def add(out, x):
+        """out[n] += x[n] (a residual connection and its gradient)."""
+        for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+            out[i] += x[i]
+
+    return SimpleNamespace(relu_forward=relu_forward, relu_backward=relu_backward, gelu_forward=gelu_forward,
+                           gelu_backward=gelu_backward, tanh_forward=tanh_forward, tanh_backward=tanh_backward, add=add)
+
+
+class Activations:
+    """CudaBackend's activations and residual add (a mixin: ``self._k`` holds the kernels, ``self._elementwise``
+    launches them)."""
+
+    def relu_forward(self, x, out):
+        self._unary("relu_forward", self._k.relu_forward, x=x, out=out)
+
+    def relu_backward(self, x, dout, dinp):
+        self._binary("relu_backward", self._k.relu_backward, x=x, dout=dout, dinp=dinp)
+
+    def gelu_forward(self, x, out):
+        self._unary("gelu_forward", self._k.gelu_forward, x=x, out=out)
+
+    def gelu_backward(self, x, dout, dinp):
+        self._binary("gelu_backward", self._k.gelu_backward, x=x, dout=dout, dinp=dinp)
+
+    def tanh_forward(self, x, out):
+        self._unary("tanh_forward", self._k.tanh_forward, x=x, out=out)
+
+    def tanh_backward(self, y, dout, dinp):
+        self._binary("tanh_backward", self._k.tanh_backward, y=y, dout=dout, dinp=dinp)
+
+    def add_(self, out, x):
+        """out += x (same shapes): a residual connection and its gradient."""
+        self._binary("add_", self._k.add, out=out, x=x)
+
+    def _unary(self, op, kernel, *, x, out):
+        self._unary_args(op, x, out)
+        self._elementwise(kernel, x.size, flat(x), flat(out))
+
+    def _binary(self, op, kernel, **arrays):
+        self._check_same(op, **arrays)
+        first = next(iter(arrays.values()))
+        self._elementwise(kernel, first.size, *(flat(a) for a in arrays.values()))

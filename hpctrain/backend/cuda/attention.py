@@ -1,0 +1,142 @@
+"""Causal multi-head self-attention on the GPU, the "math" path: batched GEMMs around row kernels.
+
+Shape letters: B batch, T sequence, C channels, H heads of hs = C/H channels; qkv[B·T, 3C] is the fused projection
+(q in columns 0..C-1, k in C..2C-1, v in 2C..3C-1, head h in columns h·hs..(h+1)·hs-1 of each), att[B, H, T, T]
+the softmax probabilities (0 above the diagonal). q·kᵀ, att·v and the three products of the backward pass are
+batched GEMMs over (batch, head) that read q, k, v in place from qkv (gemm/); the causal softmax and its
+gradient are row kernels here, one segment of 32 threads (a warp's worth) per row of att[B·H·T, T], 8 rows per
+256-thread block, combining through shared memory, the scale and the causal mask fused in. No floating-point
+atomics: every result is bit-identical run to run. The fused kernels of model.attention = "flash" are flash.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+
+import numpy as np
+from numba import cuda, float32
+
+from . import blocks
+from .gemm import NN, NT, TN
+from .gemm.tiled import MODE_CAUSAL_K_BELOW, MODE_CAUSAL_K_FROM, MODE_CAUSAL_UPPER
+
+__all__ = ["kernels", "Attention"]
+
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+_NEG_INF = np.float32(-np.inf)
+
+
+@functools.cache
+def kernels(nt: int) -> SimpleNamespace:
+    """The softmax row kernels for blocks of ``nt`` threads; compiled lazily, once per process."""
+    THREADS, kernel = nt, blocks.kernel_decorator(nt)
+    red = blocks.block_reducers(nt)
+    segment_sum, segment_max = red.segment_sum, red.segment_max
+    W = red.W  # threads per attention row
+    R = THREADS // W  # attention rows per block
+
+    @kernel
+    def attention_softmax_rows(att, T, scale):
+        """att[r, j] = softmax_{j ≤ i}(scale · att[r, j]) in place, 0 for j > i, where i = r % T."""
+        sh = cuda.shared.array(THREADS, float32)
+        tid = cuda.threadIdx.x
+        lane = tid % W
+        rows = att.shape[0]
+        for r0 in range(cuda.blockIdx.x * R, rows, cuda.gridDim.x * R):  # the same r0 for the whole block
+            r = r0 + tid // W
+            i = r % T
+            n = i + 1 if r < rows else 0  # a thread past the last row still takes part in the reductions
+            mx = _NEG_INF
+            for j in range(lane, n, W):
+                mx = max(mx, att[r, j] * scale)
+            mx = segment_max(sh, mx)
+            z = _ZERO
+            for j in range(lane, n, W):  # each thread reads back only the entries it wrote
+                e = math.exp(att[r, j] * scale - mx)
+                att[r, j] = e
+                z += e
+            z = segment_sum(sh, z)
+            if r < rows:
+                inv = _ONE / z
+                for j in range(lane, T, W):
+                    att[r, j] = att[r, j] * inv if j <= i else _ZERO
+
+    @kernel
+    def attention_softmax_backward_rows(att, dscores, T, scale):
+        """dscores[r, j] = scale · att ⊙ (datt − Σ_j att·datt) in place, where dscores holds datt = dy·vᵀ on
+        and below the diagonal; 0 for j > i."""
+        sh = cuda.shared.array(THREADS, float32)
+        tid = cuda.threadIdx.x
+        lane = tid % W
+        rows = att.shape[0]
+        for r0 in range(cuda.blockIdx.x * R, rows, cuda.gridDim.x * R):
+            r = r0 + tid // W
+            i = r % T
+            n = i + 1 if r < rows else 0
+            dot = _ZERO
+            for j in range(lane, n, W):
+                dot += att[r, j] * dscores[r, j]
+            dot = segment_sum(sh, dot)
+            if r < rows:
+                for j in range(lane, T, W):
+                    dscores[r, j] = scale * att[r, j] * (dscores[r, j] - dot) if j <= i else _ZERO
+
+    return SimpleNamespace(ROWS_PER_BLOCK=R, attention_softmax_rows=attention_softmax_rows,
+                           attention_softmax_backward_rows=attention_softmax_backward_rows)
+
+
+class Attention:
+    """CudaBackend's math-path attention (a mixin)."""
+
+    def attention_forward(self, qkv, T, n_head, out, att, *, dropout=None):
+        """out[B·T, C] = softmax(q·kᵀ/√hs, causal)·v per head, from qkv[B·T, 3C] (q, k, v, heads of hs = C/H);
+        att[B, H, T, T] keeps the probabilities for the backward pass. ``dropout`` (a DropRows over att's
+        B·H·T rows): out = dropout(att)·v, att itself kept undropped (the backward redraws the mask)."""
+        op = "attention_forward"
+        B, H, C, hs, T = self._attention_args(op, qkv, T, n_head, att, out=out)
+        if B == 0:
+            return
+        scale, Z, tile = np.float32(1.0 / math.sqrt(hs)), B * H, self.attention_tile
+        att2 = att.reshape(B * H * T, T)  # row (b·H + h)·T + i
+        q, k, v = (T, 0, 0, hs), (T, 0, C, hs), (T, 0, 2 * C, hs)  # a head's [T, hs] in qkv (gemm/tiled.py)
+        rows, heads = (H * T, T, 0, 0), (T, 0, 0, hs)  # a head's [T, T] in att2, its [T, hs] in out
+        self._batched(tile, NT, qkv, qkv, att2, T, T, hs, hs, H, Z, q, k, rows, MODE_CAUSAL_UPPER)
+        self._attention_rows(self._k.attention_softmax_rows, B * H * T, att2, T, scale)
+        used = self._dropped(op, att2, dropout)
+        self._batched(tile, NN, used, qkv, out, T, hs, T, T, H, Z, rows, v, heads, MODE_CAUSAL_K_BELOW)
+
+    def attention_backward(self, dout, qkv, att, T, n_head, dqkv, *, dropout=None):
+        """dqkv[B·T, 3C] from dout[B·T, C], the forward's qkv and att (overwritten, never accumulated);
+        ``dropout`` as the forward's."""
+        op = "attention_backward"
+        B, H, C, hs, T = self._attention_args(op, qkv, T, n_head, att, dout=dout, dqkv=dqkv)
+        if B == 0:
+            return
+        scale, Z, tile = np.float32(1.0 / math.sqrt(hs)), B * H, self.attention_tile
+        att2 = att.reshape(B * H * T, T)
+        dscores = self._alloc(op, (B * H * T, T), np.float32)
+        q, k, v = (T, 0, 0, hs), (T, 0, C, hs), (T, 0, 2 * C, hs)
+        rows, dy = (H * T, T, 0, 0), (T, 0, 0, hs)
+        self._batched(tile, NT, dout, qkv, dscores, T, T, hs, hs, H, Z, dy, v, rows, MODE_CAUSAL_UPPER)  # dy·vᵀ
+        used = self._dropped(op, att2, dropout)
+        self._batched(tile, TN, used, dout, dqkv, T, hs, T, T, H, Z, rows, dy, v, MODE_CAUSAL_K_FROM)  # dv
+        if dropout is not None:
+            self.dropout(dscores, dscores, dropout)  # the gradient of the dropped att, through the same mask
+        self._attention_rows(self._k.attention_softmax_backward_rows, B * H * T, att2, dscores, T, scale)
+        self._batched(tile, NN, dscores, qkv, dqkv, T, hs, T, T, H, Z, rows, k, q, MODE_CAUSAL_K_BELOW)  # dq
+        self._batched(tile, TN, dscores, qkv, dqkv, T, hs, T, T, H, Z, rows, q, k, MODE_CAUSAL_K_FROM)  # dk
+
+    def _dropped(self, op, att2, dropout):
+        """att2, or its dropout into a new array (the mask drawn again in the backward pass)."""
+        if dropout is None:
+            return att2
+        out = self._alloc(op, att2.shape, np.float32)
+        self.dropout(att2, out, dropout)
+        return out
+
+    def _attention_rows(self, kernel, rows, *args):
+        per_block = self._k.ROWS_PER_BLOCK
+        self._launch(kernel, self._rows_grid(-(-rows // per_block)), self.block, *args)

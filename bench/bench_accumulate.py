@@ -5,7 +5,7 @@
 
 For each shape, ``CpuBackend.matmul_tn`` (out[M,N] (+)= a[K,M]ᵀ·b[K,N]) timed three ways in one run, one
 after another, the median of ``--repeat`` calls each: writing the product (the first micro-batch), adding it through numpy's
-BLAS with beta = 1 (backend/blas.py; what a later micro-batch runs), and adding it through a temporary and a
+BLAS with beta = 1 (backend/cpu/blas.py; what a later micro-batch runs), and adding it through a temporary and a
 second pass (what it ran before, and the fallback where numpy's BLAS is not found). The shapes: a Linear
 of the pipeline benchmark (64 rows, 1024 and 2048 wide), a gpt-char projection (K = B·T = 2048), and a
 GPT-2-small token table tied to the head (768 × 50257, 64 rows: 154 MB of gradient).

@@ -36,7 +36,7 @@ TOLERANCE = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 2e-2}  # max |error| / max |ref
 def load_provider():
     try:
         from hpctrain.backend.cuda.gemm import cublaslt
-    except ImportError:  # backend/cuda.py still a module: load the provider by its path
+    except ImportError:  # backend/cuda/__init__.py still a module: load the provider by its path
         spec = importlib.util.spec_from_file_location(
             "hpctrain_backend_cuda_gemm_cublaslt",
             os.path.join(ROOT, "hpctrain", "backend", "cuda", "gemm", "cublaslt.py"))

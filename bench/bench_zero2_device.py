@@ -6,7 +6,7 @@
 Each zero setting runs as its own job (``mpiexec -n 2 python bench/bench_zero2_device.py --worker --zero Z``), so
 neither inherits the other's cached device memory. Both ranks share the GPU; after the last step, with both ranks
 at a barrier, rank 0 reads the device's used memory (cuMemGetInfo: both processes, the CUDA contexts included).
-Each rank reports the gradient buffer's device memory (the VMM mappings of backend/cuda_vmm.py's ReleasableDevice,
+Each rank reports the gradient buffer's device memory (the VMM mappings of backend/cuda/vmm.py's ReleasableDevice,
 or the whole buffer) and what hpctrain says its gradients hold (train/memory.py). Step time: the median over the
 steps after the first two, the host waiting for the step's end; with it, the host time of the buffer's driver calls
 (both threads) and the last step's wait of the backward for earlier buckets' reductions (zero 2's backpressure). Staged through host memory

@@ -6,7 +6,7 @@
 
 Needs NVVM and ptxas (``pip install 'numba-cuda[cu12]'``) and nvdisasm (``pip install
 nvidia-cuda-nvdisasm``), all in hpctrain's test extra; no GPU or driver. Per kernel and launch
-signature (hpctrain/backend/cuda_compile.py): registers per thread, local-memory stack and spill
+signature (hpctrain/backend/cuda/compile.py): registers per thread, local-memory stack and spill
 bytes, static shared memory per block, float64 PTX instructions, blocks per SM and the share of
 the SM's threads they keep busy at the block size the backend launches them with. For the GEMM,
 also the multiply-adds (FFMA) among the instructions of its K loop, and whether the shared loads

@@ -36,7 +36,7 @@ class Product:
     the tiles do work (the others are skipped or cut short)."""
 
     name: str
-    layout: str  # nt, nn or tn (backend/cuda.py)
+    layout: str  # nt, nn or tn (backend/cuda/__init__.py)
     M: int
     N: int
     K: int

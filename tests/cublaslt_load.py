@@ -1,5 +1,5 @@
 """Imports hpctrain/backend/cuda/gemm/cublaslt.py as ``cublaslt``: through its package once backend/cuda/ is a
-package (the backend's move into packages), else by its path (while backend/cuda.py is still a module)."""
+package (the backend's move into packages), else by its path (while backend/cuda/__init__.py is still a module)."""
 
 import importlib.util
 import os

@@ -4,7 +4,7 @@
     python bench/history/cuda_gemm_3_regblock.py --tiles 128,128,8,8,8 64,64,8,4,4
     NUMBA_ENABLE_CUDASIM=1 python bench/history/cuda_gemm_3_regblock.py   # correctness only, tiny tilings
 
-The kernel (kept here as it was in hpctrain/backend/cuda_gemm.py): a BM×BN block tile walks K in BK
+The kernel (kept here as it was in hpctrain/backend/cuda/gemm/tiled.py): a BM×BN block tile walks K in BK
 steps through shared memory, and each thread accumulates a TM×TN sub-tile in
 registers, so one pair of shared loads feeds TM·TN/(TM+TN) FMAs instead of ½.
 Tilings are written BM,BN,BK,TM,TN. Each is checked in all three layouts (X·Wᵀ,

@@ -4,7 +4,7 @@
     python bench/history/cuda_gemm_4_pipelined.py --tiles 128,128,8,8,8 64,64,8,4,4
     NUMBA_ENABLE_CUDASIM=1 python bench/history/cuda_gemm_4_pipelined.py   # correctness only, tiny tilings
 
-The kernel is hpctrain/backend/cuda_gemm.py's. Against variant 3
+The kernel is hpctrain/backend/cuda/gemm/tiled.py's. Against variant 3
 (bench/history/cuda_gemm_3_regblock.py), compiled for sm_90 and sm_80 (bench/cuda_sass_report.py):
 
 - every index is uint64, so numba drops its negative-index wraparound check (a compare and a

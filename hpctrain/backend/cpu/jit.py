@@ -1,7 +1,7 @@
 """The numba.njit flavours of the CPU kernels, cached on disk (``cache=True``) so a second run does not recompile.
 
 error_model="numpy": a division by zero gives inf/nan (caught by the non-finite checks) instead of raising, which
-is what lets LLVM vectorise the loops (the Adam update runs ~7x faster: bench/cpu_adam_variants.py). Reductions
+is what lets LLVM vectorise the loops (the Adam update runs ~7x faster: bench/history/cpu_adam_variants.py). Reductions
 may reassociate their sums so they vectorise (``jit_reduce``); the result is still deterministic.
 """
 

@@ -19,11 +19,11 @@ the bucket and chunk cuts of a large buffer do (parallel/zero.py, ``page_unit``:
 outside a chunk shares a unit with it.
 
 Ordering: mapping changes take effect on the host's call, not in stream order, and an unmap does not wait for
-kernels still running (measured: ``bench/cuda_vmm_probe.py``). So ``fill`` runs before the launch of the kernels
+kernels still running (measured: ``bench/history/cuda_vmm_probe.py``). So ``fill`` runs before the launch of the kernels
 that write the range, and ``release`` only once nothing queued reads it any more: after the bucket's reduction
 has returned, its copy out to the host (staged) or MPI's own read of the device buffer (CUDA-aware) done.
 
-Host time on an H100, one call a 2 MiB unit (``bench/cuda_vmm_probe.py``): cuMemUnmap 25 µs, cuMemSetAccess 30,
+Host time on an H100, one call a 2 MiB unit (``bench/history/cuda_vmm_probe.py``): cuMemUnmap 25 µs, cuMemSetAccess 30,
 cuMemRelease 15, cuMemCreate 13, cuMemMap 3; one cuMemSetAccess over 4 units 17 µs. So a run of units is unmapped
 and given access in one call each, and mapped unit by unit. The releases run on the communication thread, the fills
 before each layer's backward launches.

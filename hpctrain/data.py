@@ -318,8 +318,10 @@ class TokenDataset(_Unchanged):
     """Windows of a 1-D token dataset, read on demand: ``read(rows)`` -> ids (n, T) and targets (n·T,);
     ``read_at(starts)``: the windows that begin at those token positions (``data.sampling = "random"``)."""
 
-    def __init__(self, path, tokens, *, block_size, val_fraction, vocab_size, allow_external=False):
+    def __init__(self, path, tokens, *, block_size, val_fraction, vocab_size, allow_external=False,
+                 random_windows=False):
         self.path, self.T, self.vocab_size, self.allow_external = path, block_size, vocab_size, allow_external
+        self.random_windows = random_windows  # data.sampling = "random": a window may start at any token
         self.file = _open_h5(path)
         self._remember()
         try:
@@ -355,7 +357,8 @@ class TokenDataset(_Unchanged):
         self._label = f"dataset {name!r} (data.tokens)"
         self.scan_checks = None if self.allow_external else \
             f"tokens: {self._label} {self.tokens.shape} {self.tokens.dtype}, vocabulary {self.vocab_size}, " \
-            f"windows of {T}"  # the scan reads the tokens whole windows reach: another block size reaches others
+            f"windows of {T}" + (", from any token" if self.random_windows else "")  # the scan reads the tokens
+        # the windows reach: another block size, or random starts (data.sampling = "random"), reach others
         n = (count - 1) // T
         self.n_val = validation_count(n, val_fraction)
         self.n_train = n - self.n_val
@@ -410,7 +413,7 @@ class TokenDataset(_Unchanged):
     def scan(self, start: int, stop: int) -> str:
         """Check the tokens of windows [start, stop) are ids in [0, vocab_size); '' if clean, else the first problem."""
         lo, hi = start * self.T, stop * self.T + 1 if stop > start else start * self.T
-        if stop == self.n_train + self.n_val and stop > start:  # the tail random windows reach too
+        if self.random_windows and stop == self.n_train + self.n_val and stop > start:  # random starts reach the tail
             hi = self.tokens.shape[0]
         for a in range(lo, hi, SCAN_ROWS * 16):
             ids = self._fetch(a, min(hi, a + SCAN_ROWS * 16))
@@ -681,7 +684,8 @@ def open_dataset(cfg, loss, model) -> Dataset | TokenDataset | WithValidation:
     def one(path, val_fraction):
         if cfg.model.kind == "gpt":
             return TokenDataset(path, d.tokens, block_size=model.block_size, val_fraction=val_fraction,
-                                vocab_size=model.vocab_size, allow_external=d.allow_external)
+                                vocab_size=model.vocab_size, allow_external=d.allow_external,
+                                random_windows=d.sampling == "random")
         return Dataset(path, d.inputs, d.targets, val_fraction=val_fraction, loss=loss, in_features=model.in_features,
                        out_features=model.out_features, allow_external=d.allow_external)
 

@@ -111,6 +111,25 @@ def test_a_token_files_record_holds_for_its_block_size_only(tmp_path, mesh, cach
         run(9)
 
 
+def test_random_windows_scan_the_tail_fixed_windows_never_reach(tmp_path, mesh, cache):
+    """data.sampling = "random" starts a window at any token: the ids past the last whole fixed window are read too."""
+    from helpers import gpt_config, make_tokens
+
+    path = tmp_path / "t.h5"
+    make_tokens(path, n=100)
+    with h5py.File(path, "r+") as f:
+        f["tokens"][98] = 50  # fixed windows of 8 reach token 96 only
+
+    def run(sampling):
+        cfg = gpt_config(path, model={"block_size": 8, "n_embd": 4}, data={"val_fraction": 0.0, "sampling": sampling},
+                         train={"steps": 1, "batch_size": 2})
+        run_trainer(cfg, mesh)
+
+    run("windows")
+    with pytest.raises(DataError, match="token id 50 at position 98"):
+        run("random")
+
+
 def test_other_checks_on_the_same_file_scan_again(tmp_path, mesh, cache, scans):
     path = tmp_path / "d.h5"
     make_classification(path, classes=3)

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..backend.releasable import EMPTY, LIVE, ReleasableUnits
 
-__all__ = ["ReleasableHost", "unit_bytes"]
+__all__ = ["ReleasableHost", "merged_ranges", "unit_bytes"]
 
 _MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
 
@@ -179,7 +179,7 @@ class ReleasableHost(ReleasableUnits):
                         if self._to_pool(u):
                             continue
                     back.append((u * self.unit, (u + 1) * self.unit))
-            for a, b in _merged(back):
+            for a, b in merged_ranges(back):
                 self._map.madvise(mmap.MADV_DONTNEED, self._offset - self._pad + a, b - a)
         return end - start
 
@@ -219,7 +219,7 @@ class ReleasableHost(ReleasableUnits):
                     self._pool_off()
 
 
-def _merged(ranges):
+def merged_ranges(ranges):
     """Adjacent or overlapping [a, b) ranges joined, empty ones dropped, in order."""
     out = []
     for a, b in sorted(r for r in ranges if r[1] > r[0]):

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 
+from .grad_pages import merged_ranges
+
 __all__ = ["ParamGather", "unit_ranges", "without", "refusal", "param_pieces", "gathered_whole"]
 
 
@@ -55,7 +57,7 @@ def unit_ranges(part) -> list[list[tuple[int, int]]]:
             layer, prefix = part.layers[k], part.prefixes[k]
             names = [prefix + n for n, _ in layer.params] + [prefix + n for n, _ in layer.ties]
             spans += [(part.layout[n].offset, part.layout[n].end) for n in names]
-        out.append(_merged(spans))
+        out.append(merged_ranges(spans))
     return out
 
 
@@ -97,16 +99,6 @@ def gathered_whole(gather, evaluate):
     return run
 
 
-def _merged(ranges):
-    out = []
-    for a, b in sorted(r for r in ranges if r[1] > r[0]):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
 class ParamGather:
     """The gathers and releases of one rank's parameter buffer under zero = 3 (CPU; see the module docstring).
 
@@ -143,7 +135,7 @@ class ParamGather:
     def tracked(part, shard) -> list[tuple[int, int]]:
         """The ranges whose released pages move through the pool: each unit's outside this rank's chunks."""
         own = [parts[shard.rank] for parts in shard.parts]
-        return _merged([x for r in unit_ranges(part) for x in without(r, own)])
+        return merged_ranges([x for r in unit_ranges(part) for x in without(r, own)])
 
     def _segments(self, ranges):
         segs = []

@@ -35,10 +35,12 @@ def first_failing_rank(comm, failed: bool) -> int:
 
 
 def run_everywhere(comm, fn):
-    """Collective: run ``fn()`` on every rank; if it raised HpctrainError anywhere, raise on every rank.
+    """Collective: run ``fn()`` on every rank; if it raised anywhere, raise on every rank.
 
     The lowest failing rank re-raises its own error (the CLI prints it); the
-    others raise QuietExit, so the job prints one message and exits cleanly.
+    others raise QuietExit, so the job prints one message and exits cleanly. Any
+    Exception counts, a bug included: one rank's AttributeError must not leave the
+    others waiting in the next collective (KeyboardInterrupt and SystemExit pass).
 
     An error that is already collective (a QuietExit, or the error of an agreement
     nested inside ``fn``) passes straight through: every rank has already taken
@@ -47,7 +49,7 @@ def run_everywhere(comm, fn):
     """
     try:
         result, error = fn(), None
-    except HpctrainError as e:
+    except Exception as e:  # noqa: BLE001 -- agreed on, then re-raised on the rank that failed
         if isinstance(e, QuietExit) or getattr(e, "collective", False):
             raise
         result, error = None, e

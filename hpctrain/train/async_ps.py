@@ -166,7 +166,7 @@ class AsyncTrainer:
         state, whole = resume(start, paths, auto=bool(flag[0]),
                               load=self._load_range if self.is_server else lambda path: None, place=lambda: (-1, None))
         run_everywhere(self.world, (lambda: startup.check_resume(start, state, bool(flag[0]), self.data_fingerprint,
-                                                                 self._vocabulary()))
+                                                                 self._vocabulary(), self._tokenizer()))
                        if self.rank0 and state is not None else lambda: None)  # it must be this run's checkpoint
         weights = run_everywhere(self.world, (lambda: ckpt.load_weights(c.init, self.model.layout))
                                  if self.rank0 and state is None and c.init else lambda: None)

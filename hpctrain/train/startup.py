@@ -279,7 +279,8 @@ def load_start(t) -> None:
     mesh.world.Bcast(flag, root=0)
     state, whole = resume(t, paths, auto=bool(flag[0]))
     vocabulary = getattr(t.data, "vocabulary", "")  # the checkpoint must belong to this run: rank 0 holds its state
-    run_everywhere(mesh.world, (lambda: check_resume(t, state, bool(flag[0]), t.data.fingerprint(), vocabulary))
+    run_everywhere(mesh.world, (lambda: check_resume(t, state, bool(flag[0]), t.data.fingerprint(), vocabulary,
+                                                getattr(t.data, "tokenizer", "")))
                    if mesh.rank == 0 and state is not None else lambda: None)
     if state is not None and not whole:  # every rank holds its pieces already
         t.step, t.optim.step_count = state.step, state.optim_step
@@ -317,7 +318,7 @@ def candidates(t) -> tuple[list[str], bool]:
     return [], False
 
 
-def check_resume(t, state, auto: bool, fingerprint: str, vocabulary: str) -> None:
+def check_resume(t, state, auto: bool, fingerprint: str, vocabulary: str, tokenizer: str = "") -> None:
     """CheckpointError when the checkpoint resumed does not belong to this run: written for another vocabulary
     (any resume: its token ids would mean other characters), or, found by ``resume = "auto"``, with other
     settings or other data (``fingerprint``: this run's data, data.fingerprint)."""
@@ -326,7 +327,6 @@ def check_resume(t, state, auto: bool, fingerprint: str, vocabulary: str) -> Non
                               f"{t.cfg.data.path} has {_chars(vocabulary)}: its token ids would mean other "
                               "characters; train on a token file made with the checkpoint's vocabulary, or give "
                               "this run a new checkpoint.dir")
-    tokenizer = getattr(t.data, "tokenizer", "")
     if state.tokenizer and tokenizer and state.tokenizer != tokenizer:
         raise CheckpointError(f"{state.path} was written for the tokenizer {state.tokenizer} and "
                               f"{t.cfg.data.path} was tokenized with {tokenizer}: its token ids would mean other "

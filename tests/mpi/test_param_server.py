@@ -241,8 +241,6 @@ def test_checkpoints_move_between_async_and_sync_mode(comm, data, shared_dir, fi
     """Two steps in one mode, a checkpoint, two more in the other == four synchronous steps (staleness 0)."""
     if comm.size < 2:
         pytest.skip("a server and a worker need two ranks")
-    if first == "sync":  # a known regression of 2026-12-02, to fix first next session (see the closing note)
-        pytest.skip("a synchronous checkpoint resumed in async_ps mode fails since the GPT-workflow merge (e902a6c)")
     S = servers(comm)
     W = comm.size - S
     ck = f"{shared_dir}/ck-{first}"

@@ -37,12 +37,17 @@ and the run would end one short of its budget).
 Ordering: MPI keeps messages between two ranks on one communicator and tag in order,
 and a worker sends PUSH before GRAD, so a server that receives a PUSH header then
 receives its gradient from the same worker. A server answers a PULL with non-blocking
-sends of a snapshot of its range (``_Snapshots``): one copy per server version, shared
-by every pull answered at that version and dropped when its last send completes, at
-most staleness + 2 alive (before a new one the server waits for the oldest one's sends,
-whose receives the workers posted with their PULL). So a server's memory does not grow
-with the number of workers, and finding the completed sends costs O(1) per message. A
-run ends when every worker has sent DONE to every server: nothing is left unmatched.
+sends of a copy of its range (``_Snapshots``), which stays alive until every send of it
+completes: that is when its worker waits for it, after computing the step it asked
+ahead for, so with one copy per version W workers kept about W copies. At most
+``SNAPSHOTS`` (2) are alive, whatever W and k: a pull takes this version's copy, else a
+new one while fewer are alive, else (k > 0) the newest one if it already holds every
+worker's first c − k gradients (what the bound promises a pull for clock c; the version
+sent is that copy's, so the recorded staleness counts the updates it lacks), else it
+waits, and the server goes on receiving and applying gradients until a copy's sends
+complete. A refusal (−1) sends no copy: an empty PARAMS message. So a server's memory
+does not grow with the number of workers. A run ends when every worker has sent DONE to
+every server: nothing is left unmatched.
 
 Collective behaviour: ``Server.run`` and ``WorkerLink`` calls are point-to-point; with
 k = 0 and S > 1 the servers Allreduce the gradient norm² over ``servers_comm`` for each
@@ -59,6 +64,7 @@ import numpy as np
 __all__ = ["server_ranges", "Server", "WorkerLink", "TAGS"]
 
 TAGS = dict(PULL=11, VERSION=12, PARAMS=13, PUSH=14, GRAD=15, DONE=16)
+SNAPSHOTS = 2  # the most copies of its range a server keeps for answers in flight, whatever W and the staleness
 
 
 def server_ranges(total: int, servers: int) -> list[tuple[int, int]]:
@@ -93,7 +99,9 @@ class Server:
         self.idle = [0.0] * workers
         self.steps = [0] * workers
         self._pending = []  # (worker, clock) pulls not answered yet
-        self.snapshots = _Snapshots(limit=staleness + 2)  # what the answers send, until their sends complete
+        self._deferred = False  # a pending pull the bound lets go waits for a copy of the range to send
+        self.snapshots = _Snapshots(limit=SNAPSHOTS)  # what the answers send, until their sends complete
+        self._refusals = []  # (request, buffer) of the answers that said stop
         self._sum = np.zeros_like(params) if staleness == 0 else None  # k = 0: the W gradients of this step
         self._sum_count = 0
         self.ahead_max = 0  # the most steps a worker was ahead of the slowest when let go (<= staleness)
@@ -109,7 +117,9 @@ class Server:
         grad = self.grads
         self.started = time.perf_counter()
         while done < self.W:
-            self._wait_for_message(status)
+            if not self._wait_for_message(status):
+                self._answer()  # a copy of the range was freed: a deferred pull can be answered
+                continue
             src, tag = status.Get_source(), status.Get_tag()
             w = src - self.S
             if tag == TAGS["PULL"]:
@@ -137,19 +147,25 @@ class Server:
                 self.stopping = True
             self._answer()
         self.snapshots.wait_all()
+        MPI.Request.Waitall([r for r, _ in self._refusals])
+        self._refusals = []
         self.elapsed = time.perf_counter() - self.started
 
-    def _wait_for_message(self, status) -> None:
-        """Until a message arrives: polling, then sleeping in growing steps (to 1 ms), so that an idle server
-        leaves its core to the workers (a blocking Probe spins it, which on a node with more ranks than
-        cores slows every worker down)."""
+    def _wait_for_message(self, status) -> bool:
+        """Until a message arrives (True), or a copy of the range is freed while a pull waits for one (False):
+        polling, then sleeping in growing steps (to 1 ms), so that an idle server leaves its core to the
+        workers (a blocking Probe spins it, which on a node with more ranks than cores slows every worker
+        down)."""
         from mpi4py import MPI
 
         pause = 0.0
         while not self.world.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+            if self._deferred and self.snapshots.reap():
+                return False
             if pause:
                 time.sleep(pause)
             pause = min(1e-3, max(2e-5, pause * 2))
+        return True
 
     def _apply(self, w: int, version_read: int, grad: np.ndarray, on_update) -> None:
         self.pushes[w] += 1
@@ -170,78 +186,94 @@ class Server:
             on_update(self.version)
 
     def _answer(self) -> None:
-        """Send the parameters to each waiting worker the staleness bound now lets go on."""
+        """Send the parameters to each waiting worker the staleness bound now lets go on (and a copy of the
+        range can be sent to: else it waits, ``_deferred``, while the server goes on applying gradients)."""
         active = [p for w, p in enumerate(self.pushes) if w not in self.done]
         slowest = min(active, default=max(self.pushes))  # the bound is over the workers still training
-        still = []
+        still, self._deferred = [], False
         for w, clock in self._pending:
             stop = self.stopping or (self.budget is not None and self.granted >= self.budget)
             ready = stop or (slowest >= clock - self.k and (self.k > 0 or self.start + self.version == clock))
             if not ready:
                 still.append((w, clock))
                 continue
-            if not stop:
-                self.ahead_max = max(self.ahead_max, clock - slowest)
-                self.granted += 1
-            # the update may change params while the send is in flight: a snapshot of this version, shared
-            data = self.snapshots.get(self.version, self.params)
-            version = np.array([-1 if stop else self.version], dtype=np.int64)
             dest = self.worker_rank(w)
-            self.snapshots.sent(self.version, self.world.Isend(version, dest=dest, tag=TAGS["VERSION"]), version)
-            self.snapshots.sent(self.version, self.world.Isend(data, dest=dest, tag=TAGS["PARAMS"]))
+            if stop:  # nothing to compute on: an empty PARAMS message matches the worker's receive, no copy
+                version = np.array([-1], dtype=np.int64)
+                self._refusals += [(self.world.Isend(version, dest=dest, tag=TAGS["VERSION"]), version),
+                                   (self.world.Isend(_EMPTY, dest=dest, tag=TAGS["PARAMS"]), None)]
+                continue
+            # the update may change params while the send is in flight: a copy, shared (k > 0: a copy that
+            # already holds every worker's first clock - k gradients, which the bound promises this pull)
+            answer = self.snapshots.answer(self.version, slowest, self.params,
+                                           needs=clock - self.k if self.k > 0 else None)
+            if answer is None:  # every copy is still being sent and none will do: wait for one to be free
+                still.append((w, clock))
+                self._deferred = True
+                continue
+            sent, data = answer
+            self.ahead_max = max(self.ahead_max, clock - slowest)
+            self.granted += 1
+            version = np.array([sent], dtype=np.int64)
+            self.snapshots.sent(sent, self.world.Isend(version, dest=dest, tag=TAGS["VERSION"]), version)
+            self.snapshots.sent(sent, self.world.Isend(data, dest=dest, tag=TAGS["PARAMS"]))
         self._pending = still
-        self.snapshots.reap()
+
+
+_EMPTY = np.empty(0, dtype=np.float32)
 
 
 class _Snapshots:
-    """Host copies of a server's range as sent to the workers: one per server version, shared by every pull
-    answered at that version, dropped once its sends complete. At most ``limit`` alive: ``get`` for a new
-    version first waits for the oldest one's sends (each worker posted its receives with its PULL).
-    ``peak``: the most alive at once."""
+    """Host copies of a server's range as sent to the workers, at most ``limit`` alive whatever the number of
+    workers or the staleness. A copy stays until every send of it completes, which is when each worker it was
+    sent to waits for it (after computing the step it asked ahead for): with one copy per version, W workers
+    kept up to W copies alive. ``answer`` shares a copy: this version's if there is one, else a new one while
+    fewer than ``limit`` are alive, else the newest one if it holds what the pull needs (k > 0), else none
+    (the pull waits; ``reap`` frees the copies whose sends completed). ``peak``: the most alive at once."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int = 2):
         self.limit = max(1, limit)
-        self._live = collections.OrderedDict()  # version -> (copy, [(request, buffer kept alive)])
+        self._live = collections.OrderedDict()  # version -> (copy, floor, [(request, buffer kept alive)])
         self.peak = 0
 
-    def get(self, version: int, params: np.ndarray) -> np.ndarray:
+    def answer(self, version: int, floor: int, params: np.ndarray, needs: int | None):
+        """``(version sent, copy)`` for a pull, or None. ``floor``: every worker has pushed at least this many
+        gradients into ``params`` (the slowest's clock); ``needs``: the floor a copy of an older version must
+        have for this pull (None: only this version will do)."""
         entry = self._live.get(version)
-        if entry is None:
+        if entry is None and len(self._live) >= self.limit:
             self.reap()
-            while len(self._live) >= self.limit:
-                self._drop_oldest(wait=True)
-            entry = self._live[version] = (params.copy(), [])
+        if entry is None and len(self._live) < self.limit:
+            entry = self._live[version] = (params.copy(), floor, [])
             self.peak = max(self.peak, len(self._live))
-        return entry[0]
+        if entry is not None:
+            return version, entry[0]
+        newest = next(reversed(self._live))
+        copy, have, _ = self._live[newest]
+        return (newest, copy) if needs is not None and have >= needs else None
 
     def sent(self, version: int, request, keep=None) -> None:
-        """Record a send of ``version``'s answer (``keep``: a buffer that must live until it completes)."""
-        self._live[version][1].append((request, keep))
+        """Record a send of ``version``'s copy (``keep``: a buffer that must live until it completes)."""
+        self._live[version][2].append((request, keep))
 
-    def reap(self) -> None:
-        """Drop the oldest snapshots whose sends have completed, stopping at the first that has not: each
-        snapshot is tested until it goes, so the work per message stays O(1) on average."""
-        while self._live and self._drop_oldest(wait=False):
-            pass
+    def reap(self) -> bool:
+        """Drop every copy whose sends have completed (at most ``limit`` are tested); whether any went."""
+        from mpi4py import MPI
+
+        gone = [v for v, (_, _, sends) in self._live.items() if MPI.Request.Testall([r for r, _ in sends])]
+        for v in gone:
+            del self._live[v]
+        return bool(gone)
 
     def wait_all(self) -> None:
-        while self._live:
-            self._drop_oldest(wait=True)
+        from mpi4py import MPI
+
+        for _, _, sends in self._live.values():
+            MPI.Request.Waitall([r for r, _ in sends])
+        self._live.clear()
 
     def __len__(self) -> int:
         return len(self._live)
-
-    def _drop_oldest(self, *, wait: bool) -> bool:
-        from mpi4py import MPI
-
-        version, (_, sends) = next(iter(self._live.items()))
-        requests = [r for r, _ in sends]
-        if wait:
-            MPI.Request.Waitall(requests)
-        elif not MPI.Request.Testall(requests):
-            return False
-        del self._live[version]
-        return True
 
 
 class WorkerLink:

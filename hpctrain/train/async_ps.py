@@ -36,7 +36,7 @@ from ..optim import clip_coefficient, lr_at, make_optimizer
 from ..parallel.agree import QuietExit, bcast_text, run_everywhere
 from ..parallel.executor import StageExecutor
 from ..parallel.mesh import Mesh
-from ..parallel.param_server import Server, WorkerLink, server_ranges
+from ..parallel.param_server import SNAPSHOTS, Server, WorkerLink, server_ranges
 from ..parallel.schedule import check_schedule, data_parallel, forward_only
 from ..params import FlatBuffer, ParamLayout
 from . import startup
@@ -123,7 +123,8 @@ class AsyncTrainer:
         except MemoryError:
             lo, hi = self.ranges[self.servers_comm.Get_rank()]
             slots = 2 if self.cfg.optim.name != "sgd" else 1
-            buffers = 2 + slots + 2 + (self.k == 0)  # params, grads, slots, receive and reply, the k = 0 sum
+            buffers = 2 + slots + SNAPSHOTS + (self.k == 0)  # params, grads (the receive), slots, the copies
+            # the answers send (param_server.SNAPSHOTS, whatever the number of workers), the k = 0 sum
             raise BackendError(f"parameter server {self.servers_comm.Get_rank()} is out of memory for its "
                                f"{hi - lo:,} parameters (about {buffers * (hi - lo) * 4 / 1e6:,.3g} MB with its "
                                "optimizer state and message buffers): use more servers (parallel.servers) or "

@@ -37,9 +37,9 @@ __all__ = ["ParamGather", "unit_ranges", "without", "refusal", "param_pieces", "
 def refusal(cfg, *, device: bool = False) -> str:
     """Why ``parallel.zero = 3`` cannot run with ``cfg`` in this version ("" where it can)."""
     p, t = cfg.parallel, cfg.train
-    if p.pp > 1 or p.tp > 1:
-        return (f"parallel.zero = 3 with pp = {p.pp}, tp = {p.tp} is not supported yet (data parallelism only: "
-                "pp = tp = 1); use zero = 2 there")
+    if p.pp > 1:  # the last stage's replica of the tied embedding lies outside every rank's chunks (ZeroShard's limit)
+        return (f"parallel.zero = 3 with pp = {p.pp} is not supported yet (data and tensor parallelism: pp = 1); "
+                "use zero = 2 there")
     if t.deterministic:
         return "parallel.zero = 3 with train.deterministic is not supported yet; use zero = 0 there"
     if device:

@@ -491,6 +491,7 @@ class ModelPart:
         wsaved = [None] * len(self.layers)
         for u in range(len(self.units) - 1, -1, -1):
             a, b = self.units[u]
+            self._gathered(0, u, True)  # zero = 3: B reads the unit's weights (W reads only saved values)
             mine = self._unit_saved(be, saved, u)
             for k in range(b, a - 1, -1):
                 last = k == 0 and not need_dinp
@@ -499,6 +500,7 @@ class ModelPart:
                 dout, wsaved[k] = self.layers[k].backward_input(be, dout, mine[k - a], accumulate=accumulate,
                                                                 need_dinp=not last)
                 mine[k - a] = None
+            self._gathered(0, u, False)
         return dout, wsaved
 
     def backward_weight(self, be, wsaved, *, accumulate=False, on_final=None, on_write=None):

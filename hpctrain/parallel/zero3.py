@@ -31,15 +31,15 @@ import contextlib
 
 from .grad_pages import merged_ranges
 
-__all__ = ["ParamGather", "unit_ranges", "without", "refusal", "param_pieces", "gathered_whole"]
+__all__ = ["ParamGather", "unit_ranges", "without", "refusal", "param_pieces", "gathered_whole", "tied_ranges"]
 
 
 def refusal(cfg, *, device: bool = False) -> str:
     """Why ``parallel.zero = 3`` cannot run with ``cfg`` in this version ("" where it can)."""
     p, t = cfg.parallel, cfg.train
-    if p.pp > 1:  # the last stage's replica of the tied embedding lies outside every rank's chunks (ZeroShard's limit)
-        return (f"parallel.zero = 3 with pp = {p.pp} is not supported yet (data and tensor parallelism: pp = 1); "
-                "use zero = 2 there")
+    if p.pp > 1 and p.schedule == "interleaved-1f1b":
+        return ("parallel.zero = 3 with schedule = \"interleaved-1f1b\" is not supported yet (a stage's chunks "
+                "interleave their units' gathers); use 1f1b, gpipe or zero-bubble, or zero = 2 there")
     if t.deterministic:
         return "parallel.zero = 3 with train.deterministic is not supported yet; use zero = 0 there"
     if device:
@@ -75,6 +75,13 @@ def without(ranges, holes) -> list[tuple[int, int]]:
         if at < hi:
             out.append((at, hi))
     return out
+
+
+def tied_ranges(part) -> list[tuple[int, int]]:
+    """The [lo, hi) ranges of the part's tied tensors: each shared one (its owner's or its replica's values) and
+    each local tie's two ends (parallel/tied.py's ``refresh_replicas`` reads and writes them)."""
+    names = list(part.shared) + [name for pair in part.local_ties for name in pair]
+    return merged_ranges([(part.layout[n].offset, part.layout[n].end) for n in names])
 
 
 def param_pieces(part, shard) -> list:
@@ -201,6 +208,24 @@ class ParamGather:
                 self.memory.release(lo, hi)
         self._held.clear()
         self._last, self._direction = None, 1
+
+    @contextlib.contextmanager
+    def tied(self, ranges):
+        """The full values of ``ranges`` (``tied_ranges``: the tied tensors, owner and replica) for the block, for
+        ``refresh_replicas`` after a step: the owner sends the whole updated tensor, the replica receives it
+        whole; released after (collective over dp). Its chunks keep what the next forward gathers."""
+        own = [parts[self.shard.rank] for parts in self.shard.parts]
+        outside = without(ranges, own)
+        for lo, hi in outside:
+            self.memory.fill(lo, hi)
+        for x, y, counts, displs in self._segments(ranges):
+            self.comm.Allgatherv(self.MPI.IN_PLACE, [self.params[x:y], counts, displs, self.MPI.FLOAT])
+            self.gathered_bytes += 4 * (y - x - counts[self.shard.rank])
+        try:
+            yield
+        finally:
+            for lo, hi in outside:
+                self.released_bytes += self.memory.release(lo, hi)
 
     @contextlib.contextmanager
     def whole(self):

@@ -43,6 +43,7 @@ from ..parallel.executor import StageExecutor, micro_rows
 from ..parallel.agree import bcast_text
 from ..parallel.schedule import ScheduleError, ScheduleStats, built, checked
 from ..parallel.tied import refresh_replicas, sum_tied_grads
+from ..parallel.zero3 import tied_ranges
 from ..parallel.zero import overlap
 
 __all__ = ["StepRunner"]
@@ -220,7 +221,11 @@ class StepRunner:
                 self.optim.step(lr, after=lambda i: self.sync.gather_bucket(i, params), grad_scale=coef)
                 self.sync.finish_gather()
             if part.shared or part.local_ties:  # a tied tensor: its owner updated it; the replica receives it
-                refresh_replicas(self.mesh, self.transport, part, self.optim.params)
+                if part.gather is not None:  # zero 3: both ends whole for the copy, this rank's chunks kept after
+                    with part.gather.tied(tied_ranges(part)):
+                        refresh_replicas(self.mesh, self.transport, part, self.optim.params)
+                else:
+                    refresh_replicas(self.mesh, self.transport, part, self.optim.params)
         return dict(grad_norm=norm, skipped=skipped, wait=wait)
 
     def _read_step_sums(self) -> np.ndarray:

@@ -1,7 +1,8 @@
 """ZeRO-3 (``parallel.zero = 3``): the parameters sharded over dp too, each unit gathered around its use.
 
 Run under ``mpiexec -n 1``, ``-n 2`` and ``-n 4`` by tests/test_suites.py: dp is the world size (pp = tp = 1),
-or world / 2 with tp = 2 at four ranks (pp is refused: see parallel/zero3.py's ``refusal``). zero 3 runs zero 2's reductions and optimizer on the same chunks and gathers the very
+or world / 2 with tp = 2 or pp = 2 at four ranks (the interleaved schedule is refused: parallel/zero3.py's
+``refusal``). zero 3 runs zero 2's reductions and optimizer on the same chunks and gathers the very
 values zero 2's Allgatherv would have, so the two agree bit for bit at any dp; against one process they agree
 to float32 rounding. Buckets of many pages put bucket and chunk cuts inside units and leave whole pages outside
 every chunk, which zero 3 releases (``train_releasing`` checks it did).
@@ -100,6 +101,24 @@ def test_zero_3_under_tensor_parallelism_trains_as_zero_2_bitwise_and_as_one_pro
         assert max_error(three, alone(with_zero(cfg, 0, tp=1))) < 1e-6
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero-bubble"])
+def test_zero_3_on_a_pipeline_trains_as_zero_2_bitwise_and_as_one_process(comm, data, tokens, schedule):
+    """pp 2 x dp 2: each stage gathers its own units over its dp group; the tied embedding's two ends are whole
+    for the owner's copy to the replica after a step (ParamGather.tied); the zero-bubble B gathers, W does not."""
+    if comm.size % 4:
+        pytest.skip("pp 2 x dp 2 needs four ranks")
+    dp = comm.size // 2
+    pipe = {"pp": 2, "schedule": schedule}
+    mlp = config(data, hidden=512, optim=SGD, train={"steps": 5, "batch_size": 8 * dp, "micro_batches": 4,
+                                                     "grad_clip": 0.5}, parallel={**pipe, **MLP_BUCKETS})
+    gpt = gpt_config(tokens, model=GPT_WIDE, optim=SGD, train={"batch_size": 4 * dp, "micro_batches": 4,
+                                                              "grad_clip": 1.0}, parallel={**pipe, **GPT_BUCKETS})
+    for cfg in (mlp, gpt):
+        three = train_releasing(with_zero(cfg, 3), comm)
+        assert same_bits(three, train(with_zero(cfg, 2), comm))
+        assert max_error(three, alone(with_zero(cfg, 0, pp=1, schedule="1f1b"))) < 1e-6
+
+
 def test_zero_3_without_prefetch_trains_the_same_bits(comm, tokens, monkeypatch):
     cfg = gpt_config(tokens, model=GPT_WIDE, train={"batch_size": 4 * comm.size},
                      parallel={"zero": 3, **GPT_BUCKETS})
@@ -196,7 +215,8 @@ def test_zero_3_checkpoints_resume_across_zero_0_2_3(comm, tokens, shared_dir):
     assert same_bits(as_three, as_two)
 
 
-@pytest.mark.parametrize("setting, words", [({"pp": 2}, "pp = 2")])
+@pytest.mark.parametrize("setting, words", [({"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2},
+                                             "interleaved-1f1b")])
 def test_zero_3_refuses_what_it_does_not_support_yet_in_one_line(data, setting, words):
     with pytest.raises(ConfigError) as e:
         config(data, parallel={"zero": 3, **setting})

@@ -76,7 +76,7 @@ def block_reducers(nt: int) -> SimpleNamespace:
 
 @functools.cache
 def kernels(nt: int) -> SimpleNamespace:
-    """fill, sum_partials and column_finish for blocks of ``nt`` threads; compiled lazily, once per process."""
+    """fill and sum_partials for blocks of ``nt`` threads; compiled lazily, once per process."""
     NT, kernel = nt, kernel_decorator(nt)
     red = block_reducers(nt)
     block_sum = red.block_sum

@@ -4,8 +4,8 @@ each value and gradient in one pass.
 Shape letters: B rows, C classes (V: a shard's block of the vocabulary, columns [lo, lo + V)). Cross-entropy is
 one launch: a row kernel (one block per row; max, argmax and Σ exp in one read of the row, the gradient in a
 second) whose last block to finish adds the rows' losses, correct counts and first bad target in float64
-(blocks.py's ``last_to_finish``); MSE writes float64 partial sums per block that ``CudaBackend._sum_reduce`` adds (blocks.py's
-``sum_partials``). The vocab-parallel passes are cpu/loss.py's ``_ce_shard_*``.
+(blocks.py's ``last_to_finish``); MSE writes float64 partial sums per block that ``CudaBackend._sum_reduce`` adds
+(blocks.py's ``sum_partials``). The vocab-parallel passes are cpu/loss.py's ``_ce_shard_*``.
 """
 
 from __future__ import annotations

@@ -306,8 +306,7 @@ class Backend:
                                f"{rows.stride}")
         return R, W
 
-    def _layernorm_forward_args(self, x, weight, bias, out, mean, rstd):
-        op = "layernorm_forward"
+    def _layernorm_forward_args(self, x, weight, bias, out, mean, rstd, op="layernorm_forward"):
         B, C = self._arg(op, "x", x, ndim=2).shape
         for name, arr in (("weight", weight), ("bias", bias)):
             self._arg(op, name, arr, shape=(C,))
@@ -316,8 +315,7 @@ class Backend:
             self._arg(op, name, arr, shape=(B,))
         return B, C
 
-    def _layernorm_backward_args(self, dout, x, weight, mean, rstd, dinp, dweight, dbias):
-        op = "layernorm_backward"
+    def _layernorm_backward_args(self, dout, x, weight, mean, rstd, dinp, dweight, dbias, op="layernorm_backward"):
         B, C = self._arg(op, "x", x, ndim=2).shape
         for name, arr in (("dout", dout), ("dinp", dinp)):
             self._arg(op, name, arr, shape=(B, C))
@@ -328,13 +326,15 @@ class Backend:
         return B, C
 
     def _residual_layernorm_forward_args(self, x, residual, weight, bias, out, mean, rstd):
-        B, C = self._layernorm_forward_args(x, weight, bias, out, mean, rstd)
-        self._arg("residual_layernorm_forward", "residual", residual, shape=(B, C))
+        op = "residual_layernorm_forward"
+        B, C = self._layernorm_forward_args(x, weight, bias, out, mean, rstd, op=op)
+        self._arg(op, "residual", residual, shape=(B, C))
         return B, C
 
     def _residual_layernorm_backward_args(self, dout, dresidual, x, weight, mean, rstd, dinp, dweight, dbias):
-        B, C = self._layernorm_backward_args(dout, x, weight, mean, rstd, dinp, dweight, dbias)
-        self._arg("residual_layernorm_backward", "dresidual", dresidual, shape=(B, C))
+        op = "residual_layernorm_backward"
+        B, C = self._layernorm_backward_args(dout, x, weight, mean, rstd, dinp, dweight, dbias, op=op)
+        self._arg(op, "dresidual", dresidual, shape=(B, C))
         return B, C
 
     def _cross_entropy_args(self, logits, targets, dlogits):

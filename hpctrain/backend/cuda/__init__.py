@@ -82,6 +82,7 @@ __all__ = ["CudaBackend", "simulator", "FAMILIES"]
 FAMILIES = (blocks, linear, activations, norm, loss, embedding, attention, dropout, optim)
 GPU_BLOCK, SIM_BLOCK = 256, 16
 COLUMN_ROWS = 16  # the column sums' row groups leave each thread at least this many rows
+PARTIAL_ALIGN = 16  # float64 values in a 128-byte cache line: the rows of a last-block reduction's partials
 STAGING_PER_SHAPE = 64  # upload's page-locked buffers of one shape (a step uses one per micro-batch)
 SIM_MAX_BLOCKS = 4  # small, so that the simulator exercises the grid-stride loops
 SIM_WAVE = 4  # "SMs" under the simulator: small, so that tiny products take the split-K path there
@@ -414,9 +415,16 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         k = self._k
         col_blocks = -(-C // k.RX)
         G = max(1, min(-(-2 * self.wave // col_blocks), -(-B // (k.RY * COLUMN_ROWS))))
-        partial = self._alloc(op, (G, C), np.float64)
+        partial = self._partials(op, G, C)
         self._launch(kernel, (col_blocks, G), (k.RX, k.RY), dout, partial, self._counter_slots(col_blocks),
                      -(-B // G) if B else 1, out, bool(accumulate))
+
+    def _partials(self, op, rows, C):
+        """A float64 scratch of ``rows`` partial sums of C columns for a kernel whose last block adds them, each
+        row padded to whole 128-byte cache lines: an SM's L1 is not kept coherent with the others' stores within a
+        launch, so no line may hold partials of two blocks (one block could cache a line another writes later, and
+        then read it stale when it finishes the sum). Allocations start on 512-byte boundaries (memory.py)."""
+        return self._alloc(op, (rows, -(-C // PARTIAL_ALIGN) * PARTIAL_ALIGN), np.float64)
 
     def _counter_slots(self, n):
         """At least ``n`` int64 counters, all 0 between launches, for the kernels whose last block finishes a

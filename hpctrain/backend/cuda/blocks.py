@@ -26,6 +26,8 @@ results are deterministic run to run (llm.c's layernorm_backward does the same).
 
 ``last_to_finish`` counts into ``counters`` (int64, zero between launches: the last block sets its slot back to
 0), which CudaBackend keeps (``_counter_slots``); kernels that use them run one at a time on the backend's stream.
+Their partials' rows are padded to whole cache lines (``CudaBackend._partials``): numba has no volatile loads, and
+an SM's L1 could otherwise hold a line of another block's partials from before that block wrote them.
 
 Segments are what a warp would reduce with shuffles; they go through shared memory and
 block barriers instead, because numba's CUDA simulator has no warp shuffles. Every thread

@@ -151,7 +151,7 @@ class Norm:
         if not C:
             return
         G = max(1, min(B, self.wave if not self.simulator else self.max_blocks))
-        partial = self._alloc("layernorm_backward", (2 * G, C), np.float64)
+        partial = self._partials("layernorm_backward", 2 * G, C)
         self._launch(self._k.layernorm_backward, G, self.block, dout, x, weight, mean, rstd, dinp,
                      dinp if dresidual is None else dresidual, dresidual is not None, partial,
                      self._counter_slots(1), dweight, dbias, bool(accumulate))

@@ -282,8 +282,7 @@ class Block(Layer):
         da = self.attn_proj.backward(be, _through(be, dx2, resid[0]), s_proj, **acc)
         dqkv = self.attn.backward(be, da, s_attn)
         dh = self.c_attn.backward(be, dqkv, s_attn_in, **acc)
-        dx = self.ln_1.backward(be, dh, s_ln1, **acc)
-        be.add_(dx, dx2)
+        dx = self.ln_1.backward_residual(be, dh, s_ln1, dx2, **acc)  # + dx2: the first residual's gradient
         return dx
 
     def backward_input(self, be, dout, saved, accumulate=False, need_dinp=True):
@@ -297,8 +296,7 @@ class Block(Layer):
         da, w_proj = self.attn_proj.backward_input(be, _through(be, dx2, resid[0]), s_proj, **acc)
         dqkv = self.attn.backward(be, da, s_attn)
         dh, w_attn = self.c_attn.backward_input(be, dqkv, s_attn_in, **acc)
-        dx = self.ln_1.backward(be, dh, s_ln1, **acc)
-        be.add_(dx, dx2)
+        dx = self.ln_1.backward_residual(be, dh, s_ln1, dx2, **acc)  # + dx2: the first residual's gradient
         return dx, (w_mlp, w_fc, w_proj, w_attn)
 
     def backward_weight(self, be, wsaved, accumulate=False):

@@ -203,3 +203,30 @@ def test_a_gpt_micro_batch_launches_what_the_fusions_leave():
     assert not {"layernorm_backward_rows", "layernorm_params_partials", "column_finish", "bias_grad_partials",
                 "cross_entropy_rows", "cross_entropy_finish"} & set(n)
     assert sum(n.values()) == 72  # 102 before the fusions
+
+
+def test_fused_reductions_at_the_gpu_block_shapes(cpu, rng):
+    """256-thread blocks and 32×8 column-sum blocks, as on a GPU: several blocks finish through the last one."""
+    from hpctrain.backend.cuda import CudaBackend
+
+    gpu = CudaBackend(block=256, max_blocks=3)
+    B, C = 300, 70  # bias_grad: 3 column blocks × 3 row groups
+    assert gpu._k.RX == 32 and -(-C // 32) == 3
+    dout = rand(rng, B, C)
+    dbias, want = gpu.empty((C,)), np.empty(C, np.float32)
+    gpu.bias_grad(gpu.asarray(dout), dbias)
+    cpu.bias_grad(dout, want)
+    np.testing.assert_allclose(gpu.to_host(dbias), want, **AGREE)
+    B = 7  # LayerNorm: 3 blocks of rows
+    dout, x, w = dout[:B].copy(), rand(rng, B, C, scale=2) + 1, rand(rng, C)
+    mean, rstd = np.empty(B, np.float32), np.empty(B, np.float32)
+    cpu.layernorm_forward(x, w, w, 1e-5, np.empty((B, C), np.float32), mean, rstd)
+    dinp, dw, db = gpu.empty((B, C)), gpu.empty((C,)), gpu.empty((C,))
+    gpu.layernorm_backward(gpu.asarray(dout), gpu.asarray(x), gpu.asarray(w), gpu.asarray(mean), gpu.asarray(rstd),
+                           dinp, dw, db)
+    c_dinp, c_dw, c_db = np.empty((B, C), np.float32), np.empty(C, np.float32), np.empty(C, np.float32)
+    cpu.layernorm_backward(dout, x, w, mean, rstd, c_dinp, c_dw, c_db)
+    np.testing.assert_allclose(gpu.to_host(dinp), c_dinp, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(gpu.to_host(dw), c_dw, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(gpu.to_host(db), c_db, rtol=1e-5, atol=2e-6)
+    assert _counters_clear(gpu)

@@ -415,16 +415,18 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         k = self._k
         col_blocks = -(-C // k.RX)
         G = max(1, min(-(-2 * self.wave // col_blocks), -(-B // (k.RY * COLUMN_ROWS))))
-        partial = self._partials(op, G, C)
+        partial = self._partials(op, (col_blocks, G), k.RX)
         self._launch(kernel, (col_blocks, G), (k.RX, k.RY), dout, partial, self._counter_slots(col_blocks),
                      -(-B // G) if B else 1, out, bool(accumulate))
 
     def _partials(self, op, rows, C):
-        """A float64 scratch of ``rows`` partial sums of C columns for a kernel whose last block adds them, each
-        row padded to whole 128-byte cache lines: an SM's L1 is not kept coherent with the others' stores within a
-        launch, so no line may hold partials of two blocks (one block could cache a line another writes later, and
-        then read it stale when it finishes the sum). Allocations start on 512-byte boundaries (memory.py)."""
-        return self._alloc(op, (rows, -(-C // PARTIAL_ALIGN) * PARTIAL_ALIGN), np.float64)
+        """A float64 scratch of partial sums, shaped ``rows`` (an int or a tuple) × C, for a kernel whose last block
+        adds them, each row padded to whole 128-byte cache lines: an SM's L1 is not kept coherent with the others'
+        stores within a launch, so no line may hold two blocks' partials (one block could cache a line another
+        writes later, and then read it stale when it finishes the sum). Allocations start on 512-byte boundaries
+        (memory.py)."""
+        rows = rows if isinstance(rows, tuple) else (rows,)
+        return self._alloc(op, rows + (-(-C // PARTIAL_ALIGN) * PARTIAL_ALIGN,), np.float64)
 
     def _counter_slots(self, n):
         """At least ``n`` int64 counters, all 0 between launches, for the kernels whose last block finishes a

@@ -8,7 +8,7 @@ a buffer and finish a reduction.
     mx, j = r.row_argmax(sh_max, sh_arg, logits, row)  # a row's maximum and first column reaching it
     mx, j = r.argmax_combine(sh_max, sh_arg, best, best_j)  # the block's (maximum, first column) of per-thread ones
     total = r.column_sum(sh, v)   # over threadIdx.y of an r.RX × r.RY block (the column sums' first pass)
-    r.finish_columns(sh, partial, lo, G, out, accumulate)  # the column sums' second pass, by the last block
+    r.finish_columns(sh, partial, G, out, accumulate)  # the column sums' second pass, by the last block
     last = last_to_finish(sh_flag, counters, slot, blocks)  # True in the last of ``blocks`` blocks to get here
     k = kernels(nt)               # fill, sum_partials (one block adds per-block float64 partials)
 
@@ -26,8 +26,9 @@ results are deterministic run to run (llm.c's layernorm_backward does the same).
 
 ``last_to_finish`` counts into ``counters`` (int64, zero between launches: the last block sets its slot back to
 0), which CudaBackend keeps (``_counter_slots``); kernels that use them run one at a time on the backend's stream.
-Their partials' rows are padded to whole cache lines (``CudaBackend._partials``): numba has no volatile loads, and
-an SM's L1 could otherwise hold a line of another block's partials from before that block wrote them.
+Their partials are laid out so that no cache line holds two blocks' (``CudaBackend._partials``, the column sums'
+[column block, row group, RX padded]): numba has no volatile loads, and an SM's L1 could otherwise hold a line of
+another block's partials from before that block wrote them.
 
 Segments are what a warp would reduce with shuffles; they go through shared memory and
 block barriers instead, because numba's CUDA simulator has no warp shuffles. Every thread
@@ -122,18 +123,20 @@ def last_to_finish(sh_flag, counters, slot, blocks):
 
 @functools.lru_cache(maxsize=None)
 def _finish_columns(RX: int, RY: int, column_sum):
-    """The column sums' second pass in the last block of a column block (RX×RY threads): out[col] (+)=
-    Σ_{g < G} partial[lo + g, col] over its RX columns, thread row ty adding g = ty, ty + RY, ... and the RY sums
-    combined by ``column_sum`` (``sh``: a float64 (RY, RX) shared array), rounded to float32 once."""
+    """The column sums' second pass in the last block of column block bx (RX×RY threads): out[col] (+)=
+    Σ_{g < G} partial[bx, g, tx] over its RX columns (col = bx·RX + tx), thread row ty adding g = ty, ty + RY, ...
+    and the RY sums combined by ``column_sum`` (``sh``: a float64 (RY, RX) shared array), rounded to float32 once."""
 
     @cuda.jit(device=True)
-    def finish_columns(sh, partial, lo, G, out, accumulate):
+    def finish_columns(sh, partial, G, out, accumulate):
         C = out.shape[0]
-        col = cuda.blockIdx.x * RX + cuda.threadIdx.x
+        bx = cuda.blockIdx.x
+        tx = cuda.threadIdx.x
+        col = bx * RX + tx
         acc = float64(0.0)
         if col < C:
-            for g in range(lo + cuda.threadIdx.y, lo + G, RY):
-                acc += partial[g, col]
+            for g in range(cuda.threadIdx.y, G, RY):
+                acc += partial[bx, g, tx]
         total = column_sum(sh, acc)
         if cuda.threadIdx.y == 0 and col < C:
             if accumulate:

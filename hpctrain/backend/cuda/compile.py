@@ -49,7 +49,8 @@ def _types():
     from numba import types
 
     f1, f2, f4 = types.float32[::1], types.float32[:, ::1], types.float32[:, :, :, ::1]
-    return SimpleNamespace(F1=f1, F2=f2, F4=f4, D1=types.float64[::1], D2=types.float64[:, ::1], I1=types.int64[::1], I2=types.int64[:, ::1],
+    return SimpleNamespace(F1=f1, F2=f2, F4=f4, D1=types.float64[::1], D2=types.float64[:, ::1],
+                           D3=types.float64[:, :, ::1], I1=types.int64[::1], I2=types.int64[:, ::1],
                            J1=types.int32[::1], i64=types.int64, f32=types.float32, f64=types.float64,
                            b1=types.boolean, U4=types.UniTuple(types.int64, 4), u64=types.uint64)
 
@@ -78,7 +79,7 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "dropout": ((F1, F1, i64, t.u64, t.u64, f32, i64, i64, i64, b1),),
         "sum_squares_partial": ((F1, D1),),
         "sum_partials": ((D1, D1),),
-        "bias_grad": ((F2, D2, I1, i64, F1, b1),),
+        "bias_grad": ((F2, t.D3, I1, i64, F1, b1),),
         "relu_forward": ((F1, F1),), "relu_backward": ((F1, F1, F1),),
         "gelu_forward": ((F1, F1),), "gelu_backward": ((F1, F1, F1),),
         "tanh_forward": ((F1, F1),), "tanh_backward": ((F1, F1, F1),),

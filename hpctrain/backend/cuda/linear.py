@@ -30,8 +30,8 @@ def kernels(nt: int) -> SimpleNamespace:
     @kernel
     def bias_grad(dout, partial, counters, rows_per, dbias, accumulate):
         """dbias[C] (+)= Σ_rows dout[B, C] in float64, in one launch: block (bx, by) adds rows [by·rows_per,
-        +rows_per) of its RX columns into partial[by, col]; the last of column block bx's gridDim.y blocks
-        (counters[bx]) adds them in order of by (blocks.py's finish_columns)."""
+        +rows_per) of its RX columns into partial[bx, by, 0:RX]; the last of column block bx's gridDim.y blocks
+        (counters[bx]) adds them (blocks.py's finish_columns)."""
         sh = cuda.shared.array((RY, RX), float64)
         sh_last = cuda.shared.array(1, int64)
         B, C = dout.shape
@@ -44,9 +44,9 @@ def kernels(nt: int) -> SimpleNamespace:
                 acc += float64(dout[i, col])
         total = column_sum(sh, acc)
         if cuda.threadIdx.y == 0 and col < C:
-            partial[cuda.blockIdx.y, col] = total
+            partial[cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x] = total
         if last_to_finish(sh_last, counters, cuda.blockIdx.x, cuda.gridDim.y):
-            finish_columns(sh, partial, 0, cuda.gridDim.y, dbias, accumulate)
+            finish_columns(sh, partial, cuda.gridDim.y, dbias, accumulate)
 
     return SimpleNamespace(bias_grad=bias_grad)
 

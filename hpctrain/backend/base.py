@@ -145,7 +145,8 @@ class Backend:
     ``copy_``, ``synchronize``. Products: ``matmul_nt`` (X·Wᵀ + b),
     ``matmul_nn`` (dY·W), ``matmul_tn`` (dYᵀ·X), ``bias_grad``. Element-wise:
     ``relu/gelu/tanh_forward/backward``, ``add_`` (residuals), ``dropout`` (a counter-based mask, redrawn in
-    backward: dropout_mask.py). ``layernorm_forward/backward``.
+    backward: dropout_mask.py). ``layernorm_forward/backward``, and ``residual_layernorm_forward/backward`` (the
+    residual add before a LayerNorm fused in).
     Transformer: ``embedding_forward/backward`` (token + position tables, a deterministic
     scatter-add), ``attention_forward/backward`` (causal multi-head attention on a fused
     q/k/v projection, keeping the probabilities att[B, H, T, T]) and ``flash_attention_forward/backward``
@@ -235,6 +236,24 @@ class Backend:
         for name, arr in arrays.items():
             self._arg(op, name, arr, shape=(n,))
 
+    # A residual add fused with the LayerNorm after it (a GPT block's x2 = x2 + x; h2 = ln_2(x2)), forward and
+    # backward side by side. These are the unfused sequence, for a backend without the fused kernels; the CPU and
+    # CUDA backends override them (cpu/fused.py, cuda/norm.py) with the same results.
+    def residual_layernorm_forward(self, x, residual, weight, bias, eps, out, mean, rstd):
+        """x[B,C] += residual[B,C] (in place: x is the residual stream after the add), then out = LayerNorm(x)
+        as ``layernorm_forward`` (mean[B], rstd[B] saved)."""
+        self._residual_layernorm_forward_args(x, residual, weight, bias, out, mean, rstd)
+        self.add_(x, residual)
+        self.layernorm_forward(x, weight, bias, eps, out, mean, rstd)
+
+    def residual_layernorm_backward(self, dout, dresidual, x, weight, mean, rstd, dinp, dweight, dbias,
+                                    accumulate=False):
+        """``layernorm_backward`` of dout, then dinp += dresidual: the gradient of the sum that
+        ``residual_layernorm_forward`` made, from the LayerNorm and from the residual stream after it."""
+        self._residual_layernorm_backward_args(dout, dresidual, x, weight, mean, rstd, dinp, dweight, dbias)
+        self.layernorm_backward(dout, x, weight, mean, rstd, dinp, dweight, dbias, accumulate=accumulate)
+        self.add_(dinp, dresidual)
+
     def decay_table(self, runs) -> DecayRuns:
         """The weight decay of ``runs`` ((lo, hi, decay) from the slice's start) for one ``sgd_update`` or
         ``adam_update`` over the slice."""
@@ -287,8 +306,7 @@ class Backend:
                                f"{rows.stride}")
         return R, W
 
-    def _layernorm_forward_args(self, x, weight, bias, out, mean, rstd):
-        op = "layernorm_forward"
+    def _layernorm_forward_args(self, x, weight, bias, out, mean, rstd, op="layernorm_forward"):
         B, C = self._arg(op, "x", x, ndim=2).shape
         for name, arr in (("weight", weight), ("bias", bias)):
             self._arg(op, name, arr, shape=(C,))
@@ -297,8 +315,7 @@ class Backend:
             self._arg(op, name, arr, shape=(B,))
         return B, C
 
-    def _layernorm_backward_args(self, dout, x, weight, mean, rstd, dinp, dweight, dbias):
-        op = "layernorm_backward"
+    def _layernorm_backward_args(self, dout, x, weight, mean, rstd, dinp, dweight, dbias, op="layernorm_backward"):
         B, C = self._arg(op, "x", x, ndim=2).shape
         for name, arr in (("dout", dout), ("dinp", dinp)):
             self._arg(op, name, arr, shape=(B, C))
@@ -306,6 +323,18 @@ class Backend:
             self._arg(op, name, arr, shape=(C,))
         for name, arr in (("mean", mean), ("rstd", rstd)):
             self._arg(op, name, arr, shape=(B,))
+        return B, C
+
+    def _residual_layernorm_forward_args(self, x, residual, weight, bias, out, mean, rstd):
+        op = "residual_layernorm_forward"
+        B, C = self._layernorm_forward_args(x, weight, bias, out, mean, rstd, op=op)
+        self._arg(op, "residual", residual, shape=(B, C))
+        return B, C
+
+    def _residual_layernorm_backward_args(self, dout, dresidual, x, weight, mean, rstd, dinp, dweight, dbias):
+        op = "residual_layernorm_backward"
+        B, C = self._layernorm_backward_args(dout, x, weight, mean, rstd, dinp, dweight, dbias, op=op)
+        self._arg(op, "dresidual", dresidual, shape=(B, C))
         return B, C
 
     def _cross_entropy_args(self, logits, targets, dlogits):

@@ -100,8 +100,7 @@ class CachedDecoder:
             self.v[i, :, p] = row[2 * C :].reshape(H, hs)
             a = attend_one(row[:C].reshape(H, hs), self.k[i, :, : p + 1], self.v[i, :, : p + 1])
             x2, _ = block.attn_proj.forward(be, be.asarray(a.reshape(1, C)))
-            be.add_(x2, x)  # the first residual
-            h2, _ = block.ln_2.forward(be, x2)
+            h2, _ = block.ln_2.forward_residual(be, x2, x)  # the first residual, fused with ln_2 as in Block
             f, _ = block.c_fc.forward(be, h2)
             g, _ = block.gelu.forward(be, f)
             out, _ = block.mlp_proj.forward(be, g)

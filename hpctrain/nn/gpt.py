@@ -258,8 +258,7 @@ class Block(Layer):
         a, s_attn = self.attn.forward(be, qkv, key)
         x2, s_proj = self.attn_proj.forward(be, a)
         _drop(be, x2, resid[0])
-        be.add_(x2, x)  # the first residual
-        h2, s_ln2 = self.ln_2.forward(be, x2)
+        h2, s_ln2 = self.ln_2.forward_residual(be, x2, x)  # the first residual (x2 += x), fused with ln_2
         f, s_fc = self.c_fc.forward(be, h2)
         g, s_gelu = self.gelu.forward(be, f)
         out, s_mlp = self.mlp_proj.forward(be, g)
@@ -279,13 +278,11 @@ class Block(Layer):
         dg = self.mlp_proj.backward(be, _through(be, dout, resid[1]), s_mlp, **acc)
         df = self.gelu.backward(be, dg, s_gelu)
         dh2 = self.c_fc.backward(be, df, s_fc, **acc)
-        dx2 = self.ln_2.backward(be, dh2, s_ln2, **acc)
-        be.add_(dx2, dout)  # the residual's gradient goes straight through
+        dx2 = self.ln_2.backward_residual(be, dh2, s_ln2, dout, **acc)  # + dout: the residual's gradient
         da = self.attn_proj.backward(be, _through(be, dx2, resid[0]), s_proj, **acc)
         dqkv = self.attn.backward(be, da, s_attn)
         dh = self.c_attn.backward(be, dqkv, s_attn_in, **acc)
-        dx = self.ln_1.backward(be, dh, s_ln1, **acc)
-        be.add_(dx, dx2)
+        dx = self.ln_1.backward_residual(be, dh, s_ln1, dx2, **acc)  # + dx2: the first residual's gradient
         return dx
 
     def backward_input(self, be, dout, saved, accumulate=False, need_dinp=True):
@@ -295,13 +292,11 @@ class Block(Layer):
         dg, w_mlp = self.mlp_proj.backward_input(be, _through(be, dout, resid[1]), s_mlp, **acc)
         df = self.gelu.backward(be, dg, s_gelu)
         dh2, w_fc = self.c_fc.backward_input(be, df, s_fc, **acc)
-        dx2 = self.ln_2.backward(be, dh2, s_ln2, **acc)
-        be.add_(dx2, dout)  # the residual's gradient goes straight through
+        dx2 = self.ln_2.backward_residual(be, dh2, s_ln2, dout, **acc)  # + dout: the residual's gradient
         da, w_proj = self.attn_proj.backward_input(be, _through(be, dx2, resid[0]), s_proj, **acc)
         dqkv = self.attn.backward(be, da, s_attn)
         dh, w_attn = self.c_attn.backward_input(be, dqkv, s_attn_in, **acc)
-        dx = self.ln_1.backward(be, dh, s_ln1, **acc)
-        be.add_(dx, dx2)
+        dx = self.ln_1.backward_residual(be, dh, s_ln1, dx2, **acc)  # + dx2: the first residual's gradient
         return dx, (w_mlp, w_fc, w_proj, w_attn)
 
     def backward_weight(self, be, wsaved, accumulate=False):

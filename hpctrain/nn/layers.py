@@ -172,6 +172,23 @@ class LayerNorm(Layer):
                               accumulate=accumulate)
         return dinp
 
+    def forward_residual(self, be, x, residual):
+        """x += residual (in place: x becomes the residual stream after the add), then ``forward`` of it, fused
+        (the backend's ``residual_layernorm_forward``); saves what ``backward_residual`` needs."""
+        B = x.shape[0]
+        out, mean, rstd = be.empty(x.shape), be.empty((B,)), be.empty((B,))
+        be.residual_layernorm_forward(x, residual, self.w["weight"], self._bias(be)[0], self.eps, out, mean, rstd)
+        return out, (x, mean, rstd)
+
+    def backward_residual(self, be, dout, saved, dresidual, accumulate=False):
+        """The gradient of ``forward_residual``'s sum: ``backward``'s plus dresidual, the residual stream's
+        gradient after the add, which goes straight through (fused: ``residual_layernorm_backward``)."""
+        x, mean, rstd = saved
+        dinp = be.empty(x.shape)
+        be.residual_layernorm_backward(dout, dresidual, x, self.w["weight"], mean, rstd, dinp, self.g["weight"],
+                                       self._bias(be)[1], accumulate=accumulate)
+        return dinp
+
 
 def make_layer(spec) -> Layer:
     """Build a layer from a config ``LayerSpec``: a built-in kind, or one registered with

@@ -82,6 +82,7 @@ __all__ = ["CudaBackend", "simulator", "FAMILIES"]
 FAMILIES = (blocks, linear, activations, norm, loss, embedding, attention, dropout, optim)
 GPU_BLOCK, SIM_BLOCK = 256, 16
 COLUMN_ROWS = 16  # the column sums' row groups leave each thread at least this many rows
+PARTIAL_ALIGN = 16  # float64 values in a 128-byte cache line: the rows of a last-block reduction's partials
 STAGING_PER_SHAPE = 64  # upload's page-locked buffers of one shape (a step uses one per micro-batch)
 SIM_MAX_BLOCKS = 4  # small, so that the simulator exercises the grid-stride loops
 SIM_WAVE = 4  # "SMs" under the simulator: small, so that tiny products take the split-K path there
@@ -160,6 +161,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         self._host_scalars = self.pinned_host((3,), np.float64)
         self._host_reads = {}  # (position, shape, dtype) -> a pinned buffer that read_host copies into
         self._staging = {}  # (shape, dtype) -> [(pinned buffer, the mark after its upload)], for upload
+        self._counters = [self.zeros((64,), np.int64)]  # _counter_slots
         self._bad_token = self.zeros((1,), np.int64)  # embedding_forward: first flat position of a bad id
         self._host_bad_token = self.pinned_host((1,), np.int64)
 
@@ -406,17 +408,33 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
     def _rows_grid(self, rows):
         return max(1, min(rows, self.max_blocks if self.simulator else 65535))
 
-    def _column_sums(self, op, partials, B, C, outputs, inputs, outs, accumulate):
-        """Column sums over B rows in two passes: ``partials`` on a grid of column blocks × G row groups (enough
-        blocks for about two waves, each thread at least COLUMN_ROWS rows) writes float64 sums per row group, then
-        ``column_finish`` adds each output's G partials in order into ``outs`` (float32, += with accumulate)."""
+    def _column_sums(self, op, kernel, B, C, dout, out, accumulate):
+        """out[C] (+)= the column sums of dout[B, C] in one launch of ``kernel`` (linear.py's ``bias_grad``): a grid
+        of column blocks × G row groups (enough blocks for about two waves, each thread at least COLUMN_ROWS rows)
+        writes float64 sums per row group, and the last block of each column block adds its G sums in order."""
         k = self._k
         col_blocks = -(-C // k.RX)
         G = max(1, min(-(-2 * self.wave // col_blocks), -(-B // (k.RY * COLUMN_ROWS))))
-        partial = self._alloc(op, (outputs * G, C), np.float64)
-        self._launch(partials, (col_blocks, G), (k.RX, k.RY), *inputs, partial, -(-B // G) if B else 1)
-        for i, out in enumerate(outs):
-            self._elementwise(k.column_finish, C, partial[i * G:(i + 1) * G], out, bool(accumulate))
+        partial = self._partials(op, (col_blocks, G), k.RX)
+        self._launch(kernel, (col_blocks, G), (k.RX, k.RY), dout, partial, self._counter_slots(col_blocks),
+                     -(-B // G) if B else 1, out, bool(accumulate))
+
+    def _partials(self, op, rows, C):
+        """A float64 scratch of partial sums, shaped ``rows`` (an int or a tuple) × C, for a kernel whose last block
+        adds them, each row padded to whole 128-byte cache lines: an SM's L1 is not kept coherent with the others'
+        stores within a launch, so no line may hold two blocks' partials (one block could cache a line another
+        writes later, and then read it stale when it finishes the sum). Allocations start on 512-byte boundaries
+        (memory.py)."""
+        rows = rows if isinstance(rows, tuple) else (rows,)
+        return self._alloc(op, rows + (-(-C // PARTIAL_ALIGN) * PARTIAL_ALIGN,), np.float64)
+
+    def _counter_slots(self, n):
+        """At least ``n`` int64 counters, all 0 between launches, for the kernels whose last block finishes a
+        reduction (blocks.py's ``last_to_finish``); grown when a launch needs more (the old ones are kept: a
+        kernel queued earlier may still count in them)."""
+        if self._counters[-1].size < n:
+            self._counters.append(self.zeros((max(n, 2 * self._counters[-1].size),), np.int64))
+        return self._counters[-1]
 
     def _sum_reduce(self, op, kernel, n, *args, into=None):
         """Run a kernel that writes per-block float64 partial sums and add them up on the device: the total into

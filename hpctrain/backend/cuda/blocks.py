@@ -6,17 +6,29 @@ a buffer and finish a reduction.
     total = r.block_sum(sh, v)    # sh: a cuda.shared.array(nt, ...) of the caller's, reusable at once after
     total = r.segment_sum(sh, v)  # over the thread's segment of r.W consecutive threads (r.W = min(32, nt))
     mx, j = r.row_argmax(sh_max, sh_arg, logits, row)  # a row's maximum and first column reaching it
+    mx, j = r.argmax_combine(sh_max, sh_arg, best, best_j)  # the block's (maximum, first column) of per-thread ones
     total = r.column_sum(sh, v)   # over threadIdx.y of an r.RX × r.RY block (the column sums' first pass)
-    k = kernels(nt)               # fill, sum_partials (one block adds per-block float64 partials), column_finish
+    r.finish_columns(sh, partial, G, out, accumulate)  # the column sums' second pass, by the last block
+    last = last_to_finish(sh_flag, counters, slot, blocks)  # True in the last of ``blocks`` blocks to get here
+    k = kernels(nt)               # fill, sum_partials (one block adds per-block float64 partials)
 
 Every family module (linear.py, norm.py, loss.py, ...) builds its kernels in a ``kernels(nt)`` of its own,
 cached: shared-array shapes must be compile-time constants, so the kernels are compiled per block size, lazily
 (numba compiles at the first launch).
 
-Column sums (bias and LayerNorm parameter gradients) take two passes: a grid of RX×RY blocks, RX threads on
-neighbouring columns (coalesced reads) and RY threads over the rows of the block's row group, the RY sums combined
-in shared memory into one float64 partial per (row group, column); then ``column_finish``, one thread per column,
-adds its partials in order. No atomics, so results are deterministic run to run.
+Column sums (the bias gradient) take one launch of two passes: a grid of RX×RY blocks, RX threads on neighbouring
+columns (coalesced reads) and RY threads over the rows of the block's row group, the RY sums combined in shared
+memory into one float64 partial per (row group, column); then the last block of each column block to finish
+(``last_to_finish``) adds that column block's partials (``finish_columns``). Which block is last varies from run to
+run, what it adds and in which order does not: the only atomic is the counter that tells a block it is the last, so
+results are deterministic run to run (llm.c's layernorm_backward does the same). LayerNorm's parameter gradients
+(norm.py) and the cross-entropy's totals (loss.py) finish the same way, each in its row kernel's launch.
+
+``last_to_finish`` counts into ``counters`` (int64, zero between launches: the last block sets its slot back to
+0), which CudaBackend keeps (``_counter_slots``); kernels that use them run one at a time on the backend's stream.
+Their partials are laid out so that no cache line holds two blocks' (``CudaBackend._partials``, the column sums'
+[column block, row group, RX padded]): numba has no volatile loads, and an SM's L1 could otherwise hold a line of
+another block's partials from before that block wrote them.
 
 Segments are what a warp would reduce with shuffles; they go through shared memory and
 block barriers instead, because numba's CUDA simulator has no warp shuffles. Every thread
@@ -35,7 +47,7 @@ from numba import cuda, float32, float64, int64
 from ...errors import BackendError
 from . import sim
 
-__all__ = ["block_reducers", "kernel_decorator", "kernels", "reduce_shape"]
+__all__ = ["block_reducers", "kernel_decorator", "kernels", "last_to_finish", "reduce_shape"]
 
 SEGMENT = 32  # threads per segment (one warp), or the whole block if smaller
 
@@ -59,14 +71,15 @@ def reduce_shape(nt: int) -> tuple[int, int]:
 def block_reducers(nt: int) -> SimpleNamespace:
     W = min(SEGMENT, nt)
     RX, RY = reduce_shape(nt)
+    column_sum = _column_sum(RY)
     return SimpleNamespace(block_sum=_tree(nt, False), block_max=_tree(nt, True), segment_sum=_tree(W, False),
-                           segment_max=_tree(W, True), row_argmax=_row_argmax(nt), W=W,
-                           column_sum=_column_sum(RY), RX=RX, RY=RY)
+                           segment_max=_tree(W, True), row_argmax=_row_argmax(nt), argmax_combine=_argmax_combine(nt),
+                           W=W, column_sum=column_sum, finish_columns=_finish_columns(RX, RY, column_sum), RX=RX, RY=RY)
 
 
 @functools.cache
 def kernels(nt: int) -> SimpleNamespace:
-    """fill, sum_partials and column_finish for blocks of ``nt`` threads; compiled lazily, once per process."""
+    """fill and sum_partials for blocks of ``nt`` threads; compiled lazily, once per process."""
     NT, kernel = nt, kernel_decorator(nt)
     red = block_reducers(nt)
     block_sum = red.block_sum
@@ -88,20 +101,49 @@ def kernels(nt: int) -> SimpleNamespace:
         if cuda.threadIdx.x == 0:
             out[0] = total
 
-    @kernel
-    def column_finish(partial, out, accumulate):
-        """Column sums, pass 2: out[C] (+)= Σ_g partial[g, C], added in g order in float64 and rounded once
-        (deterministic: no atomics, the same order every run)."""
-        G, C = partial.shape
-        for col in range(cuda.grid(1), C, cuda.gridsize(1)):
-            total = float64(0.0)
-            for g in range(G):
-                total += partial[g, col]
+    return SimpleNamespace(fill=fill, sum_partials=sum_partials, RX=red.RX, RY=red.RY)
+
+
+@cuda.jit(device=True)
+def last_to_finish(sh_flag, counters, slot, blocks):
+    """True in every thread of the block that is the last of ``blocks`` blocks to call this on counters[slot]
+    (False in the others), once each block's results are written: a fence makes them visible to the last block
+    before it counts. The last block sets the counter back to 0 for the next launch. ``sh_flag``: the caller's
+    shared int64 array of 1. Every thread of the block must call it."""
+    cuda.threadfence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0 and cuda.threadIdx.y == 0:
+        last = cuda.atomic.add(counters, slot, 1) == blocks - 1
+        if last:
+            counters[slot] = 0  # every block has counted: none reads it again in this launch
+        sh_flag[0] = 1 if last else 0
+    cuda.syncthreads()
+    return sh_flag[0] == 1
+
+
+@functools.lru_cache(maxsize=None)
+def _finish_columns(RX: int, RY: int, column_sum):
+    """The column sums' second pass in the last block of column block bx (RX×RY threads): out[col] (+)=
+    Σ_{g < G} partial[bx, g, tx] over its RX columns (col = bx·RX + tx), thread row ty adding g = ty, ty + RY, ...
+    and the RY sums combined by ``column_sum`` (``sh``: a float64 (RY, RX) shared array), rounded to float32 once."""
+
+    @cuda.jit(device=True)
+    def finish_columns(sh, partial, G, out, accumulate):
+        C = out.shape[0]
+        bx = cuda.blockIdx.x
+        tx = cuda.threadIdx.x
+        col = bx * RX + tx
+        acc = float64(0.0)
+        if col < C:
+            for g in range(cuda.threadIdx.y, G, RY):
+                acc += partial[bx, g, tx]
+        total = column_sum(sh, acc)
+        if cuda.threadIdx.y == 0 and col < C:
             if accumulate:
                 total += float64(out[col])
             out[col] = float32(total)
 
-    return SimpleNamespace(fill=fill, sum_partials=sum_partials, column_finish=column_finish, RX=red.RX, RY=red.RY)
+    return finish_columns
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,22 +201,14 @@ _NEG_INF = np.float32(-np.inf)
 
 
 @functools.lru_cache(maxsize=None)
-def _row_argmax(nt: int):
-    """(maximum, first column reaching it) of row ``row`` of a 2-D float32 array, over a block of ``nt`` threads,
-    ties broken as numpy's argmax (the lowest column); the number of columns for an empty row. ``sh_max`` (float32)
-    and ``sh_arg`` (int64) are the caller's shared arrays of ``nt``, reusable at once after."""
+def _argmax_combine(nt: int):
+    """(maximum, first column reaching it) over a block of ``nt`` threads, each holding its own (``best``,
+    ``best_j``: its first column reaching ``best``), ties broken as numpy's argmax (the lowest column). ``sh_max``
+    (float32) and ``sh_arg`` (int64) are the caller's shared arrays of ``nt``, reusable at once after."""
 
     @cuda.jit(device=True)
-    def row_argmax(sh_max, sh_arg, values, row):
+    def argmax_combine(sh_max, sh_arg, best, best_j):
         t = cuda.threadIdx.x
-        C = values.shape[1]
-        best = _NEG_INF
-        best_j = int64(C)
-        for j in range(t, C, nt):
-            v = values[row, j]
-            if v > best:
-                best = v
-                best_j = j
         sh_max[t] = best
         sh_arg[t] = best_j
         cuda.syncthreads()
@@ -191,5 +225,28 @@ def _row_argmax(nt: int):
         arg = sh_arg[0]
         cuda.syncthreads()  # so the caller may reuse the shared arrays at once
         return mx, arg
+
+    return argmax_combine
+
+
+@functools.lru_cache(maxsize=None)
+def _row_argmax(nt: int):
+    """(maximum, first column reaching it) of row ``row`` of a 2-D float32 array, over a block of ``nt`` threads,
+    ties broken as numpy's argmax (the lowest column); the number of columns for an empty row. ``sh_max`` (float32)
+    and ``sh_arg`` (int64) are the caller's shared arrays of ``nt``, reusable at once after."""
+    combine = _argmax_combine(nt)
+
+    @cuda.jit(device=True)
+    def row_argmax(sh_max, sh_arg, values, row):
+        t = cuda.threadIdx.x
+        C = values.shape[1]
+        best = _NEG_INF
+        best_j = int64(C)
+        for j in range(t, C, nt):
+            v = values[row, j]
+            if v > best:
+                best = v
+                best_j = j
+        return combine(sh_max, sh_arg, best, best_j)
 
     return row_argmax

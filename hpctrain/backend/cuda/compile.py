@@ -38,10 +38,10 @@ ARCHS = ((8, 0), (9, 0))  # A100, H100/H200
 FLASH_HS = (64, 128)  # the flash kernels' head sizes checked: the GPT-2 family's, and the largest they take
 
 FLOAT64_KERNELS = frozenset({
-    "sum_squares_partial", "sum_partials", "mse_partial", "cross_entropy_rows", "cross_entropy_finish",
+    "sum_squares_partial", "sum_partials", "mse_partial", "softmax_cross_entropy",
     "ce_shard_sumexp", "ce_shard_grad",  # a float64 row result out, a float64 log Z in (converted once a row)
     "fill",  # fill(float64[::1], float64) clears the device-side scalars
-    "bias_grad_partials", "layernorm_params_partials", "column_finish",  # column sums in float64, as on the CPU
+    "bias_grad", "layernorm_backward",  # column sums in float64, as on the CPU
 })
 
 
@@ -49,7 +49,8 @@ def _types():
     from numba import types
 
     f1, f2, f4 = types.float32[::1], types.float32[:, ::1], types.float32[:, :, :, ::1]
-    return SimpleNamespace(F1=f1, F2=f2, F4=f4, D1=types.float64[::1], D2=types.float64[:, ::1], I1=types.int64[::1], I2=types.int64[:, ::1],
+    return SimpleNamespace(F1=f1, F2=f2, F4=f4, D1=types.float64[::1], D2=types.float64[:, ::1],
+                           D3=types.float64[:, :, ::1], I1=types.int64[::1], I2=types.int64[:, ::1],
                            J1=types.int32[::1], i64=types.int64, f32=types.float32, f64=types.float64,
                            b1=types.boolean, U4=types.UniTuple(types.int64, 4), u64=types.uint64)
 
@@ -78,15 +79,13 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "dropout": ((F1, F1, i64, t.u64, t.u64, f32, i64, i64, i64, b1),),
         "sum_squares_partial": ((F1, D1),),
         "sum_partials": ((D1, D1),),
-        "bias_grad_partials": ((F2, D2, i64),), "column_finish": ((D2, F1, b1),),
+        "bias_grad": ((F2, t.D3, I1, i64, F1, b1),),
         "relu_forward": ((F1, F1),), "relu_backward": ((F1, F1, F1),),
         "gelu_forward": ((F1, F1),), "gelu_backward": ((F1, F1, F1),),
         "tanh_forward": ((F1, F1),), "tanh_backward": ((F1, F1, F1),),
-        "layernorm_forward": ((F2, F1, F1, f32, F2, F1, F1),),
-        "layernorm_backward_rows": ((F2, F2, F1, F1, F1, F2),),
-        "layernorm_params_partials": ((F2, F2, F1, F1, D2, i64),),
-        "cross_entropy_rows": ((F2, I1, F2, f32, D1, J1),),
-        "cross_entropy_finish": ((D1, J1, D1),),
+        "layernorm_forward": ((F2, F2, b1, F1, F1, f32, F2, F1, F1),),
+        "layernorm_backward": ((F2, F2, F1, F1, F1, F2, F2, b1, D2, I1, F1, F1, b1),),
+        "softmax_cross_entropy": ((F2, I1, F2, f32, D1, J1, I1, D1),),
         "ce_shard_stats": ((F2, I1, i64, F1, I1, F1),),
         "ce_shard_sumexp": ((F2, F1, D1),),
         "ce_shard_grad": ((F2, I1, i64, D1, F2, f32),),

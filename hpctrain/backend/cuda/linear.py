@@ -1,8 +1,8 @@
 """The Linear layer's products and bias on the GPU: out = X·Wᵀ (+ bias), dY·W, dYᵀ·X, and the bias gradient.
 
 The products go to the GEMM provider (gemm/: ``_gemm``); the bias is fused into the forward product's store. The
-bias gradient is a column sum in two passes: ``bias_grad_partials`` here, then blocks.py's ``column_finish``
-(``CudaBackend._column_sums``), in float64 as the CPU backend's (cpu/linear.py).
+bias gradient is a column sum in one launch of two passes (``bias_grad``: per row group, then the last block of each
+column block adds the groups; blocks.py), in float64 as the CPU backend's (cpu/linear.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
-from numba import cuda, float64
+from numba import cuda, float64, int64
 
 from . import blocks
 from .gemm import NN, NT, TN
@@ -21,16 +21,19 @@ __all__ = ["kernels", "Linear"]
 
 @functools.cache
 def kernels(nt: int) -> SimpleNamespace:
-    """The bias gradient's first pass for blocks of ``nt`` threads; compiled lazily, once per process."""
+    """The bias gradient for blocks of ``nt`` threads; compiled lazily, once per process."""
     kernel = blocks.kernel_decorator(nt)
     red = blocks.block_reducers(nt)
-    column_sum, RX, RY = red.column_sum, red.RX, red.RY
+    column_sum, finish_columns, RX, RY = red.column_sum, red.finish_columns, red.RX, red.RY
+    last_to_finish = blocks.last_to_finish
 
     @kernel
-    def bias_grad_partials(dout, partial, rows_per):
-        """Column sums, pass 1, for dbias: block (bx, by) adds rows [by·rows_per, +rows_per) of its RX columns of
-        dout[B, C] in float64: partial[by, col]."""
+    def bias_grad(dout, partial, counters, rows_per, dbias, accumulate):
+        """dbias[C] (+)= Σ_rows dout[B, C] in float64, in one launch: block (bx, by) adds rows [by·rows_per,
+        +rows_per) of its RX columns into partial[bx, by, 0:RX]; the last of column block bx's gridDim.y blocks
+        (counters[bx]) adds them (blocks.py's finish_columns)."""
         sh = cuda.shared.array((RY, RX), float64)
+        sh_last = cuda.shared.array(1, int64)
         B, C = dout.shape
         col = cuda.blockIdx.x * RX + cuda.threadIdx.x
         lo = cuda.blockIdx.y * rows_per
@@ -41,9 +44,11 @@ def kernels(nt: int) -> SimpleNamespace:
                 acc += float64(dout[i, col])
         total = column_sum(sh, acc)
         if cuda.threadIdx.y == 0 and col < C:
-            partial[cuda.blockIdx.y, col] = total
+            partial[cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x] = total
+        if last_to_finish(sh_last, counters, cuda.blockIdx.x, cuda.gridDim.y):
+            finish_columns(sh, partial, cuda.gridDim.y, dbias, accumulate)
 
-    return SimpleNamespace(bias_grad_partials=bias_grad_partials)
+    return SimpleNamespace(bias_grad=bias_grad)
 
 
 class Linear:
@@ -65,8 +70,7 @@ class Linear:
         self._gemm(TN, a, b, out, M, N, K, None, EPI_ACCUMULATE if accumulate else EPI_STORE)
 
     def bias_grad(self, dout, dbias, accumulate=False):
-        """dbias[C] (+)= Σ_rows dout[B,C], accumulated in float64 (two passes: ``_column_sums``)."""
+        """dbias[C] (+)= Σ_rows dout[B,C], accumulated in float64 (one launch: ``_column_sums``)."""
         C = self._bias_grad_args(dout, dbias)
         if C:
-            self._column_sums("bias_grad", self._k.bias_grad_partials, dout.shape[0], C, 1, (dout,), (dbias,),
-                              accumulate)
+            self._column_sums("bias_grad", self._k.bias_grad, dout.shape[0], C, dout, dbias, accumulate)

@@ -1,10 +1,11 @@
 """Losses on the GPU: softmax cross-entropy (whole rows, and the vocab-parallel shard's three passes) and MSE,
 each value and gradient in one pass.
 
-Shape letters: B rows, C classes (V: a shard's block of the vocabulary, columns [lo, lo + V)). Cross-entropy is a
-row kernel (one block per row) then one block that adds the rows' losses, correct counts and first bad target
-in float64; MSE writes float64 partial sums per block that ``CudaBackend._sum_reduce`` adds (blocks.py's
-``sum_partials``). The vocab-parallel passes are cpu/loss.py's ``_ce_shard_*``.
+Shape letters: B rows, C classes (V: a shard's block of the vocabulary, columns [lo, lo + V)). Cross-entropy is
+one launch: a row kernel (one block per row; max, argmax and Σ exp in one read of the row, the gradient in a
+second) whose last block to finish adds the rows' losses, correct counts and first bad target in float64
+(blocks.py's ``last_to_finish``); MSE writes float64 partial sums per block that ``CudaBackend._sum_reduce`` adds
+(blocks.py's ``sum_partials``). The vocab-parallel passes are cpu/loss.py's ``_ce_shard_*``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = ["kernels", "Loss"]
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
+_NEG_INF = np.float32(-np.inf)
 
 
 @functools.cache
@@ -33,28 +35,43 @@ def kernels(nt: int) -> SimpleNamespace:
 
 @functools.cache
 def _cross_entropy_kernels(nt: int) -> SimpleNamespace:
-    """Whole-row cross-entropy: the row kernel and the one block that adds the rows."""
+    """Whole-row cross-entropy: loss, correct count and gradient in one launch."""
     NT, kernel = nt, blocks.kernel_decorator(nt)
     red = blocks.block_reducers(nt)
-    block_sum, row_argmax = red.block_sum, red.row_argmax
+    block_sum, argmax_combine = red.block_sum, red.argmax_combine
+    last_to_finish = blocks.last_to_finish
 
     @kernel
-    def cross_entropy_rows(logits, targets, dlogits, grad_scale, row_loss, row_flag):
-        """Per row of logits[B,C]: row_loss = logsumexp − logit[target] (float64),
-        row_flag = 1 if argmax == target else 0, or −1 for a target outside [0, C);
-        dlogits = (softmax − onehot)·grad_scale."""
+    def softmax_cross_entropy(logits, targets, dlogits, grad_scale, row_loss, row_flag, counters, out):
+        """Per row of logits[B,C]: row_loss = logsumexp − logit[target] (float64), row_flag = 1 if argmax ==
+        target else 0, or −1 for a target outside [0, C); dlogits = (softmax − onehot)·grad_scale. The row's
+        max, first argmax and Σ exp come from one read of it (an online softmax: each thread rescales its sum
+        when its max grows), the gradient from a second. The last block to finish writes out = [Σ row_loss,
+        number correct, first row with a bad target (B if none)], added in a fixed order."""
         sh_max = cuda.shared.array(NT, float32)
         sh_arg = cuda.shared.array(NT, int64)
         sh_sum = cuda.shared.array(NT, float32)
+        sh_last = cuda.shared.array(1, int64)
+        sh_loss = cuda.shared.array(NT, float64)
+        sh_correct = cuda.shared.array(NT, float64)
+        sh_bad = cuda.shared.array(NT, int64)
         B, C = logits.shape
         t = cuda.threadIdx.x
         for row in range(cuda.blockIdx.x, B, cuda.gridDim.x):
             target = targets[row]
-            mx, arg = row_argmax(sh_max, sh_arg, logits, row)  # max and first argmax, as numpy's argmax
-            acc = float32(0.0)
+            best = _NEG_INF
+            best_j = int64(C)
+            acc = float32(0.0)  # Σ exp(v − best) over this thread's columns so far
             for j in range(t, C, NT):
-                acc += math.exp(logits[row, j] - mx)
-            logz = math.log(block_sum(sh_sum, acc)) + mx
+                v = logits[row, j]
+                if v > best:
+                    acc = acc * math.exp(best - v) + _ONE
+                    best = v
+                    best_j = j
+                elif best > _NEG_INF or v != v:  # exp(−inf − (−inf)) would be NaN; a NaN logit still shows
+                    acc += math.exp(v - best)
+            mx, arg = argmax_combine(sh_max, sh_arg, best, best_j)  # max and first argmax, as numpy's argmax
+            logz = math.log(block_sum(sh_sum, acc * math.exp(best - mx))) + mx
             bad = target < 0 or target >= C
             if t == 0:
                 if bad:
@@ -69,41 +86,33 @@ def _cross_entropy_kernels(nt: int) -> SimpleNamespace:
                     if j == target:
                         p -= _ONE
                     dlogits[row, j] = p * grad_scale
-
-    @kernel
-    def cross_entropy_finish(row_loss, row_flag, out):
-        """out = [Σ row_loss, number correct, first row with a bad target (B if none)] (one block)."""
-        sh_loss = cuda.shared.array(NT, float64)
-        sh_correct = cuda.shared.array(NT, float64)
-        sh_bad = cuda.shared.array(NT, int64)
-        B = row_loss.size
-        t = cuda.threadIdx.x
-        loss = float64(0.0)
-        correct = float64(0.0)
-        bad = int64(B)
-        for i in range(t, B, NT):
-            loss += row_loss[i]
-            f = row_flag[i]
-            if f == 1:
-                correct += 1.0
-            elif f < 0 and i < bad:
-                bad = i
-        loss = block_sum(sh_loss, loss)
-        correct = block_sum(sh_correct, correct)
-        sh_bad[t] = bad
-        cuda.syncthreads()
-        s = NT // 2
-        while s > 0:
-            if t < s and sh_bad[t + s] < sh_bad[t]:
-                sh_bad[t] = sh_bad[t + s]
+        if last_to_finish(sh_last, counters, 0, cuda.gridDim.x):
+            loss = float64(0.0)
+            correct = float64(0.0)
+            first_bad = int64(B)
+            for i in range(t, B, NT):
+                loss += row_loss[i]
+                f = row_flag[i]
+                if f == 1:
+                    correct += 1.0
+                elif f < 0 and i < first_bad:
+                    first_bad = i
+            loss = block_sum(sh_loss, loss)
+            correct = block_sum(sh_correct, correct)
+            sh_bad[t] = first_bad
             cuda.syncthreads()
-            s //= 2
-        if t == 0:
-            out[0] = loss
-            out[1] = correct
-            out[2] = float64(sh_bad[0])
+            s = NT // 2
+            while s > 0:
+                if t < s and sh_bad[t + s] < sh_bad[t]:
+                    sh_bad[t] = sh_bad[t + s]
+                cuda.syncthreads()
+                s //= 2
+            if t == 0:
+                out[0] = loss
+                out[1] = correct
+                out[2] = float64(sh_bad[0])
 
-    return SimpleNamespace(cross_entropy_rows=cross_entropy_rows, cross_entropy_finish=cross_entropy_finish)
+    return SimpleNamespace(softmax_cross_entropy=softmax_cross_entropy)
 
 
 @functools.cache
@@ -195,11 +204,9 @@ class Loss:
         targets = self._device_ids("cross_entropy", targets, C)
         row_loss = self._alloc("cross_entropy", (B,), np.float64)
         row_flag = self._alloc("cross_entropy", (B,), np.int32)
-        k = self._k
-        self._launch(k.cross_entropy_rows, self._rows_grid(B), self.block,
-                     logits, targets, dlogits, np.float32(grad_scale), row_loss, row_flag)
-        self._launch(k.cross_entropy_finish, 1, self.block, row_loss, row_flag,
-                     self._scalars if into is None else into)
+        self._launch(self._k.softmax_cross_entropy, self._rows_grid(B), self.block, logits, targets, dlogits,
+                      np.float32(grad_scale), row_loss, row_flag, self._counter_slots(1),
+                      self._scalars if into is None else into)
         if into is not None:
             return None
         total, correct, bad = self._read_scalars()

@@ -2,9 +2,11 @@
 
 Shape letters: B rows, C features. The forward and the input gradient are row kernels (one block per row,
 grid-stride over rows; the block's threads stride over the C columns and combine through a shared-memory tree);
-the parameter gradients are column sums in two passes (``layernorm_params_partials`` here, then blocks.py's
-``column_finish``, launched by ``CudaBackend._column_sums``), accumulated in float64 as the CPU backend's are
-(cpu/norm.py).
+the parameter gradients are column sums accumulated in float64 as the CPU backend's are (cpu/norm.py), in the
+input gradient's launch: each block of rows keeps float64 partial sums of its rows, and the last block to finish
+adds them in a fixed order (blocks.py's ``last_to_finish``: deterministic, llm.c's layernorm_backward). The
+residual add before a LayerNorm (``residual_layernorm_forward``) and the residual's gradient after its backward
+(``residual_layernorm_backward``) are fused into the same kernels.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 from types import SimpleNamespace
 
 import numpy as np
-from numba import cuda, float32, float64
+from numba import cuda, float32, float64, int64
 
 from . import blocks
 
@@ -28,11 +30,14 @@ def kernels(nt: int) -> SimpleNamespace:
     """The LayerNorm kernels for blocks of ``nt`` threads; compiled lazily, once per process."""
     NT, kernel = nt, blocks.kernel_decorator(nt)
     red = blocks.block_reducers(nt)
-    block_sum, column_sum, RX, RY = red.block_sum, red.column_sum, red.RX, red.RY
+    block_sum = red.block_sum
+    last_to_finish = blocks.last_to_finish
 
     @kernel
-    def layernorm_forward(x, weight, bias, eps, out, mean, rstd):
-        """out[B,C] = (x − mean)·rstd·weight + bias per row; saves mean[B], rstd[B] (two-pass variance)."""
+    def layernorm_forward(x, residual, add_residual, weight, bias, eps, out, mean, rstd):
+        """out[B,C] = (x − mean)·rstd·weight + bias per row; saves mean[B], rstd[B] (two-pass variance). With
+        ``add_residual``, x += residual[B,C] first (the residual add fused: each thread adds, stores and then
+        reads back only its own elements)."""
         sh = cuda.shared.array(NT, float32)
         B, C = x.shape
         inv_c = _ONE / float32(C)
@@ -40,7 +45,11 @@ def kernels(nt: int) -> SimpleNamespace:
         for row in range(cuda.blockIdx.x, B, cuda.gridDim.x):
             acc = float32(0.0)
             for j in range(t, C, NT):
-                acc += x[row, j]
+                v = x[row, j]
+                if add_residual:
+                    v += residual[row, j]
+                    x[row, j] = v
+                acc += v
             m = block_sum(sh, acc) * inv_c
             acc = float32(0.0)
             for j in range(t, C, NT):
@@ -54,13 +63,23 @@ def kernels(nt: int) -> SimpleNamespace:
                 rstd[row] = r
 
     @kernel
-    def layernorm_backward_rows(dout, x, weight, mean, rstd, dinp):
-        """dinp = rstd·(dn − mean(dn) − n·mean(dn·n)) with n the normalised x and dn = dout·weight."""
+    def layernorm_backward(dout, x, weight, mean, rstd, dinp, dresidual, add_residual, partial, counters, dweight,
+                           dbias, accumulate):
+        """One launch: dinp = rstd·(dn − mean(dn) − n·mean(dn·n)) (+ dresidual with ``add_residual``) with n the
+        normalised x and dn = dout·weight; dweight[C], dbias[C] (+)= Σ_rows dout·n, Σ_rows dout in float64.
+        Block g (of G = gridDim.x) adds its rows' into partial[g, C] and partial[G + g, C] (each thread its own
+        columns: no races), and the last block to finish adds the G partials of each column in order of g."""
         sh = cuda.shared.array(NT, float32)
+        sh_last = cuda.shared.array(1, int64)
         B, C = x.shape
+        G = cuda.gridDim.x
+        g = cuda.blockIdx.x
         inv_c = _ONE / float32(C)
         t = cuda.threadIdx.x
-        for row in range(cuda.blockIdx.x, B, cuda.gridDim.x):
+        for j in range(t, C, NT):
+            partial[g, j] = 0.0
+            partial[G + g, j] = 0.0
+        for row in range(g, B, G):
             m = mean[row]
             r = rstd[row]
             acc_dn = float32(0.0)
@@ -72,53 +91,67 @@ def kernels(nt: int) -> SimpleNamespace:
             mean_dn = block_sum(sh, acc_dn) * inv_c
             mean_dn_n = block_sum(sh, acc_dn_n) * inv_c
             for j in range(t, C, NT):
+                d = dout[row, j]
                 n = (x[row, j] - m) * r
-                dinp[row, j] = r * (dout[row, j] * weight[j] - mean_dn - n * mean_dn_n)
+                v = r * (d * weight[j] - mean_dn - n * mean_dn_n)
+                if add_residual:
+                    v += dresidual[row, j]
+                dinp[row, j] = v
+                partial[g, j] += float64(d * n)
+                partial[G + g, j] += float64(d)
+        if last_to_finish(sh_last, counters, 0, G):
+            for j in range(t, C, NT):
+                total_w = float64(0.0)
+                total_b = float64(0.0)
+                for h in range(G):
+                    total_w += partial[h, j]
+                    total_b += partial[G + h, j]
+                if accumulate:
+                    total_w += float64(dweight[j])
+                    total_b += float64(dbias[j])
+                dweight[j] = float32(total_w)
+                dbias[j] = float32(total_b)
 
-    @kernel
-    def layernorm_params_partials(dout, x, mean, rstd, partial, rows_per):
-        """Column sums, pass 1, for LayerNorm's dweight and dbias: block (bx, by) adds rows [by·rows_per,
-        +rows_per) in float64: partial[by, col] = Σ dout·n, partial[G + by, col] = Σ dout (G = gridDim.y)."""
-        sh_w = cuda.shared.array((RY, RX), float64)
-        sh_b = cuda.shared.array((RY, RX), float64)
-        B, C = x.shape
-        col = cuda.blockIdx.x * RX + cuda.threadIdx.x
-        lo = cuda.blockIdx.y * rows_per
-        hi = min(B, lo + rows_per)
-        acc_w = float64(0.0)
-        acc_b = float64(0.0)
-        if col < C:
-            for i in range(lo + cuda.threadIdx.y, hi, RY):
-                d = dout[i, col]
-                acc_w += float64(d * (x[i, col] - mean[i]) * rstd[i])
-                acc_b += float64(d)
-        total_w = column_sum(sh_w, acc_w)
-        total_b = column_sum(sh_b, acc_b)
-        if cuda.threadIdx.y == 0 and col < C:
-            partial[cuda.blockIdx.y, col] = total_w
-            partial[cuda.gridDim.y + cuda.blockIdx.y, col] = total_b
-
-    return SimpleNamespace(layernorm_forward=layernorm_forward, layernorm_backward_rows=layernorm_backward_rows,
-                           layernorm_params_partials=layernorm_params_partials)
+    return SimpleNamespace(layernorm_forward=layernorm_forward, layernorm_backward=layernorm_backward)
 
 
 class Norm:
-    """CudaBackend's LayerNorm (a mixin)."""
+    """CudaBackend's LayerNorm (a mixin), and LayerNorm with the residual add before it fused in."""
 
     def layernorm_forward(self, x, weight, bias, eps, out, mean, rstd):
         """out[B,C] = (x − mean)·rstd·weight + bias; saves mean[B] and rstd[B] for the backward pass."""
         B, C = self._layernorm_forward_args(x, weight, bias, out, mean, rstd)
         if B and C:
             self._launch(self._k.layernorm_forward, self._rows_grid(B), self.block,
-                         x, weight, bias, np.float32(eps), out, mean, rstd)
+                         x, x, False, weight, bias, np.float32(eps), out, mean, rstd)
 
     def layernorm_backward(self, dout, x, weight, mean, rstd, dinp, dweight, dbias, accumulate=False):
-        """dinp[B,C]; dweight[C], dbias[C] (+)= their sums over the rows."""
-        B, C = self._layernorm_backward_args(dout, x, weight, mean, rstd, dinp, dweight, dbias)
+        """dinp[B,C]; dweight[C], dbias[C] (+)= their sums over the rows, in one launch."""
+        self._layernorm_backward_args(dout, x, weight, mean, rstd, dinp, dweight, dbias)
+        self._layernorm_backward(dout, x, weight, mean, rstd, dinp, None, dweight, dbias, accumulate)
+
+    def residual_layernorm_forward(self, x, residual, weight, bias, eps, out, mean, rstd):
+        """x[B,C] += residual, then ``layernorm_forward`` of it, in one launch."""
+        B, C = self._residual_layernorm_forward_args(x, residual, weight, bias, out, mean, rstd)
+        if B and C:
+            self._launch(self._k.layernorm_forward, self._rows_grid(B), self.block,
+                         x, residual, True, weight, bias, np.float32(eps), out, mean, rstd)
+
+    def residual_layernorm_backward(self, dout, dresidual, x, weight, mean, rstd, dinp, dweight, dbias,
+                                    accumulate=False):
+        """``layernorm_backward`` with dinp += dresidual (the gradient that the residual add passes through), in
+        one launch."""
+        self._residual_layernorm_backward_args(dout, dresidual, x, weight, mean, rstd, dinp, dweight, dbias)
+        self._layernorm_backward(dout, x, weight, mean, rstd, dinp, dresidual, dweight, dbias, accumulate)
+
+    def _layernorm_backward(self, dout, x, weight, mean, rstd, dinp, dresidual, dweight, dbias, accumulate):
+        """The one launch of both backward methods: G = min(B, a wave) blocks of rows, at least one (it writes the
+        parameter gradients when B = 0), each with float64 partials of both sums over its rows."""
+        B, C = x.shape
         if not C:
             return
-        k = self._k
-        if B:
-            self._launch(k.layernorm_backward_rows, self._rows_grid(B), self.block, dout, x, weight, mean, rstd, dinp)
-        self._column_sums("layernorm_backward", k.layernorm_params_partials, B, C, 2, (dout, x, mean, rstd),
-                          (dweight, dbias), accumulate)
+        G = max(1, min(B, self.wave if not self.simulator else self.max_blocks))
+        partial = self._partials("layernorm_backward", 2 * G, C)
+        self._launch(self._k.layernorm_backward, G, self.block, dout, x, weight, mean, rstd, dinp,
+                     dinp if dresidual is None else dresidual, dresidual is not None, partial,
+                     self._counter_slots(1), dweight, dbias, bool(accumulate))

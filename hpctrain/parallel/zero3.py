@@ -86,14 +86,17 @@ def tied_ranges(part) -> list[tuple[int, int]]:
 
 def param_pieces(part, shard) -> list:
     """The checkpoint pieces (checkpoint/pieces.py) of this rank's parameter chunks, at their places in the flat
-    buffer: what a zero 3 rank writes of the parameters (every rank its own, as its optimizer slots)."""
+    buffer: what a zero 3 rank writes of the parameters (every rank its own, as its optimizer slots; a tensor
+    every tensor-parallel rank holds whole, tensor-parallel rank 0's alone)."""
     import dataclasses
 
     from ..checkpoint.pieces import held
 
+    tp_rank = part.tp.rank if part.tp is not None else 0
     out = []
     for a, b in shard.pieces:
-        out += [dataclasses.replace(p, at=p.at + a) for p in held(part, [(a, b)])[1]]
+        out += [dataclasses.replace(p, at=p.at + a) for p in held(part, [(a, b)])[1]
+                if p.kind is not None or tp_rank == 0]
     return out
 
 

@@ -215,6 +215,28 @@ def test_zero_3_checkpoints_resume_across_zero_0_2_3(comm, tokens, shared_dir):
     assert same_bits(as_three, as_two)
 
 
+@pytest.mark.parametrize("pp, tp", [(2, 1), (1, 2)], ids=["pp-2", "tp-2"])
+def test_a_zero_3_checkpoint_of_a_pipeline_or_tensor_layout_resumes_on_one_process(comm, tokens, shared_dir, pp, tp):
+    """Each stage's (or tp shard's) dp ranks write their own chunks; one process reads them back whole."""
+    if comm.size % 4:
+        pytest.skip("pp 2 x dp 2 and tp 2 x dp 2 need four ranks")
+    ck = f"{shared_dir}/ck-{pp}-{tp}"
+    dp = comm.size // (pp * tp)
+    base = gpt_config(tokens, model=GPT_WIDE, optim=SGD, train={"batch_size": 4 * dp, "micro_batches": 2, "steps": 2},
+                      checkpoint={"dir": ck}, parallel={"zero": 3, "pp": pp, "tp": tp, **GPT_BUCKETS})
+    train_releasing(base, comm)
+    four = dataclasses.replace(base.train, steps=4)
+    one = dataclasses.replace(base.parallel, zero=0, pp=1, tp=1, dp="auto")
+    straight = train(dataclasses.replace(base, train=four, parallel=one,
+                                         checkpoint=dataclasses.replace(base.checkpoint, dir="")), MPI.COMM_SELF)
+    worst = np.zeros(1)
+    if comm.rank == 0:
+        resumed = train(dataclasses.replace(base, train=four, parallel=one), MPI.COMM_SELF)
+        worst[0] = max_error(resumed, straight)
+    comm.Bcast(worst, root=0)
+    assert worst[0] < 1e-5
+
+
 @pytest.mark.parametrize("setting, words", [({"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2},
                                              "interleaved-1f1b")])
 def test_zero_3_refuses_what_it_does_not_support_yet_in_one_line(data, setting, words):

@@ -435,7 +435,7 @@ def _coverage_problem(pieces, spec) -> str:
                                         for r in range(tp)]
     if kind is not None and (kind != "rows" and size % tp or kind == "rows3" and (spec.shape[0] // 3) % tp
                              or kind != "cols" and spec.shape[0] < tp or sum(pers) != size):
-        return not_allowed  # rows may be cut unevenly (parallel/tensor.py: row_block); rows3 and cols may not
+        return not_allowed  # rows may be cut unevenly (shards.py: row_block); rows3 and cols may not
     for r, per in enumerate(pers):
         ranges = sorted((p.lo, p.hi) for p, *_ in pieces if p.tp_rank == r)
         at = 0

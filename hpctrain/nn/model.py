@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import ConfigError, LayoutError
 from ..layer_kinds import BUILTIN, registered
-from ..parallel.tensor import shard
+from ..shards import shard
 from ..params import FlatBuffer, ParamLayout
 from .checked import CheckedLayer
 from .layers import LayerNorm, Linear, make_layer
@@ -304,7 +304,7 @@ class ModelPart:
         self.global_names = {name: name for name in self.layout.names}  # local -> global
         self.global_names.update({replica: owner for owner, replica in self.local_ties})
         self._by_global = set(self.global_names.values())
-        # how each tensor-parallel tensor is cut (parallel/tensor.py: shard); absent: whole, replicated
+        # how each tensor-parallel tensor is cut (shards.py: shard); absent: whole, replicated
         self.shards = {prefix + name: kind for layer, prefix in zip(self.layers, self.prefixes)
                        for name, kind in getattr(layer, "shards", {}).items()}
         # each chunk's slice of the global flat buffer (empty chunks: (0, 0))

@@ -4,6 +4,9 @@
     git show f202781:hpctrain/parallel/schedule.py > /tmp/schedule_before.py
     python bench/bench_schedule_build.py --module /tmp/schedule_before.py    # the schedule code of another revision
 
+``--module`` takes a self-contained schedule.py (revisions before parallel/instructions.py and
+parallel/schedule_check.py were split out); a later revision is timed from its own checkout.
+
 Each shape once: ``make_schedule`` (the instruction lists, sends that would deadlock under rendezvous sends
 fused with a receive) and ``check_schedule`` (the proof the executor relies on), in seconds.
 

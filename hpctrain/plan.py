@@ -147,14 +147,7 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
             part.recompute = t.recompute == "blocks"
             acts = _activation_bytes(part, model, local_rows // t.micro_batches, stats.peak_live[s], device)
             rows = micro_rows(local_rows, t.micro_batches) * model.positions  # one micro-batch a ring slot
-            rings = 0
-            if pp > 1:  # the executor's receive rings (parallel/executor.py), per kind it receives, slots as wide
-                chunks = range(len(part.layer_ranges))  # as the widest chunk's messages
-                if not all(part.chunk_is_first(c) for c in chunks):
-                    rings += (stats.peak_recv_activation[s] + 1) * rows * max(w for w, _ in part.chunk_widths) * 4
-                if not all(part.chunk_is_last(c) for c in chunks):  # received gradients: one (+ 1), or what
-                    grads = stats.peak_recv_grad[s] if stats.peak_recv_grad else 1  # zero-bubble's W passes read
-                    rings += (grads + 1) * rows * max(w for _, w in part.chunk_widths) * 4
+            rings = _ring_bytes(part, stats, s, rows) if pp > 1 else 0
             for d in range(dp):
                 # zero 2 gives gradient memory back, except on a device whose MPI reads device memory itself
                 released = zero >= 2 and not (device and cuda_aware)  # (train/startup.py: _why_full_gradients)
@@ -185,6 +178,19 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
                 out.append(RankMemory(rank=rank, stage=s, dp_rank=d, tp_rank=r, activation_bytes=acts,
                                       buffer_bytes=buffers, runtime_bytes=runtime, **state))
     return sorted(out, key=lambda m: m.rank)
+
+
+def _ring_bytes(part, stats, s: int, rows: int) -> int:
+    """Stage ``s``'s receive rings (parallel/executor.py): per kind it receives, as many slots as the checker's
+    peak, each as wide as the widest chunk's messages of ``rows`` rows."""
+    rings = 0
+    chunks = range(len(part.layer_ranges))
+    if not all(part.chunk_is_first(c) for c in chunks):
+        rings += (stats.peak_recv_activation[s] + 1) * rows * max(w for w, _ in part.chunk_widths) * 4
+    if not all(part.chunk_is_last(c) for c in chunks):  # received gradients: one (+ 1), or what
+        grads = stats.peak_recv_grad[s] if stats.peak_recv_grad else 1  # zero-bubble's W passes read
+        rings += (grads + 1) * rows * max(w for _, w in part.chunk_widths) * 4
+    return rings
 
 
 def _activation_bytes(part, model, mb_samples: int, peak_live: int, device: bool = False) -> int:

@@ -255,7 +255,7 @@ def _subcommands(parser, prefix=()):
 def test_every_subcommands_help_has_examples_that_parse_and_the_path_rule():
     import shlex
 
-    from hpctrain.cli import PATHS, _parser
+    from hpctrain.commands.parser import PATHS, parser as _parser
 
     parser = _parser()
     seen = []

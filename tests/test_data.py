@@ -9,7 +9,8 @@ import pytest
 from helpers import make_classification
 
 from hpctrain.checkpoint import load_weights
-from hpctrain.data import Dataset, Sampler, continue_order
+from hpctrain.data import Dataset
+from hpctrain.sampling import Sampler, continue_order
 from hpctrain.errors import DataError
 from hpctrain.nn import CrossEntropyLoss, MSELoss
 from hpctrain.params import ParamLayout

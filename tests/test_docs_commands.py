@@ -65,7 +65,7 @@ def test_the_docs_hold_commands():
 
 @pytest.mark.parametrize("where, argv", [(f"{p}:{n}", a) for p, n, a in ALL], ids=[f"{p}:{n}" for p, n, _ in ALL])
 def test_each_command_parses_as_written(where, argv):
-    from hpctrain.cli import _parser
+    from hpctrain.commands.parser import parser as _parser
 
     try:
         _parser().parse_args(argv)

@@ -10,7 +10,8 @@ import pytest
 
 from helpers import gpt_config, make_tokens
 from hpctrain.config import load_config
-from hpctrain.data import RandomSampler, TokenDataset, WithValidation, make_sampler, open_dataset
+from hpctrain.data import TokenDataset, WithValidation, open_dataset
+from hpctrain.sampling import RandomSampler, make_sampler
 from hpctrain.errors import ConfigError, DataError
 from hpctrain.train import Trainer
 

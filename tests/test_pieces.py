@@ -1,7 +1,7 @@
 """checkpoint/pieces.py: what a rank holds of each tensor, and moving values between two layouts' holdings.
 
 Each case is checked against numpy: a piece's rectangles against the shard of a full tensor
-(parallel/tensor.py's ``shard``), and every resharding move against slicing the full tensor.
+(hpctrain/shards.py's ``shard``), and every resharding move against slicing the full tensor.
 """
 
 import itertools
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hpctrain.checkpoint.pieces import Piece, held, matches, segments, strided
-from hpctrain.parallel.tensor import shard
+from hpctrain.shards import shard
 
 CASES = [((12, 8), "rows", 2), ((12, 8), "cols", 4), ((24, 4), "rows3", 2), ((36, 5), "rows3", 3), ((10,), "rows", 2),
          ((12, 8), None, 1), ((7,), None, 1), ((6, 6), "cols", 3)]

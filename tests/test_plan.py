@@ -256,7 +256,7 @@ def test_the_plan_is_for_the_backend_and_mpi_the_run_would_take(monkeypatch, bac
                                                                want):
     import hpctrain.backend
     import hpctrain.parallel.mesh
-    from hpctrain.cli import _plan_device
+    from hpctrain.commands.plan import plan_device as _plan_device
 
     monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
     monkeypatch.setattr(hpctrain.backend, "cuda_available", lambda: gpu)

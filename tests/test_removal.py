@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import config, folder_listing, make_classification, run_trainer as run
-from hpctrain.checkpoint import load_checkpoint, sharded
+from hpctrain.checkpoint import load_checkpoint, sets
 
 ADAMW = {"name": "adamw", "lr": 0.01}
 
@@ -93,7 +93,7 @@ def test_remove_set_acts_only_when_name_step_set_id_and_folder_agree(tmp_path, m
             f.write(b"not hdf5")
     before = folder_listing(ck)
     lines = []
-    assert sharded.remove_set(index, lines.append) is False
+    assert sets.remove_set(index, lines.append) is False
     assert len(lines) == 1 and lines[0].startswith(f"checkpoint: left {index} in place, not removed: "), lines
     assert folder_listing(ck) == before
 
@@ -107,6 +107,6 @@ def test_a_folder_of_a_never_committed_save_is_cleared_only_when_it_holds_shards
     killed = ck / "ckpt-00000016.0123456789abcdef.shards"
     killed.mkdir()
     (killed / "rank-00000.h5").write_bytes(b"half")
-    assert sharded.clean_orphans(str(ck)) == [str(killed)]
+    assert sets.clean_orphans(str(ck)) == [str(killed)]
     assert (theirs / "results.csv").read_text() == "someone's"
     _ = np

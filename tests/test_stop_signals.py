@@ -30,6 +30,7 @@ SCRIPT = """
 import os, sys, time
 import hpctrain.checkpoint.sharded as sharded
 import hpctrain.cli as cli
+import hpctrain.commands.jobs as jobs
 import hpctrain.train.stop as stop
 
 marks = sys.argv[2]
@@ -39,7 +40,7 @@ def handle_and_note(self, signum, frame):
     received.append(signum)
     return handle(self, signum, frame)
 stop.StopFlag._handle = handle_and_note
-load_mpi = cli._load_mpi
+load_mpi = jobs.load_mpi
 def load_mpi_and_say():  # MPI is up, nothing of the Trainer yet
     MPI = load_mpi()
     mark = os.path.join(marks, f"pid{MPI.COMM_WORLD.Get_rank()}")
@@ -50,7 +51,7 @@ def load_mpi_and_say():  # MPI is up, nothing of the Trainer yet
     while os.path.exists(os.path.join(marks, "hold")) and not received and time.monotonic() - t0 < 60:
         time.sleep(0.01)  # the start-up signal lands here, however late the test sends it
     return MPI
-cli._load_mpi = load_mpi_and_say
+jobs.load_mpi = load_mpi_and_say
 commit = sharded.write_index
 def slow_commit(*args, **kwargs):
     open(os.path.join(marks, "writing"), "w").close()

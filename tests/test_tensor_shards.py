@@ -1,9 +1,9 @@
-"""Shards of full tensors (parallel/tensor.py): each kind cut as Megatron does, and put back exactly."""
+"""Shards of full tensors (hpctrain/shards.py): each kind cut as Megatron does, and put back exactly."""
 
 import numpy as np
 import pytest
 
-from hpctrain.parallel.tensor import shard, unshard
+from hpctrain.shards import shard, unshard
 
 
 @pytest.mark.parametrize("kind,shape", [("rows", (8, 3)), ("rows", (4,)), ("cols", (3, 8)), ("rows3", (12, 5)),

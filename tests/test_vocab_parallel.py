@@ -14,7 +14,7 @@ from mpi4py import MPI
 from hpctrain.backend.cpu import CpuBackend
 from hpctrain.errors import BackendError
 from hpctrain.nn.loss import CrossEntropyLoss, VocabParallelCrossEntropy
-from hpctrain.parallel.tensor import row_block
+from hpctrain.shards import row_block
 
 be = CpuBackend()
 rng = np.random.default_rng(7)

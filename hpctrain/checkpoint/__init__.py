@@ -18,8 +18,10 @@ complete: it is written to a hidden temp file in the same directory, fsynced,
 renamed into place and the directory fsynced.
 
 The modules: ``format`` (names, digests, attributes on disk), ``state`` (CheckpointState
-and the value checks), ``write``, ``read``, ``describe`` (``hpctrain inspect``) and
-``lock`` (one job per checkpoint folder).
+and the value checks), ``write``, ``read``, ``pieces`` (what each rank holds of each tensor),
+``sharded`` (a rank's shard, the index over the shards), ``sets`` (a set's names on disk; which
+sets may be removed, and orphans), ``describe`` (``hpctrain inspect``) and ``lock`` (one job per
+checkpoint folder).
 """
 
 from __future__ import annotations

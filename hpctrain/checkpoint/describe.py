@@ -55,6 +55,30 @@ def inspect(path: str) -> tuple[str, bool]:
 
 
 def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
+    state = _describe_root(f, path, lines, problems)
+    if state is not None and state.version >= sharded.VERSION:
+        _inspect_set(f, path, state, lines, problems)
+        return
+    try:
+        params, optim = get_member(f, "params", path), get_member(f, "optim", path)
+    except CheckpointError as e:
+        problems.append(str(e))
+        return
+    if not isinstance(params, h5py.Group):
+        problems.append("no /params group")
+        return
+    size = os.path.getsize(path)
+    specs = _usable(params, size, problems)
+    _describe_params(specs, state, lines, problems)
+    groups = [("params", specs)] + _describe_slots(optim, specs, size, state, lines, problems)
+    _verify_groups(groups, state, lines, problems)
+    if state is not None:
+        lines.append("config:")
+        lines += [f"  {shown(line)}" for line in state.config_text.splitlines()]
+
+
+def _describe_root(f: h5py.File, path: str, lines: list, problems: list):
+    """The root attributes' lines; the checkpoint's state when they verify, else None (a weights-only file too)."""
     state = None
     if "format" not in f.attrs:
         lines.append("  kind: weights-only file (/params, no format attribute)")
@@ -81,19 +105,11 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
         if "layer_plugins" in f.attrs:  # recorded, never imported: the user loads them with --plugin
             lines.append(f"  layer plugins: {shown(fmt.decode_attr(f.attrs['layer_plugins']))} (load them with "
                          "hpctrain --plugin MODULE to sample, evaluate or resume)")
-    if state is not None and state.version >= sharded.VERSION:
-        _inspect_set(f, path, state, lines, problems)
-        return
-    try:
-        params, optim = get_member(f, "params", path), get_member(f, "optim", path)
-    except CheckpointError as e:
-        problems.append(str(e))
-        return
-    if not isinstance(params, h5py.Group):
-        problems.append("no /params group")
-        return
-    size = os.path.getsize(path)
-    specs = _usable(params, size, problems)
+    return state
+
+
+def _describe_params(specs, state, lines: list, problems: list) -> None:
+    """A line per parameter tensor, with its shape and dtype (a checkpoint's must be little-endian float32)."""
     total = sum(math.prod(ds.shape) for _, ds in specs)
     lines.append(f"parameters: {len(specs)} tensors, {total:,} values ({_size(total * 4)} as float32)")
     width = max([len(n) for n, _ in specs] + [4])
@@ -103,8 +119,12 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
             problems.append(f"{ds.name} has dtype {ds.dtype}, expected little-endian float32")
         elif ds.dtype.kind != "f":
             problems.append(f"{ds.name} has dtype {ds.dtype}, expected a float type")
+
+
+def _describe_slots(optim, specs, size: int, state, lines: list, problems: list) -> list:
+    """A line per optimizer slot (its tensors must match the parameters'); returns [(slot, its usable datasets)]."""
     layout = ParamLayout([(n, ds.shape) for n, ds in specs])
-    groups = [("params", specs)]
+    groups = []
     if optim is not None and not isinstance(optim, h5py.Group):
         problems.append("/optim is not a group")
     if state is not None:
@@ -126,6 +146,11 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
             groups.append((slot, _usable(group, size, problems)))
     elif state is not None:
         lines.append("optimizer slots: none")
+    return groups
+
+
+def _verify_groups(groups, state, lines: list, problems: list) -> None:
+    """Every dataset's checksum verified, one read each, and the count of those that verify."""
     items, kinds = [], {}
     for label, members in groups:
         for _, ds in members:
@@ -144,9 +169,6 @@ def _inspect_file(f: h5py.File, path: str, lines: list, problems: list) -> None:
     summary = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
     lines.append(f"checksums: {len(items) - bad} of {len(items)} datasets verify ({summary})"
                  + (" -- datasets without a checksum are only read, not verified" if "none" in kinds else ""))
-    if state is not None:
-        lines.append("config:")
-        lines += [f"  {shown(line)}" for line in state.config_text.splitlines()]
 
 
 def _inspect_set(f: h5py.File, path: str, state, lines: list, problems: list) -> None:

@@ -1,7 +1,7 @@
 """What each rank holds of the model's full tensors, and how to move values between two ranks' holdings.
 
 A **piece** is a flat range ``[lo, hi)`` of one tensor as a rank holds it: the whole tensor, or
-its tensor-parallel shard (``kind``, ``tp_rank`` of ``tp``; parallel/tensor.py), and ``at`` is
+its tensor-parallel shard (``kind``, ``tp_rank`` of ``tp``; hpctrain/shards.py), and ``at`` is
 where the range starts in the rank's flat buffer. ``held`` lists a rank's pieces from its model
 part and its optimizer's ranges (ZeRO's chunks, parallel/zero.py), so a checkpoint writer, a
 resharding reader and the memory planner read one description of what a rank holds:
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..parallel.tensor import row_block
+from ..shards import row_block
 
 __all__ = ["Piece", "held", "written", "whole", "segments", "matches", "strided", "local_matrix"]
 

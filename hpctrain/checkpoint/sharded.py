@@ -9,7 +9,7 @@ On disk, for step 1500 (docs/checkpoint-format.md, "Sharded checkpoints"):
 The shards are written first, each by its rank (``write_shard``), into a folder no index names
 yet; world rank 0 then writes the index under a temp name and renames it into place
 (``write_index``): that rename commits the set. A set folder that no index names is a save that
-never finished, and the next save removes it (``clean_orphans``). A shard is two datasets,
+never finished, and the next save removes it (checkpoint/sets.py). A shard is two datasets,
 ``/values`` (its pieces one after another) and ``/sha256_blocks`` (the SHA-256 of each 1 MiB block
 of each piece), so a rank that reads part of a piece verifies just the blocks it reads. The set id
 in every shard and in the index ties them together.
@@ -26,10 +26,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
-import secrets
-import shutil
-import stat
 from concurrent.futures import ThreadPoolExecutor
 
 import h5py
@@ -39,29 +35,15 @@ from . import format as fmt
 from .._files import H5_ERRORS, h5_output, regular_file, replace_file, shown, storage_problem
 from ..errors import CheckpointError
 from .pieces import Piece, local_matrix, matches, segments, strided
+from .sets import SET_ID_RE, SET_RE, SHARD_RE, set_dir_name
 
-__all__ = ["SHARD_FORMAT", "BLOCK", "new_set_id", "set_dir_name", "shard_name", "write_shard", "write_index",
-           "open_set", "read_pieces", "close_all", "shard_entries", "set_dir_of", "owned_set", "owned_set_dir", "remove_set", "clean_orphans", "SetIndex"]
+__all__ = ["SHARD_FORMAT", "BLOCK", "write_shard", "write_index", "open_set", "read_pieces", "close_all",
+           "shard_entries", "SetIndex"]
 
 SHARD_FORMAT = "hpctrain-checkpoint-shard"
 VERSION = 3
 BLOCK = 1 << 18  # float32 values per digest block: 1 MiB
 INDEX_LIBVER = ("v110", "v110")  # virtual datasets need the HDF5 1.10 file format
-_SET_RE = re.compile(r"^ckpt-(\d{8,})\.([0-9a-f]{16})\.shards$")
-_SHARD_RE = re.compile(r"^rank-(\d{5,})\.h5$")
-_SET_ID_RE = re.compile(r"^[0-9a-f]{16}$")
-
-
-def new_set_id() -> str:
-    return secrets.token_hex(8)
-
-
-def set_dir_name(step: int, set_id: str) -> str:
-    return f"{fmt.checkpoint_name(step)[:-3]}.{set_id}.shards"
-
-
-def shard_name(rank: int) -> str:
-    return f"rank-{rank:05d}.h5"
 
 
 # --------------------------------------------------------------------------- writing
@@ -339,7 +321,7 @@ def open_set(path: str, f: h5py.File, state, layout) -> SetIndex:
     ``layout``: the shards lie in the set's folder beside the index, and the pieces of every tensor and label
     cover it exactly once. Shard files themselves are checked when read."""
     set_id = fmt.str_attr(f.attrs, "set_id", path)
-    if not _SET_ID_RE.match(set_id):
+    if not SET_ID_RE.match(set_id):
         raise CheckpointError(f"checkpoint {path}: set_id {shown(set_id)!r} is not 16 hex digits")
     ds = f.get("manifest")
     if not isinstance(ds, h5py.Dataset) or ds.dtype != np.uint8 or ds.ndim != 1 or storage_problem(ds, os.path.getsize(path)):
@@ -384,10 +366,10 @@ def _manifest_problem(m, folder, shards, labels, entries, block, set_id, state) 
         return "the manifest names another set than the index's set_id"
     if block != BLOCK:
         return f"digest blocks of {block!r} values; this hpctrain reads {BLOCK}"
-    if not isinstance(folder, str) or not _SET_RE.match(folder) or folder != set_dir_name(state.step, set_id):
+    if not isinstance(folder, str) or not SET_RE.match(folder) or folder != set_dir_name(state.step, set_id):
         return (f"the shards' folder {shown(repr(folder))} is not {set_dir_name(state.step, set_id)!r} beside the "
                 "index (a manifest may not point outside the checkpoint's folder)")
-    if not isinstance(shards, list) or not all(isinstance(s, str) and _SHARD_RE.match(s) for s in shards):
+    if not isinstance(shards, list) or not all(isinstance(s, str) and SHARD_RE.match(s) for s in shards):
         return "the manifest's shard names are not rank-<n>.h5 (a manifest may not point outside the set's folder)"
     required, optional = fmt.OPTIMIZERS[state.optim_name]
     if not isinstance(labels, list) or labels[:1] != ["params"] or not set(required) <= set(labels[1:]) \
@@ -411,7 +393,7 @@ def _count_problem(f, path, shards, state) -> str:
     count = fmt.int_attr(f.attrs, "shards", path)
     if count != len(shards):
         return f"its shards attribute says {count} shard(s), its manifest lists {len(shards)}"
-    ranks = [int(_SHARD_RE.match(s).group(1)) for s in shards]
+    ranks = [int(SHARD_RE.match(s).group(1)) for s in shards]
     world = int(state.layout["world_size"])
     if len(set(ranks)) != len(ranks) or max(ranks, default=0) >= world:
         return (f"its manifest lists shards {shown(repr(shards))[:120]}, which are not distinct ranks of its "
@@ -435,7 +417,7 @@ def _coverage_problem(pieces, spec) -> str:
                                         for r in range(tp)]
     if kind is not None and (kind != "rows" and size % tp or kind == "rows3" and (spec.shape[0] // 3) % tp
                              or kind != "cols" and spec.shape[0] < tp or sum(pers) != size):
-        return not_allowed  # rows may be cut unevenly (parallel/tensor.py: row_block); rows3 and cols may not
+        return not_allowed  # rows may be cut unevenly (shards.py: row_block); rows3 and cols may not
     for r, per in enumerate(pers):
         ranges = sorted((p.lo, p.hi) for p, *_ in pieces if p.tp_rank == r)
         at = 0
@@ -566,131 +548,3 @@ def _read_stored(index, label, out, opened, pool, shard, at, s, block, moves) ->
 
 def _digest(buf: np.ndarray, at: int, n: int) -> bytes:
     return hashlib.sha256(memoryview(buf[at : at + n].view(np.uint8))).digest()
-
-
-# --------------------------------------------------------------------------- sets in a folder
-
-
-def set_dir_of(index_path: str) -> str | None:
-    """The shards' folder the index names (from its ``set_id`` attribute), or None for a single-file checkpoint
-    or an index that cannot be read."""
-    try:
-        with h5py.File(index_path, "r", locking=False) as f:
-            set_id = fmt.decode_attr(f.attrs.get("set_id"))
-            step = fmt.decode_attr(f.attrs.get("step"))
-    except (OSError, *H5_ERRORS):
-        return None
-    if not isinstance(set_id, str) or not _SET_ID_RE.match(set_id) or not isinstance(step, int) or step < 0:
-        return None
-    return os.path.join(os.path.dirname(index_path), set_dir_name(step, set_id))
-
-
-def owned_set(index_path: str) -> tuple[str | None, str]:
-    """``(shards' folder or None, "")`` when the checkpoint at ``index_path`` is one hpctrain may remove: its
-    name is ``ckpt-<step>.h5``, its ``step`` attribute that step and, for a sharded set, its ``set_id`` and its
-    manifest's folder name ``ckpt-<step>.<set id>.shards`` beside it, a real folder holding only shard files
-    (None: a single file, nothing else to remove). Else ``(None, why not)``: a copy of another step's index
-    saved under this name would otherwise have its removal take that step's shards."""
-    name = os.path.basename(index_path)
-    m = re.match(r"^ckpt-(\d{8,})\.h5$", name)
-    if not m:
-        return None, "its name is not ckpt-<step>.h5"
-    try:
-        st = os.lstat(index_path)
-    except OSError as e:
-        return None, f"it cannot be read ({e.strerror or e})"
-    if not stat.S_ISREG(st.st_mode):  # never opened: a FIFO would block
-        return None, "it is not a regular file"
-    try:
-        with h5py.File(index_path, "r", locking=False) as f:
-            set_id = fmt.decode_attr(f.attrs.get("set_id"))
-            step = fmt.decode_attr(f.attrs.get("step"))
-            ds = f.get("manifest") if set_id is not None else None
-            raw = ds[()] if isinstance(ds, h5py.Dataset) and ds.dtype == np.uint8 and ds.ndim == 1 else None
-    except (OSError, *H5_ERRORS) as e:
-        return None, f"it cannot be read ({' '.join(shown(e).split())})"
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step != int(m.group(1)):
-        return None, (f"its step attribute is {shown(repr(step))[:40]}, not the {int(m.group(1))} of its name "
-                      "(a copy or a renamed file)")
-    if set_id is None:
-        return None, ""  # a single-file checkpoint: the file is all there is
-    if not isinstance(set_id, str) or not _SET_ID_RE.match(set_id):
-        return None, f"its set_id {shown(repr(set_id))[:40]} is not 16 hex digits"
-    folder = set_dir_name(int(step), set_id)
-    try:
-        manifest_folder = json.loads(raw.tobytes().decode("utf-8"))["folder"] if raw is not None else None
-    except (ValueError, KeyError, TypeError):
-        manifest_folder = None
-    if manifest_folder != folder:
-        return None, f"its manifest does not name the shards' folder {folder} (damaged, or another set's)"
-    path = os.path.join(os.path.dirname(index_path), folder)
-    if os.path.islink(path):
-        return None, f"its shards' folder {folder} is a symbolic link"
-    if not os.path.lexists(path):
-        return None, f"its shards' folder {folder} does not exist"
-    if not os.path.isdir(path):
-        return None, f"its shards' folder {folder} is not a folder"
-    foreign = _foreign(path)
-    if foreign:
-        return None, f"its shards' folder {folder} holds {shown(foreign)}, which is no shard of a set"
-    return path, ""
-
-
-def _foreign(folder: str) -> str:
-    """The first entry of a set's folder that is not a shard file hpctrain writes (``rank-<n>.h5``), or ''."""
-    try:
-        with os.scandir(folder) as entries:
-            for e in entries:
-                if not _SHARD_RE.match(e.name) or not e.is_file(follow_symlinks=False):
-                    return e.name
-    except OSError as e:
-        return f"an unreadable listing ({e.strerror or e})"
-    return ""
-
-
-def owned_set_dir(index_path: str) -> str | None:
-    """The shards' folder of the set at ``index_path`` when ``owned_set`` finds it ours, else None."""
-    return owned_set(index_path)[0] if os.path.lexists(index_path) else None
-
-
-def _say(line: str) -> None:
-    print(line, flush=True)
-
-
-def remove_set(index_path: str, log=None) -> bool:
-    """Remove a checkpoint: its index first (the set is gone at once), then its shards' folder if any; only when
-    ``owned_set`` finds name, step, set id and folder in agreement. Else both stay, with one ``log`` line; False."""
-    folder, problem = owned_set(index_path)
-    if problem:
-        (log or _say)(f"checkpoint: left {index_path} in place, not removed: {problem}; hpctrain removes only "
-                      "checkpoints whose name, step, set id and shards' folder agree")
-        return False
-    try:
-        os.unlink(index_path)
-    except FileNotFoundError:
-        pass
-    if folder:
-        shutil.rmtree(folder, ignore_errors=True)
-    return True
-
-
-def clean_orphans(directory: str, keep: str = "") -> list[str]:
-    """Remove set folders that no file of their step names (``ckpt-<step>.h5``, or one set aside as
-    ``.skipped``): saves that never committed. ``keep``: the folder of a save in progress."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    removed = []
-    for name in names:
-        m = _SET_RE.match(name)
-        if not m or name == keep:
-            continue
-        index = fmt.checkpoint_name(int(m.group(1)))
-        if any(n == index or n.startswith(index + ".skipped") for n in names):
-            continue
-        path = os.path.join(directory, name)
-        if os.path.isdir(path) and not os.path.islink(path) and not _foreign(path):  # only shards: ours
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed

@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 
 from . import format as fmt
-from . import sharded
+from . import sets
 from .._files import h5_output, replace_file
 from ..errors import CheckpointError
 from ..layer_kinds import plugin_modules
@@ -70,7 +70,7 @@ def _write_file(final: str, state: CheckpointState, arrays) -> None:
                 optim.create_group(slot, track_order=True)
             fmt.write_datasets(f, arrays)
         fmt.fsync_file(tmp)
-        replaced = sharded.owned_set_dir(final)
+        replaced = sets.owned_set_dir(final)
         replace_file(tmp, final, f"cannot write checkpoint {final}", CheckpointError)
         if replaced:  # a sharded set of the same step, now named by no index
             shutil.rmtree(replaced, ignore_errors=True)
@@ -166,19 +166,19 @@ def write_root_attrs(f: h5py.File, state: CheckpointState, version: int = fmt.SI
 
 def retain(directory: str, keep: int, newest: str, log=None) -> None:
     """Delete the oldest checkpoints below ``newest``'s step until ``keep`` remain, whole sets; never a newer one,
-    and never one whose name, step, set id and shards' folder disagree (``sharded.remove_set``: one ``log`` line)."""
+    and never one whose name, step, set id and shards' folder disagree (``sets.remove_set``: one ``log`` line)."""
     found = fmt.list_checkpoints(directory)
     step = next((s for s, p in found if os.path.abspath(p) == os.path.abspath(newest)), None)
     older = []
     for s, p in found:
         if step is not None and s < step:
-            if sharded.owned_set(p)[1]:
-                sharded.remove_set(p, log)  # refuses, with its one line; it does not count towards keep
+            if sets.owned_set(p)[1]:
+                sets.remove_set(p, log)  # refuses, with its one line; it does not count towards keep
             else:
                 older.append(p)
     doomed = older[: max(0, len(older) - (keep - 1))]
     for path in doomed:
-        sharded.remove_set(path, log)  # the index, then a sharded set's folder
+        sets.remove_set(path, log)  # the index, then a sharded set's folder
     if doomed:
         fmt.fsync_dir(directory)
 

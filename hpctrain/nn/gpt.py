@@ -41,7 +41,8 @@ from ..errors import ConfigError
 from .dropout import SITES_PER_LAYER
 from .layers import GELU, Layer, LayerNorm, Linear
 from .model import ModelSpec
-from ..parallel.tensor import CopyToTensorParallel, ReduceFromTensorParallel, row_block
+from ..parallel.tensor import CopyToTensorParallel, ReduceFromTensorParallel
+from ..shards import row_block
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["GPTSpec", "Embedding", "Block", "Head", "CausalSelfAttention", "VocabParallelEmbedding",
@@ -109,7 +110,7 @@ class Embedding(Layer):
 
 class VocabParallelEmbedding(Embedding):
     """Tensor-parallel rank ``tp.rank``'s block of the token table (Megatron's VocabParallelEmbedding): wte rows
-    [lo, lo + n) of the vocabulary (``parallel/tensor.py: row_block``, uneven when tp does not divide it), wpe
+    [lo, lo + n) of the vocabulary (``shards.py: row_block``, uneven when tp does not divide it), wpe
     whole. Each rank looks up the ids of its block (a zero row for the others), rank 0 adds the positions, and
     one Allreduce sums the rows: every id is one rank's, so the sum is the single-process value bit for bit."""
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import ConfigError, LayoutError
 from ..layer_kinds import BUILTIN, registered
-from ..parallel.tensor import shard
+from ..shards import shard
 from ..params import FlatBuffer, ParamLayout
 from .checked import CheckedLayer
 from .layers import LayerNorm, Linear, make_layer
@@ -304,7 +304,7 @@ class ModelPart:
         self.global_names = {name: name for name in self.layout.names}  # local -> global
         self.global_names.update({replica: owner for owner, replica in self.local_ties})
         self._by_global = set(self.global_names.values())
-        # how each tensor-parallel tensor is cut (parallel/tensor.py: shard); absent: whole, replicated
+        # how each tensor-parallel tensor is cut (shards.py: shard); absent: whole, replicated
         self.shards = {prefix + name: kind for layer, prefix in zip(self.layers, self.prefixes)
                        for name, kind in getattr(layer, "shards", {}).items()}
         # each chunk's slice of the global flat buffer (empty chunks: (0, 0))
@@ -322,27 +322,31 @@ class ModelPart:
         self.gather = None  # zero = 3: gathers each unit's parameters over dp around its use (parallel/zero3.py)
         # the local offset from which each layer's backward leaves every gradient final; None: it writes none
         # of its own (a tie to a tensor another layer of this part owns and writes later)
-        self._first_offset = []
-        for layer, prefix in zip(self.layers, self.prefixes):
-            mine = [prefix + n for n, _ in layer.params] + [self._tie_names.get(prefix + n, prefix + n)
-                                                             for n, _ in layer.ties
-                                                             if self._tie_names.get(prefix + n, prefix + n)
-                                                             in self.replicas]
-            self._first_offset.append(min((self.layout[n].offset for n in mine), default=None))
+        self._first_offset = [self._first_written(layer, prefix) for layer, prefix in zip(self.layers, self.prefixes)]
         # the local [lo, hi) ranges each layer's backward writes gradients into (its own and its ties'), merged:
         # ZeRO-2 gives released memory back to them just before (``on_write``, parallel/grad_pages.py)
-        self._writes = []
-        for layer, prefix in zip(self.layers, self.prefixes):
-            names = [prefix + n for n, _ in layer.params] + [self._tie_names.get(prefix + n, prefix + n)
-                                                             for n, _ in layer.ties]
-            spans = sorted((self.layout[n].offset, self.layout[n].end) for n in names)
-            merged = []
-            for lo, hi in spans:
-                if merged and lo <= merged[-1][1]:
-                    merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-                else:
-                    merged.append((lo, hi))
-            self._writes.append(merged)
+        self._writes = [self._written_ranges(layer, prefix) for layer, prefix in zip(self.layers, self.prefixes)]
+
+    def _first_written(self, layer, prefix: str):
+        """The lowest local offset of the gradients ``layer`` writes as their owner (None: none)."""
+        mine = [prefix + n for n, _ in layer.params] + [self._tie_names.get(prefix + n, prefix + n)
+                                                         for n, _ in layer.ties
+                                                         if self._tie_names.get(prefix + n, prefix + n)
+                                                         in self.replicas]
+        return min((self.layout[n].offset for n in mine), default=None)
+
+    def _written_ranges(self, layer, prefix: str) -> list[tuple[int, int]]:
+        """The local [lo, hi) ranges ``layer``'s backward writes (its tensors' and its ties'), merged."""
+        names = [prefix + n for n, _ in layer.params] + [self._tie_names.get(prefix + n, prefix + n)
+                                                         for n, _ in layer.ties]
+        spans = sorted((self.layout[n].offset, self.layout[n].end) for n in names)
+        merged = []
+        for lo, hi in spans:
+            if merged and lo <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        return merged
 
     @property
     def global_range(self) -> tuple[int, int]:

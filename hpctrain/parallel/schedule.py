@@ -54,11 +54,11 @@ together with the receive that follows it (``Exchange``) lets both messages comp
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from numbers import Integral
-from typing import ClassVar, NamedTuple
 
-from ..errors import LayoutError
+from .instructions import (Backward, BackwardInput, BackwardWeight, Exchange, Forward, Instruction, LoadMicroBatch,
+                           MessageKey, Op, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, Schedule,
+                           ScheduleError, SendActivation, SendGrad, check_count)
+from .schedule_check import Rendezvous, ScheduleStats, check_schedule
 
 __all__ = [
     "SCHEDULES", "Instruction", "LoadMicroBatch", "Forward", "Backward", "SendActivation", "RecvActivation",
@@ -71,237 +71,6 @@ __all__ = [
 SCHEDULES = ("1f1b", "gpipe", "zero-bubble", "zero-bubble-h2")  # training schedules with one model chunk per stage
 SPLIT_BACKWARD = ("zero-bubble", "zero-bubble-h2")  # schedules whose backward is B, then W later
 INTERLEAVED = "interleaved-1f1b"  # v model chunks per stage (parallel.virtual_stages)
-ACTIVATION, GRAD = "activation", "grad"  # message kinds in a MessageKey
-
-
-class ScheduleError(LayoutError):
-    """A pipeline schedule would leave a message unmatched, deadlock, or run an instruction too early."""
-
-
-class MessageKey(NamedTuple):
-    """Names one message; a send and the receive that matches it have equal keys."""
-
-    kind: str  # ACTIVATION or GRAD
-    mb: int
-    from_stage: int
-    to_stage: int
-
-
-class Op(NamedTuple):
-    """One point-to-point operation a stage posts: a send or a receive of message ``key``."""
-
-    is_send: bool
-    key: MessageKey
-
-
-# ---------------------------------------------------------------------------------------------- instructions
-
-
-@dataclass(frozen=True, repr=False)
-class Instruction:
-    """Base of all instructions. ``str`` and ``repr`` read like the constructor call: ``Forward(3)``."""
-
-    def point_to_point(self) -> tuple:
-        """The point-to-point instructions this one posts: itself, both halves of an Exchange, or none."""
-        return ()
-
-    def ops(self, stage: int, num_stages: int | None = None) -> tuple[Op, ...]:
-        """What this instruction posts when run on ``stage`` of ``num_stages`` (empty for compute)."""
-        return ()
-
-    def __str__(self) -> str:
-        return f"{type(self).__name__}()"
-
-    def __repr__(self) -> str:
-        return str(self)
-
-
-@dataclass(frozen=True, repr=False)
-class _MicroBatchInstruction(Instruction):
-    mb: int
-    chunk: int = 0  # interleaved schedules: which of the stage's model chunks (virtual stage chunk·P + stage)
-
-    def __post_init__(self):
-        for name in ("mb", "chunk"):
-            value = getattr(self, name)
-            if type(value) is int and value >= 0:  # the common case, without the ABC check (large schedules)
-                continue
-            if not isinstance(value, Integral) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{type(self).__name__}: {name} must be an integer >= 0, got {value!r}")
-
-    def __str__(self) -> str:
-        return f"{type(self).__name__}({self.mb}{f', chunk={self.chunk}' if self.chunk else ''})"
-
-
-@dataclass(frozen=True, repr=False)
-class LoadMicroBatch(_MicroBatchInstruction):
-    """Read micro-batch ``mb``: inputs on the first stage, targets on the last."""
-
-
-@dataclass(frozen=True, repr=False)
-class Forward(_MicroBatchInstruction):
-    """Forward pass of micro-batch ``mb`` (with the loss and its gradient on the last stage)."""
-
-
-@dataclass(frozen=True, repr=False)
-class Backward(_MicroBatchInstruction):
-    """Backward pass of micro-batch ``mb``; accumulates into the parameter gradients."""
-
-
-@dataclass(frozen=True, repr=False)
-class BackwardInput(_MicroBatchInstruction):
-    """B of micro-batch ``mb``: the input gradient (sent on at once); keeps what its BackwardWeight needs."""
-
-
-@dataclass(frozen=True, repr=False)
-class BackwardWeight(_MicroBatchInstruction):
-    """W of micro-batch ``mb``: the weight gradients its BackwardInput left, accumulated."""
-
-
-@dataclass(frozen=True, repr=False)
-class _PointToPoint(_MicroBatchInstruction):
-    kind: ClassVar[str]
-    is_send: ClassVar[bool]
-    step: ClassVar[int]  # peer stage = stage + step
-
-    def virtual(self, stage: int, num_stages: int | None = None) -> int:
-        """The virtual stage this op runs on: ``chunk · num_stages + stage`` (``stage`` itself for chunk 0)."""
-        if self.chunk == 0:
-            return stage
-        if num_stages is None:
-            raise ValueError(f"{self}: a chunk's virtual stage needs the number of stages")
-        return self.chunk * num_stages + stage
-
-    def peer(self, stage: int, num_stages: int | None = None) -> int:
-        """The virtual stage this op talks to when run on ``stage`` (may not exist: the checker says so); with
-        several chunks per stage, it runs on stage ``peer % num_stages``."""
-        return self.virtual(stage, num_stages) + self.step
-
-    def key(self, stage: int, num_stages: int | None = None) -> MessageKey:
-        """The message this op sends or receives when run on ``stage``, between virtual stages."""
-        here = self.virtual(stage, num_stages)
-        peer = here + self.step
-        if self.is_send:
-            return MessageKey(self.kind, self.mb, here, peer)
-        return MessageKey(self.kind, self.mb, peer, here)
-
-    def op(self, stage: int, num_stages: int | None = None) -> Op:
-        return Op(self.is_send, self.key(stage, num_stages))
-
-    def ops(self, stage: int, num_stages: int | None = None) -> tuple[Op, ...]:
-        return (self.op(stage, num_stages),)
-
-    def partner(self, stage: int = 0, num_stages: int | None = None) -> _PointToPoint:
-        """The instruction the peer must run to match this one: SendGrad(2) -> RecvGrad(2); with chunks, on
-        stage ``peer % num_stages`` in chunk ``peer // num_stages``."""
-        if num_stages is None:
-            return _PARTNERS[type(self)](self.mb, self.chunk)
-        return _PARTNERS[type(self)](self.mb, max(0, self.peer(stage, num_stages)) // num_stages)
-
-    def point_to_point(self) -> tuple:
-        return (self,)
-
-
-@dataclass(frozen=True, repr=False)
-class SendActivation(_PointToPoint):
-    """Send the output of Forward(mb) from stage s to s+1."""
-
-    kind, is_send, step = ACTIVATION, True, +1
-
-
-@dataclass(frozen=True, repr=False)
-class RecvActivation(_PointToPoint):
-    """Receive the input of Forward(mb) from stage s-1."""
-
-    kind, is_send, step = ACTIVATION, False, -1
-
-
-@dataclass(frozen=True, repr=False)
-class SendGrad(_PointToPoint):
-    """Send the input gradient from Backward(mb) of stage s to s-1."""
-
-    kind, is_send, step = GRAD, True, -1
-
-
-@dataclass(frozen=True, repr=False)
-class RecvGrad(_PointToPoint):
-    """Receive the output gradient for Backward(mb) from stage s+1."""
-
-    kind, is_send, step = GRAD, False, +1
-
-
-_PARTNERS = {SendActivation: RecvActivation, RecvActivation: SendActivation, SendGrad: RecvGrad, RecvGrad: SendGrad}
-
-
-@dataclass(frozen=True, repr=False)
-class Exchange(Instruction):
-    """A send and a receive posted together and completed together, so neither waits on the other."""
-
-    send: SendActivation | SendGrad
-    recv: RecvActivation | RecvGrad
-
-    def __post_init__(self):
-        if not isinstance(self.send, (SendActivation, SendGrad)):
-            raise TypeError(f"Exchange: send must be a SendActivation or SendGrad, got {self.send!r}")
-        if not isinstance(self.recv, (RecvActivation, RecvGrad)):
-            raise TypeError(f"Exchange: recv must be a RecvActivation or RecvGrad, got {self.recv!r}")
-
-    def point_to_point(self) -> tuple:
-        return (self.send, self.recv)
-
-    def ops(self, stage: int, num_stages: int | None = None) -> tuple[Op, ...]:
-        return (self.send.op(stage, num_stages), self.recv.op(stage, num_stages))
-
-    def __str__(self) -> str:
-        return f"Exchange({self.send}, {self.recv})"
-
-
-@dataclass(frozen=True, repr=False)
-class ReduceGrads(Instruction):
-    """This stage's data-parallel gradient reduction; collective over its data-parallel group."""
-
-
-@dataclass(frozen=True, repr=False)
-class OptimizerStep(Instruction):
-    """Update this stage's parameters from the reduced gradients."""
-
-
-# ---------------------------------------------------------------------------------------------- schedules
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Instruction lists, one per pipeline stage, for one step of ``micro_batches`` micro-batches."""
-
-    name: str
-    stages: tuple[tuple[Instruction, ...], ...]
-    micro_batches: int
-    virtual_stages: int = 1  # model chunks per stage (interleaved 1F1B): chunk c of stage s is virtual stage c·P + s
-
-    def __post_init__(self):
-        object.__setattr__(self, "stages", tuple(tuple(stage) for stage in self.stages))
-        if not self.stages:
-            raise ValueError(f"schedule {self.name!r}: stages must hold at least one stage")
-        _check_count("micro_batches", self.micro_batches)
-        _check_count("virtual_stages", self.virtual_stages)
-        for s, stage in enumerate(self.stages):
-            for i, ins in enumerate(stage):
-                if not isinstance(ins, Instruction):
-                    raise TypeError(f"schedule {self.name!r}: stage {s}, item #{i} is not an Instruction: {ins!r}")
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.stages)
-
-    @property
-    def has_backward(self) -> bool:
-        """True for a training schedule, False for evaluation (forward only)."""
-        return any(isinstance(ins, (Backward, BackwardInput)) for stage in self.stages for ins in stage)
-
-
-def _check_count(name: str, value) -> None:
-    if not isinstance(value, Integral) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def _load(s: int, p: int, mb: int) -> list:
@@ -327,7 +96,7 @@ def _step_end() -> list:
 
 def data_parallel(micro_batches: int) -> Schedule:
     """One stage: load, forward and backward each micro-batch, then reduce and step (gradient accumulation)."""
-    _check_count("micro_batches", micro_batches)
+    check_count("micro_batches", micro_batches)
     stage = [ins for i in range(micro_batches) for ins in (LoadMicroBatch(i), Forward(i), Backward(i))]
     return Schedule("data-parallel", (tuple(stage + _step_end()),), micro_batches)
 
@@ -338,8 +107,8 @@ def gpipe(num_stages: int, micro_batches: int) -> Schedule:
     Every stage keeps all ``micro_batches`` activations alive at the turn. With one stage
     nothing overlaps, so that buys nothing: GPipe is then data parallel, one micro-batch alive.
     """
-    _check_count("num_stages", num_stages)
-    _check_count("micro_batches", micro_batches)
+    check_count("num_stages", num_stages)
+    check_count("micro_batches", micro_batches)
     p, m = num_stages, micro_batches
     if p == 1:
         return Schedule("gpipe", data_parallel(m).stages, m)
@@ -372,8 +141,8 @@ def _one_f_one_b_stage(s: int, p: int, m: int) -> tuple:
 
 def one_f_one_b(num_stages: int, micro_batches: int) -> Schedule:
     """One forward, one backward: stage s keeps at most min(P - s, m) micro-batches alive."""
-    _check_count("num_stages", num_stages)
-    _check_count("micro_batches", micro_batches)
+    check_count("num_stages", num_stages)
+    check_count("micro_batches", micro_batches)
     stages = tuple(_one_f_one_b_stage(s, num_stages, micro_batches) for s in range(num_stages))
     return Schedule("1f1b", stages, micro_batches)
 
@@ -390,8 +159,8 @@ def zero_bubble(num_stages: int, micro_batches: int) -> Schedule:
     that would deadlock under rendezvous sends is posted together with its stage's next receive (``Exchange``).
     With one stage the split buys nothing: it is data parallel.
     """
-    _check_count("num_stages", num_stages)
-    _check_count("micro_batches", micro_batches)
+    check_count("num_stages", num_stages)
+    check_count("micro_batches", micro_batches)
     p, m = num_stages, micro_batches
     if p == 1:
         return Schedule("zero-bubble", data_parallel(m).stages, m)
@@ -407,8 +176,8 @@ def zero_bubble_h2(num_stages: int, micro_batches: int) -> Schedule:
     P + 1, P + 2 whose schedule is shortest on paper (ZB-H1's own limits when none is shorter): 3m + P − 1 for
     every m from P to 3P at P ≤ 7, within P/3 units of it at P = 8 to 16 (P = 8, m = 16: 55 units against ZB-H1's
     61 and 1F1B's 69), for at most P + 2 micro-batches of activations on a stage (1F1B: P − s)."""
-    _check_count("num_stages", num_stages)
-    _check_count("micro_batches", micro_batches)
+    check_count("num_stages", num_stages)
+    check_count("micro_batches", micro_batches)
     p, m = num_stages, micro_batches
     if p == 1:
         return Schedule("zero-bubble-h2", data_parallel(m).stages, m)
@@ -442,7 +211,7 @@ def _without_deadlocks(name: str, stages: list, m: int, v: int = 1, *, training:
     chunks: 0.2 s, where re-running from the start took 82 s; bench/bench_schedule_build.py)."""
     p = len(stages)
     stages = [list(st) for st in stages]
-    run = _Rendezvous([[ins.ops(s, p) for ins in st] for s, st in enumerate(stages)])
+    run = Rendezvous([[ins.ops(s, p) for ins in st] for s, st in enumerate(stages)])
     waiting_sends = {}  # stage -> (gap to its next receive, -stage) while it waits at a lone send
 
     def look(s: int) -> None:  # where stage s stands now: at a lone send (a candidate to fuse) or not
@@ -490,9 +259,9 @@ def interleaved_1f1b(num_stages: int, micro_batches: int, virtual_stages: int) -
     compute, then fused with the next receive where rendezvous sends would deadlock. ``micro_batches`` must be a
     multiple of ``num_stages`` (the micro-batches go round in groups of P).
     """
-    _check_count("num_stages", num_stages)
-    _check_count("micro_batches", micro_batches)
-    _check_count("virtual_stages", virtual_stages)
+    check_count("num_stages", num_stages)
+    check_count("micro_batches", micro_batches)
+    check_count("virtual_stages", virtual_stages)
     p, m, v = num_stages, micro_batches, virtual_stages
     if v == 1:  # one chunk per stage: plain 1F1B (Megatron-core falls back to it too), fewer warm-up forwards
         return one_f_one_b(p, m)
@@ -644,9 +413,9 @@ def _gap_to_next_receive(stage: list, i: int) -> int:
 def forward_only(num_stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
     """Evaluation: each micro-batch flows through once (through every chunk of a stage in turn, with
     ``virtual_stages`` chunks per stage); no backward, no reduction, no step."""
-    _check_count("num_stages", num_stages)
-    _check_count("micro_batches", micro_batches)
-    _check_count("virtual_stages", virtual_stages)
+    check_count("num_stages", num_stages)
+    check_count("micro_batches", micro_batches)
+    check_count("virtual_stages", virtual_stages)
     p, m, v = num_stages, micro_batches, virtual_stages
     if v == 1:
         stages = tuple(tuple(ins for i in range(m) for ins in _forward_block(s, p, i)) for s in range(p))
@@ -689,298 +458,3 @@ def checked(name: str, num_stages: int, micro_batches: int, virtual_stages: int 
     cached)."""
     schedule = built(name, num_stages, micro_batches, virtual_stages)
     return schedule, check_schedule(schedule)
-
-
-# ---------------------------------------------------------------------------------------------- the checker
-
-
-@dataclass(frozen=True)
-class ScheduleStats:
-    """What each stage of a checked schedule needs; tuples indexed by stage."""
-
-    peak_live: tuple[int, ...]  # micro-batches forwarded and not yet backwarded (activation memory)
-    last_backward: tuple[int, ...]  # index of the stage's last Backward (or BackwardWeight), -1 if none
-    peak_recv_activation: tuple[int, ...]  # received activations still needed (receive ring size)
-    peak_recv_grad: tuple[int, ...] = ()  # received gradients still needed (a W reads its B's); () = 1 each
-
-
-def check_schedule(schedule: Schedule) -> ScheduleStats:
-    """Prove that ``schedule`` runs to the end under rendezvous sends; raise ScheduleError naming the fault.
-
-    Checks, in order: every message has exactly one sender and one receiver; no set of stages
-    waits on each other forever; on each stage every instruction comes after what it needs.
-    """
-    ops = _all_ops(schedule)
-    _check_messages(schedule, ops)
-    _check_no_deadlock(schedule, ops)
-    trains = schedule.has_backward
-    walks = [_StageWalk(schedule, s, trains).run() for s in range(schedule.num_stages)]
-    return ScheduleStats(peak_live=tuple(w.peak_live for w in walks),
-                         last_backward=tuple(w.last_backward for w in walks),
-                         peak_recv_activation=tuple(w.peak_recv for w in walks),
-                         peak_recv_grad=tuple(w.peak_recv_grad for w in walks))
-
-
-def _all_ops(schedule: Schedule) -> list:
-    """``ops[s][i]``: what instruction i of stage s posts (messages between virtual stages)."""
-    p = schedule.num_stages
-    return [[ins.ops(s, p) for ins in stage] for s, stage in enumerate(schedule.stages)]
-
-
-def _where(schedule: Schedule, stage: int, index: int, ins: Instruction) -> str:
-    return f"schedule {schedule.name!r}: stage {stage}, instruction #{index} {ins}"
-
-
-def _stage_messages(schedule: Schedule, s: int, ops: list) -> dict:
-    """Message key -> (index, op number) on stage ``s``, in program order; a repeated message is an error."""
-    found = {}
-    for i, posted in enumerate(ops):
-        for k, op in enumerate(posted):
-            if op.key in found:
-                j, _ = found[op.key]
-                where = _where(schedule, s, i, schedule.stages[s][i])
-                raise ScheduleError(f"{where} repeats the message of #{j} {schedule.stages[s][j]}")
-            found[op.key] = (i, k)
-    return found
-
-
-def _check_messages(schedule: Schedule, ops: list) -> None:
-    """Every op has a peer stage that posts the matching op; report the first that does not."""
-    p, v = schedule.num_stages, schedule.virtual_stages
-    messages = [_stage_messages(schedule, s, ops[s]) for s in range(p)]
-    for s in range(p):
-        for key, (i, k) in messages[s].items():
-            send = ops[s][i][k].is_send
-            peer = key.to_stage if send else key.from_stage  # a virtual stage, on stage peer % p
-            # (a key names its sender and receiver, so the stage that posts it too is the peer; with one stage of
-            # several chunks both ends would be this stage, and _stage_messages refused the repeated key already)
-            if 0 <= peer < p * v and key in messages[peer % p]:
-                continue
-            ins = schedule.stages[s][i]
-            part = ins.point_to_point()[k]
-            what = _where(schedule, s, i, ins) + ("" if ins is part else f": {part}")
-            if not 0 <= peer < p * v:
-                count = f"{p} stages" if v == 1 else f"{p * v} virtual stages"
-                raise ScheduleError(f"{what} has no peer: stage {peer} does not exist ({count})")
-            raise ScheduleError(f"{what} has no matching {part.partner(s, p)} on stage {peer % p}")
-
-
-def _check_no_deadlock(schedule: Schedule, ops: list) -> None:
-    """Run all stages under rendezvous semantics; each op is posted and matched once, so this is linear.
-
-    ``ops[s][i]`` is what instruction i of stage s posts. Assumes _check_messages passed:
-    each key is posted once by each of its two stages.
-    """
-    run = _Rendezvous(ops)
-    run.run()
-    blocked = run.blocked()
-    if blocked:
-        waits = ", ".join(f"stage {s} waits at #{run.pc[s]} {schedule.stages[s][run.pc[s]]}" for s in blocked)
-        raise _Deadlock(f"schedule {schedule.name!r} deadlocks under rendezvous sends: {waits}",
-                        [(s, run.pc[s]) for s in blocked])
-
-
-class _Rendezvous:
-    """Stages run on paper under rendezvous sends: a stage posts every op of its instruction at once and moves
-    on when all are matched. ``run()`` moves every stage as far as it can (``blocked()``: those short of their
-    end); a waiting stage's ops may then change at and after its instruction (``ops``, ``post``) and the run go
-    on."""
-
-    def __init__(self, ops: list):
-        p = len(ops)
-        self.ops = [list(stage) for stage in ops]  # ops[s][i]: what instruction i of stage s posts
-        self.pc = [0] * p  # current instruction of each stage
-        self.waiting = [0] * p  # ops of the current instruction not yet matched
-        self.posted = {}  # key -> stage that posted it and waits for its partner
-        self.todo = list(range(p))  # stages that may be able to move
-
-    def post(self, s: int, op: Op) -> None:
-        """Stage ``s`` posts ``op``: matched at once if its partner waits, else it waits for it."""
-        peer = self.posted.pop(op.key, None)
-        if peer is None:
-            self.posted[op.key] = s
-            self.waiting[s] += 1
-            return
-        self.waiting[peer] -= 1
-        if self.waiting[peer] == 0:  # the peer's instruction completed: it may move on
-            self.pc[peer] += 1
-            self.todo.append(peer)
-
-    def run(self) -> set[int]:
-        """Move every stage that can; the stages that moved (or were looked at)."""
-        moved = set()
-        while self.todo:
-            s = self.todo.pop()
-            moved.add(s)
-            stage = self.ops[s]
-            while self.waiting[s] == 0 and self.pc[s] < len(stage):
-                for op in stage[self.pc[s]]:
-                    self.post(s, op)
-                if self.waiting[s] == 0:
-                    self.pc[s] += 1
-        return moved
-
-    def blocked(self) -> list[int]:
-        """The stages that have not reached their end."""
-        return [s for s in range(len(self.ops)) if self.pc[s] < len(self.ops[s])]
-
-
-class _Deadlock(ScheduleError):
-    """A deadlock found by the checker, with where each stuck stage waits: ``at`` = [(stage, index)]."""
-
-    def __init__(self, message: str, at):
-        super().__init__(message)
-        self.at = at
-
-
-class _StageWalk:
-    """One pass over a stage's list: each instruction must come after what it needs; measures the stage."""
-
-    def __init__(self, schedule: Schedule, stage: int, trains: bool):
-        self.schedule, self.stage, self.trains = schedule, stage, trains
-        self.p, self.v = schedule.num_stages, schedule.virtual_stages
-        self.last = self.p * self.v - 1  # the last virtual stage: the loss
-        self.seen = {}  # (instruction type, mb or None, chunk) -> index where it ran; live sets hold (mb, chunk)
-        self.live, self.recv_live, self.grad_live = set(), set(), set()
-        self.peak_live = self.peak_recv = self.peak_recv_grad = 0
-        self.last_backward = -1
-        self.table = {
-            LoadMicroBatch: self._load, Forward: self._forward, Backward: self._backward,
-            BackwardInput: self._backward_input, BackwardWeight: self._backward_weight,
-            SendActivation: self._p2p, RecvActivation: self._p2p, SendGrad: self._p2p, RecvGrad: self._p2p,
-            Exchange: self._p2p, ReduceGrads: self._reduce, OptimizerStep: self._optimizer_step,
-        }
-
-    def run(self) -> _StageWalk:
-        for self.index, self.ins in enumerate(self.schedule.stages[self.stage]):
-            handler = self.table.get(type(self.ins))
-            if handler is None:
-                self._fail("is not an instruction the executor knows")
-            handler(self.ins)
-        self._finish()
-        return self
-
-    def _fail(self, problem: str):
-        raise ScheduleError(f"{_where(self.schedule, self.stage, self.index, self.ins)} {problem}")
-
-    def _virtual(self, ins) -> int:
-        return ins.chunk * self.p + self.stage
-
-    def _need(self, cls: type, mb: int | None = None, chunk: int = 0) -> None:
-        if (cls, mb, chunk) not in self.seen:
-            self._fail(f"has no {cls() if mb is None else cls(mb, chunk)} before it")
-
-    def _record(self, ins: Instruction) -> None:
-        """Note that ``ins`` ran here; a micro-batch or chunk out of range, or run twice, is an error."""
-        mb, chunk = getattr(ins, "mb", None), getattr(ins, "chunk", 0)
-        if mb is not None and mb >= self.schedule.micro_batches:
-            self._fail(f"names micro-batch {mb}, but the schedule has {self.schedule.micro_batches}")
-        if chunk >= self.v:
-            self._fail(f"names chunk {chunk}, but the schedule has {self.v} per stage")
-        key = (type(ins), mb, chunk)
-        if key in self.seen:
-            self._fail(f"repeats #{self.seen[key]}")
-        self.seen[key] = self.index
-
-    def _reads_data(self, chunk: int) -> bool:
-        return chunk * self.p + self.stage in (0, self.last)
-
-    def _load(self, ins: LoadMicroBatch) -> None:
-        if not self._reads_data(ins.chunk):
-            self._fail("reads data on a middle stage (only the first and last stages read data)")
-        self._record(ins)
-
-    def _forward(self, ins: Forward) -> None:
-        self._record(ins)
-        if self._reads_data(ins.chunk):
-            self._need(LoadMicroBatch, ins.mb, ins.chunk)
-        if self._virtual(ins) > 0:
-            self._need(RecvActivation, ins.mb, ins.chunk)
-        if self.trains:
-            self.live.add((ins.mb, ins.chunk))
-            self.peak_live = max(self.peak_live, len(self.live))
-        else:  # evaluation keeps nothing: one micro-batch at a time, its input freed once used
-            self.peak_live = 1
-            self.recv_live.discard((ins.mb, ins.chunk))
-
-    def _backward(self, ins: Backward) -> None:
-        if (BackwardInput, ins.mb, ins.chunk) in self.seen:
-            self._fail(f"splits nothing: #{self.seen[BackwardInput, ins.mb, ins.chunk]} "
-                       f"{BackwardInput(ins.mb, ins.chunk)} ran already")
-        self._input_half(ins)
-        self._weight_half(ins)
-
-    def _backward_input(self, ins: BackwardInput) -> None:
-        if (Backward, ins.mb, ins.chunk) in self.seen:
-            self._fail(f"comes after #{self.seen[Backward, ins.mb, ins.chunk]} {Backward(ins.mb, ins.chunk)}")
-        self._input_half(ins)
-
-    def _backward_weight(self, ins: BackwardWeight) -> None:
-        self._need(BackwardInput, ins.mb, ins.chunk)
-        self._weight_half(ins)
-
-    def _input_half(self, ins) -> None:
-        self._record(ins)
-        self._need(Forward, ins.mb, ins.chunk)
-        if self._virtual(ins) < self.last:
-            self._need(RecvGrad, ins.mb, ins.chunk)
-        if (ReduceGrads, None, 0) in self.seen:
-            self._fail(f"comes after #{self.seen[ReduceGrads, None, 0]} ReduceGrads()")
-
-    def _weight_half(self, ins) -> None:
-        """What a micro-batch holds is freed once its weight gradients are written (a W reads the input
-        activation and the received gradient)."""
-        if not isinstance(ins, Backward):
-            self._record(ins)
-            if (ReduceGrads, None, 0) in self.seen:
-                self._fail(f"comes after #{self.seen[ReduceGrads, None, 0]} ReduceGrads()")
-        held = (ins.mb, ins.chunk)
-        self.live.discard(held)
-        self.recv_live.discard(held)
-        self.grad_live.discard(held)
-        self.last_backward = self.index
-
-    def _p2p(self, ins: Instruction) -> None:
-        for part in ins.point_to_point():
-            self._record(part)
-            held = (part.mb, part.chunk)
-            if isinstance(part, SendActivation):
-                self._need(Forward, *held)
-            elif isinstance(part, SendGrad):
-                if (BackwardInput, *held) not in self.seen:
-                    self._need(Backward, *held)
-            elif isinstance(part, RecvActivation):
-                self.recv_live.add(held)
-                self.peak_recv = max(self.peak_recv, len(self.recv_live))
-            elif isinstance(part, RecvGrad):
-                self.grad_live.add(held)
-                self.peak_recv_grad = max(self.peak_recv_grad, len(self.grad_live))
-
-    def _reduce(self, ins: ReduceGrads) -> None:
-        if not self.trains:
-            self._fail("in a schedule without Backward")
-        self._record(ins)
-
-    def _optimizer_step(self, ins: OptimizerStep) -> None:
-        if not self.trains:
-            self._fail("in a schedule without Backward")
-        self._record(ins)
-        self._need(ReduceGrads)
-
-    def _finish(self) -> None:
-        """Everything the stage must run at least once did run, in each of its chunks."""
-        m = self.schedule.micro_batches
-        needed = []
-        for c in range(self.v):
-            needed += [(Forward, i, c) for i in range(m)]
-            if self._reads_data(c):
-                needed += [(LoadMicroBatch, i, c) for i in range(m)]
-            if self.trains:
-                needed += [(Backward, i, c) if (BackwardInput, i, c) not in self.seen else (BackwardWeight, i, c)
-                           for i in range(m)]
-        if self.trains:
-            needed += [(ReduceGrads, None, 0), (OptimizerStep, None, 0)]
-        for cls, mb, c in needed:
-            if (cls, mb, c) not in self.seen:
-                missing = cls() if mb is None else cls(mb, c)
-                raise ScheduleError(f"schedule {self.schedule.name!r}: stage {self.stage} has no {missing}")

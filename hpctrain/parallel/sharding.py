@@ -3,7 +3,7 @@
 Checkpoints hold full, unsharded tensors. A pipeline stage owns the contiguous slice
 ``[lo, hi)`` of the global flat buffer that its model part covers; under tensor
 parallelism each rank of the stage holds its shard of some of those tensors
-(parallel/tensor.py), laid out in its part's local layout. One buffer (the parameters,
+(hpctrain/shards.py), laid out in its part's local layout. One buffer (the parameters,
 or one optimizer slot) moves at a time, with buffer-based calls:
 
 * ``gather_flat``: on data-parallel rank 0 of each stage, ``Gatherv`` of the shards over
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tensor import shard, shard_shape, unshard
+from ..shards import shard, shard_shape, unshard
 
 __all__ = ["gather_flat", "scatter_flat", "gather_shards", "stage_ranges"]
 
@@ -80,7 +80,7 @@ def _owned(part):
 def _local_offsets(part, size: int):
     """[(global spec, kind, [start of its shard in tensor-parallel rank r's owned buffer for each r], [its size on
     each r])] and each rank's owned size: a rank's buffer holds the same tensors in the same order, but a row
-    split may leave ranks different shares (parallel/tensor.py: ``row_block``)."""
+    split may leave ranks different shares (shards.py: ``row_block``)."""
     out, at = [], [0] * size
     for s, g in _owned(part):
         kind = part.shards.get(s.name)

@@ -40,7 +40,7 @@ from ..parallel.param_server import SNAPSHOTS, Server, WorkerLink, server_ranges
 from ..parallel.schedule import check_schedule, data_parallel, forward_only
 from ..params import FlatBuffer, ParamLayout
 from . import startup
-from .loop import finished_line, log_line
+from .report import finished_line, log_line
 from .metrics import MetricsFile
 from .progress import Progress, status_line_wanted
 from .step import _Batch

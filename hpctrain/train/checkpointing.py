@@ -29,7 +29,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from ..checkpoint import format as fmt
 from ..checkpoint import read as ckpt_read
-from ..checkpoint import sharded
+from ..checkpoint import sets, sharded
 from ..checkpoint.pieces import held, written
 from ..checkpoint.state import value_problem
 from ..checkpoint.write import retain, write_root_attrs
@@ -159,14 +159,14 @@ def save_pieces(world, state, items, *, directory: str, layout, keep: int, log=N
 def start_set(world, directory: str, step: int) -> tuple[str, str]:
     """Collective: a new set's id (world rank 0's) and its folder, which world rank 0 makes (after clearing
     what killed writers left)."""
-    set_id = bcast_text(world, sharded.new_set_id() if world.Get_rank() == 0 else None, 0)
-    folder = os.path.join(directory, sharded.set_dir_name(step, set_id))
+    set_id = bcast_text(world, sets.new_set_id() if world.Get_rank() == 0 else None, 0)
+    folder = os.path.join(directory, sets.set_dir_name(step, set_id))
 
     def prepare():
         try:
             os.makedirs(directory, exist_ok=True)
             fmt.clean_stale_temps(directory)
-            sharded.clean_orphans(directory)
+            sets.clean_orphans(directory)
             os.mkdir(folder)
         except OSError as e:
             raise CheckpointError(f"cannot write checkpoint {fmt.checkpoint_name(step)} in {directory}: "
@@ -189,7 +189,7 @@ def check_values(step: int, items) -> None:
 
 def _write_shard(folder, rank, step, set_id, items, background, outcome) -> None:
     """This rank's shard (nothing when it writes no items); a failure goes into ``outcome`` for the commit."""
-    path = os.path.join(folder, sharded.shard_name(rank))
+    path = os.path.join(folder, sets.shard_name(rank))
     try:
         if items:
             sharded.write_shard(path, set_id=set_id, rank=rank, step=step, items=items, background=background)
@@ -219,13 +219,13 @@ def commit_set(world, directory: str, state, *, set_id: str, manifest, error, la
             mine = json.loads(text)
             if mine:
                 entries += [e + [len(shards)] for e in mine]
-                shards.append(sharded.shard_name(rank))
+                shards.append(sets.shard_name(rank))
         try:
             final = os.path.join(directory, fmt.checkpoint_name(state.step))
-            replaced = sharded.owned_set_dir(final)  # a set of the same step, replaced: its folder, if ours
+            replaced = sets.owned_set_dir(final)  # a set of the same step, replaced: its folder, if ours
             path = sharded.write_index(directory, state, set_id=set_id, shards=shards, entries=entries,
                                        layout=layout, write_attrs=write_root_attrs)
-            if replaced and os.path.basename(replaced) != sharded.set_dir_name(state.step, set_id):
+            if replaced and os.path.basename(replaced) != sets.set_dir_name(state.step, set_id):
                 import shutil
 
                 shutil.rmtree(replaced, ignore_errors=True)

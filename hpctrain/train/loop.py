@@ -23,8 +23,6 @@ together (parallel/agree.py). Each rank holds its pipeline stage's part of the m
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import time
 
 import numpy as np
@@ -46,6 +44,7 @@ from ..optim import lr_at
 from . import startup
 from .checkpointing import Checkpointer
 from .progress import Progress, status_line_wanted
+from .report import finished_line, layout_line, log_line, run_summary, start_notes
 from .memory import gather_memory, rank_memory, summary as memory_summary
 from .metrics import MetricsFile, Window
 from .mfu import Peak
@@ -128,6 +127,50 @@ class Trainer:
         self._release_lock()
 
     def _build(self, cfg, mesh, log):
+        """Every rank builds the same Trainer, step by step; each step that can fail on some ranks only is agreed
+        (``run_everywhere``), so a bad input is one error from the lowest failing rank."""
+        mesh = self._mesh_for(cfg, mesh)
+        self.rank0 = mesh.rank == 0
+        self.log = (log or log_line) if self.rank0 else (lambda *a, **k: None)
+        # train.deterministic: its micro-batches are shards / dp (parallel/deterministic.py)
+        cfg = run_everywhere(mesh.world, lambda: deterministic.resolve(cfg, dp=mesh.dp, tp=mesh.tp, log=self.log))
+        self.cfg, self.mesh = cfg, mesh
+        self.diag = None
+        mesh = self._watch(cfg, mesh)
+        keep_freed_memory()  # a step's activations reuse the last step's memory (hpctrain/_memory.py)
+        run_everywhere(mesh.world, (lambda: startup.prepare_data(self)) if self.rank0 else lambda: None)
+        self.parts = run_everywhere(mesh.world, lambda: startup.build(cfg, mesh, self.log))
+        startup.scan_data(self)  # every value of the data file, or a record that this file passed before
+        # one job per checkpoint folder: rank 0 locks it before anything in it is read or written
+        self._lock = run_everywhere(mesh.world, (lambda: startup.lock_checkpoint_dir(self)) if self.rank0
+                                    else lambda: None)
+        self._check_same_everywhere(cfg, mesh)
+        self.state = run_everywhere(mesh.world, lambda: startup.make_state(cfg, mesh, self.parts))
+        startup.load_start(self)  # a checkpoint (each rank reads its own pieces), a weights file or a fresh init
+        zero_reduce, timed = self._make_sync(cfg, mesh)
+        if self.state.gather is not None:  # zero = 3: evaluation gathers the whole model once (parallel/zero3.py)
+            self.evaluate = gathered_whole(self.state.gather, self.evaluate)
+        self.saver = Checkpointer(self)
+        self.tracer = Tracer(mesh) if cfg.train.trace else None
+        self._p2p = p2p = PointToPoint(comm=mesh.pp_comm, transport=self.transport, diag=self.diag) \
+            if mesh.pp > 1 else None
+        self.runner = run_everywhere(mesh.world, lambda: StepRunner(
+            cfg=cfg, mesh=mesh, backend=self.be, part=self.part, loss=self.loss, data=self.data,
+            sampler=self.sampler, sync=self.sync, optim=self.optim, grads=self.grads, p2p=p2p,
+            transport=self.transport, tracer=self.tracer,
+            log=self.log))
+        self.log(layout_line(self))
+        # MFU's denominator, on the rank that logs (a CPU's is measured: a moment of BLAS at start-up)
+        self.peak = Peak.of(self.be, cfg.train.peak_tflops) if self.rank0 and cfg.train.steps > 0 else None
+        if self.peak is not None:
+            self.log(f"MFU against {self.peak.flops / 1e12:,.3g} TFLOP/s a rank ({self.peak.source})"
+                     if self.peak.flops else f"no MFU: {self.peak.source}")
+        for line in start_notes(self, zero_reduce, timed):
+            self.log(line)
+
+    def _mesh_for(self, cfg, mesh):
+        """The mesh given, or one made here from ``cfg.parallel`` over COMM_WORLD (freed by close()); a
+        config this Trainer cannot run is refused first, on every rank alike."""
         if cfg.parallel.mode != "sync":  # every rank alike, before any communicator: one error, as build errors
             from mpi4py import MPI
 
@@ -146,25 +189,21 @@ class Trainer:
             p = cfg.parallel  # a misfit is one error from the lowest rank, before any communicator is made
             run_everywhere(MPI.COMM_WORLD, lambda: resolve_layout(MPI.COMM_WORLD.Get_size(), p.dp, p.pp, p.tp))
             mesh = self._made_mesh = Mesh(dp=p.dp, pp=p.pp, tp=p.tp)
-        self.rank0 = mesh.rank == 0
-        self.log = (log or log_line) if self.rank0 else (lambda *a, **k: None)
-        # train.deterministic: its micro-batches are shards / dp (parallel/deterministic.py)
-        cfg = run_everywhere(mesh.world, lambda: deterministic.resolve(cfg, dp=mesh.dp, tp=mesh.tp, log=self.log))
-        self.cfg, self.mesh = cfg, mesh
-        self.diag = None
+        return mesh
+
+    def _watch(self, cfg, mesh):
+        """With train.debug_collectives, train.collective_timeout or HPCTRAIN_DEBUG_COLLECTIVES: the watchdog
+        (parallel/watch.py) on this trainer's own copy of the mesh (the caller's Mesh stays as it was)."""
         t = cfg.train
         if t.debug_collectives or t.collective_timeout or enabled_by_env():  # parallel/watch.py
             self.diag = run_everywhere(mesh.world, lambda: Diagnostics(
                 mesh.world, fingerprints=t.debug_collectives or enabled_by_env(), timeout=t.collective_timeout))
             self.mesh = mesh = copy.copy(mesh)  # this trainer's view of it: the caller's Mesh stays as it was
             mesh.watch(self.diag)
-        keep_freed_memory()  # a step's activations reuse the last step's memory (hpctrain/_memory.py)
-        run_everywhere(mesh.world, (lambda: startup.prepare_data(self)) if self.rank0 else lambda: None)
-        self.parts = run_everywhere(mesh.world, lambda: startup.build(cfg, mesh, self.log))
-        startup.scan_data(self)  # every value of the data file, or a record that this file passed before
-        # one job per checkpoint folder: rank 0 locks it before anything in it is read or written
-        self._lock = run_everywhere(mesh.world, (lambda: startup.lock_checkpoint_dir(self)) if self.rank0
-                                    else lambda: None)
+        return mesh
+
+    def _check_same_everywhere(self, cfg, mesh) -> None:
+        """Config, layouts and backend agreed by every rank before any buffer is exchanged (collective)."""
         check_same_everywhere(mesh.world, "config", cfg.to_toml(), lambda theirs: _first_line_diff(cfg.to_toml(), theirs))
         check_same_everywhere(mesh.world, "parameter layout", self.model.layout.describe(),
                               self.model.layout.first_difference)
@@ -174,8 +213,10 @@ class Trainer:
         check_same_everywhere(mesh.world, "backend", self.be.name,
                               lambda theirs: f"{self.be.name} here, {theirs} on rank 0 (train.backend = "
                                              f"{cfg.train.backend!r}; every rank must run the same backend)")
-        self.state = run_everywhere(mesh.world, lambda: startup.make_state(cfg, mesh, self.parts))
-        startup.load_start(self)  # a checkpoint (each rank reads its own pieces), a weights file or a fresh init
+
+    def _make_sync(self, cfg, mesh):
+        """``self.sync``, the gradient sync over dp (parallel/data_parallel.py); returns how ZeRO sums a bucket
+        and the start-up timings behind an "auto" choice (parallel/zero.py: ``reduce_choice``)."""
         tied = None  # ZeRO: tensors tied across stages are summed over their two ends before the scatter
         if self.shard and self.part.shared:
             tied = ([(self.part.layout[n].offset, self.part.layout[n].end) for n in self.part.shared],
@@ -190,80 +231,7 @@ class Trainer:
             overlap=cfg.parallel.overlap, diag=self.diag, shard=self.shard, release=self.grad_memory, tied=tied,
             tree=ShardTree(self.be, self.grads.data, cfg.train.micro_batches) if cfg.train.deterministic else None,
             allreduce=zero_reduce == "allreduce", reduce_dtype=cfg.parallel.reduce_dtype))
-        if self.state.gather is not None:  # zero = 3: evaluation gathers the whole model once (parallel/zero3.py)
-            self.evaluate = gathered_whole(self.state.gather, self.evaluate)
-        self.saver = Checkpointer(self)
-        self.tracer = Tracer(mesh) if cfg.train.trace else None
-        self._p2p = p2p = PointToPoint(comm=mesh.pp_comm, transport=self.transport, diag=self.diag) \
-            if mesh.pp > 1 else None
-        self.runner = run_everywhere(mesh.world, lambda: StepRunner(
-            cfg=cfg, mesh=mesh, backend=self.be, part=self.part, loss=self.loss, data=self.data,
-            sampler=self.sampler, sync=self.sync, optim=self.optim, grads=self.grads, p2p=p2p,
-            transport=self.transport, tracer=self.tracer,
-            log=self.log))
-        self.log(f"hpctrain: {mesh.describe()}, backend {self.be.name}, {self.model.layout.size:,} parameters, "
-                 f"{len(self.sync.buckets)} gradient bucket(s), overlap "
-                 f"{('on, communication thread' if self.sync.threaded else 'on') if cfg.parallel.overlap else 'off'}"
-                 + (f", gradients {'straight to CUDA-aware MPI' if self.sync.direct else 'staged through host memory'}"
-                    if self.be.is_device else "")
-                 + (", as bfloat16 (parallel.reduce_dtype)" if self.sync.wire is not None else ""))
-        # MFU's denominator, on the rank that logs (a CPU's is measured: a moment of BLAS at start-up)
-        self.peak = Peak.of(self.be, cfg.train.peak_tflops) if self.rank0 and cfg.train.steps > 0 else None
-        if self.peak is not None:
-            self.log(f"MFU against {self.peak.flops / 1e12:,.3g} TFLOP/s a rank ({self.peak.source})"
-                     if self.peak.flops else f"no MFU: {self.peak.source}")
-        if not cfg.checkpoint.dir and cfg.train.steps > 0:
-            self.log("checkpoint.dir is empty: this run writes no checkpoint, neither at the end nor on a stop "
-                     "signal (set it to keep the weights, to resume, or to sample from them)")
-        if cfg.parallel.zero_reduce != "auto" and not cfg.parallel.zero:
-            self.log(f"parallel.zero_reduce = \"{cfg.parallel.zero_reduce}\" has no effect with parallel.zero = 0: "
-                     "without ZeRO every bucket is Allreduced")
-        if cfg.parallel.reduce_dtype != "fp32" and mesh.dp == 1:
-            self.log(f"parallel.reduce_dtype = \"{cfg.parallel.reduce_dtype}\" has no effect with one data-parallel "
-                     "rank (dp = 1): no gradient is sent")
-        if cfg.parallel.zero and mesh.dp == 1:
-            self.log(f"parallel.zero = {cfg.parallel.zero} has no effect with one data-parallel rank (dp = 1): "
-                     "nothing to shard the optimizer state or gradients over")
-        elif self.zero:
-            self.log(f"zero {self.zero}: this rank updates {self.shard.size:,} of its part's "
-                     f"{self.part.layout.size:,} parameters (its chunk of each of {len(self.shard.buckets)} "
-                     f"bucket(s)) and holds {self.optim.slot_bytes / 1e6:,.1f} MB of optimizer state"
-                     + ("; gradients outside its chunks leave memory once reduced" + (
-                        f" ({self.grad_memory.keep_bytes / 1e6:,.1f} MB of them kept for the next backward)"
-                        if self.grad_memory.keep_bytes else "") if self.grad_memory
-                        else f"; the full gradient buffer stays ({self.state.keeps_grads})" if self.zero == 2
-                        else "")
-                     + ("; parameters outside its chunks gathered unit by unit around their use"
-                        if self.zero == 3 else "")
-                     + f"; buckets summed by {'Allreduce' if zero_reduce == 'allreduce' else 'Reduce_scatter'}"
-                     + (f" (parallel.zero_reduce = \"auto\": {timed[0] * 1e3:.1f} ms by Allreduce, "
-                        f"{timed[1] * 1e3:.1f} ms by Reduce_scatter on a bucket at start-up, the slowest group's)"
-                        if timed else ""))
-        if mesh.tp > 1:
-            split = [f"{lo}..{hi}" for lo, hi in self.model.tp_pairs] if self.model.tp_pairs else \
-                ["every transformer block"] if self.part.shards else []
-            vocab = next((layer.vocab_rows for layer in self.part.layers if hasattr(layer, "vocab_rows")), None)
-            rows = "" if vocab is None else \
-                f"; the token table, head and loss by vocabulary (ids {vocab[0]}..{vocab[1] - 1} of {vocab[2]} here)"
-            self.log(f"tensor parallel: tp {mesh.tp}, column/row-parallel pairs: {', '.join(split) or 'none'}{rows}; "
-                     f"this rank holds {self.part.owned_size:,} of {self.model.layout.size:,} parameters")
-            if not split:
-                self.log(f"warning: parallel.tp = {mesh.tp} splits nothing in this model (no Linear → activation "
-                         "→ Linear pair): every tp rank computes the whole model; use dp instead")
-        if mesh.pp > 1:
-            s = self.runner.schedule
-            total = self.model.flops(0, len(self.model.layers) - 1)
-            how = "parallel.stages" if cfg.parallel.stages else "the default cut, by estimated FLOPs per row"
-            v = s.virtual_stages
-            names = [str(i) if v == 1 else f"{i} (stage {i % mesh.pp}, chunk {i // mesh.pp})"
-                     for i in range(len(self.stages))]
-            self.log(f"pipeline: schedule {s.name}{f', {v} model chunks per stage' if v > 1 else ''}, "
-                     f"{cfg.train.micro_batches} micro-batch(es), {'virtual ' if v > 1 else ''}stages ({how}) "
-                     + ", ".join(f"{name}: layers {lo}..{hi} ({self.model.flops(lo, hi) / max(total, 1):.0%} of the "
-                                 f"FLOPs, {self.model.param_count(lo, hi):,} parameters)"
-                                 for name, (lo, hi) in zip(names, self.stages))
-                     + f"; peak live micro-batches{' (of one chunk)' if v > 1 else ''} per stage "
-                     + ", ".join(map(str, self.runner.stats.peak_live)))
+        return zero_reduce, timed
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -375,61 +343,82 @@ class Trainer:
         self.progress = Progress(t.steps, self.step, live=self.rank0 and self.log is log_line
                                  and status_line_wanted(t.progress))
         plain_log, self.log = self.log, self.progress.wrap(self.log)
-        last = {}
-        stop = self._stop
-        saved_at = -1
-        first_step, peak_activations = self.step, 0
-        run_began = time.perf_counter()  # for the end-of-run line
-        skipped = 0  # non-finite steps skipped in a row (every rank sees the same skip decision)
-        deferred = False  # a checkpoint fell due while steps were being skipped
+        run_began, first_step = time.perf_counter(), self.step  # for the end-of-run line
         try:
-            stopping = stop.any_rank(self.mesh.world)  # a signal while the job was starting (agreed by all)
-            if stopping:
-                self.log(f"signal {stop.name} received during start-up: stopping at step {self.step}")
-            while self.step < t.steps and not stopping:
-                lr = lr_at(cfg.optim, self.step, t.steps)
-                if self.diag is not None:
-                    self.diag.step = self.step + 1  # what the watchdog reports: "step N" from here to its end checks
-                timing = self.train_step(self.step, lr)
-                self.step += 1
-                self.progress.advance(self.step)
-                peak_activations = max(peak_activations, timing["peak_bytes"])
-                if self.step == first_step + 1:  # what each rank holds, once the first step has allocated it
-                    self._log_memory(metrics, peak_activations, say=True)
-                skipped = skipped + 1 if timing["skipped"] else 0
-                window.add(timing)
-                if self.step % t.log_every == 0 or self.step == t.steps:
-                    last = self._log_train(window, timing, lr, metrics)
-                if skipped >= t.max_skipped_steps:
-                    self._diverged(skipped)
-                if self.data.n_val and ((t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps):
-                    began = time.perf_counter()
-                    last.update(self._log_eval(metrics))
-                    window.exclude(time.perf_counter() - began)  # samples/s counts training steps only
-                if deferred or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
-                    if skipped:  # these weights gave non-finite gradients: keep the older checkpoints for now
-                        if not deferred:
-                            self.log(f"step {self.step}: checkpoint deferred, {skipped} non-finite step(s) skipped "
-                                     "in a row; it is written after the next finite step")
-                        deferred = True
-                    else:
-                        began = time.perf_counter()
-                        self.save_checkpoint(background=cfg.checkpoint.async_)
-                        window.exclude(time.perf_counter() - began)
-                        saved_at, deferred = self.step, False
-                self.saver.poll()  # a checkpoint written in the background is committed once every shard is
-                if stop.any_rank(self.mesh.world):
-                    if window.steps:  # the steps since the last training line get theirs (collective)
-                        last.update(self._log_train(window, timing, lr, metrics))
-                    self.log(f"signal {stop.name} received: stopping at step {self.step}"
-                             + ("" if cfg.checkpoint.dir else " (no checkpoint: checkpoint.dir is empty)"))
-                    break
-            if self.step > first_step + 1:
-                self._log_memory(metrics, peak_activations, say=False)
+            last, saved_at = self._steps(metrics, window)
         finally:
             metrics.close()
             self.progress.clear()  # an error line on its way must not land on the status line
-        stop.shield_interrupts()  # a second signal, or a Ctrl-C, during the stop checkpoint is recorded, never fatal
+        self._wrap_up(saved_at, plain_log)
+        self.log(run_summary(cfg, first_step, self.step, time.perf_counter() - run_began, last))
+        return last
+
+    def _steps(self, metrics, window) -> tuple[dict, int]:
+        """Steps until ``train.steps`` or a stop signal, with their log lines, evaluations and checkpoints
+        (collective). Returns the last metrics and the step of the last checkpoint written (-1: none)."""
+        cfg, t, stop = self.cfg, self.cfg.train, self._stop
+        last, saved_at = {}, -1
+        first_step, peak_activations = self.step, 0
+        skipped = 0  # non-finite steps skipped in a row (every rank sees the same skip decision)
+        deferred = False  # a checkpoint fell due while steps were being skipped
+        stopping = stop.any_rank(self.mesh.world)  # a signal while the job was starting (agreed by all)
+        if stopping:
+            self.log(f"signal {stop.name} received during start-up: stopping at step {self.step}")
+        while self.step < t.steps and not stopping:
+            lr = lr_at(cfg.optim, self.step, t.steps)
+            if self.diag is not None:
+                self.diag.step = self.step + 1  # what the watchdog reports: "step N" from here to its end checks
+            timing = self.train_step(self.step, lr)
+            self.step += 1
+            self.progress.advance(self.step)
+            peak_activations = max(peak_activations, timing["peak_bytes"])
+            if self.step == first_step + 1:  # what each rank holds, once the first step has allocated it
+                self._log_memory(metrics, peak_activations, say=True)
+            skipped = skipped + 1 if timing["skipped"] else 0
+            window.add(timing)
+            if self.step % t.log_every == 0 or self.step == t.steps:
+                last = self._log_train(window, timing, lr, metrics)
+            if skipped >= t.max_skipped_steps:
+                self._diverged(skipped)
+            if self.data.n_val and ((t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps):
+                began = time.perf_counter()
+                last.update(self._log_eval(metrics))
+                window.exclude(time.perf_counter() - began)  # samples/s counts training steps only
+            deferred, saved = self._checkpoint_if_due(skipped, deferred, window)
+            if saved:
+                saved_at = self.step
+            self.saver.poll()  # a checkpoint written in the background is committed once every shard is
+            if stop.any_rank(self.mesh.world):
+                if window.steps:  # the steps since the last training line get theirs (collective)
+                    last.update(self._log_train(window, timing, lr, metrics))
+                self.log(f"signal {stop.name} received: stopping at step {self.step}"
+                         + ("" if cfg.checkpoint.dir else " (no checkpoint: checkpoint.dir is empty)"))
+                break
+        if self.step > first_step + 1:
+            self._log_memory(metrics, peak_activations, say=False)
+        return last, saved_at
+
+    def _checkpoint_if_due(self, skipped: int, deferred: bool, window) -> tuple[bool, bool]:
+        """The checkpoint of ``checkpoint.every`` (collective), unless steps are being skipped: these weights gave
+        non-finite gradients, so the older checkpoints are kept and this one waits for the next finite step.
+        Returns (deferred, written)."""
+        c = self.cfg.checkpoint
+        if not (deferred or (c.every and self.step % c.every == 0)):
+            return deferred, False
+        if skipped:
+            if not deferred:
+                self.log(f"step {self.step}: checkpoint deferred, {skipped} non-finite step(s) skipped "
+                         "in a row; it is written after the next finite step")
+            return True, False
+        began = time.perf_counter()
+        self.save_checkpoint(background=c.async_)
+        window.exclude(time.perf_counter() - began)
+        return False, True
+
+    def _wrap_up(self, saved_at: int, plain_log) -> None:
+        """The end of a run (collective): the checkpoint in flight committed, the last one written, the trace."""
+        t = self.cfg.train
+        self._stop.shield_interrupts()  # a second signal or a Ctrl-C during the stop checkpoint: recorded, not fatal
         try:
             self.saver.finish()  # the last checkpoint and the stop checkpoint are written before run() returns
             if saved_at != self.step:
@@ -443,8 +432,6 @@ class Trainer:
         finally:
             self.progress.clear()
             self.log = plain_log
-        self.log(run_summary(cfg, first_step, self.step, time.perf_counter() - run_began, last))
-        return last
 
     def _log_memory(self, metrics, peak_activations: int, *, say: bool) -> None:
         """Every rank's figures (train/memory.py) into the metrics file; one log line when ``say`` (collective)."""
@@ -585,40 +572,6 @@ class Trainer:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-
-
-def run_summary(cfg, first_step: int, step: int, seconds: float, last: dict) -> str:
-    """The end-of-run line: the steps run and their time, the last losses, where the weights are."""
-    ran = step - first_step
-    rate = f", {ran * cfg.train.batch_size / seconds:,.0f} samples/s overall" if ran and seconds > 0 else ""
-    m, s = divmod(int(round(seconds)), 60)
-    losses = "".join(f", {key} {last[key]:.4f}" for key in ("loss", "val_loss", "val_accuracy") if key in last)
-    c = cfg.checkpoint
-    where = (f"; checkpoint {os.path.join(c.dir, f'ckpt-{step:08d}.h5')}" if c.dir
-             else "; no checkpoint (checkpoint.dir is empty)")
-    end = "done" if step >= cfg.train.steps else "stopped"
-    return (f"{end}: step {step} of {cfg.train.steps} ({ran:,} this run) in {m}:{s:02d}{rate}{losses}{where}")
-
-
-def finished_line(cfg, step: int) -> str:
-    """What a run resumed at ``step``, at or past ``train.steps``, says instead of training."""
-    c, steps = cfg.checkpoint, cfg.train.steps
-    where = c.dir or c.resume  # the folder, or the checkpoint named
-    return (f"training already finished: {where} holds step {step}, and train.steps = {steps}; to train further, "
-            f"raise train.steps past {step} (--set train.steps={step + (steps or step)}: the learning-rate schedule "
-            "then differs from a run that had it from the start); to start afresh, point checkpoint.dir at a new "
-            "folder")
-
-
-def log_line(message: str) -> None:
-    """Print one progress line and flush it: stdout to a file or pipe is block-buffered. A reader that went away
-    (``hpctrain train ... | head``) does not stop training: the lines after it go nowhere."""
-    try:
-        print(message, flush=True)
-    except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)  # so the interpreter's own flush at exit finds a file too
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
 
 
 def _first_line_diff(mine: str, theirs: str) -> str:

@@ -28,7 +28,8 @@ from .. import checkpoint as ckpt
 from .. import scan_cache
 from ..backend import get_backend
 from ..checkpoint.lock import LOCK_NAME, FolderLock
-from ..data import Sampler, continue_order, make_sampler, open_dataset
+from ..data import open_dataset
+from ..sampling import Sampler, continue_order, make_sampler
 from ..errors import CheckpointError, ConfigError, DataError, LayoutError
 from ..nn import make_loss, make_model
 from ..optim import make_optimizer
@@ -353,7 +354,7 @@ def _init_weights(path: str, layout) -> dict:
 
 
 def order_offset(log, cfg, state, steps_per_epoch: int) -> int:
-    """On world rank 0: the sampler offset (data.continue_order) that continues ``state``'s data order with this
+    """On world rank 0: the sampler offset (sampling.continue_order) that continues ``state``'s data order with this
     run's batch size and data; 0 when neither changed. A change is said in one line."""
     then = _saved_setting(state.config_text, "train", "batch_size")
     then_batch = then if isinstance(then, int) and then > 0 else cfg.train.batch_size

@@ -87,7 +87,7 @@ def test_embedding_backward(be, cpu, rng, B, T, Tmax, V, C, accumulate_wte, accu
 def test_vocab_blocks_of_the_embedding_agree_with_the_cpu(be, cpu, rng, tp):
     """A vocab-parallel rank's block [lo, lo + n) of wte: ids outside it take zero rows, and only rank 0 adds the
     positions (nn/gpt.py: VocabParallelEmbedding); the gradient of the block's rows only."""
-    from hpctrain.parallel.tensor import row_block
+    from hpctrain.shards import row_block
 
     B, T, V, C = 2, 5, 11, 4
     idx, dout, wpe = _ids(rng, B, T, V), rand(rng, B * T, C), rand(rng, T, C)

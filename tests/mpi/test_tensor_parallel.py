@@ -67,7 +67,7 @@ def test_tensor_parallel_mlp_equals_one_process(comm, data, micro):
 def test_tensor_parallel_gpt_equals_one_process(comm, tokens, vocab):
     """Heads split across ranks (c_attn's q, k, v rows of each rank's heads), c_proj and the MLP split, and the
     token table by vocabulary (13 ids over 2 ranks: 7 and 6 rows), the logits never whole on one rank."""
-    from hpctrain.parallel.tensor import row_block
+    from hpctrain.shards import row_block
 
     if not layouts(comm):
         pytest.skip("tp = 2 needs an even number of ranks")

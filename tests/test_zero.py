@@ -103,7 +103,7 @@ def test_released_pages_read_as_zeros_and_leave_memory():
     assert buf.array[page] == 2.0
 
 
-@pytest.mark.parametrize("value, message", [(3, "must be 0, 1 or 2"), (-1, "must be 0, 1 or 2"),
+@pytest.mark.parametrize("value, message", [(4, "must be 0, 1, 2 or 3"), (-1, "must be 0, 1, 2 or 3"),
                                             ("1", "expected int"), (True, "")])
 def test_bad_zero_is_one_line_naming_the_key(tmp_path, value, message):
     with pytest.raises(ConfigError, match=f"parallel.zero.*{message}"):

@@ -1,5 +1,7 @@
-"""train.precision = "bf16" (the CPU reference, backend/cpu/precision.py) on every parallel layout equals one process
-training the same config in bf16, and differs from fp32 training (the layouts really run the rounding).
+"""train.precision = "bf16" (the CPU reference, backend/cpu/precision.py) on every parallel layout (dp; ZeRO 1, 2, 3;
+pp under 1F1B, GPipe, zero-bubble and interleaved 1F1B; each with the math and flash attention and with recompute;
+tp; train.deterministic) equals one process training the same config in bf16, and differs from fp32 training (the
+layouts really run the rounding).
 
 Run under ``mpiexec -n 1`` (all skip) and ``-n 2`` by tests/test_suites.py; a layout whose ranks do not divide the world
 skips. The global batch grows with dp so every rank gets the same share. The reference is each rank training alone
@@ -36,21 +38,26 @@ LAYOUTS = {  # name: (parallel settings, ranks one copy of the model spans); tp 
     "zero-1": ({"zero": 1}, 1),
     "zero-2": ({"zero": 2}, 1),
     "pp": ({"pp": 2}, 2),
+    "pp-gpipe": ({"pp": 2, "schedule": "gpipe"}, 2),
     "pp-zero-bubble": ({"pp": 2, "schedule": "zero-bubble"}, 2),
+    "pp-interleaved": ({"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2}, 2),
+    "zero-3": ({"zero": 3}, 1),
 }
 
 
-def cfg_for(path, comm, layout, precision="bf16", **model):
+def cfg_for(path, comm, layout, precision="bf16", recompute="none", **model):
     parallel, span = LAYOUTS[layout]
     dp = comm.size // span
     return gpt_config(path, model=model, optim=SGD, parallel=dict(parallel),
-                      train={"batch_size": 4 * dp, "micro_batches": 2, "grad_clip": 1.0, "precision": precision})
+                      train={"batch_size": 4 * dp, "micro_batches": 2, "grad_clip": 1.0, "precision": precision,
+                             "recompute": recompute})
 
 
 def alone(cfg, dp):
     single = dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, micro_batches=cfg.train.micro_batches * dp),
-        parallel=dataclasses.replace(cfg.parallel, pp=1, tp=1, stages=(), dp="auto", schedule="1f1b", zero=0))
+        parallel=dataclasses.replace(cfg.parallel, pp=1, tp=1, stages=(), dp="auto", schedule="1f1b", zero=0,
+                                    virtual_stages=1))
     return train(single, MPI.COMM_SELF)
 
 
@@ -60,18 +67,20 @@ def max_error(got, want) -> float:
     return max(float(np.abs(got[n] - want[n]).max() / max(np.abs(want[n]).max(), 1e-30)) for n in want)
 
 
-@pytest.mark.parametrize("attention", ["math", "flash"])
+@pytest.mark.parametrize("variant", ["math", "flash", "recompute"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_bf16_on_every_layout_equals_one_process_in_bf16(comm, tokens, layout, attention):
+def test_bf16_on_every_layout_equals_one_process_in_bf16(comm, tokens, layout, variant):
+    """``recompute``: the blocks' forward run again in backward rounds at the same points (the math attention)."""
     span = LAYOUTS[layout][1]
     if comm.size % span or comm.size == 1:
         pytest.skip(f"the {layout} layout needs a world of a multiple of {span} and at least 2 ranks")
-    cfg = cfg_for(tokens, comm, layout, attention=attention)
+    cfg = cfg_for(tokens, comm, layout, attention="flash" if variant == "flash" else "math",
+                  recompute="blocks" if variant == "recompute" else "none")
     got = train(cfg, comm)
     want = alone(cfg, comm.size // span)
     fp32 = alone(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="fp32")), comm.size // span)
     near, apart = max_error(got, want), max_error(got, fp32)
-    print(f"\n{layout} {attention}: from one process in bf16 {near:.2e}, from fp32 {apart:.2e}")
+    print(f"\n{layout} {variant}: from one process in bf16 {near:.2e}, from fp32 {apart:.2e}")
     assert near < NEAR, near
     assert apart > APART, apart
 
@@ -116,3 +125,19 @@ def test_bf16_pipeline_checkpoint_resumes_in_fp32_on_one_process(comm, tokens, s
         outcome[0] = float(any("at step 2" in line for line in lines) and t.optim.step_count == 4)
     comm.Bcast(outcome, root=0)
     assert outcome[0] == 1.0
+
+
+def test_deterministic_bf16_is_bitwise_one_process(comm, tokens):
+    """train.deterministic: each logical shard is one micro-batch wherever it runs, so bf16 rounds at the same points
+    on every layout, and the fixed tree sums the shards' float32 gradients in one order: the same bits as one
+    process."""
+    if comm.size == 1:
+        pytest.skip("needs at least 2 ranks")
+    train_keys = {"batch_size": 8, "steps": 4, "deterministic": True, "deterministic_shards": 2 * comm.size,
+                  "precision": "bf16", "grad_clip": 1.0}
+    cfg = gpt_config(tokens, optim={"name": "adamw", "lr": 0.01}, train=train_keys)
+    got = train(cfg, comm)
+    want = train(cfg, MPI.COMM_SELF)
+    assert all(np.array_equal(got[n], want[n]) for n in want)
+    fp32 = train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="fp32")), MPI.COMM_SELF)
+    assert max_error(got, fp32) > APART

@@ -143,9 +143,12 @@ def test_bad_precision_fails_in_one_line():
 
 def test_backend_choice_by_precision():
     lines = []
-    assert type(get_backend("cpu", precision="bf16")) is Bf16CpuBackend
+    assert type(get_backend("cpu", precision="bf16", log=lines.append)) is Bf16CpuBackend
     assert type(get_backend("cpu", precision="tf32", log=lines.append)) is CpuBackend
-    assert lines == ['train.precision = "tf32": the CPU has no TF32, its products compute in float32']
+    assert type(get_backend("cpu", log=lines.append)) is CpuBackend
+    assert lines == ['train.precision = "bf16": the CPU reference, every product rounded to bfloat16 with float32 '
+                     "accumulation, the rest and the master weights float32",
+                     'train.precision = "tf32": the CPU has no TF32, its products compute in float32']
 
 
 def test_cuda_backend_refuses_bf16_and_tf32_in_one_line(monkeypatch):

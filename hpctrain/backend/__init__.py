@@ -70,6 +70,9 @@ def get_backend(name: str, *, log=None, device_id: int = 0, precision: str = "fp
         if precision == "bf16":
             from .cpu.precision import Bf16CpuBackend
 
+            if log is not None:
+                log('train.precision = "bf16": the CPU reference, every product rounded to bfloat16 with float32 '
+                    "accumulation, the rest and the master weights float32")
             return Bf16CpuBackend()
         if precision == "tf32" and log is not None:
             log('train.precision = "tf32": the CPU has no TF32, its products compute in float32')

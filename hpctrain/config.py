@@ -130,6 +130,7 @@ class TrainConfig:
     deterministic: bool = False  # the same bits for any dp and pp (parallel/deterministic.py)
     deterministic_shards: int = 4  # deterministic: the global batch's logical shards (a power of two)
     peak_tflops: float = 0.0  # one rank's peak for MFU; 0: the GPU's datasheet figure, or measured on the CPU
+    precision: str = "fp32"  # the GEMMs' type: "bf16" rounds their inputs and outputs (backend/cpu/precision.py)
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,7 @@ CHOICES = {
     ("parallel", "mode"): ("sync", "async_ps"),
     ("parallel", "zero_reduce"): ("auto", "reduce_scatter", "allreduce"),
     ("parallel", "reduce_dtype"): ("fp32", "bf16"),
+    ("train", "precision"): ("fp32", "tf32", "bf16"),
 }
 
 

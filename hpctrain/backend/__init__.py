@@ -52,8 +52,11 @@ def picks_device(name: str) -> bool:
     return name == "cuda" or (name == "auto" and not _simulator() and cuda_available())
 
 
-def get_backend(name: str, *, log=None, device_id: int = 0) -> Backend:
+def get_backend(name: str, *, log=None, device_id: int = 0, precision: str = "fp32") -> Backend:
     """Return the backend for ``[train] backend``; ``auto`` prefers a real GPU and logs its choice.
+
+    ``precision`` (``train.precision``): on the CPU "bf16" is cpu/precision.py's reference and "tf32" computes
+    in float32 (the CPU has no TF32; logged once); the CUDA backend has float32 only and refuses the others.
 
     Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) ``auto`` takes the CPU: the simulator is for
     testing kernels, far too slow to train on; ``backend = "cuda"`` still uses it.
@@ -64,10 +67,22 @@ def get_backend(name: str, *, log=None, device_id: int = 0) -> Backend:
         if name == "auto" and log is not None:
             why = "the CUDA simulator is on" if _simulator() else "no GPU found"
             log(f"backend auto: {why}, using the CPU backend")
+        if precision == "bf16":
+            from .cpu.precision import Bf16CpuBackend
+
+            if log is not None:
+                log('train.precision = "bf16": the CPU reference, every product rounded to bfloat16 with float32 '
+                    "accumulation, the rest and the master weights float32")
+            return Bf16CpuBackend()
+        if precision == "tf32" and log is not None:
+            log('train.precision = "tf32": the CPU has no TF32, its products compute in float32')
         return CpuBackend()
     if name in ("cuda", "auto"):
         if not cuda_available():
             raise BackendError('backend = "cuda" but no CUDA GPU is available (install hpctrain[cuda] and check nvidia-smi)')
+        if precision != "fp32":
+            raise BackendError(f'train.precision = "{precision}" is not built on the CUDA backend yet: it has "fp32"; '
+                               'the bf16 reference runs on backend = "cpu"')
         try:
             from .cuda import CudaBackend
         except ImportError as e:

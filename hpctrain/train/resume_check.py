@@ -10,7 +10,7 @@ with the new run's and names each setting that changes the result:
 
 May differ (``MAY_DIFFER``): how long and how often (train.steps, the log/eval/checkpoint
 cadence), where (paths), how it is laid out on the machine (every parallel.* but the staleness,
-micro-batches, recompute, attention's memory plan, the backend) and what to do about bad steps. Everything
+micro-batches, recompute, attention's memory plan, the backend, the GEMMs' precision) and what to do about bad steps. Everything
 else changes the numbers and must match, unless ``checkpoint.allow_changed`` lists it. A
 setting the checkpoint's hpctrain did not have yet is not compared, nor one that has no effect in
 either run (``_effective``: SGD's momentum under AdamW, the deterministic shards of a run that is not
@@ -29,6 +29,7 @@ MAY_DIFFER = frozenset({
     "train.steps", "train.log_every", "train.eval_every", "train.metrics", "train.trace", "train.tensorboard",
     "train.backend", "train.micro_batches", "train.recompute", "train.skip_nonfinite", "train.max_skipped_steps",
     "train.debug_collectives", "train.collective_timeout", "train.progress", "train.peak_tflops", "model.attention",
+    "train.precision",  # checkpoints hold the float32 master weights whatever the GEMMs' precision
     "data.path", "data.allow_external", "data.corpus",
     "parallel.dp", "parallel.pp", "parallel.tp", "parallel.schedule", "parallel.virtual_stages", "parallel.stages",
     "parallel.bucket_mb",

@@ -10,7 +10,9 @@ recompile.
 The package, a module per family of ops with forward and backward side by side, each holding its kernels and a
 mixin class with the backend's methods for them (argument checks, then the kernel): linear.py (products through
 blas.py, bias), activations.py (and the residual add), norm.py, fused.py (the residual add + LayerNorm), loss.py,
-embedding.py, attention.py (math and flash paths), dropout.py, optim.py. This module is the class and its memory methods.
+embedding.py, attention.py (math and flash paths), dropout.py, optim.py. This module is the class and its memory
+methods; precision.py subclasses it for ``train.precision = "bf16"`` (every product's inputs and output rounded to
+bfloat16).
 """
 
 from __future__ import annotations

@@ -112,7 +112,12 @@ def _heads(qkv, B, T, H, hs):
 
 
 class Attention:
-    """CpuBackend's attention, math and flash paths (a mixin)."""
+    """CpuBackend's attention, math and flash paths (a mixin). Every product goes through ``_bmm`` (numpy's
+    ``matmul``; precision.py's bf16 backend rounds its inputs and output there)."""
+
+    @staticmethod
+    def _bmm(a, b, out=None):
+        return np.matmul(a, b, out=out)
 
     def attention_forward(self, qkv, T, n_head, out, att, *, dropout=None):
         """out[B·T, C] = softmax(q·kᵀ/√hs, causal)·v per head, from qkv[B·T, 3C] (q, k, v, heads of hs = C/H);
@@ -120,9 +125,9 @@ class Attention:
         B·H·T rows): out = dropout(att)·v, att itself kept undropped (the backward redraws the mask)."""
         B, H, C, hs, T = self._attention_args("attention_forward", qkv, T, n_head, att, out=out)
         q, k, v = _heads(qkv, B, T, H, hs)
-        scores = np.matmul(q, k.transpose(0, 1, 3, 2))  # (B, H, T, T), BLAS per head
+        scores = self._bmm(q, k.transpose(0, 1, 3, 2))  # (B, H, T, T), BLAS per head
         _causal_softmax(scores.reshape(B * H, T, T), 1.0 / math.sqrt(hs), att.reshape(B * H, T, T))
-        np.matmul(self._dropped(att, dropout, scores), v, out=out.reshape(B, T, H, hs).transpose(0, 2, 1, 3))
+        self._bmm(self._dropped(att, dropout, scores), v, out=out.reshape(B, T, H, hs).transpose(0, 2, 1, 3))
 
     def attention_backward(self, dout, qkv, att, T, n_head, dqkv, *, dropout=None):
         """dqkv[B·T, 3C] from dout[B·T, C], the forward's qkv and att (overwritten, never accumulated);
@@ -131,15 +136,15 @@ class Attention:
         q, k, v = _heads(qkv, B, T, H, hs)
         dq, dk, dv = _heads(dqkv, B, T, H, hs)
         dy = dout.reshape(B, T, H, hs).transpose(0, 2, 1, 3)
-        datt = np.matmul(dy, v.transpose(0, 1, 3, 2))  # (B, H, T, T): the gradient of the dropped att
+        datt = self._bmm(dy, v.transpose(0, 1, 3, 2))  # (B, H, T, T): the gradient of the dropped att
         dscores = np.empty_like(datt)
-        np.matmul(self._dropped(att, dropout, dscores).transpose(0, 1, 3, 2), dy, out=dv)
+        self._bmm(self._dropped(att, dropout, dscores).transpose(0, 1, 3, 2), dy, out=dv)
         if dropout is not None:
             self.dropout(datt.reshape(-1, T), datt.reshape(-1, T), dropout)  # through the same mask
         _causal_softmax_backward(att.reshape(B * H, T, T), datt.reshape(B * H, T, T), 1.0 / math.sqrt(hs),
                                  dscores.reshape(B * H, T, T))
-        np.matmul(dscores, k, out=dq)
-        np.matmul(dscores.transpose(0, 1, 3, 2), q, out=dk)
+        self._bmm(dscores, k, out=dq)
+        self._bmm(dscores.transpose(0, 1, 3, 2), q, out=dk)
 
     def flash_attention_forward(self, qkv, T, n_head, out, lse, *, dropout=None):
         """out as ``attention_forward``'s, keeping lse[B, H, T] (each row's log Σ_j exp(q·k_j/√hs)) instead of the
@@ -151,9 +156,9 @@ class Attention:
         scores, att = (np.empty((heads_at_once(H, T), T, T), np.float32) for _ in range(2))
         for b, h0, h1 in _head_chunks(B, H, T):
             s, a = scores[: h1 - h0], att[: h1 - h0]
-            np.matmul(q[b, h0:h1], k[b, h0:h1].transpose(0, 2, 1), out=s)
+            self._bmm(q[b, h0:h1], k[b, h0:h1].transpose(0, 2, 1), out=s)
             _causal_softmax(s, 1.0 / math.sqrt(hs), a, lse[b, h0:h1])
-            np.matmul(self._dropped(a, _chunk_draw(dropout, b, h0, H, T), s), v[b, h0:h1], out=o[b, h0:h1])
+            self._bmm(self._dropped(a, _chunk_draw(dropout, b, h0, H, T), s), v[b, h0:h1], out=o[b, h0:h1])
 
     def flash_attention_backward(self, dout, qkv, out, lse, T, n_head, dqkv, *, dropout=None):
         """dqkv[B·T, 3C] from dout, the forward's qkv, out and lse: the probabilities recomputed a few heads at a
@@ -170,18 +175,18 @@ class Attention:
         for b, h0, h1 in _head_chunks(B, H, T):
             g = h1 - h0
             s, a = scores[:g], att[:g]
-            np.matmul(q[b, h0:h1], k[b, h0:h1].transpose(0, 2, 1), out=s)
+            self._bmm(q[b, h0:h1], k[b, h0:h1].transpose(0, 2, 1), out=s)
             _causal_log_probabilities(s, np.float32(scale), lse[b, h0:h1], a)
             np.exp(a, out=a)
             draw = _chunk_draw(dropout, b, h0, H, T)
-            np.matmul(self._dropped(a, draw, None if spare is None else spare[:g]).transpose(0, 2, 1), dy[b, h0:h1],
+            self._bmm(self._dropped(a, draw, None if spare is None else spare[:g]).transpose(0, 2, 1), dy[b, h0:h1],
                       out=dv[b, h0:h1])
-            np.matmul(dy[b, h0:h1], v[b, h0:h1].transpose(0, 2, 1), out=s)  # datt, of the dropped att
+            self._bmm(dy[b, h0:h1], v[b, h0:h1].transpose(0, 2, 1), out=s)  # datt, of the dropped att
             if draw is not None:
                 self.dropout(s.reshape(-1, T), s.reshape(-1, T), draw)
             _causal_softmax_backward(a, s, scale, s)  # in place: each row's sum is taken before it is written
-            np.matmul(s, k[b, h0:h1], out=dq[b, h0:h1])
-            np.matmul(s.transpose(0, 2, 1), q[b, h0:h1], out=dk[b, h0:h1])
+            self._bmm(s, k[b, h0:h1], out=dq[b, h0:h1])
+            self._bmm(s.transpose(0, 2, 1), q[b, h0:h1], out=dk[b, h0:h1])
 
     def _dropped(self, att, dropout, scratch):
         """att, or its dropout into ``scratch`` (an array of att's shape free for it)."""

@@ -1,0 +1,75 @@
+"""``train.precision = "bf16"`` on the CPU: the reference for mixed-precision training, PyTorch's bf16 autocast.
+
+Every product (the Linear forward out = X·Wᵀ + b, its two backward products dY·W and dYᵀ·X, the LM head, which is
+a Linear on the tied table, and attention's q·kᵀ, att·v and their backward products) takes its inputs rounded to
+bfloat16 (to nearest even, ``ml_dtypes``' cast), accumulates in float32 (numpy's BLAS) and rounds its output to
+bfloat16, as a bf16 GEMM with float32 accumulation does. The Linear's bias is rounded too and added before the
+output's rounding (autocast's ``addmm``); a later micro-batch's weight gradient is rounded before it is added to the
+float32 gradient (autocast's cast back to the float32 parameter). Everything else stays float32: LayerNorm and its
+statistics, softmax (its 1/√hs scale applied in float32 inside it), GELU, dropout, the loss and its gradient,
+residual adds, the bias gradient, and the master state (parameters, gradients, optimizer state, checkpoints).
+
+Arrays keep the backend's contract (float32, C-contiguous): a bfloat16 value is held as the float32 of the same
+value, so the rest of the backend, MPI and the checkpoints see nothing new; the bytes held are fp32's.
+
+    be = Bf16CpuBackend()      # get_backend("cpu", precision="bf16")
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import CpuBackend
+
+__all__ = ["Bf16CpuBackend", "to_bf16", "round_bf16_"]
+
+
+def _bfloat16():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+def to_bf16(x) -> np.ndarray:
+    """A new float32 array of ``x`` rounded to bfloat16 (to nearest even)."""
+    return np.asarray(x).astype(_bfloat16()).astype(np.float32)
+
+
+def round_bf16_(x: np.ndarray) -> np.ndarray:
+    """``x`` (float32, any strides) rounded to bfloat16 in place; returns it."""
+    x[...] = x.astype(_bfloat16())
+    return x
+
+
+class Bf16CpuBackend(CpuBackend):
+    """CpuBackend whose products round their inputs and outputs to bfloat16 (this module's docstring)."""
+
+    precision = "bf16"
+
+    def matmul_nt(self, a, b, out, bias=None):
+        """out[M,N] = bf16(bf16(a)·bf16(b)ᵀ + bf16(bias)), accumulated in float32."""
+        self._matmul_args("matmul_nt", a, b, out, bias)
+        np.matmul(to_bf16(a), to_bf16(b).T, out=out)
+        if bias is not None:
+            out += to_bf16(bias)
+        round_bf16_(out)
+
+    def matmul_nn(self, a, b, out):
+        """out[M,N] = bf16(bf16(a)·bf16(b))."""
+        self._matmul_args("matmul_nn", a, b, out)
+        np.matmul(to_bf16(a), to_bf16(b), out=out)
+        round_bf16_(out)
+
+    def matmul_tn(self, a, b, out, accumulate=False):
+        """out[M,N] (+)= bf16(bf16(a)ᵀ·bf16(b)): the weight gradient rounded, then added in float32."""
+        self._matmul_args("matmul_tn", a, b, out)
+        product = round_bf16_(to_bf16(a).T @ to_bf16(b))
+        if accumulate:
+            out += product
+        else:
+            np.copyto(out, product)
+
+    @staticmethod
+    def _bmm(a, b, out=None):
+        """attention's batched products: bf16(bf16(a)·bf16(b)), into ``out`` (any strides) or a new array."""
+        return round_bf16_(np.matmul(to_bf16(a), to_bf16(b), out=out))

@@ -1,0 +1,191 @@
+"""train.precision: the CPU backend's bf16 reference (backend/cpu/precision.py) rounds every product's inputs and
+output to bfloat16 and keeps the rest, and the master state, in float32; checkpoints move between precisions."""
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import reference as ref
+from helpers import gpt_config, make_tokens, run_trainer as run
+from hpctrain.backend import get_backend
+from hpctrain.backend.cpu import CpuBackend
+from hpctrain.backend.cpu.precision import Bf16CpuBackend
+from hpctrain.checkpoint import load_checkpoint
+from hpctrain.errors import BackendError, ConfigError
+from hpctrain.nn import make_loss
+from hpctrain.nn.gpt import GPTSpec
+from hpctrain.params import FlatBuffer
+
+BF16 = ml_dtypes.bfloat16
+SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+
+
+def bf(x):
+    """x rounded to bfloat16 (to nearest even), as float64."""
+    return np.asarray(x, np.float32).astype(BF16).astype(np.float64)
+
+
+def is_bf16(x) -> bool:
+    return bool((np.asarray(x, np.float32).view(np.uint32) & 0xFFFF == 0).all())
+
+
+def assert_bf16_result(got, exact):
+    """got: the float32-accumulated product rounded to bfloat16; exact: the float64 product of the same rounded
+    inputs, rounded to bfloat16. float32 accumulation may land on the other side of a rounding boundary, so a
+    rare element is one bfloat16 step (2⁻⁸ relative) away; most are bitwise equal."""
+    assert is_bf16(got)
+    want = bf(exact)
+    assert np.mean(got == want) > 0.95
+    np.testing.assert_allclose(got, want, rtol=2.0**-7, atol=0)
+
+
+def test_linear_forward_and_backward_round_at_the_gemms():
+    be = Bf16CpuBackend()
+    rng = np.random.default_rng(0)
+    B, K, N = 33, 70, 21
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((B, K), (N, K), (N,)))
+    dy = rng.standard_normal((B, N)).astype(np.float32)
+    out = np.empty((B, N), np.float32)
+    be.matmul_nt(x, w, out, bias=b)
+    assert_bf16_result(out, bf(x) @ bf(w).T + bf(b))
+    assert np.abs(out - ref.linear_forward(x, w, b)).max() > 1e-3  # it does round
+    dx = np.empty((B, K), np.float32)
+    be.matmul_nn(dy, w, dx)
+    assert_bf16_result(dx, bf(dy) @ bf(w))
+    dw = np.ones((N, K), np.float32) * np.float32(0.1)
+    be.matmul_tn(dy, x, dw, accumulate=True)  # a micro-batch's rounded gradient added to the float32 one
+    np.testing.assert_allclose(dw - np.float32(0.1), bf(bf(dy).T @ bf(x)), rtol=2.0**-7, atol=1e-6)
+    assert not is_bf16(dw)  # the accumulated gradient stays float32
+
+
+def test_attention_products_round_and_softmax_stays_float32():
+    """The math and flash paths agree in bf16 (the same rounded products), and both differ from float32."""
+    be, fp = Bf16CpuBackend(), CpuBackend()
+    rng = np.random.default_rng(1)
+    B, T, H, C = 2, 5, 2, 8
+    qkv = rng.standard_normal((B * T, 3 * C)).astype(np.float32)
+    dout = rng.standard_normal((B * T, C)).astype(np.float32)
+    results = {}
+    for name, backend in (("bf16", be), ("fp32", fp)):
+        out, att = np.empty((B * T, C), np.float32), np.empty((B, H, T, T), np.float32)
+        backend.attention_forward(qkv, T, H, out, att)
+        dqkv = np.empty_like(qkv)
+        backend.attention_backward(dout, qkv, att, T, H, dqkv)
+        fout, lse, fdqkv = np.empty_like(out), np.empty((B, H, T), np.float32), np.empty_like(qkv)
+        backend.flash_attention_forward(qkv, T, H, fout, lse)
+        backend.flash_attention_backward(dout, qkv, fout, lse, T, H, fdqkv)
+        results[name] = out, dqkv, att, fout, fdqkv
+    out, dqkv, att, fout, fdqkv = results["bf16"]
+    assert is_bf16(out) and is_bf16(dqkv) and is_bf16(fout) and is_bf16(fdqkv)
+    assert not is_bf16(att)  # the probabilities: softmax's float32 output
+    np.testing.assert_allclose(fout, out, rtol=2.0**-7, atol=1e-6)
+    np.testing.assert_allclose(fdqkv, dqkv, rtol=2.0**-6, atol=1e-3)
+    want, _ = ref.attention(qkv, T, H)
+    assert np.abs(out - want).max() > 1e-4 > np.abs(results["fp32"][0] - want).max()
+
+
+def _loss_and_grads(be, spec, params, idx, targets):
+    """One forward and backward of the whole GPT on ``be``: (mean loss, gradients by name)."""
+    part = spec.part()
+    p, g = FlatBuffer(be, part.layout), FlatBuffer(be, part.layout)
+    part.bind(p, g)
+    p.load_host_dict(params)
+    h, saved = part.forward(be, be.asarray(idx))
+    n = idx.size
+    value, _, d = make_loss("cross_entropy")(be, h, be.asarray(targets.reshape(-1)), 1.0 / n)
+    part.backward(be, d, saved, need_dinp=False)
+    return value / n, g.to_host_dict()
+
+
+def _sgd_run(step, params, steps=4, lr=0.3):
+    """``steps`` of plain SGD on one batch from float32 ``params``: (the losses, the final parameters)."""
+    p, losses = dict(params), []
+    for _ in range(steps):
+        loss, grads = step(p)
+        losses.append(float(loss))
+        p = {k: (p[k] - lr * grads[k]).astype(p[k].dtype) for k in p}
+    return losses, p
+
+
+@pytest.mark.parametrize("attention", ["math", "flash"])
+def test_bf16_gpt_really_rounds_and_still_learns(attention):
+    """A few SGD steps of a small GPT: the bf16 run is at least 10x further from a float64 run than the float32 run
+    is (it rounds), and its loss falls as the others' does."""
+    spec = GPTSpec(vocab_size=12, block_size=8, n_layer=2, n_head=2, n_embd=16, attention=attention)
+    rng = np.random.default_rng(3)
+    idx = rng.integers(0, 12, (4, 8)).astype(np.int64)
+    targets = np.roll(idx, -1, axis=1)
+    params = spec.init_params(0)
+    _, exact = _sgd_run(lambda p: ref.gpt_loss_and_grads({k: v.astype(np.float64) for k, v in p.items()}, idx,
+                                                         targets, n_layer=2, n_head=2),
+                        {k: v.astype(np.float64) for k, v in params.items()})
+    runs = {name: _sgd_run(lambda p, be=be: _loss_and_grads(be, spec, p, idx, targets), params)
+            for name, be in (("fp32", CpuBackend()), ("bf16", Bf16CpuBackend()))}
+
+    def distance(p):
+        return max(float(np.abs(p[k] - exact[k]).max() / np.abs(exact[k]).max()) for k in exact)
+
+    fp32, bf16 = distance(runs["fp32"][1]), distance(runs["bf16"][1])
+    assert bf16 > 10 * fp32, (bf16, fp32)
+    assert bf16 < 0.05, bf16  # still the same training
+    losses = runs["bf16"][0]
+    assert losses[-1] < losses[0] - 0.1, losses
+    assert all(v.dtype == np.float32 and not is_bf16(v) for v in runs["bf16"][1].values() if v.size > 8)
+
+
+def test_bad_precision_fails_in_one_line():
+    with pytest.raises(ConfigError, match=r"^train.precision: expected one of 'fp32', 'tf32', 'bf16', got 'fp16'$"):
+        gpt_config("t.h5", train={"precision": "fp16"})
+    assert gpt_config("t.h5").train.precision == "fp32"
+
+
+def test_backend_choice_by_precision():
+    lines = []
+    assert type(get_backend("cpu", precision="bf16", log=lines.append)) is Bf16CpuBackend
+    assert type(get_backend("cpu", precision="tf32", log=lines.append)) is CpuBackend
+    assert type(get_backend("cpu", log=lines.append)) is CpuBackend
+    assert lines == ['train.precision = "bf16": the CPU reference, every product rounded to bfloat16 with float32 '
+                     "accumulation, the rest and the master weights float32",
+                     'train.precision = "tf32": the CPU has no TF32, its products compute in float32']
+
+
+def test_cuda_backend_refuses_bf16_and_tf32_in_one_line(monkeypatch):
+    import hpctrain.backend as backends
+
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)
+    for precision in ("bf16", "tf32"):
+        with pytest.raises(BackendError, match=rf'^train.precision = "{precision}" is not built on the CUDA backend '
+                                               r'yet: it has "fp32"; the bf16 reference runs on backend = "cpu"$'):
+            get_backend("cuda", precision=precision)
+
+
+@pytest.mark.parametrize("first,then", [("bf16", "fp32"), ("fp32", "bf16")])
+def test_a_checkpoint_resumes_in_the_other_precision(tmp_path, mesh, first, then):
+    """Checkpoints hold the float32 master: a run killed after step 2 resumes in the other precision, from the
+    same float32 parameters the first precision's run had at step 2."""
+    make_tokens(tmp_path / "t.h5")
+    ckdir = str(tmp_path / "ck")
+
+    def cfg(precision, steps, **checkpoint):
+        return gpt_config(tmp_path / "t.h5", train={"steps": steps, "precision": precision}, checkpoint=checkpoint,
+                          optim=SGD)  # AdamW would turn rounding where a gradient is ~0 into lr-sized steps
+
+    two = run(cfg(first, 2), mesh)
+    at_two = two.params.to_host_dict()
+    run(cfg(first, 4, dir=ckdir, every=2), mesh)
+    os.remove(os.path.join(ckdir, "ckpt-00000004.h5"))
+    saved = load_checkpoint(os.path.join(ckdir, "ckpt-00000002.h5"), two.model.layout).params
+    for name, value in at_two.items():
+        assert saved[name].dtype == np.float32
+        np.testing.assert_array_equal(saved[name], value, err_msg=name)
+    assert not all(is_bf16(v) for v in at_two.values())  # the master is float32 in a bf16 run too
+    lines = []
+    resumed = run(cfg(then, 4, dir=ckdir), mesh, lines.append)
+    assert any("ckpt-00000002.h5 at step 2" in line for line in lines), lines
+    assert resumed.optim.step_count == 4
+    straight = run(cfg(first, 4), mesh).params.to_host_dict()
+    got = resumed.params.to_host_dict()
+    worst = max(float(np.abs(got[k] - straight[k]).max() / np.abs(straight[k]).max()) for k in got)
+    assert 0 < worst < 0.05, worst  # two steps in the other precision: rounding apart, the same training

@@ -237,8 +237,8 @@ class Backend:
             self._arg(op, name, arr, shape=(n,))
 
     # A residual add fused with the LayerNorm after it (a GPT block's x2 = x2 + x; h2 = ln_2(x2)), forward and
-    # backward side by side. These are the unfused sequence, for a backend without the fused kernels; the CPU and
-    # CUDA backends override them (cpu/fused.py, cuda/norm.py) with the same results.
+    # backward side by side. These are the unfused sequence, which the CPU backend runs as they are (a fused loop
+    # saves it nothing measurable); the CUDA backend overrides them (cuda/norm.py) with the same results.
     def residual_layernorm_forward(self, x, residual, weight, bias, eps, out, mean, rstd):
         """x[B,C] += residual[B,C] (in place: x is the residual stream after the add), then out = LayerNorm(x)
         as ``layernorm_forward`` (mean[B], rstd[B] saved)."""

@@ -9,7 +9,7 @@ recompile.
 
 The package, a module per family of ops with forward and backward side by side, each holding its kernels and a
 mixin class with the backend's methods for them (argument checks, then the kernel): linear.py (products through
-blas.py, bias), activations.py (and the residual add), norm.py, fused.py (the residual add + LayerNorm), loss.py,
+blas.py, bias), activations.py (and the residual add), norm.py (the residual add + LayerNorm: base.py's unfused sequence), loss.py,
 embedding.py, attention.py (math and flash paths), dropout.py, optim.py. This module is the class and its memory
 methods; precision.py subclasses it for ``train.precision = "bf16"`` (every product's inputs and output rounded to
 bfloat16).
@@ -25,7 +25,6 @@ from .attention import Attention
 from .blas import Sgemm
 from .dropout import Dropout
 from .embedding import Embedding
-from .fused import Fused
 from .linear import Linear
 from .loss import Loss
 from .norm import Norm
@@ -34,7 +33,7 @@ from .optim import Optim
 __all__ = ["CpuBackend"]
 
 
-class CpuBackend(Linear, Activations, Norm, Fused, Dropout, Embedding, Attention, Loss, Optim, Backend):
+class CpuBackend(Linear, Activations, Norm, Dropout, Embedding, Attention, Loss, Optim, Backend):
     """Arrays are numpy arrays in host memory."""
 
     name = "cpu"

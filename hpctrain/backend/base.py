@@ -15,6 +15,7 @@ each argument of each op in turn.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -177,6 +178,11 @@ class Backend:
     def read_host(self, *arrays) -> list:
         """Host copies of backend arrays, made together (a device backend waits for its stream once)."""
         return [np.array(a) for a in arrays]
+
+    def step_scope(self):
+        """A context manager around a training step: a device backend serves the step's arrays from its step
+        arena (backend/arena.py); here nothing."""
+        return contextlib.nullcontext()
 
     def timer(self):
         """A timing event recorded on the device's stream now (None where host clocks time the kernels: the CPU,

@@ -185,6 +185,7 @@ class StageExecutor:
         if self._losses:  # no optimizer step read them (evaluation): one wait here
             rows = self.pending_loss_rows()
             self.settle_losses(None if rows is None else self.be.read_host(rows)[0])
+        self._loss_rows = None  # read: nothing of the step's device memory outlives it (backend/arena.py)
         self._device_times()
         self.result.span = time.perf_counter() - t0
         return self.result

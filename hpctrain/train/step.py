@@ -156,8 +156,14 @@ class StepRunner:
         self.sync.start_step()
         tp = self.part.tp
         sent = tp.bytes if tp is not None else 0
-        r = self.executor.run(self.schedule.stages[self.mesh.pp_rank], batch, grad_scale=self.grad_scale,
-                              on_optimizer_step=lambda: self._finish(step, lr))
+        be = self.be
+        allocs, launches = getattr(be, "allocs", 0), getattr(be, "launches", 0)
+        with be.step_scope():  # a device backend's arrays from its step arena (backend/arena.py)
+            r = self.executor.run(self.schedule.stages[self.mesh.pp_rank], batch, grad_scale=self.grad_scale,
+                                  on_optimizer_step=lambda: self._finish(step, lr))
+        if be.is_device:  # arrays allocated (not from the arena) and kernels launched from Python this step
+            r.extra["device_allocs"] = getattr(be, "allocs", 0) - allocs
+            r.extra["python_launches"] = getattr(be, "launches", 0) - launches
         if tp is not None:  # bytes this rank's tensor-parallel Allreduces carried this step
             r.extra["tp_bytes"] = tp.bytes - sent
         if self.mesh.dp > 1:  # the gradient payload this rank handed to its data-parallel reductions this step

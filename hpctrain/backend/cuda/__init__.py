@@ -50,6 +50,7 @@ simulator's mend and launch bounds.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from types import SimpleNamespace
@@ -70,8 +71,9 @@ from .gemm.tiled import GPU_SMALL_TILE, GPU_TILE, GPU_TILES, GPU_TN_TILES, SIM_T
 from .launch import Launcher
 from .linear import Linear
 from .loss import Loss
-from .memory import (DevicePool, flat, is_device_array, is_out_of_memory, out_of_memory_error, raw_alloc, wrap,
-                     wrap_address)
+from ..arena import StepArena
+from .memory import (DevicePool, arena_refs, flat, is_device_array, is_out_of_memory, out_of_memory_error, raw_alloc,
+                     slab_array, wrap, wrap_address)
 from .norm import Norm
 from .optim import Optim
 from .vmm import ReleasableDevice, VmmDriver
@@ -155,6 +157,11 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         self.upload_stream = cuda.stream()  # and its copies back (stage_in), which wait for nothing
         self._init_waits()  # host_waits, mark_waits, background_waits (base.StreamWaits)
         self._pool = None if self.simulator else DevicePool(raw_alloc, wrap)
+        self.allocs = 0  # arrays allocated outside the step arena (each builds an array wrapper)
+        self.launches = 0  # kernels launched from Python, one by one
+        # a training step's arrays replayed from one planned slab (backend/arena.py); HPCTRAIN_CUDA_ARENA=0: off
+        self.arena = None if os.environ.get("HPCTRAIN_CUDA_ARENA", "1") == "0" else StepArena(
+            fresh=self._fresh, slab=self._slab, carve=self._carve, refs=arena_refs)
         self._vmm_driver = None  # (VmmDriver or None, why not), once zero = 2 asks (vmm.py)
         self._no_bias = self.zeros((1,))  # the GEMM kernel always takes a bias array
         self._scalars = self.zeros((3,), np.float64)  # device-side results of the reductions
@@ -177,16 +184,44 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         return out
 
     def _alloc(self, op, shape, dtype):
-        """Allocate for ``op``; running out of device memory is a BackendError naming op, shape and size."""
+        """Allocate for ``op`` (inside a training step, from the step's arena once it has a plan); running out of
+        device memory is a BackendError naming op, shape and size."""
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         try:
-            if self._pool is None or math.prod(shape) == 0:
-                return cuda.device_array(shape, dtype=dtype, stream=self.stream)
-            return self._pool.alloc(shape, dtype)
+            if self.arena is not None and math.prod(shape):
+                out = self.arena.request(shape, dtype)
+                if out is not None:
+                    return out
+            return self._fresh(shape, dtype)
         except Exception as e:
             if is_out_of_memory(e):
                 raise out_of_memory_error(op, shape, dtype, "GPU", e) from None
             raise
+
+    def _fresh(self, shape, dtype):
+        """A new array: from the caching pool on a GPU, numba's under the simulator (counted in ``allocs``)."""
+        self.allocs += 1
+        if self._pool is None or math.prod(shape) == 0:
+            return cuda.device_array(shape, dtype=dtype, stream=self.stream)
+        return self._pool.alloc(shape, dtype)
+
+    def _slab(self, nbytes):
+        """The arena's one allocation (uninitialised; under the simulator every byte 0xFF, float NaN, so a kernel
+        that read memory it never wrote would show in the tests' bits)."""
+        if self._pool is None:
+            return memoryview(np.full(nbytes, 0xFF, dtype=np.uint8))
+        return self._pool.alloc((nbytes,), np.uint8)
+
+    def _carve(self, slab, offset, shape, dtype):
+        if self._pool is None:
+            n = math.prod(shape) * dtype.itemsize
+            return cuda.simulator.cudadrv.devicearray.FakeCUDAArray(
+                np.ndarray(shape, dtype, buffer=slab[offset : offset + n]), stream=self.stream)
+        return slab_array(slab, offset, shape, dtype)
+
+    def step_scope(self):
+        """Around a training step: its arrays come from the step arena (backend/arena.py)."""
+        return self.arena.step() if self.arena is not None else contextlib.nullcontext()
 
     def asarray(self, host):
         """Host numpy array -> device array of the same shape and dtype (device arrays pass through)."""
@@ -393,6 +428,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
     # ------------------------------------------------------------------ launching
 
     def _launch(self, kernel, grid, threads, *args):
+        self.launches += 1
         if self.launcher is None:
             kernel[grid, threads, self.stream](*args)
         else:

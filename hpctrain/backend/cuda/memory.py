@@ -48,7 +48,7 @@ from numba import cuda
 from ...errors import BackendError
 
 __all__ = ["DevicePool", "is_out_of_memory", "out_of_memory_error", "is_device_array", "flat", "raw_alloc", "wrap",
-           "wrap_address"]
+           "wrap_address", "slab_array", "arena_refs"]
 
 _GRANULE = 512  # bytes; cudaMalloc aligns to at least this anyway
 _CUDA_ERROR_OUT_OF_MEMORY = 2
@@ -181,3 +181,30 @@ def wrap_address(address, n, owner):
     """``n`` float32 at a device address that ``owner`` holds (a ReleasableDevice's reserved range)."""
     desc = {"shape": (n,), "strides": None, "typestr": "<f4", "data": (address, False), "version": 3}
     return cuda.from_cuda_array_interface(desc, owner=owner, sync=False)
+
+
+class _SlabPiece:
+    """The owner of one array over the step arena's slab: every view of the array holds it, and it holds the slab
+    (so a slab the arena let go lives while any array over it does)."""
+
+    __slots__ = ("slab",)
+
+    def __init__(self, slab):
+        self.slab = slab
+
+
+def slab_array(slab, offset, shape, dtype):
+    """An array of ``shape`` and ``dtype`` at ``offset`` bytes into ``slab`` (a pool array), with its own owner."""
+    desc = {"shape": tuple(shape), "strides": None, "typestr": np.dtype(dtype).str,
+            "data": (slab.device_ctypes_pointer.value + offset, False), "version": 3}
+    return cuda.from_cuda_array_interface(desc, owner=_SlabPiece(slab), sync=False)
+
+
+def arena_refs(arr) -> tuple:
+    """What every view of ``arr`` references (backend/arena.py counts them): the array itself; on a GPU its
+    memory pointer (shared by reshapes) and that pointer's owner (held by slices); under the simulator the numpy
+    array underneath (the base of every view)."""
+    data = getattr(arr, "gpu_data", None)
+    if data is None:  # the simulator's FakeCUDAArray
+        return arr, arr._ary
+    return arr, data, data.owner

@@ -1,0 +1,140 @@
+"""The CUDA backend's step arena (hpctrain/backend/arena.py, issue 49 item 1) under the simulator: from the second
+step on a training step allocates no device memory and builds no array wrapper, hands out the same arrays step
+after step, and trains to the same bits as without the arena. The metrics lines say so (``device_allocs``,
+``python_launches``: the simulator's own count of launches). The layouts on two ranks are tests/cuda/dp_worker.py's
+``arena-*``."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from numba.cuda.simulator import kernel as sim_kernel
+
+from cudatest import SIM
+from helpers import gpt_config, make_tokens
+from hpctrain.parallel.mesh import Mesh
+from hpctrain.train import Trainer
+
+pytestmark = pytest.mark.skipif(not SIM, reason="counts the simulator's launches (on a GPU: bench/gpu_all.sh)")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    m = Mesh()
+    yield m
+    m.free()
+
+
+@pytest.fixture
+def simulator_launches(monkeypatch):
+    """Kernels the simulator runs, counted where it runs them (not where hpctrain says it launches)."""
+    count = [0]
+    run = sim_kernel.FakeCUDAKernel.__call__
+
+    def counted(self, *args):
+        if not self._device and not sim_kernel._kernel_context:
+            count[0] += 1
+        return run(self, *args)
+
+    monkeypatch.setattr(sim_kernel.FakeCUDAKernel, "__call__", counted)
+    return count
+
+
+def gpt(tmp_path, **train):
+    make_tokens(tmp_path / "t.h5", n=300)
+    return gpt_config(tmp_path / "t.h5", model={"block_size": 4, "n_embd": 4}, data={"val_fraction": 0.0},
+                      train={"steps": 3, "batch_size": 4, "micro_batches": 2, "backend": "cuda", "grad_clip": 0.5,
+                             **train}, optim={"name": "adamw", "lr": 0.01})
+
+
+def train(cfg, mesh, monkeypatch, arena: bool, steps=3, counter=None):
+    """(trainer, parameters after ``steps``, [(device_allocs, python_launches, the simulator's launches)] a step)."""
+    monkeypatch.setenv("HPCTRAIN_CUDA_ARENA", "1" if arena else "0")
+    trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    seen = []
+    for step in range(steps):
+        ran = counter[0] if counter else 0
+        out = trainer.train_step(step, 0.01)
+        seen.append((out["device_allocs"], out["python_launches"], counter[0] - ran if counter else None))
+    params = trainer.be.to_host(trainer.params.data)
+    return trainer, params, seen
+
+
+def test_steps_after_the_first_allocate_nothing_and_train_to_the_same_bits(tmp_path, mesh, monkeypatch,
+                                                                             simulator_launches):
+    cfg = gpt(tmp_path)
+    trainer, with_arena, seen = train(cfg, mesh, monkeypatch, arena=True, counter=simulator_launches)
+    arena = trainer.be.arena
+    first = seen[0][0]
+    assert first > 50 and [a for a, _, _ in seen[1:]] == [0, 0], seen
+    assert arena.plans == 1 and arena.escaped == 0 and arena.reason == "" and arena.slab_bytes > 0
+    assert arena.served == 2 * first  # every request of the recorded step, twice
+    trainer.close()
+    _, without, plain = train(cfg, mesh, monkeypatch, arena=False, counter=simulator_launches)
+    assert np.array_equal(with_arena, without)
+    assert [a for a, _, _ in plain] == [first] * 3
+    # hpctrain's count is the simulator's (every launch goes through the backend's one launch call), the same
+    # every step, with the arena or without
+    assert all(ours == simulated for _, ours, simulated in seen + plain)
+    assert len({ours for _, ours, _ in seen + plain}) == 1
+
+
+def test_the_same_arrays_every_step(tmp_path, mesh, monkeypatch):
+    """What a CUDA graph needs: each request of a step gets the array (the address) it got the step before."""
+    cfg = gpt(tmp_path, micro_batches=1)
+    monkeypatch.setenv("HPCTRAIN_CUDA_ARENA", "1")
+    trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    be = trainer.be
+    handed = []
+    plain = be._alloc
+
+    def traced(op, shape, dtype=np.float32):
+        out = plain(op, shape, dtype)
+        handed[-1].append(id(out))
+        return out
+
+    be._alloc = traced
+    for step in range(4):
+        handed.append([])
+        trainer.train_step(step, 0.01)
+    assert handed[1] != handed[0] and handed[2] == handed[1] == handed[3]
+    trainer.close()
+
+
+def test_the_metrics_lines_carry_the_allocations_and_launches(tmp_path, mesh, monkeypatch):
+    cfg = gpt(tmp_path, steps=3, log_every=1, metrics=str(tmp_path / "m.jsonl"))
+    monkeypatch.setenv("HPCTRAIN_CUDA_ARENA", "1")
+    trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    trainer.run()
+    trainer.close()
+    lines = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    steps = [r for r in lines if "loss" in r and "device_allocs" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert steps[0]["device_allocs"] > 0 and [r["device_allocs"] for r in steps[1:]] == [0, 0]
+    assert len({r["python_launches"] for r in steps}) == 1 and steps[0]["python_launches"] > 0
+
+
+def test_evaluation_between_steps_does_not_disturb_the_plan(tmp_path, mesh, monkeypatch):
+    """Evaluation runs outside the step (other shapes, no backward): its arrays are the pool's, and the training
+    steps around it keep replaying."""
+    cfg = gpt(tmp_path)
+    monkeypatch.setenv("HPCTRAIN_CUDA_ARENA", "1")
+    trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    allocs = []
+    for step in range(3):
+        allocs.append(trainer.train_step(step, 0.01)["device_allocs"])
+        trainer.runner.evaluate("all", batches=1)
+    assert allocs[1:] == [0, 0] and trainer.be.arena.plans == 1
+    trainer.close()
+
+
+def test_the_arena_off_leaves_the_backend_as_it_was(monkeypatch):
+    from hpctrain.backend.cuda import CudaBackend
+
+    monkeypatch.setenv("HPCTRAIN_CUDA_ARENA", "0")
+    be = CudaBackend()
+    assert be.arena is None
+    with be.step_scope():
+        a = be.empty((3,))
+    assert a.shape == (3,) and be.allocs >= 1 and os.environ["HPCTRAIN_CUDA_ARENA"] == "0"

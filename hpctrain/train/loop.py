@@ -142,13 +142,13 @@ class Trainer:
         mesh = self._watch(cfg, mesh)
         keep_freed_memory()  # a step's activations reuse the last step's memory (hpctrain/_memory.py)
         run_everywhere(mesh.world, (lambda: startup.prepare_data(self)) if self.rank0 else lambda: None)
-        self.parts = run_everywhere(mesh.world, lambda: startup.build(cfg, mesh, self.log))
+        self.parts = run_everywhere(mesh.world, lambda: startup.build(cfg, run, mesh, self.log))
         startup.scan_data(self)  # every value of the data file, or a record that this file passed before
         # one job per checkpoint folder: rank 0 locks it before anything in it is read or written
         self._lock = run_everywhere(mesh.world, (lambda: startup.lock_checkpoint_dir(self)) if self.rank0
                                     else lambda: None)
         self._check_same_everywhere(cfg, mesh)
-        self.state = run_everywhere(mesh.world, lambda: startup.make_state(cfg, mesh, self.parts))
+        self.state = run_everywhere(mesh.world, lambda: startup.make_state(cfg, run, mesh, self.parts))
         startup.load_start(self)  # a checkpoint (each rank reads its own pieces), a weights file or a fresh init
         zero_reduce, timed = self._make_sync(cfg, mesh)
         if self.state.gather is not None:  # zero = 3: evaluation gathers the whole model once (parallel/zero3.py)
@@ -158,7 +158,7 @@ class Trainer:
         self._p2p = p2p = PointToPoint(comm=mesh.pp_comm, transport=self.transport, diag=self.diag) \
             if mesh.pp > 1 else None
         self.runner = run_everywhere(mesh.world, lambda: StepRunner(
-            cfg=cfg, mesh=mesh, backend=self.be, part=self.part, loss=self.loss, data=self.data,
+            cfg=cfg, run=run, mesh=mesh, backend=self.be, part=self.part, loss=self.loss, data=self.data,
             sampler=self.sampler, sync=self.sync, optim=self.optim, grads=self.grads, p2p=p2p,
             transport=self.transport, tracer=self.tracer,
             log=self.log))

@@ -294,6 +294,7 @@ def advice(cfg, world_size: int, limit: int, *, device: bool = False, cuda_aware
     time, as gradient accumulation does), the smallest that fits."""
     from .backend.base import FLASH_MAX_HS
     from .errors import HpctrainError
+    from .run_plan import RunPlan
 
     p, t = cfg.parallel, cfg.train
     tries = []
@@ -310,9 +311,11 @@ def advice(cfg, world_size: int, limit: int, *, device: bool = False, cuda_aware
         while n * 2 <= world_size:
             n *= 2
             tries.append((f"parallel.{key}={n}", dict(parallel={key: n, "stages": ()} if key == "pp" else {key: n})))
-    mp = p.pp * p.tp
-    dp = p.dp if p.dp != "auto" else max(1, world_size // mp)
-    local, m = t.batch_size // dp if t.batch_size % dp == 0 else 0, t.micro_batches * 2
+    try:
+        local = RunPlan.for_world(cfg, world_size).local_batch  # a rank's share of the batch
+    except HpctrainError:
+        local = 0  # the layout does not fit: no micro-batch count makes it
+    m = t.micro_batches * 2
     micro = []
     while local and m <= local:
         if local % m == 0:

@@ -125,8 +125,8 @@ def _check_parallel(cfg: Config) -> None:
         check_stages(p, m.n_layer + 2, lambda lo, hi: True, "the embedding 0, blocks 1..n_layer, the head")
     elif p.stages:
         layers = cfg.model.layers
-        check_stages(p, len(layers), lambda lo, hi: any(_param_count(l.type, dict(l.args)) for l in layers[lo : hi + 1]),
-                     "model.layers")
+        check_stages(p, len(layers),
+                     lambda lo, hi: any(_param_count(l.type, dict(l.args)) for l in layers[lo : hi + 1]), "model.layers")
     _need(0 < p.bucket_mb <= 1e6, "parallel.bucket_mb", f"must be > 0 and at most 1e6 (a terabyte), got {p.bucket_mb}")
     _need(p.servers >= 1, "parallel.servers", f"must be >= 1, got {p.servers}")
     _need(p.staleness >= 0, "parallel.staleness", f"must be >= 0 (0 = synchronous), got {p.staleness}")

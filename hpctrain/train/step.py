@@ -106,8 +106,8 @@ def agreed_schedule(comm, name: str, num_stages: int, micro_batches: int, virtua
 class StepRunner:
     """Runs this rank's stage of the training schedule and of the evaluation schedule."""
 
-    def __init__(self, *, cfg, run, mesh, backend, part, loss, data, sampler, sync, optim, grads, p2p, transport, tracer,
-                 log):
+    def __init__(self, *, cfg, run, mesh, backend, part, loss, data, sampler, sync, optim, grads, p2p, transport,
+                 tracer, log):
         self.cfg, self.mesh, self.be, self.part, self.loss, self.transport = cfg, mesh, backend, part, loss, transport
         self.data, self.sampler, self.sync, self.optim, self.grads, self.log = data, sampler, sync, optim, grads, log
         self.run = run  # the RunPlan (hpctrain/run_plan.py): micro-batches, schedule, model chunks in effect

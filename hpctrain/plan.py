@@ -110,43 +110,35 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
     from .nn import make_model
     from .parallel.data_parallel import make_buckets
     from .parallel.executor import micro_rows
-    from .parallel.mesh import resolve_layout
     from .parallel.schedule import checked
     from .errors import ConfigError
     from .parallel.zero import ZeroShard, page_unit
     from .parallel.zero3 import ParamGather, refusal
     from .parallel.zero import bucket_elems as zero_bucket_elems
-
-    from .parallel.deterministic import resolve as deterministic_layout
+    from .run_plan import RunPlan
 
     p = cfg.parallel
-    dp, pp, tp = resolve_layout(world_size, p.dp, p.pp, p.tp)
-    if cfg.train.batch_size % dp:
-        from .errors import LayoutError
-
-        raise LayoutError(f"train.batch_size = {cfg.train.batch_size} is not divisible by dp = {dp}")
-    t = deterministic_layout(cfg, dp=dp, tp=tp).train  # train.deterministic: shards / dp micro-batches
+    run = RunPlan.for_world(cfg, world_size)  # the layout, ZeRO in effect, deterministic's micro-batches, ...
+    dp, pp, tp, zero = run.dp, run.pp, run.tp, run.zero
     model = make_model(cfg.model)
     model.check_tp(tp)
-    v = p.virtual_stages if pp > 1 else 1  # model chunks per stage (interleaved 1F1B)
-    stages = model.partition(pp, p.stages, tp=tp, virtual_stages=v)  # stage s holds stages[s::pp]
-    stats = checked(p.schedule if pp > 1 else "1f1b", pp, t.micro_batches, v)[1]
-    zero = p.zero if dp > 1 else 0
+    stages = run.cut(model)  # stage s holds stages[s::pp]
+    stats = checked(run.schedule, pp, run.micro_batches, run.virtual_stages)[1]
     if zero == 3 and refusal(cfg, device=device):  # parallel/zero3.py: what this version runs
         raise ConfigError(refusal(cfg, device=device))
     slots = (1 if cfg.optim.momentum else 0) if cfg.optim.name == "sgd" else 2
-    bucket_elems = max(1, int(p.bucket_mb * 1e6 / 4))
-    bf16 = p.reduce_dtype == "bf16" and dp > 1  # gradient messages in bfloat16 (parallel/wire.py)
-    local_rows = t.batch_size // dp  # samples per rank per step
+    bucket_elems = run.bucket_elems
+    bf16 = run.reduce_dtype == "bf16"  # gradient messages in bfloat16 (parallel/wire.py)
+    local_rows = run.local_batch  # samples per rank per step
     runtime = RUNTIME_BYTES["gpt" if cfg.model.kind == "gpt" else "mlp"]
     out = []
     for s in range(pp):
         for r in range(tp):
             part = model.part(chunks=stages[s::pp], tp=_ShapeOnlyTP(r, tp) if tp > 1 else None,
-                              split_ties=t.deterministic)
-            part.recompute = t.recompute == "blocks"
-            acts = _activation_bytes(part, model, local_rows // t.micro_batches, stats.peak_live[s], device)
-            rows = micro_rows(local_rows, t.micro_batches) * model.positions  # one micro-batch a ring slot
+                              split_ties=run.deterministic)
+            part.recompute = run.recompute
+            acts = _activation_bytes(part, model, local_rows // run.micro_batches, stats.peak_live[s], device)
+            rows = micro_rows(local_rows, run.micro_batches) * model.positions  # one micro-batch a ring slot
             rings = _ring_bytes(part, stats, s, rows) if pp > 1 else 0
             for d in range(dp):
                 # zero 2 gives gradient memory back, except on a device whose MPI reads device memory itself
@@ -157,19 +149,19 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
                                   unit=unit) if zero else None
                 state = state_bytes(part_size=part.layout.size, owned_size=part.owned_size, shard=shard, zero=zero,
                                     released=released, slots=slots, bucket_elems=max(1, int(cut)),
-                                    micro_batches=t.micro_batches,
+                                    micro_batches=run.micro_batches,
                                     gather_bytes=ParamGather.pool_bytes(part) if zero == 3 else 0)
                 # Reduce_scatter's out (zero_reduce = "auto" may take Allreduce at dp 2, without it: a bound then)
                 buffers = rings + (4 * max((p[d][1] - p[d][0] for p in shard.parts), default=0)
                                    if shard and cfg.parallel.zero_reduce != "allreduce" else 0)
-                if device and dp > 1 and (not cuda_aware or (t.deterministic and p.overlap) or bf16):
+                if device and dp > 1 and (not cuda_aware or (run.deterministic and p.overlap) or bf16):
                     # parallel/data_parallel.py: the gradients staged through pinned host memory for MPI (or the
                     # deterministic tree's additions, which a communication thread makes on the host)
                     buffers += 4 * part.layout.size
                 if bf16:  # parallel/wire.py: the buckets' bfloat16 copies, one packed buffer (on the host)
                     buffers += 2 * part.layout.size
-                if t.deterministic:  # parallel/deterministic.py: the shard tree's parked sums, the tree's receive
-                    buffers += 4 * part.layout.size * (t.micro_batches.bit_length() - 1) + \
+                if run.deterministic:  # parallel/deterministic.py: the shard tree's parked sums, the tree's receive
+                    buffers += 4 * part.layout.size * (run.micro_batches.bit_length() - 1) + \
                         (4 * min(part.layout.size, bucket_elems) if dp > 1 else 0)
                 rank = s * dp * tp + d * tp + r  # parallel/mesh.py's order
                 if cfg.checkpoint.dir:  # each rank writes its own pieces of a checkpoint
@@ -302,6 +294,7 @@ def advice(cfg, world_size: int, limit: int, *, device: bool = False, cuda_aware
     time, as gradient accumulation does), the smallest that fits."""
     from .backend.base import FLASH_MAX_HS
     from .errors import HpctrainError
+    from .run_plan import RunPlan
 
     p, t = cfg.parallel, cfg.train
     tries = []
@@ -318,9 +311,11 @@ def advice(cfg, world_size: int, limit: int, *, device: bool = False, cuda_aware
         while n * 2 <= world_size:
             n *= 2
             tries.append((f"parallel.{key}={n}", dict(parallel={key: n, "stages": ()} if key == "pp" else {key: n})))
-    mp = p.pp * p.tp
-    dp = p.dp if p.dp != "auto" else max(1, world_size // mp)
-    local, m = t.batch_size // dp if t.batch_size % dp == 0 else 0, t.micro_batches * 2
+    try:
+        local = RunPlan.for_world(cfg, world_size).local_batch  # a rank's share of the batch
+    except HpctrainError:
+        local = 0  # the layout does not fit: no micro-batch count makes it
+    m = t.micro_batches * 2
     micro = []
     while local and m <= local:
         if local % m == 0:

@@ -12,7 +12,8 @@ import pytest
 from helpers import config
 from hpctrain.backend import get_backend
 from hpctrain.errors import ConfigError
-from hpctrain.parallel.deterministic import ShardTree, norm_of, ordered_sum, resolve
+from hpctrain.parallel.deterministic import ShardTree, norm_of, ordered_sum
+from hpctrain.run_plan import RunPlan
 
 
 def pairwise(leaves):
@@ -72,20 +73,22 @@ def det(tmp_path, **train):
     return config(tmp_path / "d.h5", train={"deterministic": True, "batch_size": 16, **train})
 
 
-def test_resolve_gives_each_rank_shards_over_dp_micro_batches(tmp_path):
-    lines = []
-    cfg = resolve(det(tmp_path, deterministic_shards=8, micro_batches=2), dp=2, tp=1, log=lines.append)
-    assert cfg.train.micro_batches == 4
+def test_the_run_plan_gives_each_rank_shards_over_dp_micro_batches(tmp_path):
+    cfg = det(tmp_path, deterministic_shards=8, micro_batches=2)
+    run = RunPlan.derive(cfg, dp=2, pp=1, tp=1)
+    assert run.micro_batches == 4 and run.resolved(cfg).train.micro_batches == 4
+    lines = run.notes(cfg)
     assert lines[0] == "train.deterministic: train.micro_batches = 2 replaced by 4 (deterministic_shards 8 / dp 2)"
     assert "8 shards of 2 samples, 4 per rank; bitwise the same" in lines[1]
-    lines.clear()
-    resolve(det(tmp_path), dp=1, tp=2, log=lines.append)
+    cfg = det(tmp_path)
+    lines = RunPlan.derive(cfg, dp=1, pp=1, tp=2).notes(cfg)
     assert "tp = 2 splits the GEMMs: bitwise the same only among runs at tp = 2" in lines[-1]
 
 
-def test_resolve_leaves_a_plain_run_alone(tmp_path):
+def test_the_run_plan_leaves_a_plain_run_alone(tmp_path):
     cfg = config(tmp_path / "d.h5", train={"micro_batches": 2})
-    assert resolve(cfg, dp=3, tp=1) is cfg
+    run = RunPlan.derive(cfg, dp=3, pp=1, tp=1)
+    assert run.resolved(cfg) is cfg and run.micro_batches == 2 and run.notes(cfg) == []
 
 
 @pytest.mark.parametrize("dp, parallel, match", [
@@ -95,13 +98,13 @@ def test_resolve_leaves_a_plain_run_alone(tmp_path):
     (1, {"schedule": "zero-bubble", "pp": 2}, 'not with parallel.schedule = "zero-bubble"'),
     (1, {"schedule": "zero-bubble-h2", "pp": 2}, 'not with parallel.schedule = "zero-bubble-h2"'),
 ])
-def test_resolve_refuses_a_layout_the_tree_cannot_cover(tmp_path, dp, parallel, match):
+def test_the_run_plan_refuses_a_layout_the_tree_cannot_cover(tmp_path, dp, parallel, match):
     import dataclasses
 
     cfg = det(tmp_path)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
     with pytest.raises(ConfigError, match=match):
-        resolve(cfg, dp=dp, tp=1)
+        RunPlan.derive(cfg, dp=dp, pp=cfg.parallel.pp, tp=1)
 
 
 @pytest.mark.parametrize("train, match", [

@@ -13,7 +13,7 @@ Deterministic mode fixes every sum a step makes, whatever the layout:
   (shard s: samples s·B/S .. (s+1)·B/S − 1 of the step's batch), and each shard's forward and
   backward run as one micro-batch, in the same shapes wherever it runs: data-parallel rank r
   computes shards r·S/dp .. (r+1)·S/dp − 1, one micro-batch each (``train.micro_batches`` is
-  replaced by S/dp);
+  replaced by S/dp: hpctrain/run_plan.py, from ``shards_per_rank``);
 * the shard gradients are summed in one fixed binary tree over the S shards: the shards of one
   rank form a subtree summed locally (``ShardTree``), and the ranks' subtrees meet by recursive
   doubling over the data-parallel group (``tree_allreduce``: at level l rank r adds rank
@@ -34,7 +34,6 @@ micro-batches of B/S samples; docs/performance.md has what that costs.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -42,41 +41,45 @@ import numpy as np
 from ..errors import ConfigError
 from .schedule import SPLIT_BACKWARD
 
-__all__ = ["resolve", "ShardTree", "tree_allreduce", "ordered_sum"]
+__all__ = ["shards_per_rank", "notes", "ShardTree", "tree_allreduce", "ordered_sum"]
 
 
 def _power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def resolve(cfg, *, dp: int, tp: int, log=None):
-    """``cfg`` with ``train.micro_batches`` = shards / dp when ``train.deterministic``; raises ConfigError naming
-    the setting when the layout cannot hold the shards, and logs one line saying what the guarantee covers."""
-    t, p = cfg.train, cfg.parallel
-    if not t.deterministic:
-        return cfg
-    S = t.deterministic_shards
-    if p.zero and dp > 1:
+def shards_per_rank(shards: int, *, dp: int, zero: int, schedule: str) -> int:
+    """The micro-batches a rank runs a step: its ``shards`` / dp; ConfigError naming the setting when the layout
+    cannot hold the shards. ``zero``, ``schedule``: as they take effect (hpctrain/run_plan.py: zero 0 with one
+    data-parallel rank, "1f1b" without a pipeline)."""
+    if zero:
         raise ConfigError("train.deterministic: not with parallel.zero > 0 yet (its reduce-scatter sums in MPI's "
                           "order); set parallel.zero = 0")
-    if p.schedule in SPLIT_BACKWARD and p.pp > 1:
-        raise ConfigError(f'train.deterministic: not with parallel.schedule = "{p.schedule}" (a micro-batch\'s weight '
+    if schedule in SPLIT_BACKWARD:
+        raise ConfigError(f'train.deterministic: not with parallel.schedule = "{schedule}" (a micro-batch\'s weight '
                           "gradients are written after the next one's input gradients, so each shard's gradient "
                           'is never whole on its own); use "1f1b"')
-    if not _power_of_two(dp) or S % dp:
+    if not _power_of_two(dp) or shards % dp:
         raise ConfigError(f"train.deterministic: dp = {dp} must be a power of two dividing "
-                          f"train.deterministic_shards = {S} (each rank sums a subtree of the shards); runs to "
+                          f"train.deterministic_shards = {shards} (each rank sums a subtree of the shards); runs to "
                           "compare bitwise need the same shards, as many as the most ranks any of them uses")
-    m = S // dp
-    if log is not None:
-        if t.micro_batches not in (1, m):
-            log(f"train.deterministic: train.micro_batches = {t.micro_batches} replaced by {m} "
-                f"(deterministic_shards {S} / dp {dp})")
-        covered = ("bitwise the same for any power-of-two dp dividing the shards, any pp and micro-batch count, "
-                   "on this backend and CPU model")
-        log(f"train.deterministic: {S} shards of {t.batch_size // S} samples, {m} per rank; "
-            + (covered if tp == 1 else f"tp = {tp} splits the GEMMs: bitwise the same only among runs at tp = {tp}"))
-    return dataclasses.replace(cfg, train=dataclasses.replace(t, micro_batches=m))
+    return shards // dp
+
+
+def notes(shards: int, *, batch_size: int, dp: int, tp: int, asked: int) -> list[str]:
+    """The start-up lines of a deterministic run: ``asked`` (train.micro_batches) replaced, when it is, and what
+    the guarantee covers."""
+    m = shards // dp
+    lines = []
+    if asked not in (1, m):
+        lines.append(f"train.deterministic: train.micro_batches = {asked} replaced by {m} "
+                     f"(deterministic_shards {shards} / dp {dp})")
+    covered = ("bitwise the same for any power-of-two dp dividing the shards, any pp and micro-batch count, "
+               "on this backend and CPU model")
+    lines.append(f"train.deterministic: {shards} shards of {batch_size // shards} samples, {m} per rank; "
+                 + (covered if tp == 1 else f"tp = {tp} splits the GEMMs: bitwise the same only among runs at "
+                    f"tp = {tp}"))
+    return lines
 
 
 def ordered_sum(values) -> float:

@@ -39,6 +39,7 @@ from ..parallel.mesh import Mesh
 from ..parallel.param_server import SNAPSHOTS, Server, WorkerLink, server_ranges
 from ..parallel.schedule import check_schedule, data_parallel, forward_only
 from ..params import FlatBuffer, ParamLayout
+from ..run_plan import RunPlan
 from . import startup
 from .report import finished_line, log_line
 from .metrics import MetricsFile
@@ -132,14 +133,14 @@ class AsyncTrainer:
 
     def _build_worker(self) -> None:
         self.mesh = Mesh(comm=self.workers_comm, dp=self.W)
-        t = startup.build(self.cfg, self.mesh, lambda *a: None)
+        run = RunPlan.for_mesh(self.cfg, self.mesh)  # the workers' shape: data parallel over W ranks
+        t = startup.build(self.cfg, run, self.mesh, lambda *a: None)
         startup.scan_share(SimpleNamespace(mesh=self.mesh, data=t.data))  # inside the world's agreement: a bad
         # value stops the servers too (no scan record here)
         self.be, self.part, self.loss, self.data, self.sampler = t.be, t.part, t.loss, t.data, t.sampler
         self.params, self.grads = FlatBuffer(self.be, self.part.layout), FlatBuffer(self.be, self.part.layout)
         self.part.bind(self.params, self.grads)
-        m = self.cfg.train.micro_batches
-        self.schedule = data_parallel(m)
+        self.schedule = data_parallel(run.micro_batches)
         self.executor = StageExecutor(backend=self.be, part=self.part, loss=self.loss, stage=0, stages=1, p2p=None,
                                       sync=None, stats=check_schedule(self.schedule),
                                       max_rows=max(1, self.sampler.local) * self.part.positions)

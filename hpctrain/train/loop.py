@@ -31,7 +31,6 @@ from .. import checkpoint as ckpt
 from .._memory import keep_freed_memory
 from ..errors import ConfigError, HpctrainError, NonFiniteError
 from ..parallel.agree import QuietExit, check_same_everywhere, run_everywhere
-from ..parallel import deterministic
 from ..parallel.data_parallel import GradSync
 from ..parallel.deterministic import ShardTree
 from ..parallel.sharding import gather_flat, gather_shards, stage_ranges
@@ -41,6 +40,7 @@ from ..parallel.watch import Diagnostics, enabled_by_env
 from ..parallel.zero import reduce_choice
 from ..parallel.zero3 import gathered_whole
 from ..optim import lr_at
+from ..run_plan import RunPlan
 from . import startup
 from .checkpointing import Checkpointer
 from .progress import Progress, status_line_wanted
@@ -132,20 +132,23 @@ class Trainer:
         mesh = self._mesh_for(cfg, mesh)
         self.rank0 = mesh.rank == 0
         self.log = (log or log_line) if self.rank0 else (lambda *a, **k: None)
-        # train.deterministic: its micro-batches are shards / dp (parallel/deterministic.py)
-        cfg = run_everywhere(mesh.world, lambda: deterministic.resolve(cfg, dp=mesh.dp, tp=mesh.tp, log=self.log))
+        # the run's shape on this mesh, derived once (hpctrain/run_plan.py): ZeRO in effect, micro-batches, ...
+        self.run_plan = run = run_everywhere(mesh.world, lambda: RunPlan.for_mesh(cfg, mesh))
+        for line in run.notes(cfg):  # train.deterministic: its micro-batches are shards / dp
+            self.log(line)
+        cfg = run.resolved(cfg)
         self.cfg, self.mesh = cfg, mesh
         self.diag = None
         mesh = self._watch(cfg, mesh)
         keep_freed_memory()  # a step's activations reuse the last step's memory (hpctrain/_memory.py)
         run_everywhere(mesh.world, (lambda: startup.prepare_data(self)) if self.rank0 else lambda: None)
-        self.parts = run_everywhere(mesh.world, lambda: startup.build(cfg, mesh, self.log))
+        self.parts = run_everywhere(mesh.world, lambda: startup.build(cfg, run, mesh, self.log))
         startup.scan_data(self)  # every value of the data file, or a record that this file passed before
         # one job per checkpoint folder: rank 0 locks it before anything in it is read or written
         self._lock = run_everywhere(mesh.world, (lambda: startup.lock_checkpoint_dir(self)) if self.rank0
                                     else lambda: None)
         self._check_same_everywhere(cfg, mesh)
-        self.state = run_everywhere(mesh.world, lambda: startup.make_state(cfg, mesh, self.parts))
+        self.state = run_everywhere(mesh.world, lambda: startup.make_state(cfg, run, mesh, self.parts))
         startup.load_start(self)  # a checkpoint (each rank reads its own pieces), a weights file or a fresh init
         zero_reduce, timed = self._make_sync(cfg, mesh)
         if self.state.gather is not None:  # zero = 3: evaluation gathers the whole model once (parallel/zero3.py)
@@ -155,7 +158,7 @@ class Trainer:
         self._p2p = p2p = PointToPoint(comm=mesh.pp_comm, transport=self.transport, diag=self.diag) \
             if mesh.pp > 1 else None
         self.runner = run_everywhere(mesh.world, lambda: StepRunner(
-            cfg=cfg, mesh=mesh, backend=self.be, part=self.part, loss=self.loss, data=self.data,
+            cfg=cfg, run=run, mesh=mesh, backend=self.be, part=self.part, loss=self.loss, data=self.data,
             sampler=self.sampler, sync=self.sync, optim=self.optim, grads=self.grads, p2p=p2p,
             transport=self.transport, tracer=self.tracer,
             log=self.log))
@@ -217,6 +220,7 @@ class Trainer:
     def _make_sync(self, cfg, mesh):
         """``self.sync``, the gradient sync over dp (parallel/data_parallel.py); returns how ZeRO sums a bucket
         and the start-up timings behind an "auto" choice (parallel/zero.py: ``reduce_choice``)."""
+        run = self.run_plan
         tied = None  # ZeRO: tensors tied across stages are summed over their two ends before the scatter
         if self.shard and self.part.shared:
             tied = ([(self.part.layout[n].offset, self.part.layout[n].end) for n in self.part.shared],
@@ -229,8 +233,8 @@ class Trainer:
         self.sync = run_everywhere(mesh.world, lambda: GradSync(  # staging buffers: a device may run out
             comm=mesh.dp_comm, transport=self.transport, grads=self.grads, bucket_mb=cfg.parallel.bucket_mb,
             overlap=cfg.parallel.overlap, diag=self.diag, shard=self.shard, release=self.grad_memory, tied=tied,
-            tree=ShardTree(self.be, self.grads.data, cfg.train.micro_batches) if cfg.train.deterministic else None,
-            allreduce=zero_reduce == "allreduce", reduce_dtype=cfg.parallel.reduce_dtype))
+            tree=ShardTree(self.be, self.grads.data, run.micro_batches) if run.deterministic else None,
+            allreduce=zero_reduce == "allreduce", reduce_dtype=run.reduce_dtype))
         return zero_reduce, timed
 
     # ------------------------------------------------------------------ checkpoints

@@ -39,8 +39,7 @@ def rank_memory(t, activation_bytes: int) -> RankMemory:
     cfg, mesh = t.cfg, t.mesh
     state = state_bytes(part_size=t.part.layout.size, owned_size=t.part.owned_size, shard=t.shard, zero=t.zero,
                         released=t.grad_memory is not None, slots=len(t.optim.slots),
-                        bucket_elems=max(1, int(cfg.parallel.bucket_mb * 1e6 / 4)),
-                        micro_batches=cfg.train.micro_batches,
+                        bucket_elems=t.run_plan.bucket_elems, micro_batches=t.run_plan.micro_batches,
                         gather_bytes=ParamGather.pool_bytes(t.part) if t.state.gather is not None else 0)
     state["optimizer_bytes"] = t.optim.slot_bytes  # what the slots really hold
     buffers = nbytes_of([getattr(t.sync, "_scatter_out", None), t.sync.host,  # None: not allocated

@@ -26,7 +26,7 @@ def start_notes(trainer, zero_reduce: str, timed) -> list[str]:
     """The start-up lines after the layout's: settings that have no effect here, what ZeRO, tensor and pipeline
     parallelism give this rank. ``zero_reduce``, ``timed``: how ZeRO's buckets are summed, and the start-up
     timings behind an "auto" choice (parallel/zero.py: ``reduce_choice``)."""
-    cfg, mesh, p = trainer.cfg, trainer.mesh, trainer.cfg.parallel
+    cfg, run, p = trainer.cfg, trainer.run_plan, trainer.cfg.parallel
     notes = []
     if not cfg.checkpoint.dir and cfg.train.steps > 0:
         notes.append("checkpoint.dir is empty: this run writes no checkpoint, neither at the end nor on a stop "
@@ -34,17 +34,17 @@ def start_notes(trainer, zero_reduce: str, timed) -> list[str]:
     if p.zero_reduce != "auto" and not p.zero:
         notes.append(f"parallel.zero_reduce = \"{p.zero_reduce}\" has no effect with parallel.zero = 0: "
                      "without ZeRO every bucket is Allreduced")
-    if p.reduce_dtype != "fp32" and mesh.dp == 1:
+    if p.reduce_dtype != run.reduce_dtype:  # in effect over dp > 1 only
         notes.append(f"parallel.reduce_dtype = \"{p.reduce_dtype}\" has no effect with one data-parallel "
                      "rank (dp = 1): no gradient is sent")
-    if p.zero and mesh.dp == 1:
+    if p.zero != run.zero:  # in effect over dp > 1 only
         notes.append(f"parallel.zero = {p.zero} has no effect with one data-parallel rank (dp = 1): "
                      "nothing to shard the optimizer state or gradients over")
     elif trainer.zero:
         notes.append(_zero_line(trainer, zero_reduce, timed))
-    if mesh.tp > 1:
+    if run.tp > 1:
         notes += _tensor_parallel_lines(trainer)
-    if mesh.pp > 1:
+    if run.pp > 1:
         notes.append(_pipeline_line(trainer))
     return notes
 
@@ -93,7 +93,7 @@ def _pipeline_line(trainer) -> str:
     names = [str(i) if v == 1 else f"{i} (stage {i % mesh.pp}, chunk {i // mesh.pp})"
              for i in range(len(trainer.stages))]
     return (f"pipeline: schedule {s.name}{f', {v} model chunks per stage' if v > 1 else ''}, "
-            f"{cfg.train.micro_batches} micro-batch(es), {'virtual ' if v > 1 else ''}stages ({how}) "
+            f"{trainer.run_plan.micro_batches} micro-batch(es), {'virtual ' if v > 1 else ''}stages ({how}) "
             + ", ".join(f"{name}: layers {lo}..{hi} ({model.flops(lo, hi) / max(total, 1):.0%} of the "
                         f"FLOPs, {model.param_count(lo, hi):,} parameters)"
                         for name, (lo, hi) in zip(names, trainer.stages))

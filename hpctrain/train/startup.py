@@ -101,14 +101,15 @@ class RankState:
     gather: object | None = None  # zero = 3: parallel/zero3.py's ParamGather (the parameters' gathers)
 
 
-def build(cfg, mesh, log) -> RankParts:
-    """This rank's parts for ``cfg`` on ``mesh`` (run on every rank, inside an agreement)."""
+def build(cfg, run, mesh, log) -> RankParts:
+    """This rank's parts for ``cfg`` on ``mesh``, shaped by ``run`` (its RunPlan: hpctrain/run_plan.py; run on
+    every rank, inside an agreement)."""
     for key in ("dp", "pp", "tp"):
         want = getattr(cfg.parallel, key)
         if want != "auto" and getattr(mesh, key) != want:
             raise LayoutError(f"the mesh has {key} = {getattr(mesh, key)} but parallel.{key} = {want}: build it with "
                               "Mesh(dp=cfg.parallel.dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp)")
-    be = get_backend(cfg.train.backend, log=log, device_id=node_local(mesh.world)[0], precision=cfg.train.precision)
+    be = get_backend(cfg.train.backend, log=log, device_id=node_local(mesh.world)[0], precision=run.precision)
     ca = cfg.parallel.cuda_aware
     cuda_aware = bool(be.is_device and (mpi_cuda_aware() if ca == "auto" else ca))
     if cuda_aware and getattr(be, "simulator", False):
@@ -118,22 +119,22 @@ def build(cfg, mesh, log) -> RankParts:
     model = make_model(cfg.model)
     model.check_tp(mesh.tp)
     # the virtual stages' layer ranges: stage s runs stages[s::pp] (one each unless interleaved 1F1B's chunks)
-    stages = model.partition(mesh.pp, cfg.parallel.stages, tp=mesh.tp, virtual_stages=cfg.parallel.virtual_stages)
+    stages = run.cut(model)
     tensor = TensorParallel(mesh.tp_comm, transport) if mesh.tp > 1 else None
     # train.deterministic: a tied tensor's two halves summed apart on one stage too (parallel/deterministic.py)
-    part = model.part(chunks=stages[mesh.pp_rank :: mesh.pp], tp=tensor, split_ties=cfg.train.deterministic)
-    if cfg.train.deterministic and not be.is_device:
+    part = model.part(chunks=stages[mesh.pp_rank :: mesh.pp], tp=tensor, split_ties=run.deterministic)
+    if run.deterministic and not be.is_device:
         from threadpoolctl import threadpool_limits
 
         threadpool_limits(1)  # OpenBLAS's GEMM bits change with its thread count
-    part.recompute = cfg.train.recompute == "blocks"
+    part.recompute = run.recompute
     loss = make_loss(cfg.train.loss, vocab_shard=getattr(part.layers[-1], "vocab_shard", None))
     data = open_dataset(cfg, loss, model)
     try:
         sampler = make_sampler(cfg, data, dp_rank=mesh.dp_rank, dp_size=mesh.dp)
-        if sampler.local % cfg.train.micro_batches:
-            raise DataError(f"train.micro_batches = {cfg.train.micro_batches} does not divide this rank's share "
-                            f"of the batch ({sampler.local} = batch_size {cfg.train.batch_size} / dp {mesh.dp})")
+        if run.local_batch % run.micro_batches:
+            raise DataError(f"train.micro_batches = {run.micro_batches} does not divide this rank's share "
+                            f"of the batch ({run.local_batch} = batch_size {run.batch_size} / dp {run.dp})")
         if cfg.data.val_fraction > 0 and data.n_val == 0:
             log(f"warning: data.val_fraction = {cfg.data.val_fraction} of {data.n_train} samples rounds down to "
                 "none: this run is never evaluated")
@@ -210,11 +211,12 @@ def lock_checkpoint_dir(t):
     return FolderLock.take(c.dir, log=t.log)
 
 
-def make_state(cfg, mesh, parts: RankParts) -> RankState:
-    """This stage's parameter and gradient buffers and the optimizer with its slots (run on every rank)."""
+def make_state(cfg, run, mesh, parts: RankParts) -> RankState:
+    """This stage's parameter and gradient buffers and the optimizer with its slots (run on every rank); ZeRO as
+    ``run`` (the RunPlan) has it in effect."""
     be, part, p = parts.be, parts.part, cfg.parallel
     size, dp = part.layout.size, mesh.dp
-    zero = p.zero if dp > 1 else 0
+    zero = run.zero
     owned = part.owned_size  # a tied tensor's replica beyond it is updated by its owner: no optimizer state
     # zero = 2: gradient memory outside this rank's chunks leaves once reduced (host pages; on a GPU through
     # CUDA's virtual memory management, where the device has it); buckets and chunks are then cut on 2 MiB units,

@@ -106,14 +106,14 @@ def agreed_schedule(comm, name: str, num_stages: int, micro_batches: int, virtua
 class StepRunner:
     """Runs this rank's stage of the training schedule and of the evaluation schedule."""
 
-    def __init__(self, *, cfg, mesh, backend, part, loss, data, sampler, sync, optim, grads, p2p, transport, tracer,
-                 log):
+    def __init__(self, *, cfg, run, mesh, backend, part, loss, data, sampler, sync, optim, grads, p2p, transport,
+                 tracer, log):
         self.cfg, self.mesh, self.be, self.part, self.loss, self.transport = cfg, mesh, backend, part, loss, transport
         self.data, self.sampler, self.sync, self.optim, self.grads, self.log = data, sampler, sync, optim, grads, log
-        m = cfg.train.micro_batches
-        self.virtual_stages = v = cfg.parallel.virtual_stages if mesh.pp > 1 else 1  # model chunks per stage
-        self.schedule, self.stats = agreed_schedule(mesh.world, cfg.parallel.schedule if mesh.pp > 1 else "1f1b",
-                                                    mesh.pp, m, v)
+        self.run = run  # the RunPlan (hpctrain/run_plan.py): micro-batches, schedule, model chunks in effect
+        m = run.micro_batches
+        self.virtual_stages = v = run.virtual_stages  # model chunks per stage
+        self.schedule, self.stats = agreed_schedule(mesh.world, run.schedule, mesh.pp, m, v)
         self.executor = StageExecutor(backend=backend, part=part, loss=loss, stage=mesh.pp_rank, stages=mesh.pp,
                                       p2p=p2p, sync=sync, stats=self.stats,
                                       max_rows=micro_rows(sampler.local, m) * part.positions,
@@ -126,7 +126,7 @@ class StepRunner:
                                  if r[1] > r[0]]
         # whose loss sums count: the last stage's (one tensor-parallel rank of it)
         self.holds_loss = part.is_last and mesh.tp_rank == 0
-        self.deterministic = cfg.train.deterministic  # parallel/deterministic.py: sums in a fixed order
+        self.deterministic = run.deterministic  # parallel/deterministic.py: sums in a fixed order
         if self.deterministic:  # (global tensor index, lo, hi) of what this rank adds to the norm, tensor by tensor
             index = {name: i for i, name in enumerate(part.spec.layout.names)}
             self._norm_tensors = [(index[part.global_names[t.name]], max(lo, t.offset), min(hi, t.end))
@@ -146,7 +146,7 @@ class StepRunner:
     def train_step(self, step: int, lr: float) -> dict:
         """Run one training step (collective over the mesh); returns this stage's timings and loss sum (with
         ``train.deterministic`` also ``loss_parts``, the sums of this rank's shards in order, for ``global_mean``)."""
-        m = self.cfg.train.micro_batches
+        m = self.run.micro_batches
         rows = self.sampler.local_rows(step)
         per = len(rows) // m
         batch = _Batch(self.sampler.reader(self.data), [rows[i * per : (i + 1) * per] for i in range(m)],
@@ -305,7 +305,7 @@ class StepRunner:
         first, end = (0 if split == "all" else data.n_train), data.n_train + data.n_val
         if batches and split != "all":
             end = min(end, first + batches * self.cfg.train.batch_size)
-        chunk = micro_rows(self.sampler.local, self.cfg.train.micro_batches)
+        chunk = micro_rows(self.sampler.local, self.run.micro_batches)
         if self.deterministic:  # chunks of one shard cut from the whole split, then dealt out: the same everywhere
             chunks = [np.arange(s, min(end, s + chunk)) for s in range(first, end, chunk)]
             row_lists = chunks[len(chunks) * mesh.dp_rank // mesh.dp : len(chunks) * (mesh.dp_rank + 1) // mesh.dp]

@@ -25,7 +25,7 @@ def host_arena():
         return np.ndarray(shape, dtype, buffer=slab[offset : offset + math.prod(shape) * dtype.itemsize])
 
     arena = StepArena(fresh=make, slab=lambda n: memoryview(np.full(n, 0xFF, np.uint8)), carve=carve,
-                      refs=lambda a: (a,))
+                      refs=lambda a: (a,), root=lambda a: a.base if isinstance(a.base, np.ndarray) else a)
     arena.make = make
     return arena, fresh
 
@@ -200,3 +200,26 @@ def test_a_step_that_raises_makes_no_plan():
     with arena.step():
         a_step(arena)
     assert arena.plans == 1
+
+
+def test_an_array_lent_to_another_thread_keeps_its_memory_to_the_end_of_the_step():
+    """A pipeline send: the sender thread lets go of the array whenever it has sent it. Recorded while the thread
+    still held it or after, the plan is the same: the array's memory is nobody else's until the step ends."""
+    for thread_lets_go_at_once in (True, False):
+        arena, fresh = host_arena()
+        for step in range(3):
+            with arena.step():
+                sent = request(arena, (4, 8))
+                sent[:] = 5.0
+                arena.lend(sent[1:])  # a view: the request is found by its memory
+                holder = [sent]
+                del sent
+                if thread_lets_go_at_once:
+                    holder.clear()
+                later = [request(arena, (4, 8)) for _ in range(3)]
+                for a in later:
+                    a[:] = -1.0
+                assert holder == [] or np.all(holder[0] == 5.0)
+                holder.clear()
+                del later, a
+        assert arena.reason == "" and arena.slab_bytes == 4 * ALIGN

@@ -20,8 +20,10 @@ the schedule and the layout, so the arena learns the layout from the step instea
 
 Anything else, and the arena steps aside for the rest of the step and records the next one: a request of
 another shape or dtype (``reason``: which and where), more requests than planned, or an array still alive
-that the plan lets another reuse. A fresh allocation is always correct, so a step that leaves the plan
-computes the same values; the array already handed out keep the old slab alive until they die. Requests from
+that the plan lets another reuse. Code that hands an array to another thread says so (``backend.lend``: the
+pipeline's sends), and the plan keeps that array's memory to the step's end, whenever the thread lets go of it
+(which it must by then). A fresh allocation is always correct, so a step that leaves the plan
+computes the same values; the arrays already handed out keep the old slab alive until they die. Requests from
 another thread (a communication thread's copies) never go to the arena.
 
 The arena is exact by construction, not by trust: the reference counts are checked on every replay, and the
@@ -126,11 +128,14 @@ class StepArena:
 
     ``fresh(shape, dtype)``: an array as without the arena; ``slab(nbytes)``: one allocation of that many bytes;
     ``carve(slab, offset, shape, dtype)``: an array over the slab at ``offset`` (its own view object, so its
-    reference count is its own); ``refs(array)``: the objects that every view of the array references.
+    reference count is its own); ``refs(array)``: the objects that every view of the array references;
+    ``root(array)``: the one object all views of its memory share (``lend`` finds the request by it).
     """
 
-    def __init__(self, *, fresh, slab, carve, refs):
+    def __init__(self, *, fresh, slab, carve, refs, root=None):
         self._fresh, self._slab, self._carve, self._refs = fresh, slab, carve, refs
+        self._root = root if root is not None else (lambda a: a)
+        self._lent: set = set()  # record: requests lent to another thread (alive to the step's end)
         self._owner = None  # the thread inside step(), whose requests the arena serves
         self._mode = None  # "record", "replay" or "aside" inside a step
         self._t = 0
@@ -155,12 +160,12 @@ class StepArena:
         if self._plan is not None:
             self._mode = "replay"
         else:
-            self._mode, self._log, self._live, self._deaths = "record", [], [], []
+            self._mode, self._log, self._live, self._deaths, self._lent = "record", [], [], [], set()
 
     def _exit(self, ok: bool):
         mode, self._owner, self._mode = self._mode, None, None
         if mode == "record":
-            self._stamp(self._t)
+            self._stamp(self._t, end=True)
             if ok:
                 self._make_plan()
             self._live = []
@@ -208,11 +213,21 @@ class StepArena:
                     return held.array
         return None
 
-    def _stamp(self, t: int):
-        """Record: the arrays nobody holds any more die at ``t``."""
+    def lend(self, arr) -> None:
+        """``arr`` (or a view of it) goes to another thread, which lets go of it by the step's end, at a time no
+        one can plan: recorded, it lives to the step's end (replayed, the plan says so already)."""
+        if self._mode != "record" or threading.get_ident() != self._owner:
+            return
+        root = self._root(arr)
+        for i, held in self._live:
+            if self._root(held.array) is root:
+                self._lent.add(i)
+
+    def _stamp(self, t: int, end: bool = False):
+        """Record: the arrays nobody holds any more die at ``t`` (a lent one only at the step's ``end``)."""
         alive = []
         for i, held in self._live:
-            if held.dead():
+            if (end or i not in self._lent) and held.dead():
                 self._deaths[i] = t
             else:
                 alive.append((i, held))

@@ -184,6 +184,10 @@ class Backend:
         arena (backend/arena.py); here nothing."""
         return contextlib.nullcontext()
 
+    def lend(self, arr) -> None:
+        """``arr`` goes to another thread (a pipeline send) that lets go of it by the end of the step: a step arena
+        keeps its memory to the step's end (backend/arena.py); here nothing."""
+
     def timer(self):
         """A timing event recorded on the device's stream now (None where host clocks time the kernels: the CPU,
         the CUDA simulator); ``elapsed(a, b)`` gives the seconds between two, once a wait has passed both."""

@@ -161,6 +161,7 @@ class CommThread:
             except BaseException as e:  # handed to the caller's thread in join()
                 self.error = e
             finally:
+                work = None  # what it held (a sent array) is not kept by this frame until the next piece comes
                 with self._finished:
                     self._done += 1
                     self._finished.notify_all()
@@ -228,6 +229,7 @@ class PointToPoint:
         ``max_in_flight`` sends stay in flight: beyond that the oldest is waited for). ``arr`` must not be
         written again before the step's ``wait_sends`` (the executor sends each array once and drops it)."""
         if self._sender is not None:
+            self.transport.backend.lend(arr)  # held by the sender thread until sent, at most to the step's end
             ready = self.transport.backend.mark()  # what writes ``arr`` is queued before this point
             self._sender.submit(lambda: self._send_when(arr, dest, tag, ready))
             return

@@ -2,7 +2,7 @@
 pipeline (its tied embedding summed across the stages) or tensor parallelism on the CUDA backend vs the CPU
 backend.
 
-    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|il|tp|gpt-tp|zero|zero-release|gpt-det|memory|waits-*]
+    NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python tests/cuda/dp_worker.py DATA.h5 [dp|pp|gpt-pp|il|tp|gpt-tp|zero|zero-release|gpt-det|memory|waits-*|arena-*]
 
 Under ``pp`` activations and gradients between the stages take the same host-staged path, as do the tied
 gradient (``gpt-pp``, under the zero-bubble schedule: each block's split backward on the device) and the
@@ -199,6 +199,42 @@ def zero_release(path):
     return 0 if ok else 1
 
 
+ARENA_LAYOUTS = {"dp": {}, "pp-1f1b": {"pp": 2}, "pp-zero-bubble": {"pp": 2, "schedule": "zero-bubble"},
+                 "tp": {"tp": 2}, "zero2": {"zero": 2}}
+
+
+def arena(path, layout):
+    """``arena-<name>`` (ARENA_LAYOUTS): the step arena (hpctrain/backend/arena.py) on two ranks: by the fourth
+    step no array is allocated in a step (a pipeline's first step also makes its receive buffers, kept for good,
+    so its second step leaves that plan and the third records again), and the weights equal those of the same run
+    without the arena, bit for bit."""
+    comm = MPI.COMM_WORLD
+    name = layout[len("arena-"):]
+    if comm.rank == 0:
+        make_classification(path, n=32)
+    comm.Barrier()
+    parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False, **ARENA_LAYOUTS[name]}
+    pp, tp = parallel.get("pp", 1), parallel.get("tp", 1)
+    cfg = config(path, train={"steps": 4, "batch_size": 8, "backend": "cuda", "micro_batches": 2 * pp,
+                              "grad_clip": 0.5},
+                 optim={"name": "adamw", "lr": 0.01}, parallel=parallel)
+    weights, allocs = {}, {}
+    for on in ("1", "0"):
+        os.environ["HPCTRAIN_CUDA_ARENA"] = on
+        mesh = Mesh(pp=pp, tp=tp)
+        trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+        allocs[on] = [trainer.train_step(step, 0.01)["device_allocs"] for step in range(4)]
+        weights[on] = np.concatenate([v.ravel() for v in full_params(trainer).values()])
+        reason = trainer.be.arena.reason if trainer.be.arena is not None else ""
+        trainer.close()
+        mesh.free()
+    ok = np.array_equal(weights["1"], weights["0"]) and allocs["1"][-1] == 0 and min(allocs["0"]) > 0
+    print(f"rank {comm.rank}: {layout}: arrays allocated a step {allocs['1']} (without the arena {allocs['0']})"
+          f"{', left the plan: ' + reason if reason else ''}, the same bits: "
+          f"{np.array_equal(weights['1'], weights['0'])} {'OK' if ok else 'MISMATCH'}", flush=True)
+    return 0 if ok else 1
+
+
 def main(path, layout):
     if MPI.COMM_WORLD.size != 2:  # mpiexec from one MPI library, mpi4py loading another: singletons, not a world of 2
         raise SystemExit(f"dp_worker: world size {MPI.COMM_WORLD.size}, expected 2 ({MPI.Get_library_version()[:40]!r}"
@@ -211,6 +247,8 @@ def main(path, layout):
         return zero_release(path)
     if layout.startswith("waits-"):
         return waits(path, layout)
+    if layout.startswith("arena-"):
+        return arena(path, layout)
     comm = MPI.COMM_WORLD
     pp = 2 if layout in ("pp", "gpt-pp", "il") else 1
     tp = 2 if layout in ("tp", "gpt-tp") else 1

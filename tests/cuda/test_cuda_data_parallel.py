@@ -21,6 +21,7 @@ ON_A_GPU = pytest.mark.skipif(SIM, reason="needs a real GPU: CUDA's virtual memo
 
 @pytest.mark.parametrize("layout", ["dp", "pp", "gpt-pp", "il", "tp", "gpt-tp", "zero", "gpt-det", "memory", "waits-dp",
                                     "waits-zero", "waits-det", "waits-pp", "waits-gpt-pp", "waits-tp",
+                                    "arena-dp", "arena-pp-1f1b", "arena-pp-zero-bubble", "arena-tp", "arena-zero2",
                                     pytest.param("zero-release", marks=ON_A_GPU)])
 def test_two_ranks_cuda_matches_cpu(tmp_path, layout):
     mpiexec = shutil.which("mpiexec")

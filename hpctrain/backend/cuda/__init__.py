@@ -72,8 +72,8 @@ from .launch import Launcher
 from .linear import Linear
 from .loss import Loss
 from ..arena import StepArena
-from .memory import (DevicePool, arena_refs, flat, is_device_array, is_out_of_memory, out_of_memory_error, raw_alloc,
-                     slab_array, wrap, wrap_address)
+from .memory import (DevicePool, arena_refs, flat, is_device_array, is_out_of_memory, memory_root,
+                     out_of_memory_error, raw_alloc, slab_array, wrap, wrap_address)
 from .norm import Norm
 from .optim import Optim
 from .vmm import ReleasableDevice, VmmDriver
@@ -161,7 +161,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         self.launches = 0  # kernels launched from Python, one by one
         # a training step's arrays replayed from one planned slab (backend/arena.py); HPCTRAIN_CUDA_ARENA=0: off
         self.arena = None if os.environ.get("HPCTRAIN_CUDA_ARENA", "1") == "0" else StepArena(
-            fresh=self._fresh, slab=self._slab, carve=self._carve, refs=arena_refs)
+            fresh=self._fresh, slab=self._slab, carve=self._carve, refs=arena_refs, root=memory_root)
         self._vmm_driver = None  # (VmmDriver or None, why not), once zero = 2 asks (vmm.py)
         self._no_bias = self.zeros((1,))  # the GEMM kernel always takes a bias array
         self._scalars = self.zeros((3,), np.float64)  # device-side results of the reductions
@@ -218,6 +218,10 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
             return cuda.simulator.cudadrv.devicearray.FakeCUDAArray(
                 np.ndarray(shape, dtype, buffer=slab[offset : offset + n]), stream=self.stream)
         return slab_array(slab, offset, shape, dtype)
+
+    def lend(self, arr) -> None:
+        if self.arena is not None:
+            self.arena.lend(arr)
 
     def step_scope(self):
         """Around a training step: its arrays come from the step arena (backend/arena.py)."""

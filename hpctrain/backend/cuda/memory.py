@@ -48,7 +48,7 @@ from numba import cuda
 from ...errors import BackendError
 
 __all__ = ["DevicePool", "is_out_of_memory", "out_of_memory_error", "is_device_array", "flat", "raw_alloc", "wrap",
-           "wrap_address", "slab_array", "arena_refs"]
+           "wrap_address", "slab_array", "arena_refs", "memory_root"]
 
 _GRANULE = 512  # bytes; cudaMalloc aligns to at least this anyway
 _CUDA_ERROR_OUT_OF_MEMORY = 2
@@ -208,3 +208,13 @@ def arena_refs(arr) -> tuple:
     if data is None:  # the simulator's FakeCUDAArray
         return arr, arr._ary
     return arr, data, data.owner
+
+
+def memory_root(arr):
+    """The object that every view of ``arr``'s memory shares: on a GPU its pointer's owner (the pool's lease, the
+    arena's piece), under the simulator the numpy array that is the base of every view."""
+    data = getattr(arr, "gpu_data", None)
+    if data is None:
+        ary = arr._ary
+        return ary.base if isinstance(ary.base, np.ndarray) else ary
+    return data.owner

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .load import _parse_override, apply_overrides, load_config, parse_config
 from .sections import (GPT_KEYS, SECTIONS, CheckpointConfig, Config, DataConfig, LayerSpec, ModelConfig,
-                       OptimConfig, ParallelConfig, TrainConfig, setting_names)
+                       OptimConfig, ParallelConfig, TrainConfig, CudaConfig, setting_names)
 from .to_toml import config_to_toml
 from .values import INT64_MAX
 

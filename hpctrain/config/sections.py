@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["LayerSpec", "ModelConfig", "DataConfig", "TrainConfig", "OptimConfig", "CheckpointConfig",
-           "ParallelConfig", "Config", "SECTIONS", "GPT_KEYS", "GPT_SIZES", "setting_names"]
+           "ParallelConfig", "CudaConfig", "Config", "SECTIONS", "GPT_KEYS", "GPT_SIZES", "setting_names"]
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,13 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class CudaConfig:
+    """The CUDA backend's own settings (no effect on the CPU)."""
+
+    arena: bool = True  # a training step's arrays planned from the step and replayed from one slab (backend/arena.py)
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -148,6 +155,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cuda: CudaConfig = field(default_factory=CudaConfig)
     source: str = field(default="", compare=False)  # the config file it came from, for messages
 
     def to_toml(self) -> str:
@@ -163,6 +171,7 @@ SECTIONS = {
     "optim": OptimConfig,
     "checkpoint": CheckpointConfig,
     "parallel": ParallelConfig,
+    "cuda": CudaConfig,
 }
 
 def _toml_key(field: str) -> str:

@@ -36,6 +36,7 @@ MAY_DIFFER = frozenset({
     "parallel.overlap", "parallel.cuda_aware", "parallel.servers", "parallel.zero", "parallel.zero_reduce",
     "parallel.reduce_dtype",
     "parallel.mode",  # staleness 0 is synchronous training in either mode; parallel.staleness changes the math
+    "cuda.arena",  # where a step's arrays live, not what they hold
 })  # and every checkpoint.* setting
 
 

@@ -215,12 +215,11 @@ def arena(path, layout):
     comm.Barrier()
     parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False, **ARENA_LAYOUTS[name]}
     pp, tp = parallel.get("pp", 1), parallel.get("tp", 1)
-    cfg = config(path, train={"steps": 4, "batch_size": 8, "backend": "cuda", "micro_batches": 2 * pp,
-                              "grad_clip": 0.5},
-                 optim={"name": "adamw", "lr": 0.01}, parallel=parallel)
     weights, allocs = {}, {}
     for on in ("1", "0"):
-        os.environ["HPCTRAIN_CUDA_ARENA"] = on
+        cfg = config(path, train={"steps": 4, "batch_size": 8, "backend": "cuda", "micro_batches": 2 * pp,
+                                  "grad_clip": 0.5},
+                     optim={"name": "adamw", "lr": 0.01}, parallel=parallel, cuda={"arena": on == "1"})
         mesh = Mesh(pp=pp, tp=tp)
         trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
         allocs[on] = [trainer.train_step(step, 0.01)["device_allocs"] for step in range(4)]

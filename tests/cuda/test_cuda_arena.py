@@ -4,8 +4,8 @@ after step, and trains to the same bits as without the arena. The metrics lines 
 ``python_launches``: the simulator's own count of launches). The layouts on two ranks are tests/cuda/dp_worker.py's
 ``arena-*``."""
 
+import dataclasses
 import json
-import os
 
 import numpy as np
 import pytest
@@ -13,6 +13,7 @@ from numba.cuda.simulator import kernel as sim_kernel
 
 from cudatest import SIM
 from helpers import gpt_config, make_tokens
+from hpctrain.config import CudaConfig
 from hpctrain.parallel.mesh import Mesh
 from hpctrain.train import Trainer
 
@@ -41,17 +42,17 @@ def simulator_launches(monkeypatch):
     return count
 
 
-def gpt(tmp_path, val_fraction=0.0, **train):
+def gpt(tmp_path, val_fraction=0.0, arena=True, **train):
     make_tokens(tmp_path / "t.h5", n=300)
     return gpt_config(tmp_path / "t.h5", model={"block_size": 4, "n_embd": 4}, data={"val_fraction": val_fraction},
+                      cuda={"arena": arena},
                       train={"steps": 3, "batch_size": 4, "micro_batches": 2, "backend": "cuda", "grad_clip": 0.5,
                              **train}, optim={"name": "adamw", "lr": 0.01})
 
 
-def train(cfg, mesh, monkeypatch, arena: bool, steps=3, counter=None):
+def train(cfg, mesh, arena: bool, steps=3, counter=None):
     """(trainer, parameters after ``steps``, [(device_allocs, python_launches, the simulator's launches)] a step)."""
-    monkeypatch.setenv("HPCTRAIN_CUDA_ARENA", "1" if arena else "0")
-    trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    trainer = Trainer(dataclasses.replace(cfg, cuda=CudaConfig(arena=arena)), mesh=mesh, log=lambda *a: None)
     seen = []
     for step in range(steps):
         ran = counter[0] if counter else 0
@@ -61,17 +62,16 @@ def train(cfg, mesh, monkeypatch, arena: bool, steps=3, counter=None):
     return trainer, params, seen
 
 
-def test_steps_after_the_first_allocate_nothing_and_train_to_the_same_bits(tmp_path, mesh, monkeypatch,
-                                                                             simulator_launches):
+def test_steps_after_the_first_allocate_nothing_and_train_to_the_same_bits(tmp_path, mesh, simulator_launches):
     cfg = gpt(tmp_path)
-    trainer, with_arena, seen = train(cfg, mesh, monkeypatch, arena=True, counter=simulator_launches)
+    trainer, with_arena, seen = train(cfg, mesh, arena=True, counter=simulator_launches)
     arena = trainer.be.arena
     first = seen[0][0]
     assert first > 50 and [a for a, _, _ in seen[1:]] == [0, 0], seen
     assert arena.plans == 1 and arena.escaped == 0 and arena.reason == "" and arena.slab_bytes > 0
     assert arena.served == 2 * first  # every request of the recorded step, twice
     trainer.close()
-    _, without, plain = train(cfg, mesh, monkeypatch, arena=False, counter=simulator_launches)
+    _, without, plain = train(cfg, mesh, arena=False, counter=simulator_launches)
     assert np.array_equal(with_arena, without)
     assert [a for a, _, _ in plain] == [first] * 3
     # hpctrain's count is the simulator's (every launch goes through the backend's one launch call), the same
@@ -80,10 +80,9 @@ def test_steps_after_the_first_allocate_nothing_and_train_to_the_same_bits(tmp_p
     assert len({ours for _, ours, _ in seen + plain}) == 1
 
 
-def test_the_same_arrays_every_step(tmp_path, mesh, monkeypatch):
+def test_the_same_arrays_every_step(tmp_path, mesh):
     """What a CUDA graph needs: each request of a step gets the array (the address) it got the step before."""
     cfg = gpt(tmp_path, micro_batches=1)
-    monkeypatch.setenv("HPCTRAIN_CUDA_ARENA", "1")
     trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
     be = trainer.be
     handed = []
@@ -102,9 +101,8 @@ def test_the_same_arrays_every_step(tmp_path, mesh, monkeypatch):
     trainer.close()
 
 
-def test_the_metrics_lines_carry_the_allocations_and_launches(tmp_path, mesh, monkeypatch):
+def test_the_metrics_lines_carry_the_allocations_and_launches(tmp_path, mesh):
     cfg = gpt(tmp_path, steps=3, log_every=1, metrics=str(tmp_path / "m.jsonl"))
-    monkeypatch.setenv("HPCTRAIN_CUDA_ARENA", "1")
     trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
     trainer.run()
     trainer.close()
@@ -115,11 +113,10 @@ def test_the_metrics_lines_carry_the_allocations_and_launches(tmp_path, mesh, mo
     assert len({r["python_launches"] for r in steps}) == 1 and steps[0]["python_launches"] > 0
 
 
-def test_evaluation_between_steps_does_not_disturb_the_plan(tmp_path, mesh, monkeypatch):
+def test_evaluation_between_steps_does_not_disturb_the_plan(tmp_path, mesh):
     """Evaluation runs outside the step (other shapes, no backward): its arrays are the pool's, and the training
     steps around it keep replaying."""
     cfg = gpt(tmp_path, val_fraction=0.1)
-    monkeypatch.setenv("HPCTRAIN_CUDA_ARENA", "1")
     trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
     allocs = []
     for step in range(3):
@@ -129,12 +126,11 @@ def test_evaluation_between_steps_does_not_disturb_the_plan(tmp_path, mesh, monk
     trainer.close()
 
 
-def test_the_arena_off_leaves_the_backend_as_it_was(monkeypatch):
-    from hpctrain.backend.cuda import CudaBackend
-
-    monkeypatch.setenv("HPCTRAIN_CUDA_ARENA", "0")
-    be = CudaBackend()
+def test_cuda_arena_false_leaves_the_backend_as_it_was(tmp_path, mesh):
+    trainer = Trainer(gpt(tmp_path, arena=False), mesh=mesh, log=lambda *a: None)
+    be = trainer.be
     assert be.arena is None
     with be.step_scope():
         a = be.empty((3,))
-    assert a.shape == (3,) and be.allocs >= 1 and os.environ["HPCTRAIN_CUDA_ARENA"] == "0"
+    assert a.shape == (3,) and be.allocs >= 1
+    trainer.close()

@@ -105,13 +105,15 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
     with a single visible GPU (e.g. Slurm's per-task ``CUDA_VISIBLE_DEVICES``) any id
     maps to it. ``tile`` is a ``GemmTile`` (or a 5-tuple BM, BN, BK, TM, TN), ``block``
     the threads per block of the other kernels (a power of two), ``max_blocks`` the
-    grid cap of the grid-stride kernels.
+    grid cap of the grid-stride kernels, ``arena`` whether a training step's arrays come from the step arena
+    (``step_scope``).
     """
 
     name = "cuda"
     is_device = True
 
-    def __init__(self, device_id: int = 0, *, tile=None, block: int | None = None, max_blocks: int | None = None):
+    def __init__(self, device_id: int = 0, *, tile=None, block: int | None = None, max_blocks: int | None = None,
+                 arena: bool = True):
         self.simulator = simulator()
         if not cuda.is_available():
             raise BackendError("the CUDA backend needs a GPU: numba.cuda sees none (check nvidia-smi, or set "
@@ -159,8 +161,8 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         self._pool = None if self.simulator else DevicePool(raw_alloc, wrap)
         self.allocs = 0  # arrays allocated outside the step arena (each builds an array wrapper)
         self.launches = 0  # kernels launched from Python, one by one
-        # a training step's arrays replayed from one planned slab (backend/arena.py); HPCTRAIN_CUDA_ARENA=0: off
-        self.arena = None if os.environ.get("HPCTRAIN_CUDA_ARENA", "1") == "0" else StepArena(
+        # a training step's arrays replayed from one planned slab (backend/arena.py; cuda.arena = false: off)
+        self.arena = None if not arena else StepArena(
             fresh=self._fresh, slab=self._slab, carve=self._carve, refs=arena_refs, root=memory_root)
         self._vmm_driver = None  # (VmmDriver or None, why not), once zero = 2 asks (vmm.py)
         self._no_bias = self.zeros((1,))  # the GEMM kernel always takes a bias array

@@ -194,6 +194,7 @@ def make_trainer(a, path):
     sets += [f"model.{k}={getattr(a, k)}" for k in MODEL_KEYS if getattr(a, k) is not None]
     sets += [f"model.dropout={a.dropout}"] if a.dropout is not None else []
     sets += [f'model.attention="{a.attention}"'] if a.attention else []
+    sets += a.set  # any other setting, e.g. --set cuda.arena=false
     mesh = Mesh()
     return mesh, Trainer(load_config(a.config, sets), mesh=mesh, log=lambda *args: None)
 
@@ -287,6 +288,8 @@ def main():
     p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                    help="after timing, the host's time per function over STEPS of hpctrain's steps (cProfile)")
     p.add_argument("--torch-python", default=os.environ.get("HPCTRAIN_TORCH_PYTHON", "python"))
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="another setting for hpctrain's side, as hpctrain train --set takes it (repeatable)")
     p.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -308,9 +311,14 @@ def main():
               f"{o.lr:g} betas {tuple(o.betas)} weight decay {o.weight_decay:g}, grad clip {cfg.train.grad_clip:g}; "
               f"{a.threads} thread(s)")
 
+        last_step = {}
+
         def hpctrain_run(first, last):
             t0 = time.perf_counter()
-            losses = [trainer.train_step(s, o.lr)["loss_sum"] / (B * T) for s in range(first, last)]
+            losses = []
+            for s in range(first, last):
+                last_step.update(trainer.train_step(s, o.lr))
+                losses.append(last_step["loss_sum"] / (B * T))
             return time.perf_counter() - t0, losses[0]
 
         runs = {"hpctrain": hpctrain_run}
@@ -339,6 +347,12 @@ def main():
             lo += a.profile
         if a.host_profile:
             profile_host(lambda: hpctrain_run(lo, lo + a.host_profile), a.host_profile)
+        if "device_allocs" in last_step:  # the step arena (backend/arena.py) and the launches from Python
+            arena = trainer.be.arena
+            print(f"last step: {last_step['device_allocs']} arrays allocated, {last_step['python_launches']} kernels "
+                  f"launched from Python; arena " + (f"{arena.slab_bytes / 2**20:.1f} MiB slab, {arena.plans} plan(s)"
+                                                      + (f", left: {arena.reason}" if arena.reason else "")
+                                                      if arena is not None else "off"))
         launcher = getattr(trainer.be, "launcher", None)  # the CUDA backend's direct launch path (cuda_launch.py)
         if launcher is not None:
             print(f"launches: {launcher.fast:,} direct, {launcher.slow:,} through numba; refused: "

@@ -134,3 +134,37 @@ def test_cuda_arena_false_leaves_the_backend_as_it_was(tmp_path, mesh):
         a = be.empty((3,))
     assert a.shape == (3,) and be.allocs >= 1
     trainer.close()
+
+
+def launch_traces(cfg, mesh, steps):
+    """Each step's launches as a graph would freeze them: (kernel, grid, block, argument addresses and values)."""
+    trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    traces = []
+    for step in range(steps):
+        trainer.be.launch_trace = []
+        trainer.train_step(step, 0.01 * (step + 1))  # the learning rate changes every step
+        traces.append(trainer.be.launch_trace)
+    trainer.close()
+    return traces
+
+
+def test_an_mlp_step_launches_the_same_kernels_with_the_same_arguments_every_step(tmp_path, mesh):
+    """From the second step: every kernel, grid, block, array address and scalar the same, though the learning
+    rate, Adam's bias corrections and the clipping factor change (the optimizer reads them from a device array:
+    issue 49 item 2)."""
+    from helpers import config, make_classification
+
+    make_classification(tmp_path / "d.h5", n=32)
+    cfg = config(tmp_path / "d.h5", train={"steps": 4, "batch_size": 8, "micro_batches": 2, "backend": "cuda",
+                                           "grad_clip": 0.5}, optim={"name": "adamw", "lr": 0.01})
+    traces = launch_traces(cfg, mesh, 4)
+    assert len(traces[1]) > 20 and traces[1] == traces[2] == traces[3]
+    assert traces[0] != traces[1]  # the first step's arrays are the pool's
+
+
+def test_what_still_differs_between_two_gpt_steps(tmp_path, mesh):
+    """A GPT's steps launch the same, but for the token embedding's backward, whose sort plan (the distinct ids of
+    the batch) is as long as the batch makes it: what a graph of the step must still take from device memory."""
+    traces = launch_traces(gpt(tmp_path, steps=4), mesh, 4)
+    differ = {a[0] for a, b in zip(traces[2], traces[3]) if a != b}
+    assert len(traces[2]) == len(traces[3]) and differ <= {"embedding_backward_wte"}

@@ -68,7 +68,7 @@ from .embedding import Embedding
 from .flash import FlashAttention
 from .gemm import Gemm
 from .gemm.tiled import GPU_SMALL_TILE, GPU_TILE, GPU_TILES, GPU_TN_TILES, SIM_TILE, GemmTile
-from .launch import Launcher
+from .launch import Launcher, kernel_name, traced_arguments
 from .linear import Linear
 from .loss import Loss
 from ..arena import StepArena
@@ -161,6 +161,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         self._pool = None if self.simulator else DevicePool(raw_alloc, wrap)
         self.allocs = 0  # arrays allocated outside the step arena (each builds an array wrapper)
         self.launches = 0  # kernels launched from Python, one by one
+        self.launch_trace = None  # a list: every launch appended as (kernel, grid, block, traced_arguments)
         # a training step's arrays replayed from one planned slab (backend/arena.py; cuda.arena = false: off)
         self.arena = None if not arena else StepArena(
             fresh=self._fresh, slab=self._slab, carve=self._carve, refs=arena_refs, root=memory_root)
@@ -435,6 +436,8 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
 
     def _launch(self, kernel, grid, threads, *args):
         self.launches += 1
+        if self.launch_trace is not None:
+            self.launch_trace.append((kernel_name(kernel), grid, threads, traced_arguments(args)))
         if self.launcher is None:
             kernel[grid, threads, self.stream](*args)
         else:

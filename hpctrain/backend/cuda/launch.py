@@ -27,6 +27,23 @@ import numpy as np
 _MISSING = object()
 
 
+def traced_arguments(args) -> tuple:
+    """What a launch passes, as a CUDA graph would freeze it: each device array as ("@", its address, shape), each
+    scalar as itself, tuples in order (the backend's ``launch_trace``: two steps whose traces are equal could be
+    replayed by one graph)."""
+    out = []
+    for a in args:
+        if isinstance(a, tuple):
+            out.append(traced_arguments(a))
+        elif hasattr(a, "device_ctypes_pointer"):
+            out.append(("@", a.device_ctypes_pointer.value, tuple(a.shape)))
+        elif hasattr(a, "_ary"):  # the simulator's device array: its numpy memory's address
+            out.append(("@", a._ary.__array_interface__["data"][0], tuple(a._ary.shape)))
+        else:
+            out.append(a.item() if isinstance(a, np.generic) else a)
+    return tuple(out)
+
+
 def _cuda_core_launch():
     """(launch, LaunchConfig) from cuda.core, as numba-cuda's own launch path uses them; None where absent."""
     try:
@@ -122,6 +139,12 @@ def _dims(d):
 
 def _name(dispatcher) -> str:
     return getattr(getattr(dispatcher, "py_func", None), "__name__", repr(dispatcher))
+
+
+def kernel_name(kernel) -> str:
+    """A kernel's Python name, numba's or the simulator's (which keeps the function as ``fn``)."""
+    fn = getattr(kernel, "py_func", None) or getattr(kernel, "fn", None)
+    return getattr(fn, "__name__", type(kernel).__name__)
 
 
 class _Entry:

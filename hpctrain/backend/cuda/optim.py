@@ -55,16 +55,24 @@ def _update_kernels(nt: int) -> SimpleNamespace:
         v[i] = vi
         p[i] = w * keep - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
 
+    # the step's values (the clipping factor, the learning rate and what it and the step number give) are read
+    # from a float32 device array ``h``, not passed by value: the launch is then the same every step, what a CUDA
+    # graph replays (issue 49 item 2). SGD's h: gs, lr, momentum, weight decay; Adam's: gs, step size, β1, β2,
+    # 1 − β1, 1 − β2, sqrt(1 − β2^t), eps, l2, keep (Optim._step_values)
+
     @kernel
-    def sgd_update(p, g, gs, buf, lr, momentum, weight_decay, use_momentum, nesterov):
+    def sgd_update(p, g, buf, h, use_momentum, nesterov):
         """torch.optim.SGD over flat [n]; gs the clipping factor, applied as the gradients are read."""
+        gs, lr, momentum, weight_decay = h[0], h[1], h[2], h[3]
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
             sgd_at(p, g, gs, buf, i, lr, momentum, weight_decay, use_momentum, nesterov)
 
     @kernel
-    def adam_update(p, g, gs, m, v, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep):
+    def adam_update(p, g, m, v, h):
         """torch.optim.Adam/AdamW over flat [n]; omb1, omb2 = 1 − β1, 1 − β2, computed in float64 on the host as
         torch.optim does; gs the clipping factor."""
+        gs, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep = (h[0], h[1], h[2], h[3], h[4], h[5], h[6],
+                                                                            h[7], h[8], h[9])
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
             adam_at(p, g, gs, m, v, i, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep)
 
@@ -86,16 +94,18 @@ def _update_kernels(nt: int) -> SimpleNamespace:
         return decayed[lo] != 0
 
     @kernel
-    def sgd_update_runs(p, g, gs, buf, starts, decayed, lr, momentum, weight_decay, use_momentum, nesterov):
-        """sgd_update with ``weight_decay`` on the decayed runs and 0 elsewhere."""
+    def sgd_update_runs(p, g, buf, starts, decayed, h, use_momentum, nesterov):
+        """sgd_update with the weight decay on the decayed runs and 0 elsewhere."""
+        gs, lr, momentum, weight_decay = h[0], h[1], h[2], h[3]
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
             wd = weight_decay if decayed_at(starts, decayed, i) else float32(0.0)
             sgd_at(p, g, gs, buf, i, lr, momentum, wd, use_momentum, nesterov)
 
     @kernel
-    def adam_update_runs(p, g, gs, m, v, starts, decayed, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2,
-                         keep):
+    def adam_update_runs(p, g, m, v, starts, decayed, h):
         """adam_update with ``l2`` and ``keep`` on the decayed runs, 0 and 1 elsewhere."""
+        gs, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep = (h[0], h[1], h[2], h[3], h[4], h[5], h[6],
+                                                                            h[7], h[8], h[9])
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
             on = decayed_at(starts, decayed, i)
             adam_at(p, g, gs, m, v, i, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps,
@@ -161,15 +171,14 @@ class Optim:
         ``decay_table``."""
         self._check_flat("sgd_update", param=param, grad=grad, momentum_buf=momentum_buf)
         self._check_decay("sgd_update", weight_decay, param.shape[0])
-        f32 = np.float32
-        if isinstance(weight_decay, DecayRuns):
-            starts, decayed = self._decay_arrays(weight_decay)
-            self._elementwise(self._k.sgd_update_runs, param.size, param, grad, f32(grad_scale), momentum_buf,
-                              starts, decayed, f32(lr), f32(momentum), f32(weight_decay.value), bool(momentum != 0),
-                              bool(nesterov))
+        runs = weight_decay if isinstance(weight_decay, DecayRuns) else None
+        h = self._step_values(grad_scale, lr, momentum, runs.value if runs is not None else weight_decay)
+        flags = bool(momentum != 0), bool(nesterov)
+        if runs is not None:
+            self._elementwise(self._k.sgd_update_runs, param.size, param, grad, momentum_buf,
+                              *self._decay_arrays(runs), h, *flags)
             return
-        self._elementwise(self._k.sgd_update, param.size, param, grad, f32(grad_scale), momentum_buf, f32(lr),
-                          f32(momentum), f32(weight_decay), bool(momentum != 0), bool(nesterov))
+        self._elementwise(self._k.sgd_update, param.size, param, grad, momentum_buf, h, *flags)
 
     def _decay_arrays(self, table):
         if table.device is None:  # made by another backend's decay_table
@@ -182,16 +191,20 @@ class Optim:
         ``grad_scale``: the clipping factor, applied as the gradients are read."""
         self._check_flat("adam_update", param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         self._check_decay("adam_update", weight_decay, param.shape[0])
-        f32 = np.float32
         step_size = lr / (1.0 - beta1**step)  # bias corrections in float64 on the host, as cpu/optim.py does
         bc2_sqrt = math.sqrt(1.0 - beta2**step)
         runs = weight_decay if isinstance(weight_decay, DecayRuns) else None
         wd = runs.value if runs is not None else weight_decay  # the decayed runs' (the others: 0, as one-run calls)
         keep, l2 = (1.0 - lr * wd, 0.0) if decoupled else (1.0, wd)
-        common = (f32(step_size), f32(beta1), f32(beta2), f32(1.0 - beta1), f32(1.0 - beta2), f32(bc2_sqrt), f32(eps),
-                  f32(l2), f32(keep))
+        h = self._step_values(grad_scale, step_size, beta1, beta2, 1.0 - beta1, 1.0 - beta2, bc2_sqrt, eps, l2, keep)
         if runs is not None:
-            self._elementwise(self._k.adam_update_runs, param.size, param, grad, f32(grad_scale), exp_avg, exp_avg_sq,
-                              *self._decay_arrays(runs), *common)
+            self._elementwise(self._k.adam_update_runs, param.size, param, grad, exp_avg, exp_avg_sq,
+                              *self._decay_arrays(runs), h)
             return
-        self._elementwise(self._k.adam_update, param.size, param, grad, f32(grad_scale), exp_avg, exp_avg_sq, *common)
+        self._elementwise(self._k.adam_update, param.size, param, grad, exp_avg, exp_avg_sq, h)
+
+    def _step_values(self, *values):
+        """The update's scalars as a float32 device array (each rounded from float64 as it was when passed by
+        value), uploaded through page-locked memory without a wait; inside a training step the step arena gives
+        it the same address every step."""
+        return self.upload(np.array(values, dtype=np.float32))

@@ -63,13 +63,18 @@ class DropRows(NamedTuple):
     group: int = 0  # 0: one group, the whole array
     stride: int = 0
     causal: bool = False  # square blocks of attention probabilities: nothing drawn above the diagonal
+    # what ``key`` is site_key of, when known (seed -1: a key given as it is): a device backend derives the key in
+    # its kernel from the step in device memory, so the launch is the same every step (issue 49 item 2)
+    seed: int = -1
+    step: int = 0
+    site: int = 0
 
     def from_row(self, r0: int) -> "DropRows":
         """The draw over rows r0, r0 + 1, .. of the array, as an array of its own: the rows must lie in one group
         (the flash attention's chunk of one sample's heads), and r0 start a T × T block when ``causal``."""
         group = self.group or 0
         row0 = self.row0 + ((r0 // group) * (self.stride or group) + r0 % group if group else r0)
-        return DropRows(self.p, self.key, row0, 0, 0, self.causal)
+        return self._replace(row0=row0, group=0, stride=0)
 
     def global_rows(self, R: int) -> np.ndarray:
         r = np.arange(R, dtype=np.int64)

@@ -35,10 +35,11 @@ class DropoutKey:
 
     def rows(self, p: float, site: int, positions: int) -> DropRows:
         """The draw over a (B·T, C) activation of this micro-batch: T = ``positions`` rows per sample."""
-        return DropRows(p, site_key(self.seed, self.step, site), self.sample0 * positions)
+        return DropRows(p, site_key(self.seed, self.step, site), self.sample0 * positions, seed=self.seed,
+                        step=self.step, site=site)
 
     def attention(self, p: float, site: int, T: int, head0: int, heads: int, n_head: int) -> DropRows:
         """The draw over attention's probabilities [B, heads, T, T] (rows (b·heads + h)·T + i) of heads
         [head0, head0 + heads) of the model's ``n_head``."""
         return DropRows(p, site_key(self.seed, self.step, site), (self.sample0 * n_head + head0) * T, heads * T,
-                        n_head * T, causal=True)
+                        n_head * T, causal=True, seed=self.seed, step=self.step, site=site)

@@ -173,6 +173,8 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         self._staging = {}  # (shape, dtype) -> [(pinned buffer, the mark after its upload)], for upload
         self._counters = [self.zeros((64,), np.int64)]  # _counter_slots
         self._bad_token = self.zeros((1,), np.int64)  # embedding_forward: first flat position of a bad id
+        self._step_dev, self._step_host = self.zeros((1,), np.uint64), self.pinned_host((1,), np.uint64)
+        self._step_on_device, self._step_copied = 0, None  # dropout.py's _device_step
         self._host_bad_token = self.pinned_host((1,), np.int64)
 
     # ------------------------------------------------------------------ memory

@@ -45,6 +45,7 @@ import numpy as np
 from numba import cuda, float32, float64, int64
 
 from ...errors import BackendError
+from ..dropout_mask import GOLDEN, MUL1, MUL2
 from . import sim
 
 __all__ = ["block_reducers", "kernel_decorator", "kernels", "last_to_finish", "reduce_shape"]
@@ -102,6 +103,26 @@ def kernels(nt: int) -> SimpleNamespace:
             out[0] = total
 
     return SimpleNamespace(fill=fill, sum_partials=sum_partials, RX=red.RX, RY=red.RY)
+
+
+_GOLDEN, _MUL1, _MUL2 = np.uint64(GOLDEN), np.uint64(MUL1), np.uint64(MUL2)
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
+
+
+@cuda.jit(device=True)
+def mix64(z):
+    """splitmix64's output function on a uint64 (dropout_mask.py's ``mix64``)."""
+    z = z + _GOLDEN
+    z = (z ^ (z >> _S30)) * _MUL1
+    z = (z ^ (z >> _S27)) * _MUL2
+    return z ^ (z >> _S31)
+
+
+@cuda.jit(device=True)
+def site_key(seed_mix, step, site):
+    """dropout_mask.py's site_key(seed, step, site), given ``seed_mix`` = mix64(seed): the dropout kernels derive
+    their key from the step read in device memory, so their launch is the same every step."""
+    return mix64(mix64(seed_mix ^ step) ^ site)
 
 
 @cuda.jit(device=True)

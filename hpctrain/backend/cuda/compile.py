@@ -52,17 +52,18 @@ def _types():
     return SimpleNamespace(F1=f1, F2=f2, F4=f4, D1=types.float64[::1], D2=types.float64[:, ::1],
                            D3=types.float64[:, :, ::1], I1=types.int64[::1], I2=types.int64[:, ::1],
                            J1=types.int32[::1], i64=types.int64, f32=types.float32, f64=types.float64,
-                           b1=types.boolean, U4=types.UniTuple(types.int64, 4), u64=types.uint64)
+                           b1=types.boolean, U4=types.UniTuple(types.int64, 4), u64=types.uint64,
+                           U1=types.uint64[::1])
 
 
 def signatures() -> dict[str, tuple[tuple, ...]]:
     """Kernel name -> the argument types of each way ``CudaBackend`` launches it."""
     t = _types()
     F1, F2, D1, D2, I1, I2, J1 = t.F1, t.F2, t.D1, t.D2, t.I1, t.I2, t.J1
-    i64, f32, f64, b1, U4 = t.i64, t.f32, t.f64, t.b1, t.U4
+    i64, f32, f64, b1, U4, U1 = t.i64, t.f32, t.f64, t.b1, t.U4, t.U1
     gemm = ((F2, F2, F2, F1, i64, i64, i64, i64),)
     batched = ((F2, F2, F2) + (i64,) * 6 + (U4, U4, U4, i64),)
-    flash = (i64, i64, f32, t.u64, t.u64, f32, i64, i64, i64, b1)
+    flash = (i64, i64, f32, t.u64, t.u64, U1, b1, t.u64, f32, i64, i64, i64, b1)
     table = {
         # gemm/tiled.py: c = a·b in three layouts, the epilogue a launch argument, at the default tiling, the
         # small one (_small) and, for X·Wᵀ and dY·W, the tiny one (_tiny); the batched kernels (attention,
@@ -76,7 +77,7 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "fill": ((F1, f32), (I1, i64), (D1, f64)),
         "scale": ((F1, f32),),
         "add": ((F1, F1),),
-        "dropout": ((F1, F1, i64, t.u64, t.u64, f32, i64, i64, i64, b1),),
+        "dropout": ((F1, F1, i64, t.u64, t.u64, U1, b1, t.u64, f32, i64, i64, i64, b1),),
         "sum_squares_partial": ((F1, D1),),
         "sum_partials": ((D1, D1),),
         "bias_grad": ((F2, t.D3, I1, i64, F1, b1),),

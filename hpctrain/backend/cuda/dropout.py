@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 from numba import cuda, uint64
 
-from ..dropout_mask import GOLDEN, MUL1, MUL2, keep_scale, threshold
+from ..dropout_mask import GOLDEN, MUL1, MUL2, keep_scale, mix64, threshold
 from . import blocks
 from .memory import flat
 
@@ -29,11 +29,12 @@ def kernels(nt: int) -> SimpleNamespace:
     kernel = blocks.kernel_decorator(nt)
 
     @kernel
-    def dropout(x, out, W, key, cut, scale, row0, group, stride, causal):
+    def dropout(x, out, W, key, site, steps, derive, cut, scale, row0, group, stride, causal):
         """out[n] = x[n] · (scale if the draw of its global index is >= cut else 0) over a flat (R, W) array, row
         r's elements having the indices (row0 + (r // group)·stride + r % group)·W + c; the draw is a half of
         mix64(key ^ (index >> 1)), the high one for an even index; causal: 0 for c > r mod W (dropout_mask.py:
         the CPU backend's and numpy's draw, bit for bit)."""
+        key = blocks.site_key(key, steps[0], site) if derive else key
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
             r = i // W
             c = i - r * W
@@ -54,11 +55,30 @@ def kernels(nt: int) -> SimpleNamespace:
 class Dropout:
     """CudaBackend's dropout (a mixin)."""
 
+    def _site_key(self, rows):
+        """A dropout kernel's (key, site, steps, derive): for a draw whose seed is known, the seed's mix, the site
+        and the step in device memory, from which the kernel derives site_key (the same launch every step); else
+        the key itself."""
+        if rows.seed < 0:
+            return np.uint64(rows.key), np.uint64(0), self._step_dev, False  # (not read)
+        return np.uint64(mix64(rows.seed)), np.uint64(rows.site), self._device_step(rows.step), True
+
+    def _device_step(self, step: int):
+        """The one-element uint64 device array the dropout kernels read the step from, holding ``step`` once
+        what is queued so far runs (a copy from page-locked memory when it changes: once a step)."""
+        if self._step_on_device != step:
+            if self._step_copied is not None:
+                self.host_wait_for(self._step_copied)  # the page-locked value of the last change is read
+            self._step_host[0] = step
+            self._step_dev.copy_to_device(self._step_host, stream=self.stream)
+            self._step_copied, self._step_on_device = self.mark(), step
+        return self._step_dev
+
     def dropout(self, x, out, rows):
         """out[R, W] = x with the elements ``rows`` (a DropRows) draws dropped and the rest scaled by 1/(1 − p);
         out may be x. The same call on the gradient is the backward pass (dropout_mask.py)."""
         R, W = self._dropout_args(x, out, rows)
         group = rows.group or max(R, 1)
-        self._elementwise(self._k.dropout, R * W, flat(x), flat(out), W, np.uint64(rows.key),
+        self._elementwise(self._k.dropout, R * W, flat(x), flat(out), W, *self._site_key(rows),
                           np.uint64(threshold(rows.p)), keep_scale(rows.p), rows.row0, group, rows.stride or group,
                           bool(rows.causal))

@@ -39,7 +39,7 @@ from numba import cuda, float32, uint64
 from ...errors import BackendError
 from ..base import FLASH_MAX_HS
 from ..dropout_mask import GOLDEN, MUL1, MUL2, keep_scale, threshold
-from . import sim
+from . import blocks, sim
 
 __all__ = ["flash_kernels", "MAX_HS", "NT", "rows_per_block", "FlashAttention"]
 
@@ -162,8 +162,10 @@ def _forward(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load_til
     """The forward kernel: out and lse, each block's query rows against every key tile up to the diagonal."""
 
     @kernel
-    def flash_forward(qkv, out, lse, T, H, scale, key, cut, kscale, row0, group, stride, drop):
+    def flash_forward(qkv, out, lse, T, H, scale, key, site, steps, derive, cut, kscale, row0, group, stride,
+                      drop):
         """out rows and lse of one block of query rows of one head: keys in tiles of BC, an online softmax."""
+        key = blocks.site_key(key, steps[0], site) if derive else key
         k_tile = cuda.shared.array((BC, HS), float32)
         v_tile = cuda.shared.array((BC, HS), float32)
         part = cuda.shared.array((TR, BR, SP), float32)  # each lane's part of q_i · k_j
@@ -224,9 +226,10 @@ def _backward_dq(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load
     """The dq kernel, which also leaves dsum (each row's dout·out) for the dk/dv kernel."""
 
     @kernel
-    def flash_backward_dq(qkv, dout, out, lse, dsum, dqkv, T, H, scale, key, cut, kscale, row0, group, stride,
-                          drop):
+    def flash_backward_dq(qkv, dout, out, lse, dsum, dqkv, T, H, scale, key, site, steps, derive, cut, kscale,
+                          row0, group, stride, drop):
         """dq rows of one block of query rows, and their dsum for the dk/dv kernel: keys in tiles of BC."""
+        key = blocks.site_key(key, steps[0], site) if derive else key
         k_tile = cuda.shared.array((BC, HS), float32)
         v_tile = cuda.shared.array((BC, HS), float32)
         s_part = cuda.shared.array((TR, BR, SP), float32)  # each lane's part of q_i · k_j
@@ -286,8 +289,10 @@ def _backward_dkdv(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, lo
     """The dk/dv kernel: each block's key rows against every query tile from the diagonal on."""
 
     @kernel
-    def flash_backward_dkdv(qkv, dout, lse, dsum, dqkv, T, H, scale, key, cut, kscale, row0, group, stride, drop):
+    def flash_backward_dkdv(qkv, dout, lse, dsum, dqkv, T, H, scale, key, site, steps, derive, cut, kscale, row0,
+                            group, stride, drop):
         """dk and dv rows of one block of key rows: the queries i ≥ j in tiles of BC (after the dq kernel)."""
+        key = blocks.site_key(key, steps[0], site) if derive else key
         q_tile = cuda.shared.array((BC, HS), float32)  # scale · q
         dy_tile = cuda.shared.array((BC, HS), float32)
         lse_tile = cuda.shared.array(BC, float32)
@@ -378,11 +383,11 @@ class FlashAttention:
                      *draw)
         self._launch(fk.flash_backward_dkdv, grid, NT, qkv, dout, lse1, dsum, dqkv, T, H, scale, *draw)
 
-    @staticmethod
-    def _flash_draw(dropout, rows):
-        """The flash kernels' dropout arguments: key, cut, keep scale, row0, group, stride, drop."""
+    def _flash_draw(self, dropout, rows):
+        """The flash kernels' dropout arguments: key, site, steps, derive (dropout.py's ``_site_key``), cut, keep
+        scale, row0, group, stride, drop."""
         if dropout is None:
-            return np.uint64(0), np.uint64(0), np.float32(1.0), 0, 1, 1, False
+            return np.uint64(0), np.uint64(0), self._step_dev, False, np.uint64(0), np.float32(1.0), 0, 1, 1, False
         group = dropout.group or max(rows, 1)
-        return (np.uint64(dropout.key), np.uint64(threshold(dropout.p)), keep_scale(dropout.p), dropout.row0, group,
+        return (*self._site_key(dropout), np.uint64(threshold(dropout.p)), keep_scale(dropout.p), dropout.row0, group,
                 dropout.stride or group, True)

@@ -163,12 +163,12 @@ def test_an_mlp_step_launches_the_same_kernels_with_the_same_arguments_every_ste
 
 
 @pytest.mark.parametrize("attention", ["math", "flash"])
-def test_what_still_differs_between_two_gpt_steps(tmp_path, mesh, attention):
-    """A GPT with dropout launches the same every step (its kernels derive each site's key from the step in device
-    memory), but for the token embedding's backward, whose sort plan (the distinct ids of the batch) is as long as
-    the batch makes it: what a graph of the step must still take from device memory."""
+def test_a_gpt_step_with_dropout_launches_the_same_every_step(tmp_path, mesh, attention):
+    """Dropout's kernels derive each site's key from the step in device memory, and the token embedding's backward
+    reads how many distinct ids the batch has from its plan, laid out the same for any batch: the same launches,
+    grids and arguments every step from the second on."""
     cfg = gpt(tmp_path, steps=4)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=0.1, attention=attention))
     traces = launch_traces(cfg, mesh, 4)
     differ = {a[0] for a, b in zip(traces[2], traces[3]) if a != b}
-    assert len(traces[2]) == len(traces[3]) and differ <= {"embedding_backward_wte"}
+    assert len(traces[2]) > 100 and traces[1] == traces[2] == traces[3], differ

@@ -97,7 +97,7 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "adam_update_runs": ((F1, F1, F1, F1, I1, I1, F1),),
         # embedding.py, attention.py
         "embedding_forward": ((I2, F2, F2, F2, I1, i64, i64, b1),),
-        "embedding_backward_wte": ((F2, I1, I1, I1, F2),),
+        "embedding_backward_wte": ((F2, I1, i64, F2),),
         "embedding_backward_wpe": ((F2, i64, i64, F2, b1),),
         "attention_softmax_rows": ((F2, i64, f32),),
         "attention_softmax_backward_rows": ((F2, F2, i64, f32),),

@@ -49,17 +49,20 @@ def kernels(nt: int) -> SimpleNamespace:
                         out[r, c] = wpe[t, c] if add_positions else _ZERO
 
     @kernel
-    def embedding_backward_wte(dout, order, starts, tokens, dwte):
-        """dwte[tokens[u]] += Σ dout[order[p]] for p in starts[u]..starts[u+1]-1 (the rows of that id, in order)."""
+    def embedding_backward_wte(dout, plan, n, dwte):
+        """dwte[tokens[u]] += Σ dout[order[p]] for p in starts[u]..starts[u+1]-1 (the rows of that id, in order),
+        for the plan's U = plan[0] distinct ids: plan = [U, order (n), starts (n + 1), tokens (n)], n the batch's
+        rows. Its shape and the launch are the same whatever the batch's ids (issue 49: one graph a step)."""
         C = dwte.shape[1]
-        for u in range(cuda.blockIdx.x, tokens.size, cuda.gridDim.x):
-            v = tokens[u]
-            lo = starts[u]
-            hi = starts[u + 1]
+        starts, tokens = 1 + n, 2 + 2 * n
+        for u in range(cuda.blockIdx.x, plan[0], cuda.gridDim.x):
+            v = plan[tokens + u]
+            lo = plan[starts + u]
+            hi = plan[starts + u + 1]
             for c in range(cuda.threadIdx.x, C, NT):
                 acc = dwte[v, c]
                 for p in range(lo, hi):
-                    acc += dout[order[p], c]
+                    acc += dout[plan[1 + p], c]
                 dwte[v, c] = acc
 
     @kernel
@@ -130,15 +133,17 @@ class Embedding:
         ids = ids[order] - lo
         keep = (ids >= 0) & (ids < V)  # this table's block of the vocabulary
         order, ids = order[keep], ids[keep]
-        n = ids.size
-        if n == 0:
-            return
+        n, rows = ids.size, B * T
         starts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
-        starts = np.concatenate(([0], starts, [n]))
+        starts = np.concatenate(([0], starts, [n])) if n else np.zeros(1, dtype=np.int64)
         tokens = ids[starts[:-1]]
         U = tokens.size
-        plan = np.zeros(3 * B * T + 1, dtype=np.int64)  # one upload, of one size per batch shape (staging reuse)
-        plan[: n + 2 * U + 1] = np.concatenate((order, starts, tokens))
-        plan = self.upload(plan)
-        self._launch(self._k.embedding_backward_wte, self._rows_grid(U), self.block,
-                     dout, plan[:n], plan[n:n + U + 1], plan[n + U + 1:n + 2 * U + 1], dwte)
+        # one upload of one shape per batch shape, each part at a fixed place (the kernel reads U from it): the
+        # launch is the same for any ids, none of this table's block included
+        plan = np.zeros(3 * rows + 2, dtype=np.int64)
+        plan[0] = U
+        plan[1 : 1 + n] = order
+        plan[1 + rows : 2 + rows + U] = starts
+        plan[2 + 2 * rows : 2 + 2 * rows + U] = tokens
+        self._launch(self._k.embedding_backward_wte, self._rows_grid(rows), self.block, dout, self.upload(plan), rows,
+                     dwte)

@@ -215,6 +215,9 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         that read memory it never wrote would show in the tests' bits)."""
         if self._pool is None:
             return memoryview(np.full(nbytes, 0xFF, dtype=np.uint8))
+        # the recorded step's arrays went back to the pool, and the slab replaces them: give those blocks back to
+        # the driver, so the device holds the step's memory once, not twice
+        self._pool.release_cached()
         return self._pool.alloc((nbytes,), np.uint8)
 
     def _carve(self, slab, offset, shape, dtype):

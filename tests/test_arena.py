@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpctrain.backend.arena import ALIGN, StepArena, plan_offsets
+from hpctrain.backend.arena import ALIGN, StepArena, peak_bytes, plan_offsets
 
 
 def host_arena():
@@ -81,7 +81,7 @@ def test_no_two_arrays_alive_together_overlap_and_the_slab_holds_the_peak(spec):
             if births[i] < deaths[j]:  # j still alive when i is born
                 assert offsets[i] >= offsets[j] + sizes[j] or offsets[j] >= offsets[i] + sizes[i]
     peak = max(sum(s for s, b, d in zip(sizes, births, deaths) if b <= t < d) for t in range(len(spec)))
-    assert total >= peak
+    assert total >= peak == peak_bytes(sizes, births, deaths)
 
 
 def test_steps_after_the_first_get_the_same_arrays_and_allocate_nothing():

@@ -38,7 +38,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["StepArena", "plan_offsets", "ALIGN"]
+__all__ = ["StepArena", "plan_offsets", "peak_bytes", "ALIGN"]
 
 ALIGN = 512  # bytes: every array starts on the caching pool's granule (cudaMalloc's alignment or better)
 
@@ -80,6 +80,17 @@ def plan_offsets(sizes, births, deaths) -> tuple[list[int], int]:
                 free[best] = [off + size, free[best][1] - size]
         offsets[i] = off
     return offsets, top
+
+
+def peak_bytes(sizes, births, deaths) -> int:
+    """The most bytes alive at once over arrays alive over [births[i], deaths[i]): what no plan can go under."""
+    events = sorted([(b, s) for s, b in zip(sizes, births)] + [(d, -s) for s, d in zip(sizes, deaths)],
+                    key=lambda e: (e[0], e[1]))  # at one time, frees before allocations
+    live = peak = 0
+    for _, change in events:
+        live += change
+        peak = max(peak, live)
+    return peak
 
 
 def _release(free, off, size, top):
@@ -146,6 +157,7 @@ class StepArena:
         self._dies_at: dict = {}  # request -> the planned arrays that must be dead by then
         self._keep = None  # the slab of the plan
         self.slab_bytes = 0
+        self.peak_bytes = 0  # the most bytes of the plan alive at once: the slab is at least this
         self.plans = self.served = 0
         self.reason = ""  # why the last step left the plan ("" while it holds)
 
@@ -237,7 +249,9 @@ class StepArena:
         n = len(self._log)
         planned = [i for i in range(n) if self._deaths[i] is not None]
         sizes = [_nbytes(*self._log[i]) for i in planned]
-        offsets, total = plan_offsets(sizes, planned, [self._deaths[i] for i in planned])
+        deaths = [self._deaths[i] for i in planned]
+        offsets, total = plan_offsets(sizes, planned, deaths)
+        self.peak_bytes = peak_bytes(sizes, planned, deaths)
         slab = self._slab(total) if total else None
         plan = [(key, None) for key in self._log]
         dies_at: dict = {}

@@ -69,6 +69,8 @@ def test_steps_after_the_first_allocate_nothing_and_train_to_the_same_bits(tmp_p
     first = seen[0][0]
     assert first > 50 and [a for a, _, _ in seen[1:]] == [0, 0], seen
     assert arena.plans == 1 and arena.escaped == 0 and arena.reason == "" and arena.slab_bytes > 0
+    # best fit by lifetime: the slab within a quarter of the most bytes the step holds at once
+    assert arena.peak_bytes <= arena.slab_bytes <= 1.25 * arena.peak_bytes, (arena.slab_bytes, arena.peak_bytes)
     assert arena.served == 2 * first  # every request of the recorded step, twice
     trainer.close()
     _, without, plain = train(cfg, mesh, arena=False, counter=simulator_launches)

@@ -53,6 +53,10 @@ def inputs(tmp_path_factory, mesh):
     with open(folder / "m.jsonl", "w") as f:
         for step in range(1, 400):
             f.write(json.dumps({"step": step, "loss": 1.0 / step, "lr": 0.1, "samples_per_s": 100.0}) + "\n")
+    # matplotlib's first import on a machine builds its font cache (running fc-list, which writes fontconfig's):
+    # done here, without the limit, so `plot` under it meets a full disk only in hpctrain's own write, as it does
+    # on any machine where matplotlib ran once (a fresh CI machine printed fontconfig's "write cache" line)
+    subprocess.run([sys.executable, "-c", "import matplotlib.font_manager"], capture_output=True, timeout=300)
     return folder, path
 
 

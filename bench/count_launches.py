@@ -16,9 +16,10 @@ import numpy as np
 
 
 def kernel_name(kernel) -> str:
-    """A numba CUDA kernel's Python name (the simulator's kernels keep it as ``fn``)."""
-    fn = getattr(kernel, "py_func", None) or getattr(kernel, "fn", None)
-    return getattr(fn, "__name__", type(kernel).__name__)
+    """A numba CUDA kernel's Python name (the backend's own: hpctrain/backend/cuda/launch.py)."""
+    from hpctrain.backend.cuda.launch import kernel_name as name
+
+    return name(kernel)
 
 
 def count(n_layer: int, batch: int, block_size: int, bias: bool) -> collections.Counter:

@@ -353,6 +353,11 @@ def main():
                   f"launched from Python; arena " + (f"{arena.slab_bytes / 2**20:.1f} MiB slab, {arena.plans} plan(s)"
                                                       + (f", left: {arena.reason}" if arena.reason else "")
                                                       if arena is not None else "off"))
+            graphs = getattr(trainer.be, "graphs", None)  # backend/cuda/graphs.py: the segments replayed
+            print(f"graphs: {last_step.get('graph_launches', 0)} segment launches in the last step; "
+                  + ("off" if graphs is None else f"off: {graphs.off}" if graphs.off
+                     else f"{graphs.segments} segments, {graphs.captures} recording(s)"
+                     + (f", left: {graphs.reason}" if graphs.reason else "")))
         launcher = getattr(trainer.be, "launcher", None)  # the CUDA backend's direct launch path (cuda_launch.py)
         if launcher is not None:
             print(f"launches: {launcher.fast:,} direct, {launcher.slow:,} through numba; refused: "

@@ -12,7 +12,8 @@
 # 5. one GPT training step against PyTorch (bench/bench_gpt.py --backend cuda): gpt-char's shape (gpt_step),
 #    nanoGPT shakespeare-char's (gpt_nanogpt), and that with dropout 0.2 on both sides (gpt_dropout), and with
 #    model.attention = "flash" (gpt_flash); gpt-char's again without the step arena (gpt_step_no_arena: the arena's
-#    gain is gpt_step against it, each printing its last step's allocations and launches from Python);
+#    gain is gpt_step against it, each printing its last step's allocations and launches from Python), and without
+#    the step's CUDA graphs (gpt_step_no_graphs: the graphs' gain, segment launches against kernel launches);
 # 6. the compile report of every kernel (bench/cuda_sass_report.py), beside the measured figures.
 # Its figures land in docs/performance.md ("GPU step", "GEMM"); each lease's runs in docs/performance-log.md.
 # Each step's full output is kept in OUT_DIR/<step>.log; a failing step is marked in the table and
@@ -49,7 +50,7 @@ PY
 # STEPS picks and orders the steps, each NAME or NAME:SECONDS (its own timeout), e.g. for a short lease:
 #     STEPS="gpt_step:120 gpt_nanogpt:150 cuda_suite:240" bash bench/gpu_all.sh $OUT/gpu
 # PYTEST_ARGS adds to the suite's pytest line (e.g. "-n 8" where pytest-xdist is there, to compile in parallel).
-all_steps="cuda_suite gemm_vs_cublas cublaslt gemm_variant_3 gemm_variant_4 mlp_step gpt_step gpt_step_no_arena gpt_nanogpt gpt_dropout gpt_flash sass_report"
+all_steps="cuda_suite gemm_vs_cublas cublaslt gemm_variant_3 gemm_variant_4 mlp_step gpt_step gpt_step_no_arena gpt_step_no_graphs gpt_nanogpt gpt_dropout gpt_flash sass_report"
 ran=""
 read -ra pytest_extra <<<"${PYTEST_ARGS:-}"
 for spec in ${STEPS:-$all_steps}; do
@@ -65,6 +66,7 @@ for spec in ${STEPS:-$all_steps}; do
         mlp_step) cmd=("$py" bench/bench_cuda_step.py) ;;
         gpt_step) cmd=("$py" bench/bench_gpt.py --backend cuda --torch-python "$py" --profile 5) ;;
         gpt_step_no_arena) cmd=("$py" bench/bench_gpt.py --backend cuda --torch-python "$py" --set cuda.arena=false) ;;
+        gpt_step_no_graphs) cmd=("$py" bench/bench_gpt.py --backend cuda --torch-python "$py" --set cuda.graphs=false) ;;
         gpt_nanogpt) cmd=("$py" bench/bench_gpt.py --backend cuda --torch-python "$py" --n-layer 6 --n-embd 384
                           --n-head 6 --block-size 256 --batch 64 --steps 5 --repeats 3 --profile 3) ;;
         gpt_dropout) cmd=("$py" bench/bench_gpt.py --backend cuda --torch-python "$py" --n-layer 6 --n-embd 384

@@ -52,10 +52,12 @@ def picks_device(name: str) -> bool:
     return name == "cuda" or (name == "auto" and not _simulator() and cuda_available())
 
 
-def get_backend(name: str, *, log=None, device_id: int = 0, precision: str = "fp32", arena: bool = True) -> Backend:
+def get_backend(name: str, *, log=None, device_id: int = 0, precision: str = "fp32", arena: bool = True,
+                graphs: bool | str = "auto") -> Backend:
     """Return the backend for ``[train] backend``; ``auto`` prefers a real GPU and logs its choice.
 
-    ``arena`` (``cuda.arena``): the CUDA backend's step arena (backend/arena.py). ``precision`` (``train.precision``): on the CPU "bf16" is cpu/precision.py's reference and "tf32" computes
+    ``arena`` (``cuda.arena``): the CUDA backend's step arena (backend/arena.py); ``graphs`` (``cuda.graphs``):
+    its steps replayed as CUDA graphs (backend/cuda/graphs.py). ``precision`` (``train.precision``): on the CPU "bf16" is cpu/precision.py's reference and "tf32" computes
     in float32 (the CPU has no TF32; logged once); the CUDA backend has float32 only and refuses the others.
 
     Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) ``auto`` takes the CPU: the simulator is for
@@ -87,7 +89,7 @@ def get_backend(name: str, *, log=None, device_id: int = 0, precision: str = "fp
             from .cuda import CudaBackend
         except ImportError as e:
             raise BackendError(f"the CUDA backend is not available: {e}") from None
-        backend = CudaBackend(device_id=device_id, arena=arena)
+        backend = CudaBackend(device_id=device_id, arena=arena, graphs=graphs)
         if name == "auto" and log is not None:
             log(f"backend auto: using the CUDA backend on {backend.device_name}")
         return backend

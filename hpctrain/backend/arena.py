@@ -163,6 +163,11 @@ class StepArena:
 
     # ------------------------------------------------------------------ the step
 
+    @property
+    def replaying(self) -> bool:
+        """Inside a step served from the plan so far (the addresses of the recorded step)."""
+        return self._mode == "replay"
+
     def step(self):
         """A context manager around one training step."""
         return _Scope(self)

@@ -25,6 +25,8 @@ def check_ranges(cfg: Config) -> None:
     _check_train(cfg)
     _check_optim_and_checkpoint(cfg)
     _check_parallel(cfg)
+    _need(cfg.cuda.graphs is not True or cfg.cuda.arena, "cuda.graphs",
+          "true needs cuda.arena = true: a graph replays the addresses the arena keeps the same from step to step")
 
 
 def _check_model_and_data(cfg: Config) -> None:

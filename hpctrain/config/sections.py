@@ -145,6 +145,7 @@ class CudaConfig:
     """The CUDA backend's own settings (no effect on the CPU)."""
 
     arena: bool = True  # a training step's arrays planned from the step and replayed from one slab (backend/arena.py)
+    graphs: bool | str = "auto"  # the arena's steps replayed as CUDA graphs, in segments (backend/cuda/graphs.py)
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,8 @@ class StageExecutor:
         self._timed = []  # on a GPU: (start, end) timing events of each forward and backward instruction
         self._timed_mark = None  # a mark after the last of them
         t0 = time.perf_counter()
+        for ring in self._rings.values():  # every step hands its receives the same slots in the same order (a
+            ring.free.sort(reverse=True)  # replayed step's graphs hold their addresses: backend/cuda/graphs.py)
         self._freed = True  # a receive slot may be free: _post_ahead has something to look at
         self._post_ahead()
         for self._index, ins in enumerate(instructions):

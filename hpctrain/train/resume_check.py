@@ -37,6 +37,7 @@ MAY_DIFFER = frozenset({
     "parallel.reduce_dtype",
     "parallel.mode",  # staleness 0 is synchronous training in either mode; parallel.staleness changes the math
     "cuda.arena",  # where a step's arrays live, not what they hold
+    "cuda.graphs",  # how the step's kernels are launched, not what they compute
 })  # and every checkpoint.* setting
 
 

@@ -119,6 +119,7 @@ class StepRunner:
                                       max_rows=micro_rows(sampler.local, m) * part.positions,
                                       tracer=tracer, virtual_stages=v)
         self.tracer = tracer
+        self._graphs_reasons: set = set()  # what _graphs_said has logged
         self.shard = sync.shard  # ZeRO: the chunks this rank reduces and updates (None: every gradient)
         self._norm_ranges = part.norm_ranges()
         if self.shard is not None:  # each parameter counted once over dp too: by the owner of its chunk
@@ -157,13 +158,18 @@ class StepRunner:
         tp = self.part.tp
         sent = tp.bytes if tp is not None else 0
         be = self.be
+        graphs = getattr(be, "graphs", None)
         allocs, launches = getattr(be, "allocs", 0), getattr(be, "launches", 0)
-        with be.step_scope():  # a device backend's arrays from its step arena (backend/arena.py)
+        replays = graphs.graph_launches if graphs is not None else 0
+        with be.step_scope():  # a device backend's arrays from its step arena (backend/arena.py), then its graphs
             r = self.executor.run(self.schedule.stages[self.mesh.pp_rank], batch, grad_scale=self.grad_scale,
                                   on_optimizer_step=lambda: self._finish(step, lr))
         if be.is_device:  # arrays allocated (not from the arena) and kernels launched from Python this step
             r.extra["device_allocs"] = getattr(be, "allocs", 0) - allocs
             r.extra["python_launches"] = getattr(be, "launches", 0) - launches
+        if graphs is not None:  # segments replayed as graphs (backend/cuda/graphs.py); why not, once per reason
+            r.extra["graph_launches"] = graphs.graph_launches - replays
+            self._graphs_said(step, graphs)
         if tp is not None:  # bytes this rank's tensor-parallel Allreduces carried this step
             r.extra["tp_bytes"] = tp.bytes - sent
         if self.mesh.dp > 1:  # the gradient payload this rank handed to its data-parallel reductions this step
@@ -174,6 +180,15 @@ class StepRunner:
         if self.deterministic and self.holds_loss:  # summed in shard order by global_mean, when a line is logged
             out["loss_parts"] = [r.losses[i] for i in range(m)]
         return out
+
+    def _graphs_said(self, step: int, graphs) -> None:
+        """One log line per new reason the step's graphs were not replayed (cuda.graphs: the first steps record)."""
+        why = graphs.off or graphs.reason
+        said = self._graphs_reasons
+        if why and why not in said:
+            said.add(why)
+            what = "off" if graphs.off else "launched one by one"
+            self.log(f"cuda.graphs: step {step + 1}'s kernels {what}: {why}")
 
     def _finish(self, step: int, lr: float) -> dict:
         """The OptimizerStep instruction: the tied gradients' sum (``ends_comm``), the norm over the tp ranks and

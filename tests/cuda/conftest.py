@@ -50,14 +50,18 @@ def rng():
 @pytest.fixture(autouse=True)
 def poison_uninitialised_memory(monkeypatch):
     """Under the simulator, ``empty`` hands out NaN-filled arrays, so a kernel that reads memory it
-    never wrote fails every time instead of now and then (numpy's empty memory is often zeros)."""
+    never wrote fails every time instead of now and then (numpy's empty memory is often zeros). The copy is a
+    host action like the backend's own (``_host_acts``): the kernels a replayed segment still holds run first
+    (backend/cuda/graphs.py), since the slab memory it fills may be what they read. Each one ends a segment, so
+    the tests' steps have more segments than a real one."""
     if not SIM:
         return
     original = CudaBackend.empty
 
     def poisoned(self, shape, dtype=np.float32):
         out = original(self, shape, dtype)
-        if np.dtype(dtype).kind == "f":
+        if np.dtype(dtype).kind == "f":  # a host copy: what the replayed segments hold is queued first
+            self._host_acts()
             out.copy_to_device(np.full(out.shape, np.nan, dtype=out.dtype))
         return out
 

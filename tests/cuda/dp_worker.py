@@ -204,10 +204,12 @@ ARENA_LAYOUTS = {"dp": {}, "pp-1f1b": {"pp": 2}, "pp-zero-bubble": {"pp": 2, "sc
 
 
 def arena(path, layout):
-    """``arena-<name>`` (ARENA_LAYOUTS): the step arena (hpctrain/backend/arena.py) on two ranks: by the fourth
-    step no array is allocated in a step (a pipeline's first step also makes its receive buffers, kept for good,
-    so its second step leaves that plan and the third records again), and the weights equal those of the same run
-    without the arena, bit for bit."""
+    """``arena-<name>`` (ARENA_LAYOUTS): the step arena (hpctrain/backend/arena.py) and the step's graphs
+    (backend/cuda/graphs.py) on two ranks: by the fourth step no array is allocated in a step (a pipeline's first
+    step also makes its receive buffers, kept for good, so its second step leaves that plan and the third records
+    again); by the sixth every kernel runs in a replayed segment (none launched from Python); and the weights
+    equal those of the same run with neither the arena nor graphs, bit for bit (the arena alone against none:
+    tests/cuda/test_cuda_arena.py)."""
     comm = MPI.COMM_WORLD
     name = layout[len("arena-"):]
     if comm.rank == 0:
@@ -215,22 +217,31 @@ def arena(path, layout):
     comm.Barrier()
     parallel = {"bucket_mb": 0.0002, "overlap": True, "cuda_aware": False, **ARENA_LAYOUTS[name]}
     pp, tp = parallel.get("pp", 1), parallel.get("tp", 1)
-    weights, allocs = {}, {}
-    for on in ("1", "0"):
-        cfg = config(path, train={"steps": 4, "batch_size": 8, "backend": "cuda", "micro_batches": 2 * pp,
+    weights, allocs, launches, replays, reasons = {}, {}, {}, {}, []
+    for run, cuda in (("graphs", {"arena": True, "graphs": True}), ("plain", {"arena": False, "graphs": False})):
+        cfg = config(path, train={"steps": 6, "batch_size": 8, "backend": "cuda", "micro_batches": 2 * pp,
                                   "grad_clip": 0.5},
-                     optim={"name": "adamw", "lr": 0.01}, parallel=parallel, cuda={"arena": on == "1"})
+                     optim={"name": "adamw", "lr": 0.01}, parallel=parallel, cuda=cuda)
         mesh = Mesh(pp=pp, tp=tp)
         trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
-        allocs[on] = [trainer.train_step(step, 0.01)["device_allocs"] for step in range(4)]
-        weights[on] = np.concatenate([v.ravel() for v in full_params(trainer).values()])
-        reason = trainer.be.arena.reason if trainer.be.arena is not None else ""
+        out = [trainer.train_step(step, 0.01) for step in range(6)]
+        allocs[run] = [o["device_allocs"] for o in out]
+        launches[run] = [o["python_launches"] for o in out]
+        replays[run] = [o.get("graph_launches", 0) for o in out]
+        weights[run] = np.concatenate([v.ravel() for v in full_params(trainer).values()])
+        be = trainer.be
+        reasons += [f"{run}: {why}" for why in (be.arena.reason if be.arena is not None else "",
+                                                 be.graphs.off or be.graphs.reason if be.graphs is not None else "")
+                    if why]
         trainer.close()
         mesh.free()
-    ok = np.array_equal(weights["1"], weights["0"]) and allocs["1"][-1] == 0 and min(allocs["0"]) > 0
-    print(f"rank {comm.rank}: {layout}: arrays allocated a step {allocs['1']} (without the arena {allocs['0']})"
-          f"{', left the plan: ' + reason if reason else ''}, the same bits: "
-          f"{np.array_equal(weights['1'], weights['0'])} {'OK' if ok else 'MISMATCH'}", flush=True)
+    same = np.array_equal(weights["graphs"], weights["plain"])
+    ok = (same and allocs["graphs"][-1] == 0 and min(allocs["plain"]) > 0 and launches["graphs"][-1] == 0
+          and replays["graphs"][-1] > 0 and min(launches["plain"]) > 0)
+    print(f"rank {comm.rank}: {layout}: arrays allocated a step {allocs['graphs']} (without the arena "
+          f"{allocs['plain']}), kernels launched from Python {launches['graphs']} with graphs, segments replayed "
+          f"{replays['graphs']}{'; ' + '; '.join(reasons) if reasons else ''}; the same bits: {same} "
+          f"{'OK' if ok else 'MISMATCH'}", flush=True)
     return 0 if ok else 1
 
 

@@ -45,14 +45,15 @@ def simulator_launches(monkeypatch):
 def gpt(tmp_path, val_fraction=0.0, arena=True, **train):
     make_tokens(tmp_path / "t.h5", n=300)
     return gpt_config(tmp_path / "t.h5", model={"block_size": 4, "n_embd": 4}, data={"val_fraction": val_fraction},
-                      cuda={"arena": arena},
+                      cuda={"arena": arena, "graphs": False},  # the graphs': test_cuda_graphs.py
                       train={"steps": 3, "batch_size": 4, "micro_batches": 2, "backend": "cuda", "grad_clip": 0.5,
                              **train}, optim={"name": "adamw", "lr": 0.01})
 
 
 def train(cfg, mesh, arena: bool, steps=3, counter=None):
     """(trainer, parameters after ``steps``, [(device_allocs, python_launches, the simulator's launches)] a step)."""
-    trainer = Trainer(dataclasses.replace(cfg, cuda=CudaConfig(arena=arena)), mesh=mesh, log=lambda *a: None)
+    trainer = Trainer(dataclasses.replace(cfg, cuda=CudaConfig(arena=arena, graphs=False)), mesh=mesh,
+                      log=lambda *a: None)
     seen = []
     for step in range(steps):
         ran = counter[0] if counter else 0
@@ -158,7 +159,8 @@ def test_an_mlp_step_launches_the_same_kernels_with_the_same_arguments_every_ste
 
     make_classification(tmp_path / "d.h5", n=32)
     cfg = config(tmp_path / "d.h5", train={"steps": 4, "batch_size": 8, "micro_batches": 2, "backend": "cuda",
-                                           "grad_clip": 0.5}, optim={"name": "adamw", "lr": 0.01})
+                                           "grad_clip": 0.5}, optim={"name": "adamw", "lr": 0.01},
+                 cuda={"graphs": False})
     traces = launch_traces(cfg, mesh, 4)
     assert len(traces[1]) > 20 and traces[1] == traces[2] == traces[3]
     assert traces[0] != traces[1]  # the first step's arrays are the pool's

@@ -67,6 +67,7 @@ from .dropout import Dropout
 from .embedding import Embedding
 from .flash import FlashAttention
 from .gemm import Gemm
+from .graphs import Emulated, StepGraphs, freeze_simulated, run_simulated
 from .gemm.tiled import GPU_SMALL_TILE, GPU_TILE, GPU_TILES, GPU_TN_TILES, SIM_TILE, GemmTile
 from .launch import Launcher, kernel_name, traced_arguments
 from .linear import Linear
@@ -106,14 +107,15 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
     maps to it. ``tile`` is a ``GemmTile`` (or a 5-tuple BM, BN, BK, TM, TN), ``block``
     the threads per block of the other kernels (a power of two), ``max_blocks`` the
     grid cap of the grid-stride kernels, ``arena`` whether a training step's arrays come from the step arena
-    (``step_scope``).
+    (``step_scope``), ``graphs`` (True, False or "auto": wherever the arena is on) whether its kernels are then
+    replayed in segments, each one CUDA graph (graphs.py; emulated under the simulator).
     """
 
     name = "cuda"
     is_device = True
 
     def __init__(self, device_id: int = 0, *, tile=None, block: int | None = None, max_blocks: int | None = None,
-                 arena: bool = True):
+                 arena: bool = True, graphs: bool | str = "auto"):
         self.simulator = simulator()
         if not cuda.is_available():
             raise BackendError("the CUDA backend needs a GPU: numba.cuda sees none (check nvidia-smi, or set "
@@ -165,6 +167,10 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         # a training step's arrays replayed from one planned slab (backend/arena.py; cuda.arena = false: off)
         self.arena = None if not arena else StepArena(
             fresh=self._fresh, slab=self._slab, carve=self._carve, refs=arena_refs, root=memory_root)
+        if graphs is True and not arena:
+            raise BackendError("cuda.graphs = true needs cuda.arena = true: a graph replays the addresses the "
+                               "arena keeps the same from step to step")
+        self.graphs = self._step_graphs() if arena and graphs is not False else None
         self._vmm_driver = None  # (VmmDriver or None, why not), once zero = 2 asks (vmm.py)
         self._no_bias = self.zeros((1,))  # the GEMM kernel always takes a bias array
         self._scalars = self.zeros((3,), np.float64)  # device-side results of the reductions
@@ -197,6 +203,8 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
                 out = self.arena.request(shape, dtype)
                 if out is not None:
                     return out
+                if self.graphs is not None and not self.arena.replaying:  # fresh arrays: other addresses
+                    self.graphs.leave(f"the arena left its plan: {self.arena.reason}")
             return self._fresh(shape, dtype)
         except Exception as e:
             if is_out_of_memory(e):
@@ -232,8 +240,48 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
             self.arena.lend(arr)
 
     def step_scope(self):
-        """Around a training step: its arrays come from the step arena (backend/arena.py)."""
-        return self.arena.step() if self.arena is not None else contextlib.nullcontext()
+        """Around a training step: its arrays come from the step arena (backend/arena.py), and once the arena
+        replays, its kernels from the step's graphs (graphs.py)."""
+        if self.arena is None:
+            return contextlib.nullcontext()
+        return self._step()
+
+    @contextlib.contextmanager
+    def _step(self):
+        graphs, ok = self.graphs, False
+        with self.arena.step() as arena:
+            if graphs is not None:
+                graphs.enter(planned=arena.replaying)
+            try:
+                yield
+                ok = True
+            finally:
+                if graphs is not None:
+                    graphs.exit(ok, planned=arena.replaying)
+
+    def _step_graphs(self):
+        if self.simulator:
+            return StepGraphs(freeze=freeze_simulated, run=self._run_frozen,
+                              build=lambda frozen: Emulated(frozen, self.stream))
+        if self.launcher is None:  # HPCTRAIN_CUDA_LAUNCH=numba: every launch through numba's path
+            graphs = StepGraphs(freeze=None, run=None, build=None)
+            graphs.off = "HPCTRAIN_CUDA_LAUNCH=numba launches every kernel through numba's path"
+            return graphs
+        return StepGraphs(freeze=self.launcher.freeze, run=self._run_frozen, build=self.launcher.build_graph)
+
+    def _run_frozen(self, frozen):
+        """A launch the graphs recorded, run on its own (a step that left its graphs): counted in ``launches``."""
+        self.launches += 1
+        if self.simulator:
+            run_simulated(frozen, self.stream)
+        else:
+            self.launcher.run_frozen(frozen)
+
+    def _host_acts(self):
+        """The host is about to queue a copy or an event on the stream, or wait for it: the graphs' segments end
+        here (graphs.py), and kernels they still hold are queued first."""
+        if self.graphs is not None:
+            self.graphs.boundary()
 
     def asarray(self, host):
         """Host numpy array -> device array of the same shape and dtype (device arrays pass through)."""
@@ -242,6 +290,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         host = np.ascontiguousarray(host)
         out = self._alloc("asarray", host.shape, host.dtype)
         if host.size:
+            self._host_acts()
             out.copy_to_device(host, stream=self.stream)
         return out
 
@@ -266,6 +315,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
             staged[:] = [(b, m) for b, m in staged if b is not buf]
         np.copyto(buf, host)
         out = self._alloc("upload", host.shape, host.dtype)
+        self._host_acts()
         out.copy_to_device(buf, stream=self.stream)
         staged.append((buf, self.mark()))
         return out
@@ -275,6 +325,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         if not is_device_array(arr):
             return np.asarray(arr)
         check_array("to_host", "arr", arr, dtype=arr.dtype)
+        self._host_acts()
         out = arr.copy_to_host(stream=self.stream)
         self._wait()
         return out
@@ -291,6 +342,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
             if key not in self._host_reads:
                 self._host_reads[key] = self.pinned_host(arr.shape, arr.dtype)
             if arr.size:
+                self._host_acts()
                 arr.copy_to_host(self._host_reads[key], stream=self.stream)
             copies.append(self._host_reads[key])
         if any(is_device_array(arr) for arr in arrays):
@@ -305,6 +357,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
             src = np.ascontiguousarray(src)
         check_array("copy_", "src", src, shape=dst.shape, dtype=dst.dtype)
         if dst.size:
+            self._host_acts()
             dst.copy_to_device(src, stream=self.stream)
 
     def synchronize(self):
@@ -312,6 +365,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
 
     def _wait(self):
         """The host waits until every kernel and copy queued on the stream is done (counted)."""
+        self._host_acts()
         self._stream_wait(self.stream.synchronize)
 
     # ------------------------------------------------------------------ events: other threads and streams
@@ -319,6 +373,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
     def mark(self):
         """An event recorded on the stream now: it completes once everything queued so far is done."""
         event = self._event()
+        self._host_acts()
         event.record(self.stream)
         return self._new_mark(event)
 
@@ -330,6 +385,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         if self.simulator:
             return None
         event = cuda.event(timing=True)
+        self._host_acts()
         event.record(self.stream)
         return event
 
@@ -339,6 +395,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
 
     def after(self, mark) -> None:
         """What is queued on the stream from now on waits for ``mark`` on the device (the host does not wait)."""
+        self._host_acts()
         mark.event.wait(self.stream)
 
     def host_wait_for(self, mark) -> None:
@@ -420,6 +477,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         check_array("to_host_into", "dev", dev, dtype=dev.dtype)
         check_array("to_host_into", "host", host, shape=dev.shape, dtype=dev.dtype)
         if dev.size:
+            self._host_acts()
             dev.copy_to_host(host, stream=self.stream)
         self._wait()  # MPI reads ``host`` right after
 
@@ -429,6 +487,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         check_array("from_host_into", "dev", dev, dtype=dev.dtype)
         check_array("from_host_into", "host", host, shape=dev.shape, dtype=dev.dtype)
         if dev.size:
+            self._host_acts()
             dev.copy_to_device(host, stream=self.stream)
         self._wait()  # the caller may overwrite ``host`` (MPI receives into it) next
 
@@ -440,9 +499,11 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
     # ------------------------------------------------------------------ launching
 
     def _launch(self, kernel, grid, threads, *args):
-        self.launches += 1
         if self.launch_trace is not None:
             self.launch_trace.append((kernel_name(kernel), grid, threads, traced_arguments(args)))
+        if self.graphs is not None and self.graphs.launch(kernel, grid, threads, args):
+            return  # replayed: it runs with its segment's graph
+        self.launches += 1
         if self.launcher is None:
             kernel[grid, threads, self.stream](*args)
         else:
@@ -503,6 +564,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         return float(self._read_scalars()[0])
 
     def _read_scalars(self):
+        self._host_acts()
         self._scalars.copy_to_host(self._host_scalars, stream=self.stream)
         self._wait()
         return self._host_scalars.copy()

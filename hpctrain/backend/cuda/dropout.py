@@ -70,6 +70,7 @@ class Dropout:
             if self._step_copied is not None:
                 self.host_wait_for(self._step_copied)  # the page-locked value of the last change is read
             self._step_host[0] = step
+            self._host_acts()
             self._step_dev.copy_to_device(self._step_host, stream=self.stream)
             self._step_copied, self._step_on_device = self.mark(), step
         return self._step_dev

@@ -106,6 +106,7 @@ class Embedding:
                      lo, vocab, bool(add_positions))
         if on_host:
             return
+        self._host_acts()
         self._bad_token.copy_to_host(self._host_bad_token, stream=self.stream)
         self._wait()
         bad = int(self._host_bad_token[0])

@@ -28,7 +28,7 @@ _MISSING = object()
 
 
 def traced_arguments(args) -> tuple:
-    """What a launch passes, as a CUDA graph would freeze it: each device array as ("@", its address, shape), each
+    """What a launch passes, as a CUDA graph would freeze it: each device array as ("@", its address, shape, dtype), each
     scalar as itself, tuples in order (the backend's ``launch_trace``: two steps whose traces are equal could be
     replayed by one graph)."""
     out = []
@@ -36,11 +36,13 @@ def traced_arguments(args) -> tuple:
         if isinstance(a, tuple):
             out.append(traced_arguments(a))
         elif hasattr(a, "device_ctypes_pointer"):
-            out.append(("@", a.device_ctypes_pointer.value, tuple(a.shape)))
+            out.append(("@", a.device_ctypes_pointer.value, tuple(a.shape), a.dtype.str))
         elif hasattr(a, "_ary"):  # the simulator's device array: its numpy memory's address
-            out.append(("@", a._ary.__array_interface__["data"][0], tuple(a._ary.shape)))
+            ary = a._ary
+            out.append(("@", ary.__array_interface__["data"][0], ary.shape, ary.dtype.str, ary.strides))
         else:
-            out.append(a.item() if isinstance(a, np.generic) else a)
+            a = a.item() if isinstance(a, np.generic) else a
+            out.append("nan" if a != a else a)  # NaN (a fill's) equal to itself, as its bits in a graph are
     return tuple(out)
 
 
@@ -160,6 +162,16 @@ class _Entry:
         return out
 
 
+class _Graph:
+    __slots__ = ("graph", "stream")
+
+    def __init__(self, graph, stream):
+        self.graph, self.stream = graph, stream
+
+    def launch(self) -> None:
+        self.graph.launch(self.stream)
+
+
 class Launcher:
     """Launches ``dispatcher`` on ``stream``: numba's path for a pair's first call, the direct one after (above)."""
 
@@ -205,6 +217,47 @@ class Launcher:
             self.slow += 1
             return
         self.fast += 1
+
+    def freeze(self, dispatcher, grid, block, args):
+        """This launch as a graph holds it: (launch configuration, the CUDA function, its flat parameters), with
+        no Python object of the call kept (graphs.py). None where the pair has not been launched yet; raises
+        graphs.CannotReplay where numba's path launches it for good (it has no direct form)."""
+        from .graphs import CannotReplay
+
+        if self._launch is None or self._array_type is None:
+            raise CannotReplay("cuda.core's launch is not available")
+        kinds = argument_kinds(args, self._array_type)
+        if kinds is None:
+            raise CannotReplay("an argument only numba's path takes (a host or non-contiguous array, an object)")
+        entry = self._entries.get((dispatcher, kinds), _MISSING)
+        if entry is _MISSING:
+            return None
+        if entry is None:
+            why = next((w for n, w in reversed(self.refused) if n == _name(dispatcher)), "refused")
+            raise CannotReplay(f"numba's path launches it ({why})")
+        config = self._configs.get((grid, block))
+        if config is None:
+            config = self._config(grid=_dims(grid), block=_dims(block), shmem_size=0)
+            self._configs[(grid, block)] = config
+        return config, entry.handle, tuple(entry.parameters(args))
+
+    def run_frozen(self, frozen) -> None:
+        """Launch a ``freeze``-d launch on the stream now."""
+        config, handle, parameters = frozen
+        self._launch(self._core_stream, config, handle, *parameters)
+        self.fast += 1
+
+    def build_graph(self, frozen_list):
+        """One CUDA graph of ``frozen_list``'s launches in order, built by capturing them on a graph builder
+        (cuda.core), not run; returns an object whose ``launch()`` queues the graph on the stream."""
+        builder = self._core_stream.create_graph_builder()
+        builder.begin_building()
+        try:
+            for config, handle, parameters in frozen_list:
+                self._launch(builder, config, handle, *parameters)
+        finally:
+            builder.end_building()
+        return _Graph(builder.complete(), self._core_stream)
 
     def _prepare(self, dispatcher, args):
         """The direct path for this pair, or None (and the reason in ``refused``) where numba must keep it."""

@@ -43,14 +43,14 @@ The package, a module per family of ops with forward and backward side by side, 
 (``kernels(nt)``, built once per block size; compile.py lists them all) and a mixin class with its methods:
 linear.py (products, bias gradient), gemm/ (the GEMM provider: tiled.py), activations.py (and the residual add),
 norm.py, loss.py, embedding.py, attention.py (softmax rows around batched GEMMs), flash.py, dropout.py,
-optim.py. This module is the rest: construction, memory (memory.py's pool, vmm.py for zero = 2), copies,
-streams and events, and launching (launch.py). blocks.py holds the reductions the families share, sim.py the
+optim.py. replay.py wires a training step to the step arena (backend/arena.py) and its graphs (graphs.py).
+This module is the rest: construction, memory (memory.py's pool, vmm.py for zero = 2), copies, streams and
+events, and launching (launch.py). blocks.py holds the reductions the families share, sim.py the
 simulator's mend and launch bounds.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from types import SimpleNamespace
@@ -67,16 +67,15 @@ from .dropout import Dropout
 from .embedding import Embedding
 from .flash import FlashAttention
 from .gemm import Gemm
-from .graphs import Emulated, StepGraphs, freeze_simulated, run_simulated
 from .gemm.tiled import GPU_SMALL_TILE, GPU_TILE, GPU_TILES, GPU_TN_TILES, SIM_TILE, GemmTile
 from .launch import Launcher, kernel_name, traced_arguments
 from .linear import Linear
 from .loss import Loss
-from ..arena import StepArena
-from .memory import (DevicePool, arena_refs, flat, is_device_array, is_out_of_memory, memory_root,
-                     out_of_memory_error, raw_alloc, slab_array, wrap, wrap_address)
+from .memory import (DevicePool, flat, is_device_array, is_out_of_memory, out_of_memory_error, raw_alloc, wrap,
+                     wrap_address)
 from .norm import Norm
 from .optim import Optim
+from .replay import StepReplay
 from .vmm import ReleasableDevice, VmmDriver
 
 __all__ = ["CudaBackend", "simulator", "FAMILIES"]
@@ -99,7 +98,7 @@ def simulator() -> bool:
 
 
 class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention, FlashAttention, Loss, Optim,
-                  StreamWaits, Backend):
+                  StepReplay, StreamWaits, Backend):
     """Arrays are numba device arrays on one GPU; ``CudaBackend(device_id=0, tile=..., block=...)``.
 
     ``device_id`` is the GPU to use (the node-local rank when started by ``get_backend``);
@@ -164,13 +163,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         self.allocs = 0  # arrays allocated outside the step arena (each builds an array wrapper)
         self.launches = 0  # kernels launched from Python, one by one
         self.launch_trace = None  # a list: every launch appended as (kernel, grid, block, traced_arguments)
-        # a training step's arrays replayed from one planned slab (backend/arena.py; cuda.arena = false: off)
-        self.arena = None if not arena else StepArena(
-            fresh=self._fresh, slab=self._slab, carve=self._carve, refs=arena_refs, root=memory_root)
-        if graphs is True and not arena:
-            raise BackendError("cuda.graphs = true needs cuda.arena = true: a graph replays the addresses the "
-                               "arena keeps the same from step to step")
-        self.graphs = self._step_graphs() if arena and graphs is not False else None
+        self._init_replay(arena, graphs)  # replay.py: the step arena and the step's graphs
         self._vmm_driver = None  # (VmmDriver or None, why not), once zero = 2 asks (vmm.py)
         self._no_bias = self.zeros((1,))  # the GEMM kernel always takes a bias array
         self._scalars = self.zeros((3,), np.float64)  # device-side results of the reductions
@@ -217,71 +210,6 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         if self._pool is None or math.prod(shape) == 0:
             return cuda.device_array(shape, dtype=dtype, stream=self.stream)
         return self._pool.alloc(shape, dtype)
-
-    def _slab(self, nbytes):
-        """The arena's one allocation (uninitialised; under the simulator every byte 0xFF, float NaN, so a kernel
-        that read memory it never wrote would show in the tests' bits)."""
-        if self._pool is None:
-            return memoryview(np.full(nbytes, 0xFF, dtype=np.uint8))
-        # the recorded step's arrays went back to the pool, and the slab replaces them: give those blocks back to
-        # the driver, so the device holds the step's memory once, not twice
-        self._pool.release_cached()
-        return self._pool.alloc((nbytes,), np.uint8)
-
-    def _carve(self, slab, offset, shape, dtype):
-        if self._pool is None:
-            n = math.prod(shape) * dtype.itemsize
-            return cuda.simulator.cudadrv.devicearray.FakeCUDAArray(
-                np.ndarray(shape, dtype, buffer=slab[offset : offset + n]), stream=self.stream)
-        return slab_array(slab, offset, shape, dtype)
-
-    def lend(self, arr) -> None:
-        if self.arena is not None:
-            self.arena.lend(arr)
-
-    def step_scope(self):
-        """Around a training step: its arrays come from the step arena (backend/arena.py), and once the arena
-        replays, its kernels from the step's graphs (graphs.py)."""
-        if self.arena is None:
-            return contextlib.nullcontext()
-        return self._step()
-
-    @contextlib.contextmanager
-    def _step(self):
-        graphs, ok = self.graphs, False
-        with self.arena.step() as arena:
-            if graphs is not None:
-                graphs.enter(planned=arena.replaying)
-            try:
-                yield
-                ok = True
-            finally:
-                if graphs is not None:
-                    graphs.exit(ok, planned=arena.replaying)
-
-    def _step_graphs(self):
-        if self.simulator:
-            return StepGraphs(freeze=freeze_simulated, run=self._run_frozen,
-                              build=lambda frozen: Emulated(frozen, self.stream))
-        if self.launcher is None:  # HPCTRAIN_CUDA_LAUNCH=numba: every launch through numba's path
-            graphs = StepGraphs(freeze=None, run=None, build=None)
-            graphs.off = "HPCTRAIN_CUDA_LAUNCH=numba launches every kernel through numba's path"
-            return graphs
-        return StepGraphs(freeze=self.launcher.freeze, run=self._run_frozen, build=self.launcher.build_graph)
-
-    def _run_frozen(self, frozen):
-        """A launch the graphs recorded, run on its own (a step that left its graphs): counted in ``launches``."""
-        self.launches += 1
-        if self.simulator:
-            run_simulated(frozen, self.stream)
-        else:
-            self.launcher.run_frozen(frozen)
-
-    def _host_acts(self):
-        """The host is about to queue a copy or an event on the stream, or wait for it: the graphs' segments end
-        here (graphs.py), and kernels they still hold are queued first."""
-        if self.graphs is not None:
-            self.graphs.boundary()
 
     def asarray(self, host):
         """Host numpy array -> device array of the same shape and dtype (device arrays pass through)."""

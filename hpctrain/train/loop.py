@@ -472,7 +472,8 @@ class Trainer:
         for key in ("tp_bytes", "dp_bytes"):  # this rank's bytes, summed over the pipeline stages (collective)
             if key in timing:
                 record[key] = self._summed_over_stages(timing[key])
-        for key in ("device_allocs", "python_launches", "graph_launches"):  # a device backend's, this rank's, the last step's
+        # a device backend's, this rank's, the last step's
+        for key in ("device_allocs", "python_launches", "graph_launches"):
             if key in timing:
                 record[key] = timing[key]
         if self.model.positions > 1:  # a language model: every position of a sample is a token trained on

@@ -28,9 +28,10 @@ _MISSING = object()
 
 
 def traced_arguments(args) -> tuple:
-    """What a launch passes, as a CUDA graph would freeze it: each device array as ("@", its address, shape, dtype), each
-    scalar as itself, tuples in order (the backend's ``launch_trace``: two steps whose traces are equal could be
-    replayed by one graph)."""
+    """What a launch passes, as a CUDA graph would freeze it: each device array as ("@", its address, shape, dtype;
+    the simulator's with its strides), each scalar as itself (NaN as "nan", equal to itself), tuples in order (the
+    backend's ``launch_trace``, and the step graphs' key of a launch: two steps whose traces are equal are
+    replayed by the same graphs)."""
     out = []
     for a in args:
         if isinstance(a, tuple):

@@ -49,7 +49,12 @@ print(d.name.decode() if isinstance(d.name, bytes) else d.name, "compute capabil
 PY
 # STEPS picks and orders the steps, each NAME or NAME:SECONDS (its own timeout), e.g. for a short lease:
 #     STEPS="gpt_step:120 gpt_nanogpt:150 cuda_suite:240" bash bench/gpu_all.sh $OUT/gpu
+# LEASE=1 runs the steps that fit one ten-minute call of a lent machine, most precious first (each step's own
+# timeout in seconds): the GPT step's figures (tokens/s, GPU busy, launches from Python) at both shapes, the
+# graphs' gain, then the CUDA sub-suite.
 # PYTEST_ARGS adds to the suite's pytest line (e.g. "-n 8" where pytest-xdist is there, to compile in parallel).
+lease_steps="gpt_step:130 gpt_nanogpt:150 gpt_step_no_graphs:80 cuda_suite:200"
+[ "${LEASE:-0}" = 1 ] && [ -z "${STEPS:-}" ] && STEPS="$lease_steps"
 all_steps="cuda_suite gemm_vs_cublas cublaslt gemm_variant_3 gemm_variant_4 mlp_step gpt_step gpt_step_no_arena gpt_step_no_graphs gpt_nanogpt gpt_dropout gpt_flash sass_report"
 ran=""
 read -ra pytest_extra <<<"${PYTEST_ARGS:-}"
@@ -92,8 +97,10 @@ done
     row gemm_variant_3 "$(grep -E 'M=N=K= *4096' "$out/gemm_variant_3.log" | tr '\n' ';')"
     row gemm_variant_4 "$(grep -E 'M=N=K= *4096' "$out/gemm_variant_4.log" | tr '\n' ';')"
     row mlp_step "$(grep -E '^(MLP|PyTorch|target)' "$out/mlp_step.log" | tr '\n' ';')"
-    row gpt_step "$(grep -E '^(hpctrain|PyTorch|ratio|profile)' "$out/gpt_step.log" | tr '\n' ';')"
-    row gpt_nanogpt "$(grep -E '^(hpctrain|PyTorch|ratio|profile)' "$out/gpt_nanogpt.log" | tr '\n' ';')"
+    # per model shape: tokens/s against PyTorch, GPU busy (profile), launches from Python and graph replays
+    row gpt_step "$(grep -E '^(hpctrain|PyTorch|ratio|profile|last step|graphs)' "$out/gpt_step.log" | tr '\n' ';')"
+    row gpt_step_no_graphs "$(grep -E '^(hpctrain|ratio|last step|graphs)' "$out/gpt_step_no_graphs.log" | tr '\n' ';')"
+    row gpt_nanogpt "$(grep -E '^(hpctrain|PyTorch|ratio|profile|last step|graphs)' "$out/gpt_nanogpt.log" | tr '\n' ';')"
     row gpt_dropout "$(grep -E '^(hpctrain|PyTorch|ratio)' "$out/gpt_dropout.log" | tr '\n' ';')"
     row gpt_flash "$(grep -E '^(hpctrain|PyTorch|ratio)' "$out/gpt_flash.log" | tr '\n' ';')"
     row sass_report "$(grep -E '^GEMM targets' "$out/sass_report.log")"

@@ -15,7 +15,9 @@ like any checkpoint. ``nanogpt`` (a ``.pt`` output): a GPT checkpoint as nanoGPT
 keys), "iter_num", "best_val_loss", "config"}, so nanoGPT's sample.py (``init_from = "resume"``,
 ``out_dir`` the folder) loads it; no optimizer state (nanoGPT's AdamW groups are not hpctrain's flat buffer), so
 nanoGPT's train.py starts its optimizer afresh from it. The checkpoint is read and verified first, whichever
-format; an existing output is replaced only with ``force``.
+format; an existing output is replaced only with ``force``. ``--dtype bf16`` writes the parameters (safetensors,
+nanogpt, hf) rounded to bfloat16 from the checkpoint's float32 master copy, half the bytes; hpctrain reads such
+a file back (``checkpoint.init``) widened to float32 exactly.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ from .errors import CheckpointError, ConfigError
 __all__ = ["export", "FORMATS"]
 
 FORMATS = ("safetensors", "h5", "nanogpt", "hf")
+DTYPES = ("fp32", "bf16")
 EXTENSIONS = {".safetensors": "safetensors", ".h5": "h5", ".hdf5": "h5", ".pt": "nanogpt"}
 
 
-def export(path: str, out: str, fmt: str = "", force: bool = False) -> str:
-    """Write checkpoint ``path`` to ``out`` (format from ``fmt`` or ``out``'s extension); a line to print."""
+def export(path: str, out: str, fmt: str = "", force: bool = False, dtype: str = "fp32") -> str:
+    """Write checkpoint ``path`` to ``out`` (format from ``fmt`` or ``out``'s extension); a line to print.
+    ``dtype`` "bf16": the parameters rounded to bfloat16 (to nearest even) from the checkpoint's float32 master
+    copy, for the formats that hold parameters only."""
     import tomllib
 
     from . import checkpoint as ckpt
@@ -43,6 +48,12 @@ def export(path: str, out: str, fmt: str = "", force: bool = False) -> str:
     if fmt not in FORMATS:
         raise ConfigError(f"export: cannot tell the format of {out} from its extension; give --format "
                           f"({' or '.join(FORMATS)})")
+    if dtype not in DTYPES:
+        raise ConfigError(f"export: --dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype != "fp32" and fmt == "h5":
+        raise ConfigError("export: --dtype bf16 writes parameters only; the h5 format is the whole checkpoint, "
+                          "whose float32 master state a resume needs (export bf16 weights to .safetensors, .pt or "
+                          "--format hf)")
     check_replaceable(out, f"export: cannot write {out}", ConfigError)  # never a device or FIFO, --force or not
     if os.path.abspath(out) == os.path.abspath(path) or (os.path.exists(out) and os.path.exists(path)
                                                          and os.path.samefile(out, path)):
@@ -62,9 +73,9 @@ def export(path: str, out: str, fmt: str = "", force: bool = False) -> str:
 
         state = ckpt.load_checkpoint(path, make_model(cfg.model).layout)
         n = write_hf(out, state.params, cfg.model, {"hpctrain_step": str(state.step),
-                                                    "hpctrain_config": state.config_text})
-        return (f"{out}: model.safetensors ({n} tensors, GPT2LMHeadModel's names, lm_head.weight tied) and "
-                f"config.json; transformers.GPT2LMHeadModel.from_pretrained({out!r}) loads it")
+                                                    "hpctrain_config": state.config_text}, dtype=dtype)
+        return (f"{out}: model.safetensors ({n} tensors{_in(dtype)}, GPT2LMHeadModel's names, lm_head.weight "
+                f"tied) and config.json; transformers.GPT2LMHeadModel.from_pretrained({out!r}) loads it")
     if fmt == "nanogpt" and cfg.model.kind != "gpt":
         raise ConfigError(f"export: nanoGPT's ckpt.pt holds a GPT; {path} is a model.kind = {cfg.model.kind!r} "
                           "checkpoint (export it to .safetensors)")
@@ -78,10 +89,10 @@ def export(path: str, out: str, fmt: str = "", force: bool = False) -> str:
         import io
 
         buf = io.BytesIO()  # serialised in memory, written by us: a full disk is an OSError, not torch's error
-        torch.save(nanogpt_checkpoint(torch, state, cfg), buf)
+        torch.save(nanogpt_checkpoint(torch, state, cfg, dtype), buf)
         with replaced_atomically(out, f"export: cannot write {out}", CheckpointError) as tmp:
             write_bytes(tmp, buf.getbuffer())
-        return (f"{out}: nanoGPT's checkpoint of {len(state.params) + 1} tensors (lm_head.weight tied to "
+        return (f"{out}: nanoGPT's checkpoint of {len(state.params) + 1} tensors{_in(dtype)} (lm_head.weight tied to "
                 f"transformer.wte.weight), iter_num {state.step}; sample with nanoGPT's sample.py --out_dir="
                 f"{os.path.dirname(out) or '.'}")
     if fmt == "h5":
@@ -98,7 +109,7 @@ def export(path: str, out: str, fmt: str = "", force: bool = False) -> str:
     tokens = {"hpctrain_tokenizer": state.tokenizer} if state.tokenizer else {}  # what decodes its ids
     if state.vocabulary:
         tokens["hpctrain_vocabulary"] = state.vocabulary
-    tensors = dict(state.params)
+    tensors = {name: as_dtype(arr, dtype) for name, arr in state.params.items()}
     if cfg.model.kind == "gpt":  # the tied head under its own name too: a strict nanoGPT load wants it
         tensors["lm_head.weight"] = tensors["transformer.wte.weight"].copy()
     data = save(tensors,  # serialised in memory: a full disk is then our OSError, not SafetensorError
@@ -107,7 +118,21 @@ def export(path: str, out: str, fmt: str = "", force: bool = False) -> str:
     with replaced_atomically(out, f"export: cannot write {out}", CheckpointError) as tmp:
         write_bytes(tmp, data)
     n = sum(a.size for a in state.params.values())
-    return f"{out}: {len(state.params)} tensors, {n:,} parameters (step {state.step}), safetensors"
+    return f"{out}: {len(state.params)} tensors, {n:,} parameters (step {state.step}), safetensors{_in(dtype)}"
+
+
+def as_dtype(arr, dtype: str):
+    """A float32 parameter as exported: itself, or rounded to bfloat16 to nearest even (ml_dtypes' cast, which
+    safetensors writes as BF16)."""
+    if dtype == "fp32":
+        return arr
+    import ml_dtypes
+
+    return arr.astype(ml_dtypes.bfloat16)
+
+
+def _in(dtype: str) -> str:
+    return "" if dtype == "fp32" else " in bfloat16"
 
 
 def _torch():
@@ -119,12 +144,15 @@ def _torch():
     return torch
 
 
-def nanogpt_checkpoint(torch, state, cfg) -> dict:
-    """What nanoGPT's train.py saves (less the optimizer): the state dict with the tied head, GPTConfig's keys."""
+def nanogpt_checkpoint(torch, state, cfg, dtype: str = "fp32") -> dict:
+    """What nanoGPT's train.py saves (less the optimizer): the state dict with the tied head, GPTConfig's keys;
+    ``dtype`` "bf16": torch.bfloat16 tensors (torch's cast, to nearest even)."""
     from collections import OrderedDict
 
     m = cfg.model
     model = OrderedDict((name, torch.from_numpy(arr.copy())) for name, arr in state.params.items())
+    if dtype == "bf16":
+        model = OrderedDict((name, t.to(torch.bfloat16)) for name, t in model.items())
     model["lm_head.weight"] = model["transformer.wte.weight"]  # tied, as nanoGPT's GPT holds it
     model_args = dict(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=m.block_size, bias=m.bias,
                       vocab_size=m.vocab_size, dropout=m.dropout)

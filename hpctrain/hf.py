@@ -92,9 +92,11 @@ def is_hf_folder(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, WEIGHTS))
 
 
-def write_hf(folder: str, params: dict, m, metadata: dict) -> int:
+def write_hf(folder: str, params: dict, m, metadata: dict, dtype: str = "fp32") -> int:
     """``model.safetensors`` and ``config.json`` of a GPT into ``folder`` (made if missing; each written aside and
-    renamed); returns the number of tensors."""
+    renamed); ``dtype`` "bf16": the tensors rounded to bfloat16 (``torch_dtype`` says so); returns the number of
+    tensors."""
+    from .export import as_dtype
     from ._files import replaced_atomically, write_bytes
 
     try:
@@ -103,6 +105,9 @@ def write_hf(folder: str, params: dict, m, metadata: dict) -> int:
         raise ConfigError("export to Hugging Face's layout needs the safetensors package: pip install "
                           "'hpctrain[export]'") from None
     tensors, config = to_hf(params, m)
+    if dtype == "bf16":
+        tensors = {name: as_dtype(arr, dtype) for name, arr in tensors.items()}
+        config["torch_dtype"] = "bfloat16"
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
@@ -118,16 +123,45 @@ def write_hf(folder: str, params: dict, m, metadata: dict) -> int:
 
 def read_hf(folder: str, layout) -> dict:
     """hpctrain's parameters from a GPT2LMHeadModel folder (``checkpoint.init``): its model.safetensors, read
-    without pickle (safetensors' numpy API)."""
+    without pickle (``read_widened``: float32, or bfloat16 as ``export --dtype bf16`` and bfloat16 Hugging Face
+    models write it)."""
     path = os.path.join(folder, WEIGHTS)
     try:
-        from safetensors import SafetensorError
-        from safetensors.numpy import load_file
-    except ImportError:
-        raise ConfigError(f"checkpoint.init {folder}: a Hugging Face folder needs the safetensors package: pip "
-                          "install 'hpctrain[export]'") from None
-    try:
-        tensors = load_file(path)
-    except (SafetensorError, OSError, ValueError) as e:
+        tensors = read_widened(path)
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint.init {path} is not a readable safetensors file: {e}") from None
     return from_hf(tensors, layout, f"checkpoint.init {folder}")
+
+
+WIDENED = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}  # safetensors dtype -> bytes an element
+
+
+def read_widened(path: str) -> dict:
+    """A safetensors file's tensors as float32, bfloat16 and float16 widened exactly (safetensors' numpy API has
+    no bfloat16); ValueError naming what is wrong with a file that breaks the format."""
+    import ml_dtypes
+
+    kinds = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64}
+    with open(path, "rb") as f:
+        data = f.read()
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if n < 2 or 8 + n > len(data):
+        raise ValueError("its header length is outside the file")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"its header is not JSON: {e}") from None
+    body, out = memoryview(data)[8 + n :], {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            kind, shape, (lo, hi) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"tensor {name!r}: its header entry lacks dtype, shape or data_offsets") from None
+        if kind not in kinds:
+            raise ValueError(f"tensor {name!r} is {kind}; hpctrain reads {', '.join(kinds)}")
+        if not (0 <= lo <= hi <= len(body)) or hi - lo != WIDENED[kind] * int(np.prod(shape)):
+            raise ValueError(f"tensor {name!r}: its data_offsets [{lo}, {hi}) do not hold {kind}{shape}")
+        out[name] = np.frombuffer(body[lo:hi], dtype=kinds[kind]).reshape(shape).astype(np.float32)
+    return out

@@ -60,23 +60,26 @@ class Optimizer:
         """Bytes of optimizer state this rank holds."""
         return 4 * sum(buf.layout.size for buf in self.slots.values())
 
-    def step(self, lr: float, after=None, grad_scale: float = 1.0) -> None:
+    def step(self, lr: float, after=None, grad_scale: float = 1.0, gate=None) -> None:
         """One update of every piece; ``after(i)``, when given, runs once piece i is updated (ZeRO's
         all-gather of that bucket starts there, while the next piece updates). ``grad_scale``: the clipping
-        factor, applied by the update kernel as it reads each gradient (no pass of its own over the buffer)."""
+        factor, applied by the update kernel as it reads each gradient (no pass of its own over the buffer).
+        ``gate``: a device backend's ``clip_gate`` array, the clipping factor and skip decision made on the
+        device (a skipped update changes nothing; the caller then takes back the step count)."""
         self.step_count += 1
+        gated = {} if gate is None else {"gate": gate}
         at = 0
         for i, (a, b) in enumerate(self.pieces):
             if self._decay[i] is not None:  # several runs: one update over the piece
-                self._update(lr, slice(a, b), slice(at, at + b - a), self._decay[i], grad_scale)
+                self._update(lr, slice(a, b), slice(at, at + b - a), self._decay[i], grad_scale, gated)
             else:
                 for lo, hi, decay in self._runs[i]:  # one run, or none (a ZeRO chunk can be empty)
-                    self._update(lr, slice(lo, hi), slice(at + lo - a, at + hi - a), decay, grad_scale)
+                    self._update(lr, slice(lo, hi), slice(at + lo - a, at + hi - a), decay, grad_scale, gated)
             if after is not None:
                 after(i)
             at += b - a
 
-    def _update(self, lr: float, where: slice, state: slice, decay, grad_scale: float) -> None:
+    def _update(self, lr: float, where: slice, state: slice, decay, grad_scale: float, gated: dict) -> None:
         """One fused kernel over the parameters ``where`` and the slots' values ``state`` (``decay``: a number, or
         the backend's ``decay_table`` of the runs in ``where``)."""
         be, c = self.backend, self.cfg
@@ -84,11 +87,11 @@ class Optimizer:
         if self.name == "sgd":
             buf = self.slots["momentum_buffer"].data[state] if self.slots else p  # unused without momentum
             be.sgd_update(p, g, buf, lr=lr, momentum=c.momentum, weight_decay=decay, nesterov=c.nesterov,
-                          grad_scale=grad_scale)
+                          grad_scale=grad_scale, **gated)
         else:
             be.adam_update(p, g, self.slots["exp_avg"].data[state], self.slots["exp_avg_sq"].data[state], lr=lr,
                            beta1=c.betas[0], beta2=c.betas[1], eps=c.eps, weight_decay=decay,
-                           step=self.step_count, decoupled=self.name == "adamw", grad_scale=grad_scale)
+                           step=self.step_count, decoupled=self.name == "adamw", grad_scale=grad_scale, **gated)
 
     # a gradient whose norm stays below this cannot overflow the float32 state in one update (checked exactly
     # only above it: ``overflow``); Adam squares it, SGD's momentum adds it

@@ -204,3 +204,62 @@ def test_a_one_process_command_in_a_task_of_its_own_does_its_work(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hpctrain", "data", "text2h5", "part1.txt", "part1.h5"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and h5py.is_hdf5(tmp_path / "part1.h5"), proc.stderr
+
+
+def test_export_bf16_rounds_the_master_copy_to_nearest_even_in_half_the_bytes(checkpoint, tmp_path):
+    """--dtype bf16: each parameter is the float32 master value rounded to bfloat16 (ml_dtypes' cast, to nearest
+    even: the same rounding train.precision = "bf16" uses), stored as safetensors' BF16; the file is about half
+    the float32 one's size; hpctrain's reader widens it back exactly."""
+    pytest.importorskip("safetensors")
+    import json
+
+    import ml_dtypes
+
+    from hpctrain.hf import read_widened
+
+    full, half = tmp_path / "f.safetensors", tmp_path / "h.safetensors"
+    for out, extra in ((full, []), (half, ["--dtype", "bf16"])):
+        proc = hpctrain("export", checkpoint, str(out), *extra, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+    assert "in bfloat16" in proc.stdout
+    n = int.from_bytes(half.read_bytes()[:8], "little")
+    header = json.loads(half.read_bytes()[8 : 8 + n])
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    want = load_checkpoint(checkpoint, _layout(checkpoint)).params
+    got = read_widened(str(half))
+    for name, arr in want.items():
+        rounded = arr.astype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(got[name], rounded.astype(np.float32))
+        assert np.abs(got[name] - arr).max() <= np.abs(arr).max() * 2.0**-8  # a half-ulp of bfloat16 at most
+        assert not np.array_equal(got[name], arr) or arr.size < 4  # it really rounds
+    payload = sum(a.size for a in want.values())
+    assert os.path.getsize(full) - os.path.getsize(half) >= 2 * payload - 64
+
+
+@pytest.mark.parametrize("args,message", [
+    (["whole.h5", "--dtype", "bf16"], "the h5 format is the whole checkpoint"),
+    (["m.safetensors", "--dtype", "fp16"], "invalid choice: 'fp16'"),
+], ids=["h5", "fp16"])
+def test_export_dtype_refusals_are_one_line(checkpoint, tmp_path, args, message):
+    proc = hpctrain("export", checkpoint, *args, cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not any(p.name != "d.h5" for p in tmp_path.iterdir())
+
+
+def test_export_to_nanogpt_in_bf16_casts_each_tensor(gpt_checkpoint, tmp_path, monkeypatch):
+    from hpctrain.export import export
+
+    class Tensor:
+        def __init__(self, arr, kind="float32"):
+            self.arr, self.kind = arr, kind
+
+        def to(self, kind):
+            return Tensor(self.arr, kind)
+
+    fake = FakeTorch()
+    fake.from_numpy, fake.bfloat16, fake.float32 = Tensor, "bfloat16", "float32"
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    line = export(gpt_checkpoint, str(tmp_path / "ckpt.pt"), dtype="bf16")
+    assert "in bfloat16" in line
+    (saved,) = fake.saved
+    assert {t.kind for t in saved["model"].values()} == {"bfloat16"}

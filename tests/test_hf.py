@@ -84,3 +84,44 @@ def _layout(path):
     from hpctrain.nn import make_model
 
     return make_model(parse_config(tomllib.loads(read_meta(path).config_text)).model).layout
+
+
+def test_export_hf_in_bf16_then_init_is_the_rounded_model(tmp_path):
+    """--format hf --dtype bf16: config.json says bfloat16, and checkpoint.init from the folder (BF16 tensors,
+    which safetensors' numpy API cannot read) starts from the master weights rounded to bfloat16."""
+    import ml_dtypes
+
+    cfg = _job(tmp_path)
+    assert hpctrain("train", cfg).returncode == 0
+    ck = str(tmp_path / "ck" / "ckpt-00000003.h5")
+    out = tmp_path / "hf"
+    r = hpctrain("export", ck, str(out), "--format", "hf", "--dtype", "bf16")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    r = hpctrain("train", cfg, "--set", f"checkpoint.init={out}", "--set", f"checkpoint.dir={tmp_path / 'ck2'}",
+                 "--set", "train.steps=0")
+    assert r.returncode == 0, r.stderr
+    (_, back), = list_checkpoints(str(tmp_path / "ck2"))
+    state, again = load_checkpoint(ck, _layout(ck)).params, load_checkpoint(back, _layout(ck)).params
+    for name, a in state.items():
+        np.testing.assert_array_equal(again[name], a.astype(ml_dtypes.bfloat16).astype(np.float32), err_msg=name)
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda b: b[:4], "header length is outside the file"),
+    (lambda b: b[:8] + b"{" * (int.from_bytes(b[:8], "little")) + b[8 + int.from_bytes(b[:8], "little"):],
+     "header is not JSON"),
+    (lambda b: b[: len(b) - 2], "do not hold BF16"),
+], ids=["short", "header", "truncated"])
+def test_a_damaged_bf16_folder_is_one_line(tmp_path, damage, message):
+    cfg = _job(tmp_path)
+    assert hpctrain("train", cfg).returncode == 0
+    out = tmp_path / "hf"
+    assert hpctrain("export", str(tmp_path / "ck" / "ckpt-00000003.h5"), str(out), "--format", "hf", "--dtype",
+                    "bf16").returncode == 0
+    weights = out / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    r = hpctrain("train", cfg, "--set", f"checkpoint.init={out}", "--set", f"checkpoint.dir={tmp_path / 'ck2'}",
+                 "--set", "train.steps=0")
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+

@@ -134,8 +134,17 @@ class StreamWaits:
         wait()
         self._marks_done = max(self._marks_done, covered)
 
+    def _mark_wait(self, mark, wait) -> None:
+        """``wait()`` waits for ``mark``, a training stream's: counted, and it and every mark before it passed
+        (the stream completes its work in order)."""
+        self._count_wait(whole_stream=False)
+        wait()
+        if mark.seq is not None and threading.get_ident() == self._owner:
+            self._marks_done = max(self._marks_done, mark.seq + 1)
+
     def passed(self, mark) -> bool:
-        """Whether a wait for the whole stream has passed ``mark`` (so what was queued before it is done)."""
+        """Whether a wait for the whole stream, or for a later mark, has passed ``mark`` (so what was queued
+        before it is done)."""
         return mark.seq is not None and mark.seq < self._marks_done
 
 
@@ -174,10 +183,18 @@ class Backend:
     name = "base"
     is_device = False
     host_waits = mark_waits = 0  # the host's waits for the device (a device backend counts them: tests/cuda)
+    # a device backend decides a step's clipping and skipping on the device (``clip_gate``; the updates' ``gate``)
+    # and its loss and gradient norm reach the host one step later (``read_later``): train/step.py
+    defers_step_values = False
 
     def read_host(self, *arrays) -> list:
         """Host copies of backend arrays, made together (a device backend waits for its stream once)."""
         return [np.array(a) for a in arrays]
+
+    def read_later(self, *arrays) -> "PendingRead":
+        """``read_host`` started now and finished by the returned object's ``wait()`` (a device backend queues the
+        copies and waits only then, for them alone); one pending read at a time."""
+        return PendingRead(self.read_host(*arrays))
 
     def step_scope(self):
         """A context manager around a training step: a device backend serves the step's arrays from its step
@@ -440,3 +457,15 @@ class Backend:
     def bad_target(self, targets, row, classes):
         value = int(self.to_host(targets)[row])
         raise BackendError(f"cross_entropy: target {value} in row {row} is outside [0, {classes})")
+
+
+class PendingRead:
+    """A read of backend arrays that ``wait()`` finishes (here: made already)."""
+
+    def __init__(self, copies, finish=None):
+        self._copies, self._finish = copies, finish
+
+    def wait(self) -> list:
+        if self._finish is not None:
+            self._copies, self._finish = self._finish(), None
+        return self._copies

@@ -136,13 +136,17 @@ def add_export(sub) -> None:
                        epilog=_epilog("hpctrain export runs/gpt-char/ckpt-00001500.h5 gpt.safetensors",
                                       "hpctrain export runs/gpt-char/ckpt-00001500.h5 out-gpt/ckpt.pt",
                                       "hpctrain export runs/digits/ckpt-00000600.h5 digits-whole.h5",
-                                      "hpctrain export runs/gpt-char/ckpt-00001500.h5 gpt-hf --format hf"))
+                                      "hpctrain export runs/gpt-char/ckpt-00001500.h5 gpt-hf --format hf",
+                                      "hpctrain export runs/gpt-char/ckpt-00001500.h5 gpt-bf16.safetensors --dtype bf16"))
     x.add_argument("checkpoint", help="a checkpoint (ckpt-<step>.h5)")
     x.add_argument("output", help="the file to write: .safetensors, .pt (nanoGPT) or .h5; the folder for --format hf")
     x.add_argument("--format", choices=("safetensors", "h5", "nanogpt", "hf"), default="",
                    help="default: from the output's extension; safetensors and hf (Hugging Face's GPT2LMHeadModel: "
                         "model.safetensors + config.json in a folder) need pip install 'hpctrain[export]', "
                         "nanogpt needs torch")
+    x.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the parameters' type in the output: bf16 rounds the float32 master copy to bfloat16 (to "
+                        "nearest even), half the bytes; safetensors, nanogpt and hf only (default: fp32)")
     x.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
 
 

@@ -35,7 +35,7 @@ def run_inspect(args) -> int:
 def run_export(args) -> int:
     from ..export import export
 
-    print(export(args.checkpoint, args.output, args.format, force=args.force))
+    print(export(args.checkpoint, args.output, args.format, force=args.force, dtype=args.dtype))
     return 0
 
 

@@ -73,12 +73,14 @@ def bcast_text(comm, text: str | None, root: int) -> str:
     return buf.tobytes().decode(errors="replace")
 
 
-def check_same_everywhere(comm, what: str, text: str, describe_difference) -> None:
+def check_same_everywhere(comm, what: str, text: str, describe_difference=None) -> None:
     """Collective: compare the hash of ``text`` with rank 0's; on a mismatch every rank raises LayoutError.
 
     ``describe_difference(rank0_text)`` runs on the first differing rank and
-    names the first difference, which is then broadcast to all.
+    names the first difference, which is then broadcast to all (default: the first line that differs).
     """
+    if describe_difference is None:
+        describe_difference = lambda theirs: _first_line_diff(text, theirs)  # noqa: E731
     mine = np.frombuffer(hashlib.sha256(text.encode()).digest(), dtype=np.uint8).copy()
     root = mine.copy()
     comm.Bcast(root, root=0)
@@ -93,6 +95,13 @@ def check_same_everywhere(comm, what: str, text: str, describe_difference) -> No
         error.collective = True
         raise error
     raise QuietExit(0)
+
+
+def _first_line_diff(mine: str, theirs: str) -> str:
+    for a, b in zip(mine.splitlines(), theirs.splitlines()):
+        if a != b:
+            return f"{a!r} here, {b!r} on rank 0"
+    return "different length"
 
 
 def gather_text(comm, text: str) -> list[str] | None:

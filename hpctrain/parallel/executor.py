@@ -225,18 +225,29 @@ class StageExecutor:
         """Add the run's loss sums to the result in forward order, the pending ones from ``host_rows`` (a host
         copy of ``pending_loss_rows()``); a class target outside the logits (device targets only: host ones are
         checked before the kernel) raises BackendError."""
-        for mb, sums in self._losses:
-            if sums is None:
-                total, correct, bad = host_rows[mb]
-                rows = self.batch.rows(mb)
-                if self.loss.classification and bad < rows:
-                    raise BackendError(f"cross_entropy: micro-batch {mb} has a target outside the logits' columns "
-                                       f"in row {int(bad)} of {rows}")
-                sums = float(total), float(correct)
-            self.result.loss_sum += sums[0]
-            self.result.losses[mb] = sums[0]
-            self.result.correct += sums[1]
+        self.take_losses()[1](host_rows)
+
+    def take_losses(self):
+        """The run's loss sums handed over to be settled later (train/step.py reads them a step late):
+        ``(rows, settle)``, the backend array of ``pending_loss_rows()`` and ``settle(host_rows)``, which adds
+        them to this run's result as ``settle_losses`` does, whatever the executor has run since."""
+        rows, losses, batch, result = self.pending_loss_rows(), self._losses, self.batch, self.result
         self._losses = []
+
+        def settle(host_rows) -> None:
+            for mb, sums in losses:
+                if sums is None:
+                    total, correct, bad = host_rows[mb]
+                    n = batch.rows(mb)
+                    if self.loss.classification and bad < n:
+                        raise BackendError(f"cross_entropy: micro-batch {mb} has a target outside the logits' "
+                                           f"columns in row {int(bad)} of {n}")
+                    sums = float(total), float(correct)
+                result.loss_sum += sums[0]
+                result.losses[mb] = sums[0]
+                result.correct += sums[1]
+
+        return rows, settle
 
     def _plan(self, instructions):
         """Per list, once: the receives in program order (reversed, per kind: (mb, chunk)) and the index of each

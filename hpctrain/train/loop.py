@@ -97,6 +97,7 @@ class Trainer:
         self._lock = None  # world rank 0's lock on checkpoint.dir, held until close()
         self._failed_alone = False  # run() raised on this rank alone: close() does nothing collective
         self._closed = False
+        self._lagging = False  # inside run()'s loop: a device step's values are read a step late (train/step.py)
         self._made_mesh = None  # the Mesh built here from cfg.parallel (no mesh given): freed by close()
         try:
             self._build(cfg, mesh, log)
@@ -207,7 +208,7 @@ class Trainer:
 
     def _check_same_everywhere(self, cfg, mesh) -> None:
         """Config, layouts and backend agreed by every rank before any buffer is exchanged (collective)."""
-        check_same_everywhere(mesh.world, "config", cfg.to_toml(), lambda theirs: _first_line_diff(cfg.to_toml(), theirs))
+        check_same_everywhere(mesh.world, "config", cfg.to_toml())
         check_same_everywhere(mesh.world, "parameter layout", self.model.layout.describe(),
                               self.model.layout.first_difference)
         check_same_everywhere(mesh.dp_comm, "stage layout", self.part.layout.describe(),
@@ -272,6 +273,7 @@ class Trainer:
         if not self.cfg.checkpoint.dir:
             return ""
         cfg, mesh = self.cfg, self.mesh
+        self.runner.settle()  # a step still deferred (train/step.py) has its skip decision, and the step count, in
         epoch, position = self.sampler.position(self.step)
         state = ckpt.CheckpointState(
             step=self.step, epoch=epoch, data_position=position, config_text=cfg.to_toml(),
@@ -286,9 +288,13 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def train_step(self, step: int, lr: float) -> dict:
-        """One optimizer step on global batch ``step`` at learning rate ``lr`` (collective); this rank's timings."""
+        """One optimizer step on global batch ``step`` at learning rate ``lr`` (collective); this rank's timings,
+        its loss and gradient norm read (``run`` reads a device's a step late where it can: train/step.py)."""
         self._check_open("train_step")
-        return self.runner.train_step(step, lr)
+        timing = self.runner.train_step(step, lr)
+        if not self._lagging:  # outside run()'s loop the values are read now
+            self.runner.settle()
+        return timing
 
     def evaluate(self) -> dict:
         """Loss (and accuracy) over the validation split, its first ``train.eval_batches`` batches where that is set
@@ -349,8 +355,10 @@ class Trainer:
         plain_log, self.log = self.log, self.progress.wrap(self.log)
         run_began, first_step = time.perf_counter(), self.step  # for the end-of-run line
         try:
+            self._lagging = True
             last, saved_at = self._steps(metrics, window)
         finally:
+            self._lagging = False
             metrics.close()
             self.progress.clear()  # an error line on its way must not land on the status line
         self._wrap_up(saved_at, plain_log)
@@ -364,6 +372,7 @@ class Trainer:
         last, saved_at = {}, -1
         first_step, peak_activations = self.step, 0
         skipped = 0  # non-finite steps skipped in a row (every rank sees the same skip decision)
+        behind = []  # the steps' timings whose skip decisions are still to be counted (read a step late)
         deferred = False  # a checkpoint fell due while steps were being skipped
         stopping = stop.any_rank(self.mesh.world)  # a signal while the job was starting (agreed by all)
         if stopping:
@@ -378,13 +387,19 @@ class Trainer:
             peak_activations = max(peak_activations, timing["peak_bytes"])
             if self.step == first_step + 1:  # what each rank holds, once the first step has allocated it
                 self._log_memory(metrics, peak_activations, say=True)
-            skipped = skipped + 1 if timing["skipped"] else 0
+            log = self.step % t.log_every == 0 or self.step == t.steps
+            evaluate = self.data.n_val and ((t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps)
+            behind.append(timing)
+            if log or evaluate or deferred or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                self.runner.settle()  # else a device's values arrive with the next step's (train/step.py)
+            while behind and "pending" not in behind[0]:  # steps whose skip decision has arrived, in order
+                skipped = skipped + 1 if behind.pop(0)["skipped"] else 0
             window.add(timing)
-            if self.step % t.log_every == 0 or self.step == t.steps:
+            if log:
                 last = self._log_train(window, timing, lr, metrics)
             if skipped >= t.max_skipped_steps:
                 self._diverged(skipped)
-            if self.data.n_val and ((t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps):
+            if evaluate:
                 began = time.perf_counter()
                 last.update(self._log_eval(metrics))
                 window.exclude(time.perf_counter() - began)  # samples/s counts training steps only
@@ -393,6 +408,7 @@ class Trainer:
                 saved_at = self.step
             self.saver.poll()  # a checkpoint written in the background is committed once every shard is
             if stop.any_rank(self.mesh.world):
+                self.runner.settle()
                 if window.steps:  # the steps since the last training line get theirs (collective)
                     last.update(self._log_train(window, timing, lr, metrics))
                 self.log(f"signal {stop.name} received: stopping at step {self.step}"
@@ -580,10 +596,3 @@ class Trainer:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-
-
-def _first_line_diff(mine: str, theirs: str) -> str:
-    for a, b in zip(mine.splitlines(), theirs.splitlines()):
-        if a != b:
-            return f"{a!r} here, {b!r} on rank 0"
-    return "different length"

@@ -86,6 +86,19 @@ class _Batch:
         return tuple(a[lo * (len(a) // n) : hi * (len(a) // n)] for a in self._all)
 
 
+@dataclasses.dataclass
+class _Pending:
+    """A step whose loss and gradient norm are on their way (StepRunner.settle): its index, the backend's
+    PendingRead of [norm, clipping factor, skip] and the loss rows, the executor's settle for those rows, and
+    the step's result dict and executor result once ``train_step`` has them."""
+
+    step: int
+    read: object
+    settle_losses: object
+    out: dict | None = None
+    result: object = None
+
+
 def agreed_schedule(comm, name: str, num_stages: int, micro_batches: int, virtual_stages: int = 1):
     """Collective over ``comm``: (schedule, its ScheduleStats), checked on ``comm``'s rank 0 only and the stats (or
     the ScheduleError) shared, each rank building the instruction lists itself; both cached per process and
@@ -133,6 +146,13 @@ class StepRunner:
             self._norm_tensors = [(index[part.global_names[t.name]], max(lo, t.offset), min(hi, t.end))
                                   for lo, hi in self._norm_ranges for t in part.layout
                                   if t.offset < hi and t.end > lo]
+        # a device backend whose gradient norm needs no MPI after the backward (one stage, no tensor parallelism,
+        # no ZeRO: the gradients are whole and reduced): clipping and the skip decision are made on the device and
+        # the step's loss and norm are read at the next step's optimizer (or by ``settle``), so the host queues the
+        # next step while the device finishes this one
+        self.defer = (backend.defers_step_values and self.shard is None and part.gather is None
+                      and mesh.tp == 1 and mesh.pp == 1 and not self.deterministic)
+        self._pending = None  # the deferred step whose values are on their way: _Pending
 
     def _dropout(self, step: int):
         """What ``_Batch.key`` draws this step's dropout keys from (None: the model does not drop)."""
@@ -177,6 +197,9 @@ class StepRunner:
         out = dict(compute=r.busy, comm=r.comm, optim=r.optim, data=r.data, busy=r.busy, wait=r.wait, span=r.span,
                    bubble=r.bubble, loss_sum=r.loss_sum, peak_live=r.peak_live, peak_bytes=r.peak_bytes,
                    kernels=r.kernels, **r.extra)
+        if self._pending is not None and self._pending.step == step:  # filled in by settle()
+            self._pending.out, self._pending.result = out, r
+            out["pending"] = True
         if self.deterministic and self.holds_loss:  # summed in shard order by global_mean, when a line is logged
             out["loss_parts"] = [r.losses[i] for i in range(m)]
         return out
@@ -195,6 +218,8 @@ class StepRunner:
         the stages, the skip decision, clipping, the update."""
         from mpi4py import MPI
 
+        if self.defer:
+            return self._finish_on_device(step, lr)
         cfg, part = self.cfg, self.part
         t0 = time.perf_counter()
         if (part.shared or part.local_ties) and self.shard is None:  # a tied tensor: both halves summed
@@ -248,6 +273,58 @@ class StepRunner:
                 else:
                     refresh_replicas(self.mesh, self.transport, part, self.optim.params)
         return dict(grad_norm=norm, skipped=skipped, wait=wait)
+
+    def _finish_on_device(self, step: int, lr: float) -> dict:
+        """``_finish`` with nothing read: the norm's pieces, the clipping factor and the skip decision stay on the
+        device (``clip_gate``), the update applies them (``gate``), and they and the loss rows are copied back
+        without a wait (``read_later``). The one wait is the previous step's values (``settle``)."""
+        part, be, data = self.part, self.be, self.grads.data
+        t0 = time.perf_counter()
+        if part.local_ties:  # a tied tensor within this rank: both halves summed
+            sum_tied_grads(self.mesh, self.transport, part, self.grads)
+        self.settle()  # the previous step's loss and norm: long computed, since the device runs in order
+        wait = time.perf_counter() - t0
+        pieces = be.empty((len(self._norm_ranges),), np.float64)
+        for i, (lo, hi) in enumerate(self._norm_ranges):
+            be.sum_squares(data if (lo, hi) == (0, data.size) else data[lo:hi], into=pieces[i : i + 1])
+        gate = be.empty((3,), np.float64)
+        be.clip_gate(pieces, max_norm=self.cfg.train.grad_clip, safe_norm=self.optim.SAFE_NORM[self.optim.name],
+                     into=gate)
+        self.optim.step(lr, gate=gate)  # a skipped step leaves the parameters and the state as they were
+        if part.local_ties:
+            refresh_replicas(self.mesh, self.transport, part, self.optim.params)
+        rows, settle_losses = self.executor.take_losses()
+        read = be.read_later(gate, *(() if rows is None else (rows,)))
+        self._pending = _Pending(step, read, settle_losses)
+        return dict(grad_norm=float("nan"), skipped=False, wait=wait)
+
+    def settle(self) -> None:
+        """The deferred step's loss and gradient norm read (a wait only if the device has not finished it) and
+        put into that step's ``train_step`` result; a skipped step is reported at its own step number, and
+        without ``train.skip_nonfinite`` a non-finite one stops the run as ``_finish`` does (collective: every
+        rank reads the same norm). Nothing to do when no step is pending."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        host = p.read.wait()
+        norm, skip = float(host[0][0]), int(host[0][2])
+        p.settle_losses(host[1] if len(host) > 1 else None)
+        if p.out is not None:
+            p.out.update(grad_norm=norm, skipped=bool(skip), loss_sum=p.result.loss_sum)
+            p.out.pop("pending", None)
+        if not skip:
+            return
+        self.optim.step_count -= 1  # the device left the update undone: the step count follows
+        what = ("the gradients contain NaN or Inf" if skip == 1 else
+                f"the gradient norm {norm:.3g} could overflow the optimizer's state in float32")
+        if not self.cfg.train.skip_nonfinite:  # every rank read the same norm: all leave together
+            if self.mesh.rank != 0:
+                raise QuietExit(0)
+            error = NonFiniteError(f"step {p.step + 1}: {what}; lower optim.lr, set train.grad_clip, or set "
+                                   "train.skip_nonfinite = true to skip such steps")
+            error.collective = True
+            raise error
+        self.log(f"step {p.step + 1}: {'non-finite gradients' if skip == 1 else what}, step skipped")
 
     def _read_step_sums(self) -> np.ndarray:
         """The step's one wait for a device: the sums of squares of this rank's norm pieces, and the last stage's

@@ -25,17 +25,18 @@ def mesh():
 
 
 def waits_per_step(cfg, mesh, steps=2):
-    """Host waits in each step after the first (which allocates and compiles), and the trainer."""
+    """The training thread's waits in each step after the first (which allocates and compiles): for the whole
+    stream (``host_waits``), or, where a step's values are read a step late (train/step.py), for a mark."""
     trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
     be = trainer.be
     assert be.name == "cuda"
     trainer.train_step(0, 0.01)
     counts = []
     for step in range(1, steps):
-        before = be.host_waits
+        before = be.host_waits + be.mark_waits
         direct = be.launcher.slow if be.launcher is not None else None
         trainer.train_step(step, 0.01)
-        counts.append(be.host_waits - before)
+        counts.append(be.host_waits + be.mark_waits - before)
         if not SIM:  # on a GPU, every launch after the first step's takes the direct path (backend/cuda/launch.py)
             assert be.launcher.refused == [] and be.launcher.slow == direct and be.launcher.fast > 0
     trainer.close()

@@ -59,7 +59,7 @@ import numpy as np
 from numba import cuda
 
 from ...errors import BackendError
-from ..base import Backend, Mark, StreamWaits, check_array
+from ..base import Backend, Mark, PendingRead, StreamWaits, check_array
 from . import activations, attention, blocks, dropout, embedding, linear, loss, norm, optim
 from .activations import Activations
 from .attention import Attention
@@ -112,6 +112,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
 
     name = "cuda"
     is_device = True
+    defers_step_values = True  # clipping and skipping decided on the device, the step's values read a step late
 
     def __init__(self, device_id: int = 0, *, tile=None, block: int | None = None, max_blocks: int | None = None,
                  arena: bool = True, graphs: bool | str = "auto"):
@@ -277,6 +278,26 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
             self._wait()
         return [np.array(c) for c in copies]  # the pinned buffers are reused by the next read
 
+    def read_later(self, *arrays) -> PendingRead:
+        """``read_host``'s copies queued now into their own pinned buffers; ``wait()`` waits for them alone (a
+        ``mark_waits``), long done when the host is a step ahead of the device."""
+        copies = []
+        for i, arr in enumerate(arrays):
+            key = ("later", i, tuple(arr.shape), np.dtype(arr.dtype).str)
+            if key not in self._host_reads:
+                self._host_reads[key] = self.pinned_host(arr.shape, arr.dtype)
+            if arr.size:
+                self._host_acts()
+                arr.copy_to_host(self._host_reads[key], stream=self.stream)
+            copies.append(self._host_reads[key])
+        done = self.mark()
+
+        def finish():
+            self.host_wait_for(done)
+            return [np.array(c) for c in copies]
+
+        return PendingRead(None, finish)
+
     def copy_(self, dst, src):
         """dst (device) = src (device or host), same shape and dtype."""
         check_array("copy_", "dst", dst, dtype=dst.dtype)
@@ -332,8 +353,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         for the whole stream has passed the mark already."""
         if self.passed(mark):
             return
-        self._count_wait(whole_stream=False)
-        mark.event.synchronize()
+        self._mark_wait(mark, mark.event.synchronize)
 
     def bind_thread(self) -> None:
         """Make this backend's GPU current on the calling thread (a communication thread, before its first copy)."""

@@ -42,6 +42,7 @@ FLOAT64_KERNELS = frozenset({
     "ce_shard_sumexp", "ce_shard_grad",  # a float64 row result out, a float64 log Z in (converted once a row)
     "fill",  # fill(float64[::1], float64) clears the device-side scalars
     "bias_grad", "layernorm_backward",  # column sums in float64, as on the CPU
+    "clip_decide", "gate_step",  # the gradient norm and clipping factor in float64, as on the host (optim.py)
 })
 
 
@@ -95,6 +96,7 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "adam_update": ((F1, F1, F1, F1, F1),),
         "sgd_update_runs": ((F1, F1, F1, I1, I1, F1, b1, b1),),
         "adam_update_runs": ((F1, F1, F1, F1, I1, I1, F1),),
+        "clip_decide": ((D1, f64, f64, D1),), "gate_step": ((F1, D1),),
         # embedding.py, attention.py
         "embedding_forward": ((I2, F2, F2, F2, I1, i64, i64, b1),),
         "embedding_backward_wte": ((F2, I1, i64, F2),),

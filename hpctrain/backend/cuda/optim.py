@@ -58,11 +58,14 @@ def _update_kernels(nt: int) -> SimpleNamespace:
     # the step's values (the clipping factor, the learning rate and what it and the step number give) are read
     # from a float32 device array ``h``, not passed by value: the launch is then the same every step, what a CUDA
     # graph replays (issue 49 item 2). SGD's h: gs, lr, momentum, weight decay; Adam's: gs, step size, β1, β2,
-    # 1 − β1, 1 − β2, sqrt(1 − β2^t), eps, l2, keep (Optim._step_values)
+    # 1 − β1, 1 − β2, sqrt(1 − β2^t), eps, l2, keep (Optim._step_values); last of both: 1 when the step is
+    # skipped (written on the device by ``gate_step`` from the gradient norm: train/step.py's deferred reads)
 
     @kernel
     def sgd_update(p, g, buf, h, use_momentum, nesterov):
         """torch.optim.SGD over flat [n]; gs the clipping factor, applied as the gradients are read."""
+        if h[h.size - 1] != 0:
+            return
         gs, lr, momentum, weight_decay = h[0], h[1], h[2], h[3]
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
             sgd_at(p, g, gs, buf, i, lr, momentum, weight_decay, use_momentum, nesterov)
@@ -71,6 +74,8 @@ def _update_kernels(nt: int) -> SimpleNamespace:
     def adam_update(p, g, m, v, h):
         """torch.optim.Adam/AdamW over flat [n]; omb1, omb2 = 1 − β1, 1 − β2, computed in float64 on the host as
         torch.optim does; gs the clipping factor."""
+        if h[h.size - 1] != 0:
+            return
         gs, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep = (h[0], h[1], h[2], h[3], h[4], h[5], h[6],
                                                                             h[7], h[8], h[9])
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
@@ -96,6 +101,8 @@ def _update_kernels(nt: int) -> SimpleNamespace:
     @kernel
     def sgd_update_runs(p, g, buf, starts, decayed, h, use_momentum, nesterov):
         """sgd_update with the weight decay on the decayed runs and 0 elsewhere."""
+        if h[h.size - 1] != 0:
+            return
         gs, lr, momentum, weight_decay = h[0], h[1], h[2], h[3]
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
             wd = weight_decay if decayed_at(starts, decayed, i) else float32(0.0)
@@ -104,6 +111,8 @@ def _update_kernels(nt: int) -> SimpleNamespace:
     @kernel
     def adam_update_runs(p, g, m, v, starts, decayed, h):
         """adam_update with ``l2`` and ``keep`` on the decayed runs, 0 and 1 elsewhere."""
+        if h[h.size - 1] != 0:
+            return
         gs, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep = (h[0], h[1], h[2], h[3], h[4], h[5], h[6],
                                                                             h[7], h[8], h[9])
         for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
@@ -112,7 +121,46 @@ def _update_kernels(nt: int) -> SimpleNamespace:
                     l2 if on else float32(0.0), keep if on else float32(1.0))
 
     return SimpleNamespace(sgd_update=sgd_update, adam_update=adam_update, sgd_update_runs=sgd_update_runs,
-                           adam_update_runs=adam_update_runs)
+                           adam_update_runs=adam_update_runs, **vars(_gate_kernels()))
+
+
+# The gradient norm's consequences decided on the device (train/step.py, when the step's values are read one
+# step late): gate = [norm, clipping factor, skip], skip 1 for a non-finite norm, 2 for a finite one so large that
+# the update could overflow the optimizer's float32 state (Optimizer.SAFE_NORM); the arithmetic of the host's
+# path (train/step.py's _finish, optim.clip_coefficient) in the same float64 order, so both give the same bits.
+
+@functools.cache
+def _gate_kernels() -> SimpleNamespace:
+    @cuda.jit
+    def clip_decide(pieces, max_norm, safe_norm, gate):
+        """gate[:3] = norm, clipping factor, skip from the norm² pieces (one thread: a few dozen values)."""
+        if cuda.grid(1) != 0:
+            return
+        s = float64(0.0)
+        for i in range(pieces.size):
+            s += pieces[i]
+        norm = math.sqrt(s) if s >= 0 else math.nan
+        coef = float64(1.0)
+        if max_norm > 0:
+            coef = min(1.0, max_norm / (norm + 1e-6))
+        skip = float64(0.0)
+        if math.isnan(norm) or math.isinf(norm):
+            skip = 1.0
+        elif norm * coef >= safe_norm:
+            skip = 2.0
+        gate[0] = norm
+        gate[1] = coef
+        gate[2] = skip
+
+    @cuda.jit
+    def gate_step(h, gate):
+        """An update's values ``h`` take the gate's clipping factor (h[0]) and skip flag (h[-1])."""
+        if cuda.grid(1) != 0:
+            return
+        h[0] = float32(gate[1])
+        h[h.size - 1] = float32(1.0) if gate[2] != 0 else float32(0.0)
+
+    return SimpleNamespace(clip_decide=clip_decide, gate_step=gate_step)
 
 
 @functools.cache
@@ -165,14 +213,33 @@ class Optim:
         table.device = (self.asarray(starts), self.asarray(decayed))
         return table
 
-    def sgd_update(self, param, grad, momentum_buf, *, lr, momentum, weight_decay, nesterov, grad_scale=1.0):
+    def clip_gate(self, pieces, *, max_norm: float, safe_norm: float, into) -> None:
+        """``into`` (a float64 device array of 3) = the gradient norm from its float64 pieces² (summed in order),
+        the clipping factor for ``max_norm`` (0: none) and the skip decision (0 update, 1 non-finite, 2 too large
+        for the optimizer's float32 state: ``safe_norm``), on the device with no wait; an update given
+        ``gate=into`` applies them."""
+        self._arg("clip_gate", "pieces", pieces, ndim=1, dtype=np.float64)
+        self._into_arg("clip_gate", into, 3)
+        self._launch(self._k.clip_decide, 1, 1, pieces, float(max_norm), float(safe_norm), into)
+
+    def _gated(self, h, gate):
+        """h with the clipping factor and skip flag of ``gate`` (clip_gate's array) written on the device."""
+        if gate is not None:
+            self._into_arg("gate", gate, 3)
+            self._launch(self._k.gate_step, 1, 1, h, gate)
+        return h
+
+    def sgd_update(self, param, grad, momentum_buf, *, lr, momentum, weight_decay, nesterov, grad_scale=1.0,
+                   gate=None):
         """torch.optim.SGD step over the flat buffers, one fused kernel (momentum_buf unused if momentum = 0);
         ``grad_scale``: the clipping factor, applied as the gradients are read; ``weight_decay`` a number or a
-        ``decay_table``."""
+        ``decay_table``; ``gate``: clip_gate's array, whose factor replaces ``grad_scale`` and whose skip
+        decision leaves everything as it was."""
         self._check_flat("sgd_update", param=param, grad=grad, momentum_buf=momentum_buf)
         self._check_decay("sgd_update", weight_decay, param.shape[0])
         runs = weight_decay if isinstance(weight_decay, DecayRuns) else None
-        h = self._step_values(grad_scale, lr, momentum, runs.value if runs is not None else weight_decay)
+        h = self._gated(self._step_values(grad_scale, lr, momentum, runs.value if runs is not None else weight_decay),
+                        gate)
         flags = bool(momentum != 0), bool(nesterov)
         if runs is not None:
             self._elementwise(self._k.sgd_update_runs, param.size, param, grad, momentum_buf,
@@ -186,9 +253,9 @@ class Optim:
         return table.device
 
     def adam_update(self, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, decoupled,
-                    grad_scale=1.0):
+                    grad_scale=1.0, gate=None):
         """torch.optim.Adam (L2 decay) / AdamW (decoupled decay) step over the flat buffers, one fused kernel;
-        ``grad_scale``: the clipping factor, applied as the gradients are read."""
+        ``grad_scale``: the clipping factor, applied as the gradients are read; ``gate`` as sgd_update's."""
         self._check_flat("adam_update", param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         self._check_decay("adam_update", weight_decay, param.shape[0])
         step_size = lr / (1.0 - beta1**step)  # bias corrections in float64 on the host, as cpu/optim.py does
@@ -196,7 +263,8 @@ class Optim:
         runs = weight_decay if isinstance(weight_decay, DecayRuns) else None
         wd = runs.value if runs is not None else weight_decay  # the decayed runs' (the others: 0, as one-run calls)
         keep, l2 = (1.0 - lr * wd, 0.0) if decoupled else (1.0, wd)
-        h = self._step_values(grad_scale, step_size, beta1, beta2, 1.0 - beta1, 1.0 - beta2, bc2_sqrt, eps, l2, keep)
+        h = self._gated(self._step_values(grad_scale, step_size, beta1, beta2, 1.0 - beta1, 1.0 - beta2, bc2_sqrt, eps,
+                                          l2, keep), gate)
         if runs is not None:
             self._elementwise(self._k.adam_update_runs, param.size, param, grad, exp_avg, exp_avg_sq,
                               *self._decay_arrays(runs), h)
@@ -206,5 +274,5 @@ class Optim:
     def _step_values(self, *values):
         """The update's scalars as a float32 device array (each rounded from float64 as it was when passed by
         value), uploaded through page-locked memory without a wait; inside a training step the step arena gives
-        it the same address every step."""
-        return self.upload(np.array(values, dtype=np.float32))
+        it the same address every step. The last value is the skip flag: 0 here (``_gated`` may set it)."""
+        return self.upload(np.array(values + (0.0,), dtype=np.float32))

@@ -245,14 +245,7 @@ class StepRunner:
             norm = math.sqrt(norm2[0]) if norm2[0] >= 0 else float("nan")
         skipped = not math.isfinite(norm)
         if skipped:
-            if not cfg.train.skip_nonfinite:  # every rank sees the same norm: all leave together
-                if self.mesh.rank != 0:
-                    raise QuietExit(0)
-                error = NonFiniteError(f"step {step + 1}: the gradients contain NaN or Inf; lower optim.lr, set "
-                                       "train.grad_clip, or set train.skip_nonfinite = true to skip such steps")
-                error.collective = True
-                raise error
-            self.log(f"step {step + 1}: non-finite gradients, step skipped")
+            self._stop_or_skip(step, "the gradients contain NaN or Inf", "non-finite gradients")
         else:  # clipping: the optimizer's kernel scales each gradient as it reads it (ZeRO: this rank's chunks)
             coef = min(clip_coefficient(norm, cfg.train.grad_clip), 1.0)
             if norm * coef >= self.optim.SAFE_NORM[self.optim.name]:  # every rank sees the same norm
@@ -315,16 +308,24 @@ class StepRunner:
         if not skip:
             return
         self.optim.step_count -= 1  # the device left the update undone: the step count follows
-        what = ("the gradients contain NaN or Inf" if skip == 1 else
-                f"the gradient norm {norm:.3g} could overflow the optimizer's state in float32")
-        if not self.cfg.train.skip_nonfinite:  # every rank read the same norm: all leave together
+        if skip == 1:
+            self._stop_or_skip(p.step, "the gradients contain NaN or Inf", "non-finite gradients")
+        else:
+            what = f"the gradient norm {norm:.3g} could overflow the optimizer's state in float32"
+            self._stop_or_skip(p.step, what, what)
+
+    def _stop_or_skip(self, step: int, what: str, short: str) -> None:
+        """A step whose gradients cannot be applied (``what``): the run stops with a NonFiniteError (collective:
+        every rank saw the same norm, rank 0 raises it, the others leave quietly), or with
+        ``train.skip_nonfinite`` the step is skipped and said (``short``)."""
+        if not self.cfg.train.skip_nonfinite:
             if self.mesh.rank != 0:
                 raise QuietExit(0)
-            error = NonFiniteError(f"step {p.step + 1}: {what}; lower optim.lr, set train.grad_clip, or set "
+            error = NonFiniteError(f"step {step + 1}: {what}; lower optim.lr, set train.grad_clip, or set "
                                    "train.skip_nonfinite = true to skip such steps")
             error.collective = True
             raise error
-        self.log(f"step {p.step + 1}: {'non-finite gradients' if skip == 1 else what}, step skipped")
+        self.log(f"step {step + 1}: {short}, step skipped")
 
     def _read_step_sums(self) -> np.ndarray:
         """The step's one wait for a device: the sums of squares of this rank's norm pieces, and the last stage's

@@ -262,18 +262,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
     def read_host(self, *arrays) -> list:
         """Host copies of device arrays (host arrays are copied as they are), made with one wait: the step's loss
         rows and gradient norm pieces."""
-        copies = []
-        for i, arr in enumerate(arrays):
-            if not is_device_array(arr):
-                copies.append(np.array(arr))
-                continue
-            key = (i, tuple(arr.shape), np.dtype(arr.dtype).str)  # one buffer per place in the call
-            if key not in self._host_reads:
-                self._host_reads[key] = self.pinned_host(arr.shape, arr.dtype)
-            if arr.size:
-                self._host_acts()
-                arr.copy_to_host(self._host_reads[key], stream=self.stream)
-            copies.append(self._host_reads[key])
+        copies = self._queue_reads(arrays, "now")
         if any(is_device_array(arr) for arr in arrays):
             self._wait()
         return [np.array(c) for c in copies]  # the pinned buffers are reused by the next read
@@ -281,15 +270,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
     def read_later(self, *arrays) -> PendingRead:
         """``read_host``'s copies queued now into their own pinned buffers; ``wait()`` waits for them alone (a
         ``mark_waits``), long done when the host is a step ahead of the device."""
-        copies = []
-        for i, arr in enumerate(arrays):
-            key = ("later", i, tuple(arr.shape), np.dtype(arr.dtype).str)
-            if key not in self._host_reads:
-                self._host_reads[key] = self.pinned_host(arr.shape, arr.dtype)
-            if arr.size:
-                self._host_acts()
-                arr.copy_to_host(self._host_reads[key], stream=self.stream)
-            copies.append(self._host_reads[key])
+        copies = self._queue_reads(arrays, "later")
         done = self.mark()
 
         def finish():
@@ -297,6 +278,23 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
             return [np.array(c) for c in copies]
 
         return PendingRead(None, finish)
+
+    def _queue_reads(self, arrays, place: str) -> list:
+        """Each device array's copy queued into a pinned buffer kept per (``place``, position, shape, dtype),
+        reused by the next read from there; a host array copied now."""
+        copies = []
+        for i, arr in enumerate(arrays):
+            if not is_device_array(arr):
+                copies.append(np.array(arr))
+                continue
+            key = (place, i, tuple(arr.shape), np.dtype(arr.dtype).str)
+            if key not in self._host_reads:
+                self._host_reads[key] = self.pinned_host(arr.shape, arr.dtype)
+            if arr.size:
+                self._host_acts()
+                arr.copy_to_host(self._host_reads[key], stream=self.stream)
+            copies.append(self._host_reads[key])
+        return copies
 
     def copy_(self, dst, src):
         """dst (device) = src (device or host), same shape and dtype."""
@@ -420,24 +418,22 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
             raise
 
     def to_host_into(self, dev, host):
-        """host[...] = dev[...] (same shape and dtype); returns when the copy is done."""
-        self._require_device("to_host_into", "dev", dev)
-        check_array("to_host_into", "dev", dev, dtype=dev.dtype)
-        check_array("to_host_into", "host", host, shape=dev.shape, dtype=dev.dtype)
-        if dev.size:
-            self._host_acts()
-            dev.copy_to_host(host, stream=self.stream)
-        self._wait()  # MPI reads ``host`` right after
+        """host[...] = dev[...] (same shape and dtype); returns when the copy is done (MPI reads ``host`` next)."""
+        self._copy_and_wait("to_host_into", dev, host, lambda: dev.copy_to_host(host, stream=self.stream))
 
     def from_host_into(self, host, dev):
-        """dev[...] = host[...] (same shape and dtype); returns when the copy is done."""
-        self._require_device("from_host_into", "dev", dev)
-        check_array("from_host_into", "dev", dev, dtype=dev.dtype)
-        check_array("from_host_into", "host", host, shape=dev.shape, dtype=dev.dtype)
+        """dev[...] = host[...] (same shape and dtype); returns when the copy is done (the caller may overwrite
+        ``host`` next: MPI receives into it)."""
+        self._copy_and_wait("from_host_into", dev, host, lambda: dev.copy_to_device(host, stream=self.stream))
+
+    def _copy_and_wait(self, op, dev, host, copy):
+        self._require_device(op, "dev", dev)
+        check_array(op, "dev", dev, dtype=dev.dtype)
+        check_array(op, "host", host, shape=dev.shape, dtype=dev.dtype)
         if dev.size:
             self._host_acts()
-            dev.copy_to_device(host, stream=self.stream)
-        self._wait()  # the caller may overwrite ``host`` (MPI receives into it) next
+            copy()
+        self._wait()
 
     def fill_(self, x, value):
         """x[...] = value, any dtype."""

@@ -24,9 +24,7 @@ from .gemm.tiled import MODE_CAUSAL_K_BELOW, MODE_CAUSAL_K_FROM, MODE_CAUSAL_UPP
 
 __all__ = ["kernels", "Attention"]
 
-_ZERO = np.float32(0.0)
-_ONE = np.float32(1.0)
-_NEG_INF = np.float32(-np.inf)
+_ZERO, _ONE, _NEG_INF = blocks.ZERO, blocks.ONE, blocks.NEG_INF
 
 
 @functools.cache

@@ -48,7 +48,10 @@ from ...errors import BackendError
 from ..dropout_mask import GOLDEN, MUL1, MUL2
 from . import sim
 
-__all__ = ["block_reducers", "kernel_decorator", "kernels", "last_to_finish", "reduce_shape"]
+__all__ = ["block_reducers", "kernel_decorator", "kernels", "last_to_finish", "reduce_shape", "ZERO", "ONE", "NEG_INF"]
+
+# float32 constants for the kernels (a Python float would make numba compute in float64)
+ZERO, ONE, NEG_INF = np.float32(0.0), np.float32(1.0), np.float32(-np.inf)
 
 SEGMENT = 32  # threads per segment (one warp), or the whole block if smaller
 
@@ -218,7 +221,7 @@ def _tree(width: int, take_max: bool):
     return reduce
 
 
-_NEG_INF = np.float32(-np.inf)
+_NEG_INF = NEG_INF
 
 
 @functools.lru_cache(maxsize=None)

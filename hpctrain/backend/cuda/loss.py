@@ -22,9 +22,7 @@ from .memory import flat
 
 __all__ = ["kernels", "Loss"]
 
-_ZERO = np.float32(0.0)
-_ONE = np.float32(1.0)
-_NEG_INF = np.float32(-np.inf)
+_ZERO, _ONE, _NEG_INF = blocks.ZERO, blocks.ONE, blocks.NEG_INF
 
 
 @functools.cache

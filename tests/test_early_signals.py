@@ -5,7 +5,7 @@ Before, the handlers were installed after the command line had imported numpy an
 ``parallel.agree``), about the first second of a run: a SIGTERM then killed the rank (rc 15, MPICH's "BAD
 TERMINATION"). Now ``hpctrain/__init__.py`` installs them before anything else is imported, when the process is
 ``hpctrain train``; each test below waits until a rank's kernel-visible handler for SIGTERM exists
-(``/proc/<pid>/status`` SigCgt) and checks that numpy and MPI are not loaded yet at that moment.
+(``/proc/<pid>/status`` SigCgt) and checks that numpy and MPI were not seen loaded before that moment.
 
 A first SIGINT (Ctrl-C) stops the run with a checkpoint exactly like SIGTERM; a second one aborts at once.
 """
@@ -90,14 +90,19 @@ def _loaded(pid) -> list:
 
 
 def _wait_until_handled(proc, ranks):
-    """The rank pids, once each catches SIGTERM; and what each had loaded at that moment."""
-    t0, seen = time.monotonic(), {}
+    """The rank pids, once each catches SIGTERM; and what each was seen to have loaded before it did: each poll
+    reads the maps first, then SigCgt, so libraries seen while no handler was there were loaded before it (a
+    poll that comes after both tells nothing of their order, and is not counted)."""
+    t0, seen, before = time.monotonic(), {}, {}
     while time.monotonic() - t0 < 60 and proc.poll() is None:
         for pid in _ranks(proc.pid):
             if pid not in seen:
                 try:
+                    loaded = _loaded(pid)
                     if _catches_sigterm(pid):
-                        seen[pid] = _loaded(pid)
+                        seen[pid] = before.get(pid, [])
+                    else:
+                        before[pid] = loaded
                 except (OSError, StopIteration):
                     pass
         if len(seen) == max(1, ranks):

@@ -44,22 +44,7 @@ def export(path: str, out: str, fmt: str = "", force: bool = False, dtype: str =
     from .config import parse_config
     from .nn import make_model
 
-    fmt = fmt or EXTENSIONS.get(os.path.splitext(out)[1], "")
-    if fmt not in FORMATS:
-        raise ConfigError(f"export: cannot tell the format of {out} from its extension; give --format "
-                          f"({' or '.join(FORMATS)})")
-    if dtype not in DTYPES:
-        raise ConfigError(f"export: --dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if dtype != "fp32" and fmt == "h5":
-        raise ConfigError("export: --dtype bf16 writes parameters only; the h5 format is the whole checkpoint, "
-                          "whose float32 master state a resume needs (export bf16 weights to .safetensors, .pt or "
-                          "--format hf)")
-    check_replaceable(out, f"export: cannot write {out}", ConfigError)  # never a device or FIFO, --force or not
-    if os.path.abspath(out) == os.path.abspath(path) or (os.path.exists(out) and os.path.exists(path)
-                                                         and os.path.samefile(out, path)):
-        raise ConfigError(f"export: {out} is the checkpoint itself")
-    if os.path.exists(out) and not force:
-        raise ConfigError(f"export: {out} exists; pass --force to replace it")
+    fmt = _checked_request(path, out, fmt, force, dtype)
     meta = ckpt.read_meta(path)
     try:
         cfg = parse_config(tomllib.loads(meta.config_text), source=f"{path} (its config)")
@@ -133,6 +118,27 @@ def as_dtype(arr, dtype: str):
 
 def _in(dtype: str) -> str:
     return "" if dtype == "fp32" else " in bfloat16"
+
+
+def _checked_request(path: str, out: str, fmt: str, force: bool, dtype: str) -> str:
+    """The format to write; ConfigError for a request refused before the checkpoint is read."""
+    fmt = fmt or EXTENSIONS.get(os.path.splitext(out)[1], "")
+    if fmt not in FORMATS:
+        raise ConfigError(f"export: cannot tell the format of {out} from its extension; give --format "
+                          f"({' or '.join(FORMATS)})")
+    if dtype not in DTYPES:
+        raise ConfigError(f"export: --dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype != "fp32" and fmt == "h5":
+        raise ConfigError("export: --dtype bf16 writes parameters only; the h5 format is the whole checkpoint, "
+                          "whose float32 master state a resume needs (export bf16 weights to .safetensors, .pt or "
+                          "--format hf)")
+    check_replaceable(out, f"export: cannot write {out}", ConfigError)  # never a device or FIFO, --force or not
+    if os.path.abspath(out) == os.path.abspath(path) or (os.path.exists(out) and os.path.exists(path)
+                                                         and os.path.samefile(out, path)):
+        raise ConfigError(f"export: {out} is the checkpoint itself")
+    if os.path.exists(out) and not force:
+        raise ConfigError(f"export: {out} exists; pass --force to replace it")
+    return fmt
 
 
 def _torch():

@@ -26,34 +26,53 @@ def kernels(nt: int) -> SimpleNamespace:
     return SimpleNamespace(**vars(_update_kernels(nt)), **vars(_flat_kernels(nt)))
 
 
+# the update's arithmetic per element, shared by the one-decay and the per-run kernels below
+
+
+@cuda.jit(device=True)
+def sgd_at(p, g, gs, buf, i, lr, momentum, weight_decay, use_momentum, nesterov):
+    """Element i of torch.optim.SGD (dampening 0): d = gs·g + wd·p; b = μ·b + d; p −= lr·(d + μ·b | b | d)."""
+    d = g[i] * gs + weight_decay * p[i]
+    if use_momentum:
+        b = momentum * buf[i] + d
+        buf[i] = b
+        if nesterov:
+            d = d + momentum * b
+        else:
+            d = b
+    p[i] -= lr * d
+
+
+@cuda.jit(device=True)
+def adam_at(p, g, gs, m, v, i, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep):
+    """Element i of torch.optim.Adam/AdamW; keep = 1 − lr·wd (AdamW) or 1, l2 = wd (Adam) or 0."""
+    w = p[i]
+    d = g[i] * gs + l2 * w
+    mi = beta1 * m[i] + omb1 * d
+    vi = beta2 * v[i] + omb2 * d * d
+    m[i] = mi
+    v[i] = vi
+    p[i] = w * keep - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
+
+
+@cuda.jit(device=True)
+def decayed_at(starts, decayed, i):
+    """Whether element i lies in a decayed run (the last run starting at or before i)."""
+    lo = 0
+    hi = starts.size - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if starts[mid] <= i:
+            lo = mid
+        else:
+            hi = mid - 1
+    return decayed[lo] != 0
+
+
 @functools.cache
 def _update_kernels(nt: int) -> SimpleNamespace:
     """torch.optim.SGD and Adam/AdamW over flat [n], with one weight decay or per run."""
     kernel = blocks.kernel_decorator(nt)
-
-    @cuda.jit(device=True)
-    def sgd_at(p, g, gs, buf, i, lr, momentum, weight_decay, use_momentum, nesterov):
-        """Element i of torch.optim.SGD (dampening 0): d = gs·g + wd·p; b = μ·b + d; p −= lr·(d + μ·b | b | d)."""
-        d = g[i] * gs + weight_decay * p[i]
-        if use_momentum:
-            b = momentum * buf[i] + d
-            buf[i] = b
-            if nesterov:
-                d = d + momentum * b
-            else:
-                d = b
-        p[i] -= lr * d
-
-    @cuda.jit(device=True)
-    def adam_at(p, g, gs, m, v, i, step_size, beta1, beta2, omb1, omb2, bc2_sqrt, eps, l2, keep):
-        """Element i of torch.optim.Adam/AdamW; keep = 1 − lr·wd (AdamW) or 1, l2 = wd (Adam) or 0."""
-        w = p[i]
-        d = g[i] * gs + l2 * w
-        mi = beta1 * m[i] + omb1 * d
-        vi = beta2 * v[i] + omb2 * d * d
-        m[i] = mi
-        v[i] = vi
-        p[i] = w * keep - step_size * mi / (math.sqrt(vi) / bc2_sqrt + eps)
 
     # the step's values (the clipping factor, the learning rate and what it and the step number give) are read
     # from a float32 device array ``h``, not passed by value: the launch is then the same every step, what a CUDA
@@ -84,19 +103,6 @@ def _update_kernels(nt: int) -> SimpleNamespace:
     # one launch for a slice whose tensors take two weight decays (optim.decay_runs: weight matrices decayed,
     # biases and LayerNorm weights not): ``starts`` the runs' first elements (ascending, starts[0] = 0),
     # ``decayed[r]`` 1 where run r takes the decay; per element the arithmetic of the one-run kernels above
-
-    @cuda.jit(device=True)
-    def decayed_at(starts, decayed, i):
-        """Whether element i lies in a decayed run (the last run starting at or before i)."""
-        lo = 0
-        hi = starts.size - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if starts[mid] <= i:
-                lo = mid
-            else:
-                hi = mid - 1
-        return decayed[lo] != 0
 
     @kernel
     def sgd_update_runs(p, g, buf, starts, decayed, h, use_momentum, nesterov):

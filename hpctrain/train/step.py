@@ -18,6 +18,11 @@ the step (``OptimizerStep``) reduces over the right groups:
 * then clipping and the optimizer run on each stage's own part; a tied tensor's owner sends its
   updated values to the replica, which keeps no optimizer state of its own.
 
+On a device backend whose norm needs no MPI (one stage, no tensor parallelism, no ZeRO, not
+deterministic) the norm, clipping and the skip decision stay on the device and the step's loss and
+norm are read at the next step's optimizer (``_finish_on_device``, ``settle``): the host queues a
+step while the device runs the one before, and training gives the same bits.
+
 Collective: ``train_step`` over the whole mesh (point-to-point within the pipeline
 group, Allreduce within the data-parallel group, the tensor-parallel Allreduces of the
 forward and backward passes within the tp group, the norm over the tp and pipeline

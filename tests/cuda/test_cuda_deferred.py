@@ -127,3 +127,52 @@ def test_a_gpt_with_dropout_and_graphs_reads_late_and_gives_the_hosts_bits(tmp_p
     late, _, _ = run(cfg, mesh, defer=True)
     now, _, _ = run(cfg, mesh, defer=False)
     same(late, now)
+
+
+@pytest.mark.parametrize("pieces,max_norm", [
+    ([0.25, 1.0, 2.0], 0.5), ([0.25, 1.0, 2.0], 0.0), ([1e-3], 5.0), ([4.0, np.nan], 1.0), ([np.inf, 1.0], 1.0),
+    ([1e38, 1e38, 1e38], 0.0),
+], ids=["clipped", "no-clip", "below", "nan", "inf", "too-large"])
+def test_clip_gate_is_the_hosts_arithmetic(pieces, max_norm):
+    """[norm, factor, skip] on the device, bit for bit what _finish computes on the host in float64."""
+    import math
+
+    from hpctrain.backend.cuda import CudaBackend
+    from hpctrain.optim import Optimizer, clip_coefficient
+
+    be = CudaBackend()
+    gate = be.zeros((3,), np.float64)
+    be.clip_gate(be.asarray(np.array(pieces)), max_norm=max_norm, safe_norm=Optimizer.SAFE_NORM["adam"], into=gate)
+    norm, coef, skip = be.to_host(gate)
+    s = sum(pieces)
+    want = math.sqrt(s) if s >= 0 else float("nan")
+    assert (norm == want) or (math.isnan(norm) and math.isnan(want))
+    if math.isfinite(want):
+        assert coef == min(clip_coefficient(want, max_norm), 1.0)
+        assert skip == (2.0 if want * coef >= Optimizer.SAFE_NORM["adam"] else 0.0)
+    else:
+        assert skip == 1.0
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adam"])
+def test_a_gated_update_applies_the_factor_or_changes_nothing(rule, rng=np.random.default_rng(0)):
+    from hpctrain.backend.cuda import CudaBackend
+
+    be = CudaBackend()
+    p0, g, s0 = (rng.standard_normal(37).astype(np.float32) for _ in range(3))
+    kw = dict(lr=0.1, weight_decay=0.01)
+
+    def update(gate=None, grad_scale=1.0):
+        p, s, s2 = be.asarray(p0.copy()), be.asarray(s0.copy()), be.asarray(np.abs(s0))
+        if rule == "sgd":
+            be.sgd_update(p, be.asarray(g), s, momentum=0.9, nesterov=False, grad_scale=grad_scale, gate=gate, **kw)
+        else:
+            be.adam_update(p, be.asarray(g), s, s2, beta1=0.9, beta2=0.99, eps=1e-8, step=3, decoupled=True,
+                           grad_scale=grad_scale, gate=gate, **kw)
+        return be.to_host(p), be.to_host(s)
+
+    np.testing.assert_array_equal(update(be.asarray(np.array([2.0, 0.25, 0.0]))), update(grad_scale=0.25))
+    for skip in (1.0, 2.0):
+        p, s = update(be.asarray(np.array([np.nan, 1.0, skip])))
+        np.testing.assert_array_equal(p, p0)
+        np.testing.assert_array_equal(s, s0)

@@ -167,7 +167,8 @@ class Backend:
     [loss sum, correct, first bad row (B if none)], mse the loss sum into[0] only
     (``sum_squares`` likewise, into one float64). Token ids and class targets may be host
     arrays on either backend: a device backend uploads them itself and checks them on the
-    host. ``read_host(*arrays)`` copies several arrays to the host with one wait;
+    host. ``read_host(*arrays)`` copies several arrays to the host with one wait, ``read_later`` queues
+    the copies and waits when asked (a step's values read at the next step: train/step.py);
     ``host_waits`` counts a device backend's waits for its whole stream (a training step's
     budget is one), ``mark_waits`` its waits for an earlier point of it.
     The vocab-parallel cross-entropy's three row passes over a block of

@@ -273,7 +273,7 @@ class Trainer:
         if not self.cfg.checkpoint.dir:
             return ""
         cfg, mesh = self.cfg, self.mesh
-        self.runner.settle()  # a step still deferred (train/step.py) has its skip decision, and the step count, in
+        self.runner.settle()  # a deferred step's skip decision, and so the step count, first (train/step.py)
         epoch, position = self.sampler.position(self.step)
         state = ckpt.CheckpointState(
             step=self.step, epoch=epoch, data_position=position, config_text=cfg.to_toml(),
@@ -372,7 +372,8 @@ class Trainer:
         last, saved_at = {}, -1
         first_step, peak_activations = self.step, 0
         skipped = 0  # non-finite steps skipped in a row (every rank sees the same skip decision)
-        behind = []  # the steps' timings whose skip decisions are still to be counted (read a step late)
+        behind = []  # (step, timing) whose skip decisions are still to be counted (read a step late)
+        counted = self.step  # the last step counted in ``skipped``
         deferred = False  # a checkpoint fell due while steps were being skipped
         stopping = stop.any_rank(self.mesh.world)  # a signal while the job was starting (agreed by all)
         if stopping:
@@ -389,16 +390,17 @@ class Trainer:
                 self._log_memory(metrics, peak_activations, say=True)
             log = self.step % t.log_every == 0 or self.step == t.steps
             evaluate = self.data.n_val and ((t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps)
-            behind.append(timing)
+            behind.append((self.step, timing))
             if log or evaluate or deferred or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                 self.runner.settle()  # else a device's values arrive with the next step's (train/step.py)
-            while behind and "pending" not in behind[0]:  # steps whose skip decision has arrived, in order
-                skipped = skipped + 1 if behind.pop(0)["skipped"] else 0
+            while behind and "pending" not in behind[0][1]:  # steps whose skip decision has arrived, in order
+                counted, done = behind.pop(0)
+                skipped = skipped + 1 if done["skipped"] else 0
             window.add(timing)
             if log:
                 last = self._log_train(window, timing, lr, metrics)
             if skipped >= t.max_skipped_steps:
-                self._diverged(skipped)
+                self._diverged(skipped, counted)
             if evaluate:
                 began = time.perf_counter()
                 last.update(self._log_eval(metrics))
@@ -462,16 +464,16 @@ class Trainer:
         if say:
             self.log(memory_summary(records))
 
-    def _diverged(self, skipped: int):
-        """``train.max_skipped_steps`` in a row: raise on rank 0, leave quietly elsewhere; no checkpoint is written
-        (one still in flight, of weights from before these steps, is committed first)."""
+    def _diverged(self, skipped: int, step: int):
+        """``train.max_skipped_steps`` in a row, the last at ``step``: raise on rank 0, leave quietly elsewhere; no
+        checkpoint is written (one still in flight, of weights from before these steps, is committed first)."""
         self.saver.finish()
         if not self.rank0:
             raise QuietExit(0)
         c = self.cfg.checkpoint
         found = ckpt.list_checkpoints(c.dir) if c.dir else []
         kept = f"; the newest checkpoint, {found[-1][1]}, is kept" if found else ""
-        error = NonFiniteError(f"step {self.step}: {skipped} non-finite steps skipped in a row (train.max_skipped_steps"
+        error = NonFiniteError(f"step {step}: {skipped} non-finite steps skipped in a row (train.max_skipped_steps"
                                f" = {self.cfg.train.max_skipped_steps}): the run diverged; no checkpoint written"
                                f"{kept}; lower optim.lr or set train.grad_clip")
         error.collective = True  # every rank took the same skip decisions

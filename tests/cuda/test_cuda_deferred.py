@@ -176,3 +176,15 @@ def test_a_gated_update_applies_the_factor_or_changes_nothing(rule, rng=np.rando
         p, s = update(be.asarray(np.array([np.nan, 1.0, skip])))
         np.testing.assert_array_equal(p, p0)
         np.testing.assert_array_equal(s, s0)
+
+
+def test_too_many_skipped_steps_in_a_row_name_the_last_of_them(tmp_path, mesh, monkeypatch):
+    """train.max_skipped_steps reached at steps 4 and 5: found when step 5's values arrive (with step 6's, no log
+    line falls on 5), and the error names step 5, as the host's path does."""
+    poison(monkeypatch, {3, 4})
+    trainer = Trainer(mlp(tmp_path, skip_nonfinite=True, max_skipped_steps=2), mesh=mesh, log=lambda *a: None)
+    try:
+        with pytest.raises(NonFiniteError, match=r"^step 5: 2 non-finite steps skipped in a row"):
+            trainer.run()
+    finally:
+        trainer.close()

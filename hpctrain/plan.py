@@ -10,7 +10,9 @@ works it out from a config and a world size alone, without MPI and without readi
 builds each stage's model part as each tensor-parallel rank would (tensor shapes only), the ZeRO
 chunks of parallel/zero.py, and runs each part's forward pass on a backend that allocates and
 computes nothing (``_Shapes``: arrays are zero-strided views that only know their shape), so the
-activation bytes a micro-batch keeps are counted from the very arrays the layers save. A training
+activation bytes a micro-batch keeps are counted from the very arrays the layers save. On a GPU with the
+step arena (``cuda.arena``) the activations are the arena's slab, planned from one micro-batch's forward and
+backward requests the way the arena plans them (arena_plan.py). A training
 run fills the same fields from its live buffers and its measured peaks (train/loop.py), so the two
 can be compared line by line, with the process's peak RSS beside them.
 
@@ -137,7 +139,11 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
             part = model.part(chunks=stages[s::pp], tp=_ShapeOnlyTP(r, tp) if tp > 1 else None,
                               split_ties=run.deterministic)
             part.recompute = run.recompute
-            acts = _activation_bytes(part, model, local_rows // run.micro_batches, stats.peak_live[s], device)
+            mb_samples = local_rows // run.micro_batches
+            if device and cfg.cuda.arena:  # the step arena's slab, planned as the arena plans it (arena_plan.py)
+                acts = _arena_bytes(part, model, cfg, mb_samples, stats.peak_live[s], run.micro_batches)
+            else:
+                acts = _activation_bytes(part, model, mb_samples, stats.peak_live[s], device)
             rows = micro_rows(local_rows, run.micro_batches) * model.positions  # one micro-batch a ring slot
             rings = _ring_bytes(part, stats, s, rows) if pp > 1 else 0
             for d in range(dp):
@@ -219,6 +225,21 @@ def _activation_bytes(part, model, mb_samples: int, peak_live: int, device: bool
     return peak_live * kept + working
 
 
+def _arena_bytes(part, model, cfg, mb_samples: int, peak_live: int, micro_batches: int) -> int:
+    """On a GPU with ``cuda.arena``: the slab the step arena plans for one micro-batch's forward, loss and backward
+    (the largest chunk's: arena_plan.py), with the saved activations of each further micro-batch alive at the
+    schedule's peak (``peak_live``) beside it, and on a pipeline stage what every other micro-batch sends (kept
+    to the step's end: the sender thread lets go of it when MPI has it)."""
+    from .arena_plan import step_slab_bytes
+    from .nn.loss import make_loss
+
+    loss = make_loss(cfg.train.loss, vocab_shard=getattr(part.layers[-1], "vocab_shard", None))
+    chunks = [step_slab_bytes(part, model, loss, mb_samples, c) for c in range(len(part.layer_ranges))]
+    slab, _, sent = max(chunks)
+    kept = max(k for _, k, _ in chunks)
+    return slab + (peak_live - 1) * kept + micro_batches * sum(s for _, _, s in chunks) - sent
+
+
 class _Shapes:
     """A backend that allocates and computes nothing: its arrays are zero-strided views that know their shape
     and report the bytes a real array of that shape would hold. Every kernel is a no-op."""
@@ -246,6 +267,9 @@ class _ShapeOnlyTP:
 
     def allreduce_(self, arr) -> None:
         pass
+
+    def allreduce_host(self, arr, op=None):
+        return arr
 
 
 def parse_size(text: str) -> int:

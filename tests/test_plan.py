@@ -81,12 +81,17 @@ def test_flash_attention_plans_no_probabilities():
     H) on the CPU, a float per row on a GPU."""
     model = {"block_size": 16, "n_head": 2, "n_layer": 3}
     B, H, T, L = 4, 2, 16, 3  # gpt_config's batch_size, one micro-batch
+    pool = {"arena": False}  # a GPU without the step arena: arrays from the caching pool, counted as on the CPU
     for device, math_scratch, flash_scratch in ((False, 2 * B * H * T * T, 2 * H * T * T),
                                                 (True, B * H * T * T, B * H * T)):
-        math_plan = plan(gpt_config("t.h5", model=model), 1, device=device)[0]
-        flash_plan = plan(gpt_config("t.h5", model={**model, "attention": "flash"}), 1, device=device)[0]
+        math_plan = plan(gpt_config("t.h5", model=model, cuda=pool), 1, device=device)[0]
+        flash_plan = plan(gpt_config("t.h5", model={**model, "attention": "flash"}, cuda=pool), 1, device=device)[0]
         assert math_plan.activation_bytes - flash_plan.activation_bytes == \
             (L * B * H * (T * T - T) + math_scratch - flash_scratch) * 4
+    # with the arena (the default on a GPU: arena_plan.py) flash saves at least the probabilities math keeps
+    math_plan = plan(gpt_config("t.h5", model=model), 1, device=True)[0]
+    flash_plan = plan(gpt_config("t.h5", model={**model, "attention": "flash"}), 1, device=True)[0]
+    assert math_plan.activation_bytes - flash_plan.activation_bytes >= L * B * H * (T * T - T) * 4
 
 
 def test_advice_offers_flash_attention_where_the_probabilities_do_not_fit():

@@ -113,6 +113,7 @@ def step_slab_bytes(part, model, loss, mb_samples: int, chunk: int) -> tuple[int
     step arena plans them. A pipeline's received activations and gradients live in its receive rings, outside the
     arena; what it sends is lent to its sender thread, so the arena keeps it to the step's end."""
     from .params import FlatBuffer
+    from .parallel.executor import nbytes_of
 
     be = _DeviceShapes()
     buf = FlatBuffer(be, part.layout)
@@ -130,33 +131,19 @@ def step_slab_bytes(part, model, loss, mb_samples: int, chunk: int) -> tuple[int
             y = (np.zeros(rows, np.int64) if getattr(loss, "target_dtype", np.int64) == np.int64
                  else be.upload(np.zeros((rows, part.chunk_widths[chunk][1]), np.float32)))
         out, saved = part.forward(be, x, chunk=chunk)
-        kept = _kept_bytes(saved)
+        kept = nbytes_of(saved, ALIGN)
         if last:
             _, _, dout = loss(be, out, y, 1.0)
             sent = 0
         else:
             be.arena.lend(out)  # SendActivation
-            sent = _kept_bytes(out)
+            sent = nbytes_of(out, ALIGN)
             dout = _array(out.shape)  # a receive ring's slot
         del out
         dinp = part.backward(be, dout, saved, need_dinp=not first, chunk=chunk)
         if dinp is not None:
             be.arena.lend(dinp)  # SendGrad
-            sent += _kept_bytes(dinp)
+            sent += nbytes_of(dinp, ALIGN)
         del dout, saved, dinp, x, y
     return be.arena.slab_bytes, kept, sent
 
-
-def _kept_bytes(saved) -> int:
-    """The arena's bytes of the distinct arrays in a (nested) saved structure: each rounded up to ALIGN."""
-    seen, total, todo = set(), 0, [saved]
-    while todo:
-        item = todo.pop()
-        if isinstance(item, (list, tuple)):
-            todo.extend(item)
-        elif hasattr(item, "inputs"):  # recompute's UnitInputs: each unit's input
-            todo.extend(item.inputs)
-        elif hasattr(item, "nbytes") and id(item) not in seen:
-            seen.add(id(item))
-            total += -(-int(item.nbytes) // ALIGN) * ALIGN
-    return total

@@ -487,14 +487,17 @@ def _upload(be, arr):
     return arr if arr.dtype == np.int64 else be.upload(arr)
 
 
-def nbytes_of(saved) -> int:
-    """Bytes of the distinct arrays in a (nested) saved structure."""
+def nbytes_of(saved, align: int = 1) -> int:
+    """Bytes of the distinct arrays in a (nested) saved structure, each rounded up to ``align`` bytes (the CUDA
+    step arena's 512: hpctrain/arena_plan.py)."""
     seen, total, todo = set(), 0, [saved]
     while todo:
         item = todo.pop()
         if isinstance(item, (list, tuple)):
             todo.extend(item)
+        elif hasattr(item, "inputs"):  # recompute's UnitInputs: each unit's input
+            todo.extend(item.inputs)
         elif hasattr(item, "nbytes") and id(item) not in seen:
             seen.add(id(item))
-            total += int(item.nbytes)
+            total += -(-int(item.nbytes) // align) * align
     return total

@@ -11,7 +11,8 @@ best-fit finds room, each rounded up to the arena's 512 B. So the plan counts it
    through a ``StepArena`` recording, exactly as the CUDA backend's does;
 2. the backend's own transients that ride inside an op are requested where the CUDA backend requests them
    (attention's scores and dropped probabilities, flash attention's row sums, the cross-entropy's per-row
-   values, the ids it uploads); the reductions' partial sums (a few KB, sized by the GPU's multiprocessors)
+   values, the ids it uploads; under ``train.precision = "bf16"`` the rounded copies each product reads,
+   backend/cuda/precision.py); the reductions' partial sums (a few KB, sized by the GPU's multiprocessors)
    are not;
 3. the arena plans the record (``plan_offsets``, best-fit over the lifetimes): its slab is one micro-batch's
    step. Each further micro-batch alive at the schedule's peak keeps its saved activations beside it.
@@ -46,7 +47,8 @@ class _DeviceShapes:
 
     name, is_device = "shapes", True
 
-    def __init__(self):
+    def __init__(self, bf16: bool = False):
+        self.bf16 = bf16
         self.arena = StepArena(fresh=_array, slab=lambda nbytes: None,
                                carve=lambda slab, offset, shape, dtype: _array(shape, dtype),
                                refs=_refs, root=lambda a: a.base)
@@ -66,17 +68,37 @@ class _DeviceShapes:
     def to_host(self, arr):
         return np.ones(arr.shape, arr.dtype)  # ones: the vocab-parallel loss takes logarithms of sums
 
-    # the CUDA backend's ops that request arrays of their own (backend/cuda/attention.py, flash.py, loss.py)
+    # the CUDA backend's ops that request arrays of their own (backend/cuda/attention.py, flash.py, loss.py), and
+    # under train.precision = "bf16" the rounded copies of their inputs (backend/cuda/precision.py), in its order
+
+    def _copies(self, *arrays) -> list:
+        return [self.empty(a.shape) for a in arrays if a is not None] if self.bf16 else []
+
+    def matmul_nt(self, a, b, out, bias=None):
+        self._copies(a, b, bias)  # made and let go within the call
+
+    def matmul_nn(self, a, b, out):
+        self._copies(a, b)
+
+    def matmul_tn(self, a, b, out, accumulate=False):
+        product = self.empty(out.shape) if self.bf16 and accumulate else None
+        copies = self._copies(a, b)
+        del product, copies
+
+    def attention_forward(self, qkv, T, n_head, out, att, *, dropout=None):
+        scores = (qkv.shape[0] // T * n_head * T, T)
+        src = self._copies(qkv)
+        dropped = self.empty(scores) if dropout is not None else None
+        used = self._copies(_array(scores))
+        del src, dropped, used
 
     def attention_backward(self, dout, qkv, att, T, n_head, dqkv, *, dropout=None):
-        B = qkv.shape[0] // T
-        dscores = self.empty((B * n_head * T, T))
-        used = self.empty((B * n_head * T, T)) if dropout is not None else None
-        del used, dscores
-
-    def attention_forward(self, qkv, T, n_head, att, out, *args, dropout=None, **kwargs):
-        used = self.empty(att.shape) if dropout is not None else None
-        del used
+        scores = (qkv.shape[0] // T * n_head * T, T)
+        dscores = self.empty(scores)
+        src = self._copies(qkv, dout)
+        dropped = self.empty(scores) if dropout is not None else None
+        used = self._copies(_array(scores))
+        del dscores, src, dropped, used
 
     def flash_attention_backward(self, dout, qkv, out, lse, T, n_head, dqkv, *, dropout=None):
         dsum = self.empty((qkv.shape[0] // T * n_head * T,))
@@ -107,7 +129,7 @@ def _is_ours(arr) -> bool:
     return isinstance(arr, np.ndarray) and arr.ndim > 0 and not any(arr.strides)
 
 
-def step_slab_bytes(part, model, loss, mb_samples: int, chunk: int) -> tuple[int, int, int]:
+def step_slab_bytes(part, model, loss, mb_samples: int, chunk: int, *, bf16: bool = False) -> tuple[int, int, int]:
     """(the arena's slab for one micro-batch's forward, loss and backward of ``chunk`` of ``part``, the bytes that
     micro-batch saves for its backward, the bytes it sends to a neighbouring stage), planned as the CUDA backend's
     step arena plans them. A pipeline's received activations and gradients live in its receive rings, outside the
@@ -115,7 +137,7 @@ def step_slab_bytes(part, model, loss, mb_samples: int, chunk: int) -> tuple[int
     from .params import FlatBuffer
     from .parallel.executor import nbytes_of
 
-    be = _DeviceShapes()
+    be = _DeviceShapes(bf16)
     buf = FlatBuffer(be, part.layout)
     part.bind(buf, buf)
     width, rows = part.chunk_widths[chunk][0], mb_samples * model.positions

@@ -234,7 +234,8 @@ def _arena_bytes(part, model, cfg, mb_samples: int, peak_live: int, micro_batche
     from .nn.loss import make_loss
 
     loss = make_loss(cfg.train.loss, vocab_shard=getattr(part.layers[-1], "vocab_shard", None))
-    chunks = [step_slab_bytes(part, model, loss, mb_samples, c) for c in range(len(part.layer_ranges))]
+    bf16 = cfg.train.precision == "bf16"
+    chunks = [step_slab_bytes(part, model, loss, mb_samples, c, bf16=bf16) for c in range(len(part.layer_ranges))]
     slab, _, sent = max(chunks)
     kept = max(k for _, k, _ in chunks)
     return slab + (peak_live - 1) * kept + micro_batches * sum(s for _, _, s in chunks) - sent

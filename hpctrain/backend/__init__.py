@@ -58,7 +58,8 @@ def get_backend(name: str, *, log=None, device_id: int = 0, precision: str = "fp
 
     ``arena`` (``cuda.arena``): the CUDA backend's step arena (backend/arena.py); ``graphs`` (``cuda.graphs``):
     its steps replayed as CUDA graphs (backend/cuda/graphs.py). ``precision`` (``train.precision``): on the CPU "bf16" is cpu/precision.py's reference and "tf32" computes
-    in float32 (the CPU has no TF32; logged once); the CUDA backend has float32 only and refuses the others.
+    in float32 (the CPU has no TF32; logged once); on the CUDA backend "bf16" is cuda/precision.py's rounding at
+    the reference's points, and "tf32" is refused.
 
     Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) ``auto`` takes the CPU: the simulator is for
     testing kernels, far too slow to train on; ``backend = "cuda"`` still uses it.
@@ -82,14 +83,19 @@ def get_backend(name: str, *, log=None, device_id: int = 0, precision: str = "fp
     if name in ("cuda", "auto"):
         if not cuda_available():
             raise BackendError('backend = "cuda" but no CUDA GPU is available (install hpctrain[cuda] and check nvidia-smi)')
-        if precision != "fp32":
-            raise BackendError(f'train.precision = "{precision}" is not built on the CUDA backend yet: it has "fp32"; '
-                               'the bf16 reference runs on backend = "cpu"')
+        if precision == "tf32":
+            raise BackendError('train.precision = "tf32" is not built on the CUDA backend yet: its GEMMs are float32; '
+                               'use "fp32" or "bf16"')
         try:
             from .cuda import CudaBackend
+            from .cuda.precision import Bf16CudaBackend
         except ImportError as e:
             raise BackendError(f"the CUDA backend is not available: {e}") from None
-        backend = CudaBackend(device_id=device_id, arena=arena, graphs=graphs)
+        make = Bf16CudaBackend if precision == "bf16" else CudaBackend
+        backend = make(device_id=device_id, arena=arena, graphs=graphs)
+        if precision == "bf16" and log is not None:
+            log('train.precision = "bf16": every product rounded to bfloat16 as the CPU reference rounds it, with '
+                "float32 accumulation; values held in float32 (no memory or tensor-core gain yet: docs/gpu.md)")
         if name == "auto" and log is not None:
             log(f"backend auto: using the CUDA backend on {backend.device_name}")
         return backend

@@ -45,6 +45,7 @@ CASES = {
     "gpt-recompute": lambda p: gpt(p, recompute="blocks"),
     "gpt-flash-dropout": lambda p: gpt(p, model={"attention": "flash", "dropout": 0.1}),
     "gpt-math-dropout": lambda p: gpt(p, model={"dropout": 0.1}),
+    "gpt-bf16-dropout": lambda p: gpt(p, model={"dropout": 0.1}, micro_batches=2, precision="bf16"),
     "mlp": lambda p: mlp(p),
 }
 

@@ -1,4 +1,5 @@
-"""Element-wise kernels on the GPU: ReLU, GELU (exact, erf), tanh forward and backward, and the residual add.
+"""Element-wise kernels on the GPU: ReLU, GELU (exact, erf), tanh forward and backward, the residual add, and the
+rounding to bfloat16 of ``train.precision = "bf16"`` (precision.py).
 
 Shape letter n: elements of a flat buffer; the kernels are grid-stride loops over it, so any grid covers any n
 (the backend caps the grid; the simulator runs a tiny one). Arithmetic is float32 (float32 literals keep numba
@@ -24,6 +25,9 @@ _ONE = np.float32(1.0)
 _HALF = np.float32(0.5)
 _SQRT_HALF = np.float32(1.0 / math.sqrt(2.0))
 _INV_SQRT_2PI = np.float32(1.0 / math.sqrt(2.0 * math.pi))
+# float32 bit patterns for round_bf16
+_ABS_BITS, _INF_BITS, _QUIET_BIT = np.uint32(0x7FFFFFFF), np.uint32(0x7F800000), np.uint32(0x00400000)
+_BF16_BITS, _HALF_BF16_ULP, _ONE_BIT = np.uint32(0xFFFF0000), np.uint32(0x7FFF), np.uint32(1)
 
 
 @functools.cache
@@ -76,8 +80,21 @@ def kernels(nt: int) -> SimpleNamespace:
         for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
             out[i] += x[i]
 
+    @kernel
+    def round_bf16(x, out):
+        """out[n] = x[n] rounded to bfloat16, to nearest even (ml_dtypes' cast), on float32 bits: both arrays are
+        float32 buffers viewed as uint32, out may be x. A NaN stays a NaN (quiet, its sign and upper payload
+        kept); a value past bfloat16's largest rounds to infinity."""
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            u = x[i]
+            if (u & _ABS_BITS) > _INF_BITS:
+                out[i] = (u | _QUIET_BIT) & _BF16_BITS
+            else:
+                out[i] = (u + _HALF_BF16_ULP + ((u >> 16) & _ONE_BIT)) & _BF16_BITS
+
     return SimpleNamespace(relu_forward=relu_forward, relu_backward=relu_backward, gelu_forward=gelu_forward,
-                           gelu_backward=gelu_backward, tanh_forward=tanh_forward, tanh_backward=tanh_backward, add=add)
+                           gelu_backward=gelu_backward, tanh_forward=tanh_forward, tanh_backward=tanh_backward, add=add,
+                           round_bf16=round_bf16)
 
 
 class Activations:

@@ -101,10 +101,13 @@ class Attention:
         att2 = att.reshape(B * H * T, T)  # row (b·H + h)·T + i
         q, k, v = (T, 0, 0, hs), (T, 0, C, hs), (T, 0, 2 * C, hs)  # a head's [T, hs] in qkv (gemm/tiled.py)
         rows, heads = (H * T, T, 0, 0), (T, 0, 0, hs)  # a head's [T, T] in att2, its [T, hs] in out
-        self._batched(tile, NT, qkv, qkv, att2, T, T, hs, hs, H, Z, q, k, rows, MODE_CAUSAL_UPPER)
+        src = self._product_input(op, qkv)
+        self._batched(tile, NT, src, src, att2, T, T, hs, hs, H, Z, q, k, rows, MODE_CAUSAL_UPPER)
+        self._product_output_(att2)
         self._attention_rows(self._k.attention_softmax_rows, B * H * T, att2, T, scale)
-        used = self._dropped(op, att2, dropout)
-        self._batched(tile, NN, used, qkv, out, T, hs, T, T, H, Z, rows, v, heads, MODE_CAUSAL_K_BELOW)
+        used = self._product_input(op, self._dropped(op, att2, dropout))
+        self._batched(tile, NN, used, src, out, T, hs, T, T, H, Z, rows, v, heads, MODE_CAUSAL_K_BELOW)
+        self._product_output_(out)
 
     def attention_backward(self, dout, qkv, att, T, n_head, dqkv, *, dropout=None):
         """dqkv[B·T, 3C] from dout[B·T, C], the forward's qkv and att (overwritten, never accumulated);
@@ -118,14 +121,26 @@ class Attention:
         dscores = self._alloc(op, (B * H * T, T), np.float32)
         q, k, v = (T, 0, 0, hs), (T, 0, C, hs), (T, 0, 2 * C, hs)
         rows, dy = (H * T, T, 0, 0), (T, 0, 0, hs)
-        self._batched(tile, NT, dout, qkv, dscores, T, T, hs, hs, H, Z, dy, v, rows, MODE_CAUSAL_UPPER)  # dy·vᵀ
-        used = self._dropped(op, att2, dropout)
-        self._batched(tile, TN, used, dout, dqkv, T, hs, T, T, H, Z, rows, dy, v, MODE_CAUSAL_K_FROM)  # dv
+        src, dsrc = self._product_input(op, qkv), self._product_input(op, dout)
+        self._batched(tile, NT, dsrc, src, dscores, T, T, hs, hs, H, Z, dy, v, rows, MODE_CAUSAL_UPPER)  # dy·vᵀ
+        self._product_output_(dscores)
+        used = self._product_input(op, self._dropped(op, att2, dropout))
+        self._batched(tile, TN, used, dsrc, dqkv, T, hs, T, T, H, Z, rows, dy, v, MODE_CAUSAL_K_FROM)  # dv
         if dropout is not None:
             self.dropout(dscores, dscores, dropout)  # the gradient of the dropped att, through the same mask
         self._attention_rows(self._k.attention_softmax_backward_rows, B * H * T, att2, dscores, T, scale)
-        self._batched(tile, NN, dscores, qkv, dqkv, T, hs, T, T, H, Z, rows, k, q, MODE_CAUSAL_K_BELOW)  # dq
-        self._batched(tile, TN, dscores, qkv, dqkv, T, hs, T, T, H, Z, rows, q, k, MODE_CAUSAL_K_FROM)  # dk
+        self._product_output_(dscores)  # an input of the two products below, needed nowhere else
+        self._batched(tile, NN, dscores, src, dqkv, T, hs, T, T, H, Z, rows, k, q, MODE_CAUSAL_K_BELOW)  # dq
+        self._batched(tile, TN, dscores, src, dqkv, T, hs, T, T, H, Z, rows, q, k, MODE_CAUSAL_K_FROM)  # dk
+        self._product_output_(dqkv)  # dq, dk and dv: three products' outputs, each written once
+
+    def _product_input(self, op, x):
+        """What a product reads of ``x``: ``x`` itself here; precision.py's bf16 backend gives a copy rounded to
+        bfloat16 (``x`` is read again elsewhere in float32)."""
+        return x
+
+    def _product_output_(self, x) -> None:
+        """After a product wrote ``x``: nothing here; precision.py's bf16 backend rounds it to bfloat16."""
 
     def _dropped(self, op, att2, dropout):
         """att2, or its dropout into a new array (the mask drawn again in the backward pass)."""

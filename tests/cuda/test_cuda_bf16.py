@@ -1,0 +1,138 @@
+"""``train.precision = "bf16"`` on the CUDA backend (backend/cuda/precision.py) against the CPU reference
+(backend/cpu/precision.py): the rounding kernel bit for bit against ml_dtypes, each product and math attention
+within one bfloat16 step of the reference (both round the same float32 values; the float32 sums before the
+rounding may differ in their last bits, and a value that lands on a rounding boundary can then go the other
+way), and a small GPT trained in bf16 on the device close to the CPU's bf16 run and far from fp32."""
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cudatest import rand
+from helpers import gpt_config, make_tokens
+from hpctrain.backend.cpu.precision import Bf16CpuBackend, to_bf16
+from hpctrain.backend.cuda.precision import Bf16CudaBackend
+from hpctrain.errors import BackendError
+from hpctrain.nn.dropout import DropoutKey
+from hpctrain.parallel.mesh import Mesh
+from hpctrain.train import Trainer
+
+ULP = 2.0 ** -7  # bfloat16's spacing relative to a value (8 significant bits)
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    return Bf16CudaBackend()
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return Bf16CpuBackend()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+def near(got, want, frac=0.9):
+    """Every element within one bfloat16 step of the reference's, most of them equal."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.all(np.abs(got - want) <= ULP * np.abs(want) + 1e-30), np.abs(got - want).max()
+    assert np.mean(got == want) >= frac, np.mean(got == want)
+
+
+def test_rounding_is_ml_dtypes_bit_for_bit(bf16):
+    f32 = np.finfo(np.float32)
+    special = np.array([0.0, -0.0, 1.0, 1.00390625, 1.01171875, 1.0078125, -1.0078125, 3.0e38, f32.max, -f32.max,
+                        f32.tiny, f32.tiny / 3, np.inf, -np.inf, np.nan, -np.nan], np.float32)
+    bits = np.array([0x7F800001, 0xFFC00001, 0x7FBFFFFF, 0x00008000, 0x00018000, 0x3F80FFFF], np.uint32)
+    x = np.concatenate([special, bits.view(np.float32),
+                        np.random.default_rng(0).standard_normal(999).astype(np.float32) * 1e3])
+    with np.errstate(invalid="ignore"):  # the NaNs
+        want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    got = bf16.to_host(bf16.round_bf16_(bf16.asarray(x)))
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert got[~nan].tobytes() == want[~nan].tobytes()
+    assert np.array_equal(np.signbit(got[nan]), np.signbit(want[nan]))
+    out = bf16.empty(x.shape)
+    bf16.round_bf16_(bf16.asarray(x), out)  # into another array, the input left as it was
+    assert bf16.to_host(out)[~nan].tobytes() == want[~nan].tobytes()
+
+
+@pytest.mark.parametrize("M,N,K", [(5, 7, 9), (17, 12, 33)])
+def test_products_round_where_the_reference_rounds(bf16, ref, rng, M, N, K):
+    a, w, bias, dy = rand(rng, M, K), rand(rng, N, K), rand(rng, N), rand(rng, M, N)
+    for with_bias in (None, bias):
+        out, want = bf16.empty((M, N)), np.empty((M, N), np.float32)
+        bf16.matmul_nt(bf16.asarray(a), bf16.asarray(w), out, None if with_bias is None else bf16.asarray(bias))
+        ref.matmul_nt(a, w, want, with_bias)
+        near(bf16.to_host(out), want)
+    out, want = bf16.empty((M, K)), np.empty((M, K), np.float32)
+    bf16.matmul_nn(bf16.asarray(dy), bf16.asarray(w), out)
+    ref.matmul_nn(dy, w, want)
+    near(bf16.to_host(out), want)
+    start = rand(rng, N, K)
+    for accumulate in (False, True):
+        out, want = bf16.asarray(start.copy()), start.copy()
+        bf16.matmul_tn(bf16.asarray(dy), bf16.asarray(a), out, accumulate=accumulate)
+        ref.matmul_tn(dy, a, want, accumulate=accumulate)
+        near(bf16.to_host(out), want, frac=0.8 if accumulate else 0.9)
+    plain = a @ w.T
+    assert np.abs(to_bf16(plain) - plain).max() > 0  # the shapes above really round
+
+
+@pytest.mark.parametrize("dropout", [None, 0.3])
+def test_math_attention_rounds_where_the_reference_rounds(bf16, ref, rng, dropout):
+    B, T, H, hs = 2, 5, 2, 3
+    C = H * hs
+    qkv, dout = rand(rng, B * T, 3 * C), rand(rng, B * T, C)
+    draw = None if dropout is None else DropoutKey(1, 2, 3).attention(dropout, 4, T, 0, H, H)
+    out, att, dqkv = bf16.empty((B * T, C)), bf16.empty((B, H, T, T)), bf16.empty((B * T, 3 * C))
+    bf16.attention_forward(bf16.asarray(qkv), T, H, out, att, dropout=draw)
+    bf16.attention_backward(bf16.asarray(dout), bf16.asarray(qkv), att, T, H, dqkv, dropout=draw)
+    c_out, c_att, c_dqkv = (np.empty((B * T, C), np.float32), np.empty((B, H, T, T), np.float32),
+                            np.empty((B * T, 3 * C), np.float32))
+    ref.attention_forward(qkv, T, H, c_out, c_att, dropout=draw)
+    ref.attention_backward(dout, qkv, c_att, T, H, c_dqkv, dropout=draw)
+    np.testing.assert_allclose(bf16.to_host(att), c_att, rtol=4 * ULP, atol=1e-6)  # softmax of rounded scores
+    near(bf16.to_host(out), c_out, frac=0.8)
+    np.testing.assert_allclose(bf16.to_host(dqkv), c_dqkv, rtol=4 * ULP, atol=4 * ULP * np.abs(c_dqkv).max())
+
+
+def test_flash_attention_is_refused_in_one_line(bf16):
+    with pytest.raises(BackendError, match=r'^model.attention = "flash" with train.precision = "bf16" is not built '):
+        bf16.flash_attention_forward(None, 1, 1, None, None)
+
+
+def _train(cfg, mesh, steps):
+    trainer = Trainer(cfg, mesh=mesh, log=lambda *a: None)
+    try:
+        for step in range(steps):
+            trainer.train_step(step, 0.01)
+        return trainer.be.to_host(trainer.params.data).copy()
+    finally:
+        trainer.close()
+
+
+def test_a_gpt_trains_in_bf16_on_the_device_as_on_the_cpu(tmp_path):
+    """Three steps of a small GPT (dropout on, 2 micro-batches: the weight gradients accumulate): the device's bf16
+    parameters are as close to the CPU reference's as rounding boundaries allow, and much further from fp32."""
+    make_tokens(tmp_path / "t.h5", n=300)
+    cfg = gpt_config(tmp_path / "t.h5", model={"block_size": 4, "n_embd": 8, "dropout": 0.1},
+                     data={"val_fraction": 0.0}, cuda={"graphs": False},
+                     train={"steps": 3, "batch_size": 4, "micro_batches": 2, "backend": "cuda", "grad_clip": 0.5,
+                            "precision": "bf16"})
+    mesh = Mesh()
+    try:
+        device = _train(cfg, mesh, 3)
+        cpu = _train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, backend="cpu")), mesh, 3)
+        fp32 = _train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="fp32")), mesh, 3)
+    finally:
+        mesh.free()
+    apart, rounded = np.abs(device - cpu).max(), np.abs(fp32 - cpu).max()
+    assert rounded > 1e-4
+    assert apart <= rounded / 100, (apart, rounded)

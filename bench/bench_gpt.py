@@ -4,6 +4,8 @@
     python bench/bench_gpt.py --backend cuda --n-layer 6 --n-embd 384 --n-head 6 --block-size 256 --batch 64
                                                           # on a GPU: hpctrain's CUDA backend against torch on cuda
     python bench/bench_gpt.py --threads 2 --n-layer 6 --n-embd 192 --block-size 128 --batch 16
+    python bench/bench_gpt.py --backend cuda --precision bf16             # train.precision = "bf16" against
+                                                          # torch's bf16 autocast (tf32: TF32 against TF32)
     HPCTRAIN_TORCH_PYTHON=/path/to/python python bench/bench_gpt.py       # the peer's interpreter (default: python)
 
 Model, AdamW settings and grad clip come from jobs/configs/gpt-char.toml (or --config). hpctrain runs the real
@@ -24,6 +26,7 @@ step" and "GPU step" (every run behind it: docs/performance-log.md).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -91,8 +94,12 @@ def torch_setup(torch, np, h5py, setup):
         rows, init = f["rows"], {k[2:]: torch.from_numpy(f[k]) for k in f.files if k.startswith("p:")}
     V, T = m["vocab_size"], m["block_size"]
     device = m.get("device", "cpu")
+    precision = m.get("precision", "fp32")
     if device == "cuda":  # float32 products as written, unless --tf32 (NVIDIA_TF32_OVERRIDE=0 still forces them off)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(m.get("tf32"))
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(m.get("tf32")) or \
+            precision == "tf32"
+    # --precision bf16: the forward and the loss under bf16 autocast, fp32 master weights (what hpctrain's matches)
+    autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
     model = torch_gpt(torch, V, T, m["n_layer"], m["n_head"], m["n_embd"], m.get("dropout", 0.0))
     missing, unexpected = model.load_state_dict(init, strict=False)
     if missing != ["lm_head.weight"] or unexpected:  # lm_head.weight is wte.weight: loaded with it
@@ -108,7 +115,8 @@ def torch_setup(torch, np, h5py, setup):
     def step(s):
         windows = np.stack([tokens[r * T : r * T + T + 1] for r in rows[s]]).astype(np.int64)  # as hpctrain reads
         x, y = torch.from_numpy(windows[:, :-1]).to(device), torch.from_numpy(windows[:, 1:]).to(device)
-        loss = torch.nn.functional.cross_entropy(model(x).view(-1, V), y.reshape(-1))
+        with autocast():
+            loss = torch.nn.functional.cross_entropy(model(x).view(-1, V).float(), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if m["grad_clip"] > 0:
@@ -194,6 +202,7 @@ def make_trainer(a, path):
     sets += [f"model.{k}={getattr(a, k)}" for k in MODEL_KEYS if getattr(a, k) is not None]
     sets += [f"model.dropout={a.dropout}"] if a.dropout is not None else []
     sets += [f'model.attention="{a.attention}"'] if a.attention else []
+    sets += [f'train.precision="{a.precision}"'] if a.precision else []
     sets += a.set  # any other setting, e.g. --set cuda.arena=false
     mesh = Mesh()
     return mesh, Trainer(load_config(a.config, sets), mesh=mesh, log=lambda *args: None)
@@ -283,6 +292,9 @@ def main():
     p.add_argument("--repeats", type=int, default=5, help="timed rounds of each")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tf32", action="store_true", help="PyTorch on a GPU may use TF32 for its float32 products")
+    p.add_argument("--precision", choices=("fp32", "tf32", "bf16"),
+                   help="train.precision for hpctrain, the matching setting for PyTorch (bf16: autocast on the "
+                        "forward and the loss; tf32: TF32 products)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="on a GPU: after timing, GPU time per kernel over STEPS of hpctrain's steps (torch.profiler)")
     p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
@@ -329,7 +341,8 @@ def main():
                     "n_embd": m.n_embd, "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "path": cfg.data.path,
                     "weight_decay": o.weight_decay, "decay_min_ndim": o.decay_min_ndim,
                     "grad_clip": cfg.train.grad_clip, "tokens": cfg.data.tokens,
-                    "device": a.backend, "tf32": a.tf32, "dropout": m.dropout}
+                    "device": a.backend, "tf32": a.tf32, "dropout": m.dropout,
+                    "precision": cfg.train.precision}
             rows = np.stack([trainer.sampler.local_rows(s) for s in range(warm_end + a.repeats * a.steps)])
             np.savez(f"{tmp}/setup.npz", meta=json.dumps(meta), rows=rows, **{"p:" + k: v for k, v in init.items()})
             peer.ask(f"setup {tmp}/setup.npz")
@@ -370,7 +383,9 @@ def main():
 
 
 def report(a, rates, peer, versions):
-    names = {"hpctrain": f"hpctrain {a.backend.upper()} backend ({versions})", "PyTorch": f"PyTorch {peer.version}"}
+    precision = f", {a.precision}" if a.precision else ""
+    names = {"hpctrain": f"hpctrain {a.backend.upper()} backend{precision} ({versions})",
+             "PyTorch": f"PyTorch {peer.version}{precision}"}
     for who, values in rates.items():
         print(f"{names[who]}: median {statistics.median(values):,.0f} tokens/s over {a.repeats} rounds of "
               f"{a.steps} steps (rounds: {', '.join(f'{v:,.0f}' for v in values)})")

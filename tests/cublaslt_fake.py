@@ -11,6 +11,11 @@ storage type. An access past a buffer's end raises, so a plan with a wrong ld or
 attribute dtypes (tests/test_cublaslt.py checks them against the real module where it is installed), each
 call recorded; ``matmul`` reads the descriptors it was given and runs ``emulate`` on the host arrays that
 ``memory`` maps addresses to.
+
+``SimulatorCublaslt`` stands in for the provider itself (``cublaslt.Cublaslt``) inside a CudaBackend under the CUDA
+simulator, whose device arrays are host memory: each ``gemm`` is planned by ``cublaslt.plan`` and run by
+``emulate`` on the arrays' own memory, recorded in ``calls``; it refuses what the real one refuses before
+queueing (a bias short of 16-byte alignment) and, for the tests of the backend's fallback, what ``refuse`` names.
 """
 
 import ctypes
@@ -280,3 +285,42 @@ USED_FUNCTIONS = ("create", "destroy", "get_version", "matmul_desc_create", "mat
                   "matrix_layout_set_attribute", "matrix_layout_destroy", "get_matrix_layout_attribute_dtype",
                   "matmul_preference_create", "matmul_preference_set_attribute", "matmul_preference_destroy",
                   "get_matmul_preference_attribute_dtype", "matmul_algo_get_heuristic", "matmul")
+
+
+# --------------------------------------------------------------------------- the provider, on simulated arrays
+
+
+class SimulatorCublaslt:
+    """``cublaslt.Cublaslt`` for a CudaBackend under the simulator (module docstring). ``refuse(req)``: a reason
+    to raise ``cublaslt.Refused`` with (None: take the call)."""
+
+    def __init__(self, refuse=None):
+        self.refuse = refuse
+        self.calls = []  # (request, stream, {operand: address})
+        self.closed = False
+
+    def gemm(self, req, *, a, b, c, bias=None, aux=None, stream=None):
+        from cublaslt_load import cublaslt
+
+        if self.closed:
+            raise AssertionError("gemm after close()")
+        arrays = {"a": a, "b": b, "c": c, "bias": bias, "aux": aux}
+        host = {name: _host_memory(name, x) for name, x in arrays.items() if x is not None}
+        if bias is not None and host["bias"].ctypes.data % cublaslt.EPILOGUE_ALIGN:
+            raise cublaslt.Refused(f"cublaslt: bias must be {cublaslt.EPILOGUE_ALIGN}-byte aligned")
+        why = self.refuse(req) if self.refuse else None
+        if why:
+            raise cublaslt.Refused(why)
+        self.calls.append((req, stream, {name: x.ctypes.data for name, x in host.items()}))
+        emulate(cublaslt.plan(req), host["b"], host["a"], host["c"], bias=host.get("bias"), aux=host.get("aux"))
+
+    def close(self):
+        self.closed = True
+
+
+def _host_memory(name, x):
+    """A simulated device array's memory as a flat numpy view (the provider takes contiguous rows only)."""
+    ary = x._ary
+    if not ary.flags.c_contiguous:
+        raise AssertionError(f"{name}: a strided array of shape {ary.shape} handed to cuBLASLt")
+    return ary.reshape(-1)

@@ -152,6 +152,8 @@ def test_round_trip_through_toml(tmp_path):
     ("[parallel]\nstages = [[0, 'a']]", r"parallel.stages: expected .* \(indices are integers >= 0\)"),
     ("[parallel]\nstages = [0, 2]", r"parallel.stages: expected an array of \[first, last\]"),
     ("[train]\ntrace = 3", "train.trace: expected str, got integer 3"),
+    ("[cuda]\ngemm = 'cublas'", "cuda.gemm: expected one of 'auto', 'cublaslt', 'numba', got 'cublas'"),
+    ("[cuda]\ngemm = true", "cuda.gemm: expected str, got bool"),
 ])
 def test_errors_name_the_key(tmp_path, extra, message):
     text = BASE + "\n" + extra if not extra.startswith("[data]") else BASE.replace('targets = "y"', 'targets = "y"\n' + extra.split("\n", 1)[1])
@@ -245,3 +247,18 @@ def test_every_key_has_its_row_in_docs_config_and_every_row_a_key():
         assert keys <= rows, f"[{name}] keys without a row in docs/config.md: {sorted(keys - rows)}"
         assert rows - keys <= (set(BUILTIN) if name == "model" else set()), \
             f"[{name}] rows in docs/config.md for no key: {sorted(rows - keys)}"
+
+
+def test_cuda_gemm_is_checked_where_the_config_is_built_in_code_too(tmp_path):
+    """``cuda.gemm``'s choices, also for a Config made with dataclasses.replace (check_ranges, not the TOML reader)."""
+    import dataclasses
+
+    from hpctrain.config import CudaConfig
+    from hpctrain.config.checks import check_ranges
+
+    cfg = load_config(write(tmp_path, BASE))
+    assert cfg.cuda.gemm == "auto"
+    assert load_config(write(tmp_path, BASE + '[cuda]\ngemm = "numba"\n')).cuda.gemm == "numba"
+    with pytest.raises(ConfigError) as e:
+        check_ranges(dataclasses.replace(cfg, cuda=CudaConfig(gemm="cuBLASLt")))
+    assert str(e.value) == "cuda.gemm: expected one of 'auto', 'cublaslt', 'numba', got 'cuBLASLt'"

@@ -397,6 +397,27 @@ def test_provider_errors_are_one_line(fake, monkeypatch):
                             "cannot open shared object file)")
 
 
+def test_what_cublaslt_cannot_take_is_refused_before_queueing_and_asked_once(fake):
+    """``Refused`` (a BackendError) for a misaligned bias and a key without an algorithm: nothing queued, the
+    descriptors of the refused key freed, and the heuristic not asked again for that key (the CUDA backend runs
+    those products in its numba kernels: tests/cuda/test_cuda_gemm_provider.py)."""
+    lib = cublaslt.Cublaslt()
+    x = np.zeros(64, np.float32)
+    (p,) = bind(fake, x)
+    with pytest.raises(cublaslt.Refused, match="bias must be 16-byte aligned"):
+        lib.gemm(Req("nt", 2, 2, 2, epilogue="bias"), a=p, b=p, c=p, bias=p + 4)
+    fake.no_algorithm = True
+    for _ in range(2):
+        with pytest.raises(cublaslt.Refused, match="no algorithm for nn 3x2x2 fp32"):
+            lib.gemm(Req("nn", 3, 2, 2), a=p, b=p, c=p)
+    assert lib.heuristic_queries == 1 and fake.live("desc") == [] and fake.live("layout") == []
+    assert not any(c[0] == "matmul" for c in fake.calls)
+    fake.no_algorithm = False
+    lib.gemm(Req("nn", 3, 2, 3), a=p, b=p, c=p)  # another key: asked, and run
+    assert lib.heuristic_queries == 2 and sum(c[0] == "matmul" for c in fake.calls) == 1
+    lib.close()
+
+
 def test_missing_nvmath_is_one_clear_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "nvmath", None)
     with pytest.raises(BackendError, match=r"cuBLASLt needs nvmath-python \(pip install 'hpctrain\[cuda\]'\)"):

@@ -53,7 +53,7 @@ def picks_device(name: str) -> bool:
 
 
 def get_backend(name: str, *, log=None, device_id: int = 0, precision: str = "fp32", arena: bool = True,
-                graphs: bool | str = "auto") -> Backend:
+                graphs: bool | str = "auto", gemm: str = "auto") -> Backend:
     """Return the backend for ``[train] backend``; ``auto`` prefers a real GPU and logs its choice.
 
     ``arena`` (``cuda.arena``): the CUDA backend's step arena (backend/arena.py); ``graphs`` (``cuda.graphs``):
@@ -63,6 +63,9 @@ def get_backend(name: str, *, log=None, device_id: int = 0, precision: str = "fp
 
     Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) ``auto`` takes the CPU: the simulator is for
     testing kernels, far too slow to train on; ``backend = "cuda"`` still uses it.
+
+    ``gemm`` (``cuda.gemm``): the CUDA backend's GEMM provider, cuBLASLt or the numba kernels
+    (backend/cuda/gemm/); "auto" logs why it took the numba ones, "cublaslt" where it cannot be is refused.
     """
     if name == "cpu" or (name == "auto" and (_simulator() or not cuda_available())):
         from .cpu import CpuBackend
@@ -92,7 +95,9 @@ def get_backend(name: str, *, log=None, device_id: int = 0, precision: str = "fp
         except ImportError as e:
             raise BackendError(f"the CUDA backend is not available: {e}") from None
         make = Bf16CudaBackend if precision == "bf16" else CudaBackend
-        backend = make(device_id=device_id, arena=arena, graphs=graphs)
+        backend = make(device_id=device_id, arena=arena, graphs=graphs, gemm=gemm)
+        if backend.gemm_why and log is not None:
+            log(f'cuda.gemm = "auto": the numba GEMM kernels, since {backend.gemm_why}')
         if precision == "bf16" and log is not None:
             log('train.precision = "bf16": every product rounded to bfloat16 as the CPU reference rounds it, with '
                 "float32 accumulation; values held in float32 (no memory or tensor-core gain yet: docs/gpu.md)")

@@ -12,6 +12,7 @@ from .sections import GPT_SIZES, Config, ParallelConfig, setting_names
 from .values import _param_count
 
 SEED_KEYS = (("train", "seed"), ("data", "seed"))
+GEMM_CHOICES = ("auto", "cublaslt", "numba")  # cuda.gemm (backend/cuda/gemm/: not imported here, it needs numba)
 
 
 def _need(ok, key, what):
@@ -27,6 +28,8 @@ def check_ranges(cfg: Config) -> None:
     _check_parallel(cfg)
     _need(cfg.cuda.graphs is not True or cfg.cuda.arena, "cuda.graphs",
           "true needs cuda.arena = true: a graph replays the addresses the arena keeps the same from step to step")
+    _need(cfg.cuda.gemm in GEMM_CHOICES, "cuda.gemm", f"expected one of {', '.join(map(repr, GEMM_CHOICES))}, got "
+          f"{cfg.cuda.gemm!r}")
 
 
 def _check_model_and_data(cfg: Config) -> None:

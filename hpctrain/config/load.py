@@ -33,6 +33,7 @@ CHOICES = {
     ("parallel", "zero_reduce"): ("auto", "reduce_scatter", "allreduce"),
     ("parallel", "reduce_dtype"): ("fp32", "bf16"),
     ("train", "precision"): ("fp32", "tf32", "bf16"),
+    ("cuda", "gemm"): ("auto", "cublaslt", "numba"),
 }
 
 

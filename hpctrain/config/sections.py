@@ -146,6 +146,7 @@ class CudaConfig:
 
     arena: bool = True  # a training step's arrays planned from the step and replayed from one slab (backend/arena.py)
     graphs: bool | str = "auto"  # the arena's steps replayed as CUDA graphs, in segments (backend/cuda/graphs.py)
+    gemm: str = "auto"  # the GEMM provider: "cublaslt", "numba" (tiled kernels), "auto" (backend/cuda/gemm/)
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ def build(cfg, run, mesh, log) -> RankParts:
             raise LayoutError(f"the mesh has {key} = {getattr(mesh, key)} but parallel.{key} = {want}: build it with "
                               "Mesh(dp=cfg.parallel.dp, pp=cfg.parallel.pp, tp=cfg.parallel.tp)")
     be = get_backend(cfg.train.backend, log=log, device_id=node_local(mesh.world)[0], precision=run.precision,
-                     arena=cfg.cuda.arena, graphs=cfg.cuda.graphs)
+                     arena=cfg.cuda.arena, graphs=cfg.cuda.graphs, gemm=cfg.cuda.gemm)
     ca = cfg.parallel.cuda_aware
     cuda_aware = bool(be.is_device and (mpi_cuda_aware() if ca == "auto" else ca))
     if cuda_aware and getattr(be, "simulator", False):

@@ -23,7 +23,7 @@ TILES = [SIM_TILE, GemmTile(6, 4, 5, 3, 2)] if SIM else [GPU_SMALL_TILE, GPU_TIN
 
 @pytest.fixture(scope="module", params=TILES, ids=lambda t: "x".join(map(str, t)))
 def tiled(request):
-    return CudaBackend(tile=request.param)
+    return CudaBackend(tile=request.param, gemm="numba")
 
 
 def _linear(rng, M, K, N):
@@ -147,7 +147,7 @@ def test_gemm_on_views_of_a_flat_buffer(be, rng):
 ], ids=["default-one-block", "tiny-ragged"])
 def test_gpu_tilings_match_numpy(rng, tile, M, K, N, layouts):
     """The GPU tilings (X·Wᵀ, dY·W, and dYᵀ·X where the backend runs it at that tiling) against numpy."""
-    be = CudaBackend(tile=tile)
+    be = CudaBackend(tile=tile, gemm="numba")
     x, w, b, dout = _linear(rng, M, K, N)
     for layout in layouts:
         if layout == "nt":
@@ -168,7 +168,7 @@ def test_gpu_tilings_match_numpy(rng, tile, M, K, N, layouts):
 @needs_gpu("hundreds of 256-thread blocks take minutes in the simulator")
 @pytest.mark.parametrize("M,K,N", [(300, 257, 129), (1024, 1000, 513)])
 def test_gpu_tile_on_larger_shapes(rng, M, K, N):
-    be = CudaBackend()
+    be = CudaBackend(gemm="numba")  # the tiled kernels: cuBLASLt is tests/cuda/test_cuda_cublaslt.py
     x, w, b, dout = _linear(rng, M, K, N)
     tol = dict(rtol=1e-4, atol=1e-4)
     out = be.empty((M, N))

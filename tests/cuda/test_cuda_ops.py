@@ -325,7 +325,7 @@ def test_decay_runs_that_do_not_fit_are_refused(be):
 
 def test_gpu_default_block_shapes_run(rng):
     """256-thread blocks and 32×8 column-sum blocks, as on a GPU, on one small launch each."""
-    be = CudaBackend(tile=GPU_TILE, block=256, max_blocks=2)
+    be = CudaBackend(tile=GPU_TILE, block=256, max_blocks=2, gemm="numba")
     B, C = 3, 37
     x, dout, w, b = rand(rng, B, C), rand(rng, B, C), rand(rng, C), rand(rng, C)
     dbias = be.empty((C,))

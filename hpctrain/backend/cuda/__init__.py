@@ -41,9 +41,9 @@ grid of every GEMM of a GPT step.
 
 The package, a module per family of ops with forward and backward side by side, each holding its kernels
 (``kernels(nt)``, built once per block size; compile.py lists them all) and a mixin class with its methods:
-linear.py (products, bias gradient), gemm/ (the GEMM provider: tiled.py), activations.py (and the residual add),
-norm.py, loss.py, embedding.py, attention.py (softmax rows around batched GEMMs), flash.py, dropout.py,
-optim.py. replay.py wires a training step to the step arena (backend/arena.py) and its graphs (graphs.py).
+linear.py (products, bias gradient), gemm/ (the GEMM providers: tiled.py, cublaslt.py), activations.py (and the
+residual add), norm.py, loss.py, embedding.py, attention.py (softmax rows around batched GEMMs), flash.py,
+dropout.py, optim.py. replay.py wires a training step to the step arena (backend/arena.py) and its graphs (graphs.py).
 This module is the rest: construction, memory (memory.py's pool, vmm.py for zero = 2), copies, streams and
 events, and launching (launch.py). blocks.py holds the reductions the families share, sim.py the
 simulator's mend and launch bounds.
@@ -107,7 +107,8 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
     the threads per block of the other kernels (a power of two), ``max_blocks`` the
     grid cap of the grid-stride kernels, ``arena`` whether a training step's arrays come from the step arena
     (``step_scope``), ``graphs`` (True, False or "auto": wherever the arena is on) whether its kernels are then
-    replayed in segments, each one CUDA graph (graphs.py; emulated under the simulator).
+    replayed in segments, each one CUDA graph (graphs.py; emulated under the simulator), ``gemm`` the GEMM
+    provider ("auto", "cublaslt" or "numba": gemm/__init__.py; ``gemm_provider`` says which one runs).
     """
 
     name = "cuda"
@@ -115,7 +116,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
     defers_step_values = True  # clipping and skipping decided on the device, the step's values read a step late
 
     def __init__(self, device_id: int = 0, *, tile=None, block: int | None = None, max_blocks: int | None = None,
-                 arena: bool = True, graphs: bool | str = "auto"):
+                 arena: bool = True, graphs: bool | str = "auto", gemm: str = "auto"):
         self.simulator = simulator()
         if not cuda.is_available():
             raise BackendError("the CUDA backend needs a GPU: numba.cuda sees none (check nvidia-smi, or set "
@@ -162,9 +163,10 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         self._init_waits()  # host_waits, mark_waits, background_waits (base.StreamWaits)
         self._pool = None if self.simulator else DevicePool(raw_alloc, wrap)
         self.allocs = 0  # arrays allocated outside the step arena (each builds an array wrapper)
-        self.launches = 0  # kernels launched from Python, one by one
+        self.launches = 0  # kernels launched from Python, one by one (and cuBLASLt calls: gemm/)
         self.launch_trace = None  # a list: every launch appended as (kernel, grid, block, traced_arguments)
         self._init_replay(arena, graphs)  # replay.py: the step arena and the step's graphs
+        self._init_gemm(gemm)  # gemm/: cuBLASLt or tiled.py's kernels (cuda.gemm)
         self._vmm_driver = None  # (VmmDriver or None, why not), once zero = 2 asks (vmm.py)
         self._no_bias = self.zeros((1,))  # the GEMM kernel always takes a bias array
         self._scalars = self.zeros((3,), np.float64)  # device-side results of the reductions

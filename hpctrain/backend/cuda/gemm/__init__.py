@@ -7,27 +7,77 @@
 tiled.py is the provider today: numba kernels, a shared-memory tiled, register-blocked GEMM per ``GemmTile``,
 with the tile table and the choice of tiling and K-splits. The layouts: NT out = a[M,K]·b[N,K]ᵀ, NN out =
 a[M,K]·b[K,N], TN out = a[K,M]ᵀ·b[K,N] (tiled.py's kernel order).
+
+cuBLASLt (cublaslt.py) is the other provider of ``_gemm``, chosen by ``cuda.gemm`` (``open_provider``): "numba"
+is tiled.py alone; "cublaslt" needs cuBLASLt (a one-line BackendError saying why not); "auto" takes it where
+``cublaslt_unavailable`` is None and the backend is not the simulator, else tiled.py (``gemm_why`` says why,
+get_backend logs it). With cuBLASLt, NT with a bias is its BIAS epilogue, TN accumulating is beta = 1, on the
+backend's stream, in float32 (request precision "fp32"). A product it cannot take as it is (K = 0, an operand
+not C-contiguous float32, cublaslt.Refused: a bias short of 16-byte alignment, no algorithm for the alignments)
+runs in tiled.py's kernels instead, counted in ``gemm_fallbacks`` (the last reason ``gemm_fallback_reason``).
+Attention's batched products (``_batched``) stay tiled.py's: their causal modes skip tiles cuBLASLt would
+compute, and a head's operands sit at two strides (batch and head), which a strided batch cannot express.
+
+A cuBLASLt call is the host acting on the stream, not a numba launch: it is a boundary of the step graphs'
+segments (``_host_acts``; graphs.py), so the graphs replay the numba kernels around it and the call itself is
+made from Python every step, counted in ``launches``. Capturing it into the graphs is the next step.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ....errors import BackendError
+from ..launch import traced_arguments
 from ..memory import flat
+from . import cublaslt
 from .tiled import (EPI_ACCUMULATE, MAX_GRID_Z, MODE_SPLIT_K, batched_gemm_kernels, choose_tile, gemm_kernels,
                     k_splits, launch_config)
 
-__all__ = ["Gemm", "NT", "NN", "TN"]
+__all__ = ["Gemm", "NT", "NN", "TN", "GEMM_CHOICES", "open_provider", "cublaslt_unavailable"]
 
 NT, NN, TN = 0, 1, 2  # the operand layouts, in the order tiled.py returns its kernels
+OPS = ("nt", "nn", "tn")  # cuBLASLt's names of the layouts (cublaslt.OPS)
+GEMM_CHOICES = ("auto", "cublaslt", "numba")  # cuda.gemm
+NO_CUBLASLT_ON_SIM = "the CUDA simulator has no cuBLASLt (its device arrays are host memory)"
+
+
+def cublaslt_unavailable(simulator: bool) -> str | None:
+    """Why this backend cannot use cuBLASLt, in one line, or None."""
+    return cublaslt.unavailable() or (NO_CUBLASLT_ON_SIM if simulator else None)
+
+
+def open_provider(gemm: str, simulator: bool):
+    """``cuda.gemm`` resolved: (a cublaslt.Cublaslt or None, "cublaslt" or "numba", why "auto" took numba or "")."""
+    if gemm not in GEMM_CHOICES:
+        raise BackendError(f"cuda.gemm must be one of {', '.join(map(repr, GEMM_CHOICES))}, got {gemm!r}")
+    if gemm == "numba":
+        return None, "numba", ""
+    # "auto" asks nothing under the simulator (no import of nvmath-python for the kernels' tests)
+    why = NO_CUBLASLT_ON_SIM if gemm == "auto" and simulator else cublaslt_unavailable(simulator)
+    if why is None:
+        try:
+            return cublaslt.Cublaslt(), "cublaslt", ""
+        except BackendError as e:
+            why = str(e)
+    if gemm == "cublaslt":
+        raise BackendError(f'cuda.gemm = "cublaslt" but {why}; use "auto" or "numba"')
+    return None, "numba", why
 
 
 class Gemm:
     """CudaBackend's GEMM launches (a mixin: ``self.tiles``, ``self.tn_tiles`` and ``self.wave`` choose the
     tiling, ``self._launch`` launches)."""
 
+    def _init_gemm(self, gemm: str) -> None:
+        """The provider ``cuda.gemm`` names (``open_provider``); ``gemm_provider`` says which one runs."""
+        self._cublaslt, self.gemm_provider, self.gemm_why = open_provider(gemm, self.simulator)
+        self.gemm_fallbacks, self.gemm_fallback_reason = 0, ""
+
     def _gemm(self, layout, a, b, out, M, N, K, bias, epilogue):
         if M == 0 or N == 0:
+            return
+        if self._cublaslt is not None and self._cublaslt_gemm(layout, a, b, out, M, N, K, bias, epilogue):
             return
         tile = choose_tile(self.tn_tiles if layout == TN else self.tiles, self.wave, M, N)
         splits = k_splits(tile, self.wave, M, N, K) if layout == TN else 1
@@ -37,6 +87,35 @@ class Gemm:
         grid, threads = launch_config(tile, M, N)
         kernel = gemm_kernels(tile)[layout]
         self._launch(kernel, grid, threads, a, b, out, self._no_bias if bias is None else bias, M, N, K, epilogue)
+
+    def _cublaslt_gemm(self, layout, a, b, out, M, N, K, bias, epilogue) -> bool:
+        """The product by cuBLASLt on the stream; False, with nothing queued, where it cannot take the operands
+        (counted in ``gemm_fallbacks``: the caller runs tiled.py's kernels)."""
+        why = _not_for_cublaslt(K, a, b, out, bias)
+        if not why:
+            req = cublaslt.GemmRequest(OPS[layout], M, N, K, epilogue="none" if bias is None else "bias",
+                                       accumulate=epilogue == EPI_ACCUMULATE)
+            self._host_acts()  # not a numba launch: the step graphs' segments end here (graphs.py)
+            if bias is not None and address(bias) % cublaslt.EPILOGUE_ALIGN:
+                bias = self._aligned_bias(bias)
+            if self.launch_trace is not None:
+                self.launch_trace.append((f"cublaslt_{req.op}", None, None, traced_arguments((a, b, out, bias))))
+            try:
+                self._cublaslt.gemm(req, a=a, b=b, c=out, bias=bias, stream=self.stream)
+                self.launches += 1
+                return True
+            except cublaslt.Refused as e:
+                why = str(e)
+        self.gemm_fallbacks += 1
+        self.gemm_fallback_reason = why
+        return False
+
+    def _aligned_bias(self, bias):
+        """A copy of ``bias`` (a view into the flat parameters, 4-byte aligned) where the BIAS epilogue can read
+        it: the backend's allocations start on 512-byte boundaries (memory.py), the simulator's on numpy's 16."""
+        copy = self._alloc("matmul_nt", bias.shape, np.float32)
+        copy.copy_to_device(bias, stream=self.stream)  # device to device, on the stream
+        return copy
 
     def _split_k(self, tile, a, b, out, M, N, K, splits, accumulate):
         """out[M,N] (+)= a[K,M]ᵀ·b[K,N] as ``splits`` partial products over K slices into a workspace, then
@@ -54,3 +133,20 @@ class Gemm:
         for z0 in range(0, Z, MAX_GRID_Z):
             grid, threads = launch_config(tile, M, N, min(MAX_GRID_Z, Z - z0))
             self._launch(kernel, grid, threads, a, b, c, M, N, K, k_total, H, z0, ao, bo, co, mode)
+
+
+def address(x) -> int:
+    """A device array's address (the simulator's: its host memory's, for the alignment checks)."""
+    ary = getattr(x, "_ary", None)
+    return ary.__array_interface__["data"][0] if ary is not None else cublaslt.device_pointer(x)
+
+
+def _not_for_cublaslt(K, *arrays) -> str:
+    """Why cuBLASLt cannot take these operands as they are ("" where it can): a row-major product of C-contiguous
+    float32 arrays (None: no bias) with K >= 1."""
+    if K < 1:
+        return "K = 0 (an empty product: the numba kernel writes the zeros)"
+    for x in arrays:
+        if x is not None and (x.dtype != np.float32 or not x.is_c_contiguous()):
+            return f"an operand of shape {tuple(x.shape)} is not C-contiguous float32"
+    return ""

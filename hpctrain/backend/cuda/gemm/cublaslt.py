@@ -27,6 +27,11 @@ are raw device addresses (a numba array's ``__cuda_array_interface__['data'][0]`
 backend's, so no copy or synchronisation is added. nvmath-python's bindings (``nvmath.bindings.cublasLt``,
 ``pip install 'hpctrain[cuda]'``) are imported when the first ``Cublaslt`` is made; ``unavailable()`` says in
 one line why cuBLASLt cannot be used here (no nvmath-python, no driver, no libcublasLt), or None.
+
+``Refused`` (a BackendError) is what ``gemm`` raises, before anything is queued, for operands cuBLASLt cannot take
+as they are: an epilogue vector short of 16-byte alignment, a request key the heuristic has no algorithm for (the
+answer kept per key: asked once), an algorithm needing more workspace than allowed. The CUDA backend
+(gemm/__init__.py) runs that one product with its numba kernels instead; any other error is raised as it is.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ import numpy as np
 
 from hpctrain.errors import BackendError
 
-__all__ = ["GemmRequest", "Layout", "CublasltCall", "plan", "Cublaslt", "unavailable", "OPS", "EPILOGUES",
-           "PRECISIONS", "WORKSPACE_BYTES"]
+__all__ = ["GemmRequest", "Layout", "CublasltCall", "plan", "Cublaslt", "Refused", "unavailable", "OPS",
+           "EPILOGUES", "PRECISIONS", "WORKSPACE_BYTES", "EPILOGUE_ALIGN"]
 
 OPS = ("nt", "nn", "tn")
 # epilogue -> (cuBLASLt epilogue name, the one op it rides on in training)
@@ -50,6 +55,10 @@ PRECISIONS = {"fp32": ("fp32", "COMPUTE_32F"), "tf32": ("fp32", "COMPUTE_32F_FAS
 DTYPES = {"fp32": ("CUDA_R_32F", 4), "bf16": ("CUDA_R_16BF", 2)}
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's own default on Hopper; fixed, so the heuristic's answer is too
 EPILOGUE_ALIGN = 16  # bytes, for the bias and aux pointers (cuBLASLt rejects less)
+
+
+class Refused(BackendError):
+    """cuBLASLt cannot take these operands as they are (nothing was queued): use another kernel for this call."""
 
 
 @dataclass(frozen=True)
@@ -262,6 +271,7 @@ class Cublaslt:
         self._workspace = _alloc_workspace(self.workspace_bytes)
         self._workspace_ptr = device_pointer(self._workspace)
         self._prepared: dict = {}
+        self._refused: dict = {}  # request key -> why the heuristic gave no usable algorithm (asked once)
         self.heuristic_queries = 0
 
     # -- one call
@@ -281,7 +291,13 @@ class Cublaslt:
         key = (req, tuple(_alignment(ptrs[n]) for n in "abc"))
         prep = self._prepared.get(key)
         if prep is None:
-            prep = self._prepared[key] = self._prepare(req, *key[1])
+            if key in self._refused:
+                raise Refused(self._refused[key])
+            try:
+                prep = self._prepared[key] = self._prepare(req, *key[1])
+            except Refused as e:
+                self._refused[key] = str(e)
+                raise
         lt = self._lib.lt
         attr = lt.MatmulDescAttribute
         if "bias" in ptrs:
@@ -304,7 +320,7 @@ class Cublaslt:
             raise BackendError(f"cublaslt: epilogue {req.epilogue!r} needs {name}=")
         p = device_pointer(x)
         if p % EPILOGUE_ALIGN:
-            raise BackendError(f"cublaslt: {name} must be {EPILOGUE_ALIGN}-byte aligned for epilogue "
+            raise Refused(f"cublaslt: {name} must be {EPILOGUE_ALIGN}-byte aligned for epilogue "
                                f"{req.epilogue!r} (address {p:#x}); use the unfused path")
         return p
 
@@ -357,12 +373,16 @@ class Cublaslt:
             raise
         except Exception as e:
             raise BackendError(f"cuBLASLt set-up of {_describe(req)} failed: {_first_line(e)}") from None
+        why = None
         if found[0] < 1 or heuristic["state"][0] != 0:
-            raise BackendError(f"cuBLASLt has no algorithm for {_describe(req)} (alignments {align_a}/{align_b}/"
-                               f"{align_c} bytes); use cuda.gemm = \"numba\"")
-        if heuristic["workspace_size"][0] > self.workspace_bytes:
-            raise BackendError(f"cuBLASLt chose an algorithm needing {heuristic['workspace_size'][0]} bytes of "
-                               f"workspace for {_describe(req)}, over the {self.workspace_bytes} it was allowed")
+            why = (f"cuBLASLt has no algorithm for {_describe(req)} (alignments {align_a}/{align_b}/{align_c} "
+                   'bytes); use cuda.gemm = "numba"')
+        elif heuristic["workspace_size"][0] > self.workspace_bytes:
+            why = (f"cuBLASLt chose an algorithm needing {heuristic['workspace_size'][0]} bytes of workspace for "
+                   f"{_describe(req)}, over the {self.workspace_bytes} it was allowed")
+        if why is not None:
+            self._destroy(desc, layouts, pref)
+            raise Refused(why)
         alpha, beta = np.array([call.alpha], np.float32), np.array([call.beta], np.float32)
         return _Prepared(call, desc, tuple(layouts), pref, heuristic, alpha, beta)
 
@@ -370,16 +390,19 @@ class Cublaslt:
         """Destroy every cached descriptor and the handle (idempotent)."""
         if self._handle is None:
             return
-        lt = self._lib.lt
         for prep in self._prepared.values():
-            lt.matmul_preference_destroy(prep.pref)
-            for lay in prep.layouts:
-                lt.matrix_layout_destroy(lay)
-            lt.matmul_desc_destroy(prep.matmul_desc)
+            self._destroy(prep.matmul_desc, prep.layouts, prep.pref)
         self._prepared.clear()
-        lt.destroy(self._handle)
+        self._lib.lt.destroy(self._handle)
         self._handle = None
         self._workspace = None
+
+    def _destroy(self, desc, layouts, pref) -> None:
+        lt = self._lib.lt
+        lt.matmul_preference_destroy(pref)
+        for lay in layouts:
+            lt.matrix_layout_destroy(lay)
+        lt.matmul_desc_destroy(desc)
 
     def __enter__(self):
         return self

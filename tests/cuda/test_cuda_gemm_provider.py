@@ -1,0 +1,207 @@
+"""``cuda.gemm``: the CUDA backend's GEMMs through the cuBLASLt provider (hpctrain/backend/cuda/gemm/__init__.py),
+under the simulator, with tests/cublaslt_fake.py's ``SimulatorCublaslt`` in the provider's place (the planned
+call emulated on the simulated arrays' memory). The products equal numpy; the provider gets the requests the
+docs promise (NT + bias epilogue, NN, TN accumulating with beta 1) on the backend's stream; what it refuses runs
+in the numba kernels; a few training steps equal the numba GEMMs' within float32 tolerance, with the step graphs
+on (each cuBLASLt call a segment boundary) and off; "auto" and "cublaslt" choose and refuse in one line. The real
+library on a GPU: tests/cuda/test_cuda_cublaslt.py."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from cublaslt_fake import SimulatorCublaslt
+from cublaslt_load import cublaslt
+
+from cudatest import F32, SIM, rand
+from helpers import config, gpt_config, make_classification, make_tokens
+from hpctrain.backend import get_backend
+from hpctrain.backend.cuda import CudaBackend
+from hpctrain.backend.cuda import gemm as gemm_module
+from hpctrain.config import CudaConfig
+from hpctrain.errors import BackendError
+from hpctrain.parallel.mesh import Mesh
+from hpctrain.train import Trainer
+
+pytestmark = pytest.mark.skipif(not SIM, reason="the fake provider reads simulated arrays as host memory")
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """cuBLASLt "available" under the simulator: every provider the backends make is a SimulatorCublaslt."""
+    made = []
+
+    def make():
+        made.append(SimulatorCublaslt())
+        return made[-1]
+
+    monkeypatch.setattr(gemm_module, "cublaslt_unavailable", lambda simulator: None)
+    monkeypatch.setattr(cublaslt, "Cublaslt", make)
+    return made
+
+
+@pytest.fixture
+def be(fake):
+    backend = CudaBackend(gemm="cublaslt")
+    assert backend.gemm_provider == "cublaslt" and backend.gemm_why == ""
+    return backend
+
+
+def last_request(be, fake):
+    req, stream, _ = fake[-1].calls[-1]
+    assert stream is be.stream
+    return req.op, req.epilogue, req.accumulate, req.M, req.N, req.K
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matmul_nt_is_one_provider_call_with_the_bias_epilogue(be, fake, rng, with_bias):
+    M, K, N = 5, 7, 6
+    x, w, b = rand(rng, M, K), rand(rng, N, K), rand(rng, N)
+    out, launches = be.empty((M, N)), be.launches
+    be.matmul_nt(be.asarray(x), be.asarray(w), out, bias=be.asarray(b) if with_bias else None)
+    want = x.astype(np.float64) @ w.T.astype(np.float64) + (b if with_bias else 0)
+    np.testing.assert_allclose(be.to_host(out), want, **F32)
+    assert last_request(be, fake) == ("nt", "bias" if with_bias else "none", False, M, N, K)
+    assert len(fake[-1].calls) == 1 and be.launches == launches + 1 and be.gemm_fallbacks == 0
+
+
+def test_matmul_nn(be, fake, rng):
+    M, K, N = 4, 9, 3
+    a, b = rand(rng, M, K), rand(rng, K, N)
+    out = be.empty((M, N))
+    be.matmul_nn(be.asarray(a), be.asarray(b), out)
+    np.testing.assert_allclose(be.to_host(out), a.astype(np.float64) @ b, **F32)
+    assert last_request(be, fake) == ("nn", "none", False, M, N, K)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_matmul_tn_accumulates_with_beta_one(be, fake, rng, accumulate):
+    K, M, N = 11, 4, 6  # K: the batch's rows, the reduction of a weight gradient
+    a, b, c0 = rand(rng, K, M), rand(rng, K, N), rand(rng, M, N)
+    out = be.asarray(c0)
+    be.matmul_tn(be.asarray(a), be.asarray(b), out, accumulate=accumulate)
+    want = a.T.astype(np.float64) @ b + (c0 if accumulate else 0)
+    np.testing.assert_allclose(be.to_host(out), want, **F32)
+    assert last_request(be, fake) == ("tn", "none", accumulate, M, N, K)
+
+
+def test_a_bias_short_of_16_byte_alignment_is_copied_where_the_epilogue_can_read_it(be, fake, rng):
+    """A Linear's bias is a view into the flat parameters, 4-byte aligned: cuBLASLt's BIAS epilogue reads a copy."""
+    M, K, N = 3, 5, 4
+    x, w, flat_b = rand(rng, M, K), rand(rng, N, K), rand(rng, N + 1)
+    params = be.asarray(flat_b)
+    bias = params[1:]
+    assert gemm_module.address(bias) % 16 == 4
+    out = be.empty((M, N))
+    be.matmul_nt(be.asarray(x), be.asarray(w), out, bias=bias)
+    np.testing.assert_allclose(be.to_host(out), x.astype(np.float64) @ w.T + flat_b[1:], **F32)
+    _, _, addresses = fake[-1].calls[-1]
+    assert addresses["bias"] % 16 == 0 and addresses["bias"] != gemm_module.address(bias)
+    assert be.gemm_fallbacks == 0
+
+
+def test_what_the_provider_refuses_runs_in_the_numba_kernels(be, fake, rng):
+    fake[-1].refuse = lambda req: "cuBLASLt has no algorithm for tn (test)" if req.op == "tn" else None
+    K, M, N = 7, 3, 5
+    a, b = rand(rng, K, M), rand(rng, K, N)
+    out = be.empty((M, N))
+    be.matmul_tn(be.asarray(a), be.asarray(b), out)
+    np.testing.assert_allclose(be.to_host(out), a.T.astype(np.float64) @ b, **F32)
+    assert fake[-1].calls == [] and be.gemm_fallbacks == 1 and "no algorithm for tn" in be.gemm_fallback_reason
+    be.matmul_nn(be.asarray(a), be.asarray(rand(rng, M, 2)), be.empty((K, 2)))  # other ops still go to cuBLASLt
+    assert len(fake[-1].calls) == 1 and be.gemm_fallbacks == 1
+
+
+def test_an_empty_product_runs_in_the_numba_kernels(be, fake, rng):
+    """K = 0 (cuBLASLt takes K >= 1): out = the bias, from the numba kernel."""
+    b = rand(rng, 3)
+    out = be.empty((2, 3))
+    be.matmul_nt(be.empty((2, 0)), be.empty((3, 0)), out, bias=be.asarray(b))
+    np.testing.assert_array_equal(be.to_host(out), np.broadcast_to(b, (2, 3)))
+    assert fake[-1].calls == [] and be.gemm_fallbacks == 1 and "K = 0" in be.gemm_fallback_reason
+
+
+# ----------------------------------------------------------------- choosing the provider
+
+
+def test_auto_takes_the_numba_kernels_under_the_simulator_and_logs_why_once(fake):
+    lines = []
+    be = get_backend("cuda", log=lines.append, gemm="auto")
+    assert be.gemm_provider == "numba" and "simulator" in be.gemm_why and fake == []
+    said = [line for line in lines if "cuda.gemm" in line]
+    assert len(said) == 1 and said[0].startswith('cuda.gemm = "auto": the numba GEMM kernels, since the CUDA '
+                                                 "simulator has no cuBLASLt"), lines
+    numba = get_backend("cuda", log=lines.append, gemm="numba")
+    assert numba.gemm_provider == "numba" and numba.gemm_why == ""
+    assert [line for line in lines if "cuda.gemm" in line] == said  # "numba" asked for: nothing to say
+
+
+def test_cublaslt_where_it_cannot_load_is_one_line(monkeypatch):
+    monkeypatch.setattr(cublaslt, "unavailable", lambda: "cuBLASLt cannot load: no libcublasLt.so here")
+    with pytest.raises(BackendError) as e:
+        CudaBackend(gemm="cublaslt")
+    assert str(e.value) == ('cuda.gemm = "cublaslt" but cuBLASLt cannot load: no libcublasLt.so here; use "auto" '
+                            'or "numba"')
+    monkeypatch.setattr(cublaslt, "unavailable", lambda: None)  # loads, but the simulator's arrays are host memory
+    with pytest.raises(BackendError, match='^cuda.gemm = "cublaslt" but the CUDA simulator has no cuBLASLt') as e:
+        CudaBackend(gemm="cublaslt")
+    assert "\n" not in str(e.value)
+
+
+def test_an_unknown_provider_is_refused():
+    with pytest.raises(BackendError, match="cuda.gemm must be one of 'auto', 'cublaslt', 'numba', got 'cublas'"):
+        CudaBackend(gemm="cublas")
+
+
+# ----------------------------------------------------------------- training steps
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    m = Mesh()
+    yield m
+    m.free()
+
+
+def train(cfg, mesh, gemm, graphs, steps):
+    """(parameters after ``steps``, per step (python_launches, graph_launches), the trainer's backend)."""
+    trainer = Trainer(dataclasses.replace(cfg, cuda=CudaConfig(gemm=gemm, graphs=graphs)), mesh=mesh,
+                      log=lambda *a: None)
+    seen = []
+    for step in range(steps):
+        out = trainer.train_step(step, 0.01 * (step + 1))
+        seen.append((out["python_launches"], out.get("graph_launches")))
+    params, be = trainer.be.to_host(trainer.params.data), trainer.be
+    trainer.close()
+    return params, seen, be
+
+
+def test_an_mlp_trains_as_with_the_numba_gemms_with_graphs_on_and_off(tmp_path, mesh, fake):
+    make_classification(tmp_path / "d.h5", n=48)
+    cfg = config(tmp_path / "d.h5", train={"steps": 4, "batch_size": 8, "micro_batches": 2, "backend": "cuda",
+                                           "grad_clip": 0.5}, optim={"name": "adamw", "lr": 0.01})
+    numba, _, _ = train(cfg, mesh, "numba", False, 4)
+    plain, _, be = train(cfg, mesh, "cublaslt", False, 4)
+    assert be.gemm_provider == "cublaslt" and be.graphs is None and be.gemm_fallbacks == 0
+    # three Linears, two micro-batches: a forward product, a weight gradient and (but the first's) an input
+    # gradient each
+    assert len(fake[-1].calls) == 4 * 2 * (3 + 3 + 2)
+    np.testing.assert_allclose(plain, numba, rtol=1e-4, atol=1e-5)
+    graphed, seen, be = train(cfg, mesh, "cublaslt", True, 4)
+    assert be.graphs.captures == 1 and be.graphs.reason == "" and be.graphs.off == ""
+    # replayed from the third step: the numba kernels as graphs, each cuBLASLt call from Python between them
+    assert [s[0] for s in seen[2:]] == [2 * 8, 2 * 8] and all(s[1] > 0 for s in seen[2:]), seen
+    assert np.array_equal(graphed, plain)  # the boundaries keep every kernel before its cuBLASLt call: same bits
+
+
+def test_a_gpt_trains_as_with_the_numba_gemms(tmp_path, mesh, fake):
+    make_tokens(tmp_path / "t.h5", n=300)
+    cfg = gpt_config(tmp_path / "t.h5", model={"block_size": 4, "n_embd": 4, "n_layer": 1},
+                     data={"val_fraction": 0.1}, train={"steps": 3, "batch_size": 2, "backend": "cuda"},
+                     optim={"name": "adamw", "lr": 0.01})
+    numba, _, _ = train(cfg, mesh, "numba", "auto", 3)
+    graphed, seen, be = train(cfg, mesh, "cublaslt", "auto", 3)
+    assert be.gemm_provider == "cublaslt" and be.gemm_fallbacks == 0 and fake[-1].calls
+    assert {req.op for req, _, _ in fake[-1].calls} == {"nt", "nn", "tn"}
+    assert seen[2][1] > 0, seen  # the third step replayed its graphs around the cuBLASLt calls
+    np.testing.assert_allclose(graphed, numba, rtol=1e-4, atol=1e-5)

@@ -281,7 +281,7 @@ def test_a_gpu_without_cuda_aware_mpi_plans_the_pinned_staging_of_the_gradients(
 def test_zero_3_plans_the_parameter_chunks_and_two_gathered_units():
     """zero 3: each rank's parameters are its chunks plus the two largest units (parallel/zero3.py's pool);
     gradients and optimizer state as zero 2's. The advice names zero 3 where zero 2 does not fit, and a
-    layout zero 3 does not run yet (the interleaved schedule) is refused."""
+    layout zero 3 does not run yet (train.deterministic) is refused; the interleaved schedule is planned."""
     from hpctrain.parallel.zero3 import ParamGather
 
     cfg = gpt_config("t.h5", model={"n_layer": 8, "n_embd": 128, "n_head": 4, "vocab_size": 64},
@@ -299,5 +299,9 @@ def test_zero_3_plans_the_parameter_chunks_and_two_gathered_units():
     assert any(line.startswith("--set parallel.zero=3") for line in said), said
     assert not any(line.startswith("--set parallel.zero=2:") for line in said), said
     interleaved = dataclasses.replace(cfg.parallel, zero=3, pp=2, schedule="interleaved-1f1b", virtual_stages=2)
-    with pytest.raises(ConfigError, match="interleaved-1f1b"):
-        plan(dataclasses.replace(cfg, parallel=interleaved, train=dataclasses.replace(cfg.train, micro_batches=4)), 4)
+    ranks = plan(dataclasses.replace(cfg, parallel=interleaved, train=dataclasses.replace(cfg.train, micro_batches=4)), 4)
+    for m in ranks:  # each stage's part (two chunks) pools its own two largest units
+        assert m.params_bytes < two[0].params_bytes // 2
+    deterministic = dataclasses.replace(cfg.train, deterministic=True)
+    with pytest.raises(ConfigError, match="train.deterministic"):
+        plan(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=3), train=deterministic), 4)

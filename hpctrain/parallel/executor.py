@@ -43,6 +43,7 @@ import numpy as np
 
 from ..errors import BackendError
 
+from .zero3 import unit_uses
 from .schedule import (Backward, BackwardInput, BackwardWeight, Exchange, Forward, LoadMicroBatch, OptimizerStep,
                        RecvActivation, RecvGrad, ReduceGrads, SendActivation, SendGrad)
 
@@ -161,6 +162,8 @@ class StageExecutor:
         self._out, self._dout, self._dinp = {}, {}, {}  # activation to send, gradient in, gradient to send
         self._slots = {}  # (kind, mb, chunk) -> (ring slot, pending receive or None once waited)
         receives, self._last_backward = self._plan(instructions)
+        if getattr(self.part, "gather", None) is not None:  # zero 3: the units' gathers follow the schedule
+            self.part.gather.expect(self._plans[id(instructions)][3])
         self._pending = {kind: list(keys) for kind, keys in receives.items()}  # pop() takes the next
         self._wrote = set()  # chunks whose gradients a backward has written this step (later ones add)
         self._wrote_input = self._wrote_weight = False  # zero-bubble: the first B and the first W write, not add
@@ -251,7 +254,8 @@ class StageExecutor:
 
     def _plan(self, instructions):
         """Per list, once: the receives in program order (reversed, per kind: (mb, chunk)) and the index of each
-        chunk's last Backward (its gradients are final after it: the sync's cue)."""
+        chunk's last Backward (its gradients are final after it: the sync's cue); and (``_plans`` only) the
+        partition units the list uses, in order (zero 3's gathers: parallel/zero3.py, ``unit_uses``)."""
         plan = self._plans.get(id(instructions))
         if plan is None or plan[0] is not instructions:
             receives = {ACTIVATION: [], GRAD: []}
@@ -263,7 +267,7 @@ class StageExecutor:
                 if isinstance(ins, (Backward, BackwardWeight)):
                     last[ins.chunk] = i
             plan = self._plans[id(instructions)] = (instructions, {k: v[::-1] for k, v in receives.items()},
-                                                    frozenset(last.values()))
+                                                    frozenset(last.values()), unit_uses(self.part, instructions))
         return plan[1], plan[2]
 
     def _tag(self, kind, mb: int, chunk: int, *, send: bool) -> int:

@@ -11,8 +11,9 @@ its activation, the GPT's embedding, a block, the head with its tied ``wte``), f
 backward (and so before a recomputed forward), ``ParamGather.use`` fills its pages from a pool of released ones and
 all-gathers its values over dp, bucket by bucket, in place (``Allgatherv``: each rank's chunk of each bucket,
 clipped to the unit); ``done`` releases them into the pool again. The next unit's gather is posted
-(``Iallgatherv``) while the current one computes: in forward the unit after, in backward the one before, so at most
-two units are gathered at once, and the pool holds the two largest units' pages (what ``hpctrain plan`` counts).
+(``Iallgatherv``) while the current one computes: the unit the step uses next, in the order its schedule's
+instructions use them (``unit_uses``, handed to ``expect`` by the executor at each step: forwards and backwards of
+micro-batches and, interleaved, of a stage's chunks), so at most two units are gathered at once, and the pool holds the two largest units' pages (what ``hpctrain plan`` counts).
 The gathers run over a duplicate of the data-parallel communicator: zero 2's communication thread reduces
 gradient buckets over the original at the same time.
 
@@ -31,21 +32,35 @@ import contextlib
 
 from .grad_pages import merged_ranges
 
-__all__ = ["ParamGather", "unit_ranges", "without", "refusal", "param_pieces", "gathered_whole", "tied_ranges"]
+__all__ = ["ParamGather", "unit_uses", "unit_ranges", "without", "refusal", "param_pieces", "gathered_whole", "tied_ranges"]
 
 
 def refusal(cfg, *, device: bool = False) -> str:
     """Why ``parallel.zero = 3`` cannot run with ``cfg`` in this version ("" where it can)."""
     p, t = cfg.parallel, cfg.train
-    if p.pp > 1 and p.schedule == "interleaved-1f1b":
-        return ("parallel.zero = 3 with schedule = \"interleaved-1f1b\" is not supported yet (a stage's chunks "
-                "interleave their units' gathers); use 1f1b, gpipe or zero-bubble, or zero = 2 there")
     if t.deterministic:
         return "parallel.zero = 3 with train.deterministic is not supported yet; use zero = 0 there"
     if device:
         return ("parallel.zero = 3 on a GPU is not supported yet (the CPU backend only); use zero = 2 there, or "
                 "train.backend = \"cpu\"")
     return ""
+
+
+def unit_uses(part, instructions) -> list[int]:
+    """The partition units (``ParamGather``'s numbering: chunk by chunk) a stage's ``instructions`` use, in order:
+    a Forward its chunk's units first to last, a Backward or a zero-bubble B last to first (its recomputed
+    forward too, inside the same use), a W none (it reads what its B saved)."""
+    from .instructions import Backward, BackwardInput, Forward
+
+    first = [0]
+    for units in part.chunk_units:
+        first.append(first[-1] + len(units))
+    out = []
+    for ins in instructions:
+        if isinstance(ins, (Forward, Backward, BackwardInput)):
+            units = range(first[ins.chunk], first[ins.chunk + 1])
+            out += units if isinstance(ins, Forward) else reversed(units)
+    return out
 
 
 def unit_ranges(part) -> list[list[tuple[int, int]]]:
@@ -130,8 +145,10 @@ class ParamGather:
         self.segments = [self._segments(r) for r in self.units]
         self._posted = {}  # unit -> its gather's requests (posted ahead)
         self._held = set()  # units gathered and not yet done
-        self._last = None  # the unit used last: the next one is after it (forward) or before it (backward)
+        self._uses, self._at = None, 0  # the step's units in the order of their use (``expect``), the next's place
+        self._last = None  # without ``expect``: the unit used last, the next one after it (forward) or before it
         self._direction = 1
+        self.unplanned = 0  # steps whose uses left the order ``expect`` gave (the tests keep it 0)
         self.gathered_bytes = 0  # over the run: what this rank received
         self.released_bytes = 0  # over the run: what ``done`` gave back (whole pages only)
 
@@ -171,10 +188,30 @@ class ParamGather:
             self.gathered_bytes += 4 * (y - x - counts[self.shard.rank])
         return reqs
 
+    def expect(self, uses) -> None:
+        """The units a step will use, in order (``unit_uses`` of the stage's instructions: a pipeline's forwards
+        and backwards of its micro-batches and chunks interleaved as its schedule has them). Each ``use`` then
+        posts the gather of the next other unit in this order, and ``done`` keeps a unit only when the next use
+        is that unit again, so at most two units are gathered at once on any schedule."""
+        self._uses, self._at = list(uses), 0
+
+    def _next_use(self, u: int):
+        """With ``expect``: (the unit after this use other than u, whether u itself is used next); else None."""
+        if self._uses is None:
+            return None
+        if self._at >= len(self._uses) or self._uses[self._at] != u:
+            self._uses = None  # off the expected order (a forward outside the step): the fallback's guess
+            self.unplanned += 1
+            return None
+        self._at += 1
+        nxt = next((v for v in self._uses[self._at :] if v != u), None)
+        return nxt, self._at < len(self._uses) and self._uses[self._at] == u
+
     def use(self, u: int) -> None:
         """Unit u's full parameters in place (collective over dp); the next unit's gather posted."""
         if self.gather_off:
             return
+        planned = self._next_use(u)
         if self._last is not None and u != self._last:
             self._direction = 1 if u > self._last else -1
         self._last = u
@@ -183,16 +220,23 @@ class ParamGather:
         elif u not in self._held:
             self._post(u, blocking=True)
         self._held.add(u)
-        nxt = u + self._direction
-        if self.prefetch and 0 <= nxt < len(self.units) and nxt not in self._held and nxt not in self._posted:
+        nxt = planned[0] if planned is not None else u + self._direction
+        self._again = planned is not None and planned[1]
+        if self.prefetch and nxt is not None and 0 <= nxt < len(self.units) and nxt not in self._held \
+                and nxt not in self._posted:
             self._posted[nxt] = self._post(nxt, blocking=False)
 
+    _again = False  # the unit just used is the next one used too (``expect``): ``done`` keeps it
+
     def done(self, u: int) -> None:
-        """Unit u's gathered values leave (their pages to the pool); not collective. The unit a backward starts
-        with (the forward's last) stays: the backward uses it next."""
+        """Unit u's gathered values leave (their pages to the pool); not collective. The unit used next again
+        stays (a backward that starts with the unit its forward ended with)."""
         if self.gather_off:
             return
-        if self._direction == 1 and u == len(self.units) - 1:
+        if self._uses is not None:
+            if self._again:
+                return
+        elif self._direction == 1 and u == len(self.units) - 1:
             self._direction = -1  # the backward comes next, starting with this unit
             return
         if self._direction == -1 and u == 0:
@@ -211,6 +255,7 @@ class ParamGather:
                 self.memory.release(lo, hi)
         self._held.clear()
         self._last, self._direction = None, 1
+        self._uses, self._again = None, False
 
     @contextlib.contextmanager
     def tied(self, ranges):

@@ -138,6 +138,7 @@ class StepRunner:
                                       tracer=tracer, virtual_stages=v)
         self.tracer = tracer
         self._graphs_reasons: set = set()  # what _graphs_said has logged
+        self._gemm_reasons: set = set()  # the cuBLASLt fallbacks' reasons logged (cuda.gemm)
         self.shard = sync.shard  # ZeRO: the chunks this rank reduces and updates (None: every gradient)
         self._norm_ranges = part.norm_ranges()
         if self.shard is not None:  # each parameter counted once over dp too: by the owner of its chunk
@@ -192,6 +193,7 @@ class StepRunner:
         if be.is_device:  # arrays allocated (not from the arena) and kernels launched from Python this step
             r.extra["device_allocs"] = getattr(be, "allocs", 0) - allocs
             r.extra["python_launches"] = getattr(be, "launches", 0) - launches
+        self._gemm_said(step, getattr(be, "gemm_fallbacks", None))
         if graphs is not None:  # segments replayed as graphs (backend/cuda/graphs.py); why not, once per reason
             r.extra["graph_launches"] = graphs.graph_launches - replays
             self._graphs_said(step, graphs)
@@ -217,6 +219,12 @@ class StepRunner:
             said.add(why)
             what = "off" if graphs.off else "launched one by one"
             self.log(f"cuda.graphs: step {step + 1}'s kernels {what}: {why}")
+
+    def _gemm_said(self, step: int, fallbacks) -> None:
+        """One log line per new reason cuBLASLt could not take a product (cuda.gemm; backend/cuda/gemm/)."""
+        for why in (fallbacks or {}).keys() - self._gemm_reasons:
+            self._gemm_reasons.add(why)
+            self.log(f"cuda.gemm: step {step + 1} ran a product in the numba kernels: {why}")
 
     def _finish(self, step: int, lr: float) -> dict:
         """The OptimizerStep instruction: the tied gradients' sum (``ends_comm``), the norm over the tp ranks and

@@ -28,16 +28,21 @@ pytestmark = pytest.mark.skipif(not SIM, reason="the fake provider reads simulat
 
 @pytest.fixture
 def fake(monkeypatch):
-    """cuBLASLt "available" under the simulator: every provider the backends make is a SimulatorCublaslt."""
-    made = []
+    """cuBLASLt "available" under the simulator: every provider the backends make is a SimulatorCublaslt (refusing
+    what ``made.refuse`` names)."""
+    made = Made()
 
     def make():
-        made.append(SimulatorCublaslt())
+        made.append(SimulatorCublaslt(refuse=made.refuse))
         return made[-1]
 
     monkeypatch.setattr(gemm_module, "cublaslt_unavailable", lambda simulator: None)
     monkeypatch.setattr(cublaslt, "Cublaslt", make)
     return made
+
+
+class Made(list):
+    refuse = None
 
 
 @pytest.fixture
@@ -62,7 +67,7 @@ def test_matmul_nt_is_one_provider_call_with_the_bias_epilogue(be, fake, rng, wi
     want = x.astype(np.float64) @ w.T.astype(np.float64) + (b if with_bias else 0)
     np.testing.assert_allclose(be.to_host(out), want, **F32)
     assert last_request(be, fake) == ("nt", "bias" if with_bias else "none", False, M, N, K)
-    assert len(fake[-1].calls) == 1 and be.launches == launches + 1 and be.gemm_fallbacks == 0
+    assert len(fake[-1].calls) == 1 and be.launches == launches + 1 and be.gemm_fallbacks == {}
 
 
 def test_matmul_nn(be, fake, rng):
@@ -97,7 +102,7 @@ def test_a_bias_short_of_16_byte_alignment_is_copied_where_the_epilogue_can_read
     np.testing.assert_allclose(be.to_host(out), x.astype(np.float64) @ w.T + flat_b[1:], **F32)
     _, _, addresses = fake[-1].calls[-1]
     assert addresses["bias"] % 16 == 0 and addresses["bias"] != gemm_module.address(bias)
-    assert be.gemm_fallbacks == 0
+    assert be.gemm_fallbacks == {}
 
 
 def test_what_the_provider_refuses_runs_in_the_numba_kernels(be, fake, rng):
@@ -107,9 +112,9 @@ def test_what_the_provider_refuses_runs_in_the_numba_kernels(be, fake, rng):
     out = be.empty((M, N))
     be.matmul_tn(be.asarray(a), be.asarray(b), out)
     np.testing.assert_allclose(be.to_host(out), a.T.astype(np.float64) @ b, **F32)
-    assert fake[-1].calls == [] and be.gemm_fallbacks == 1 and "no algorithm for tn" in be.gemm_fallback_reason
+    assert fake[-1].calls == [] and be.gemm_fallbacks == {"cuBLASLt has no algorithm for tn (test)": 1}
     be.matmul_nn(be.asarray(a), be.asarray(rand(rng, M, 2)), be.empty((K, 2)))  # other ops still go to cuBLASLt
-    assert len(fake[-1].calls) == 1 and be.gemm_fallbacks == 1
+    assert len(fake[-1].calls) == 1 and sum(be.gemm_fallbacks.values()) == 1
 
 
 def test_an_empty_product_runs_in_the_numba_kernels(be, fake, rng):
@@ -118,7 +123,7 @@ def test_an_empty_product_runs_in_the_numba_kernels(be, fake, rng):
     out = be.empty((2, 3))
     be.matmul_nt(be.empty((2, 0)), be.empty((3, 0)), out, bias=be.asarray(b))
     np.testing.assert_array_equal(be.to_host(out), np.broadcast_to(b, (2, 3)))
-    assert fake[-1].calls == [] and be.gemm_fallbacks == 1 and "K = 0" in be.gemm_fallback_reason
+    assert fake[-1].calls == [] and be.gemm_fallbacks == {"K = 0 (cuBLASLt takes K >= 1)": 1}
 
 
 # ----------------------------------------------------------------- choosing the provider
@@ -182,7 +187,7 @@ def test_an_mlp_trains_as_with_the_numba_gemms_with_graphs_on_and_off(tmp_path, 
                                            "grad_clip": 0.5}, optim={"name": "adamw", "lr": 0.01})
     numba, _, _ = train(cfg, mesh, "numba", False, 4)
     plain, _, be = train(cfg, mesh, "cublaslt", False, 4)
-    assert be.gemm_provider == "cublaslt" and be.graphs is None and be.gemm_fallbacks == 0
+    assert be.gemm_provider == "cublaslt" and be.graphs is None and be.gemm_fallbacks == {}
     # three Linears, two micro-batches: a forward product, a weight gradient and (but the first's) an input
     # gradient each
     assert len(fake[-1].calls) == 4 * 2 * (3 + 3 + 2)
@@ -201,7 +206,21 @@ def test_a_gpt_trains_as_with_the_numba_gemms(tmp_path, mesh, fake):
                      optim={"name": "adamw", "lr": 0.01})
     numba, _, _ = train(cfg, mesh, "numba", "auto", 3)
     graphed, seen, be = train(cfg, mesh, "cublaslt", "auto", 3)
-    assert be.gemm_provider == "cublaslt" and be.gemm_fallbacks == 0 and fake[-1].calls
+    assert be.gemm_provider == "cublaslt" and be.gemm_fallbacks == {} and fake[-1].calls
     assert {req.op for req, _, _ in fake[-1].calls} == {"nt", "nn", "tn"}
     assert seen[2][1] > 0, seen  # the third step replayed its graphs around the cuBLASLt calls
     np.testing.assert_allclose(graphed, numba, rtol=1e-4, atol=1e-5)
+
+
+def test_a_training_run_logs_each_fallback_reason_once(tmp_path, mesh, fake):
+    make_classification(tmp_path / "d.h5", n=24)
+    cfg = config(tmp_path / "d.h5", train={"steps": 2, "batch_size": 8, "backend": "cuda"})
+    fake.refuse = lambda req: "cuBLASLt has no algorithm for tn (test)" if req.op == "tn" else None
+    lines = []
+    trainer = Trainer(dataclasses.replace(cfg, cuda=CudaConfig(gemm="cublaslt")), mesh=mesh, log=lines.append)
+    for step in range(2):
+        trainer.train_step(step, 0.01)
+    assert trainer.be.gemm_fallbacks == {"cuBLASLt has no algorithm for tn (test)": 2 * 3}  # 3 Linears, 2 steps
+    trainer.close()
+    said = [line for line in lines if line.startswith("cuda.gemm")]
+    assert said == ["cuda.gemm: step 1 ran a product in the numba kernels: cuBLASLt has no algorithm for tn (test)"]

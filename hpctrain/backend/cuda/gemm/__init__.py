@@ -14,7 +14,8 @@ is tiled.py alone; "cublaslt" needs cuBLASLt (a one-line BackendError saying why
 get_backend logs it). With cuBLASLt, NT with a bias is its BIAS epilogue, TN accumulating is beta = 1, on the
 backend's stream, in float32 (request precision "fp32"). A product it cannot take as it is (K = 0, an operand
 not C-contiguous float32, cublaslt.Refused: a bias short of 16-byte alignment, no algorithm for the alignments)
-runs in tiled.py's kernels instead, counted in ``gemm_fallbacks`` (the last reason ``gemm_fallback_reason``).
+runs in tiled.py's kernels instead, counted in ``gemm_fallbacks`` (reason -> products; the training step logs
+each new reason once: train/step.py).
 Attention's batched products (``_batched``) stay tiled.py's: their causal modes skip tiles cuBLASLt would
 compute, and a head's operands sit at two strides (batch and head), which a strided batch cannot express.
 
@@ -72,7 +73,7 @@ class Gemm:
     def _init_gemm(self, gemm: str) -> None:
         """The provider ``cuda.gemm`` names (``open_provider``); ``gemm_provider`` says which one runs."""
         self._cublaslt, self.gemm_provider, self.gemm_why = open_provider(gemm, self.simulator)
-        self.gemm_fallbacks, self.gemm_fallback_reason = 0, ""
+        self.gemm_fallbacks: dict = {}  # why cuBLASLt could not take a product -> how many it could not
 
     def _gemm(self, layout, a, b, out, M, N, K, bias, epilogue):
         if M == 0 or N == 0:
@@ -106,8 +107,7 @@ class Gemm:
                 return True
             except cublaslt.Refused as e:
                 why = str(e)
-        self.gemm_fallbacks += 1
-        self.gemm_fallback_reason = why
+        self.gemm_fallbacks[why] = self.gemm_fallbacks.get(why, 0) + 1
         return False
 
     def _aligned_bias(self, bias):
@@ -145,7 +145,7 @@ def _not_for_cublaslt(K, *arrays) -> str:
     """Why cuBLASLt cannot take these operands as they are ("" where it can): a row-major product of C-contiguous
     float32 arrays (None: no bias) with K >= 1."""
     if K < 1:
-        return "K = 0 (an empty product: the numba kernel writes the zeros)"
+        return "K = 0 (cuBLASLt takes K >= 1)"
     for x in arrays:
         if x is not None and (x.dtype != np.float32 or not x.is_c_contiguous()):
             return f"an operand of shape {tuple(x.shape)} is not C-contiguous float32"

@@ -187,7 +187,7 @@ def main():
 
     from hpctrain.backend.cuda import CudaBackend
 
-    be = CudaBackend()
+    be = CudaBackend(gemm="numba")  # its matmul_* are "the numba GEMM" below
     lib = cublaslt.Cublaslt()
     other = load_other()
     shapes = [(S, S, S) for S in args.sizes]

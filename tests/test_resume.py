@@ -199,6 +199,20 @@ def test_settings_an_older_checkpoint_did_not_record_are_not_compared(tmp_path):
     assert changed_settings(older.replace("lr = 0.1", "lr = 0.2"), cfg) == [("optim.lr", 0.2, 0.1)]
 
 
+def test_the_cuda_settings_may_change_on_a_resume(tmp_path):
+    """docs/config.md's [cuda]: how the GPU runs the step (the arena, the graphs, the GEMM provider), not what it
+    computes."""
+    import dataclasses
+
+    from hpctrain.config import CudaConfig
+    from hpctrain.train.resume_check import changed_settings
+
+    make_classification(tmp_path / "d.h5", n=96)
+    cfg = config(tmp_path / "d.h5")
+    now = dataclasses.replace(cfg, cuda=CudaConfig(arena=False, graphs=False, gemm="numba"))
+    assert changed_settings(cfg.to_toml(), now) == []
+
+
 def test_a_batch_size_change_goes_on_from_the_samples_consumed(tmp_path, mesh):
     """Resumed with another train.batch_size (allowed), the run reads on from the samples the checkpoint's run
     took in its epoch, rounded up to a whole batch, says so, and its checkpoints say where it stands."""

@@ -38,6 +38,7 @@ MAY_DIFFER = frozenset({
     "parallel.mode",  # staleness 0 is synchronous training in either mode; parallel.staleness changes the math
     "cuda.arena",  # where a step's arrays live, not what they hold
     "cuda.graphs",  # how the step's kernels are launched, not what they compute
+    "cuda.gemm",  # which library computes the float32 products (cuBLASLt or numba's kernels), not what they are
 })  # and every checkpoint.* setting
 
 

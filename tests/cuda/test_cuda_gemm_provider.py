@@ -224,3 +224,24 @@ def test_a_training_run_logs_each_fallback_reason_once(tmp_path, mesh, fake):
     trainer.close()
     said = [line for line in lines if line.startswith("cuda.gemm")]
     assert said == ["cuda.gemm: step 1 ran a product in the numba kernels: cuBLASLt has no algorithm for tn (test)"]
+
+
+def test_bf16_rounds_around_the_cublaslt_products(fake, rng):
+    """train.precision = "bf16" (cuda/precision.py) rounds each product's inputs and output around whichever
+    provider runs it: with cuBLASLt the same bfloat16 values as with the numba kernels (the float32 sums before
+    the rounding may differ in their last bits, so an output may land one bfloat16 step away)."""
+    from hpctrain.backend.cuda.precision import Bf16CudaBackend
+
+    M, K, N = 6, 9, 5
+    x, w, b, dy = rand(rng, M, K), rand(rng, N, K), rand(rng, N), rand(rng, M, N)
+    results = []
+    for gemm in ("cublaslt", "numba"):
+        be = Bf16CudaBackend(gemm=gemm)
+        out, dx, dw = be.empty((M, N)), be.empty((M, K)), be.asarray(np.ones((N, K), np.float32))
+        be.matmul_nt(be.asarray(x), be.asarray(w), out, bias=be.asarray(b))
+        be.matmul_nn(be.asarray(dy), be.asarray(w), dx)
+        be.matmul_tn(be.asarray(dy), be.asarray(x), dw, accumulate=True)
+        results.append([be.to_host(a) for a in (out, dx, dw)])
+    assert [req.op for req, _, _ in fake[-1].calls] == ["nt", "nn", "tn"]
+    for lt, numba in zip(*results):
+        np.testing.assert_allclose(lt, numba, rtol=2 ** -7, atol=1e-6)

@@ -1,23 +1,23 @@
-"""The GEMM provider of the CUDA backend: every matrix product of a step goes through ``Gemm``'s three methods.
+"""The GEMM providers of the CUDA backend: every matrix product of a step goes through ``Gemm``'s three methods.
 
     _gemm(layout, a, b, out, M, N, K, bias, epilogue)        c = a·b in layout NT, NN or TN (Linear's products)
     _split_k(tile, a, b, out, M, N, K, splits, accumulate)   a weight gradient under a wave, split along K
     _batched(tile, layout, a, b, c, M, N, K, k_total, H, Z, ao, bo, co, mode)   Z products (attention, split-K)
 
-tiled.py is the provider today: numba kernels, a shared-memory tiled, register-blocked GEMM per ``GemmTile``,
-with the tile table and the choice of tiling and K-splits. The layouts: NT out = a[M,K]·b[N,K]ᵀ, NN out =
-a[M,K]·b[K,N], TN out = a[K,M]ᵀ·b[K,N] (tiled.py's kernel order).
+tiled.py: numba kernels, a shared-memory tiled, register-blocked GEMM per ``GemmTile``, with the tile table and
+the choice of tiling and K-splits. The layouts: NT out = a[M,K]·b[N,K]ᵀ, NN out = a[M,K]·b[K,N], TN out =
+a[K,M]ᵀ·b[K,N] (tiled.py's kernel order).
 
-cuBLASLt (cublaslt.py) is the other provider of ``_gemm``, chosen by ``cuda.gemm`` (``open_provider``): "numba"
-is tiled.py alone; "cublaslt" needs cuBLASLt (a one-line BackendError saying why not); "auto" takes it where
+cublaslt.py: cuBLASLt, the other provider of ``_gemm``, chosen by ``cuda.gemm`` (``open_provider``). "numba" is
+tiled.py alone; "cublaslt" needs cuBLASLt (a one-line BackendError saying why not); "auto" takes it where
 ``cublaslt_unavailable`` is None and the backend is not the simulator, else tiled.py (``gemm_why`` says why,
-get_backend logs it). With cuBLASLt, NT with a bias is its BIAS epilogue, TN accumulating is beta = 1, on the
-backend's stream, in float32 (request precision "fp32"). A product it cannot take as it is (K = 0, an operand
-not C-contiguous float32, cublaslt.Refused: a bias short of 16-byte alignment, no algorithm for the alignments)
-runs in tiled.py's kernels instead, counted in ``gemm_fallbacks`` (reason -> products; the training step logs
-each new reason once: train/step.py).
+get_backend logs it). With cuBLASLt, NT with a bias is one call with the BIAS epilogue (a bias view short of
+16-byte alignment copied to an aligned scratch first), TN accumulating is beta = 1, all on the backend's stream
+in float32 (request precision "fp32"). A product it cannot take as it is (K = 0, an operand not C-contiguous
+float32, cublaslt.Refused: no algorithm for the operands' alignments) runs in tiled.py's kernels instead,
+counted in ``gemm_fallbacks`` (reason -> products; the training step logs each new reason once: train/step.py).
 Attention's batched products (``_batched``) stay tiled.py's: their causal modes skip tiles cuBLASLt would
-compute, and a head's operands sit at two strides (batch and head), which a strided batch cannot express.
+compute, and a head's operands sit at two strides (batch and head), which one strided batch cannot express.
 
 A cuBLASLt call is the host acting on the stream, not a numba launch: it is a boundary of the step graphs'
 segments (``_host_acts``; graphs.py), so the graphs replay the numba kernels around it and the call itself is
@@ -68,7 +68,7 @@ def open_provider(gemm: str, simulator: bool):
 
 class Gemm:
     """CudaBackend's GEMM launches (a mixin: ``self.tiles``, ``self.tn_tiles`` and ``self.wave`` choose the
-    tiling, ``self._launch`` launches)."""
+    tiling, ``self._launch`` launches; ``self._cublaslt``: the cuBLASLt provider, None where cuda.gemm took numba)."""
 
     def _init_gemm(self, gemm: str) -> None:
         """The provider ``cuda.gemm`` names (``open_provider``); ``gemm_provider`` says which one runs."""
@@ -90,8 +90,8 @@ class Gemm:
         self._launch(kernel, grid, threads, a, b, out, self._no_bias if bias is None else bias, M, N, K, epilogue)
 
     def _cublaslt_gemm(self, layout, a, b, out, M, N, K, bias, epilogue) -> bool:
-        """The product by cuBLASLt on the stream; False, with nothing queued, where it cannot take the operands
-        (counted in ``gemm_fallbacks``: the caller runs tiled.py's kernels)."""
+        """The product by cuBLASLt on the stream; False where it cannot take the operands (nothing queued but
+        perhaps the bias's aligned copy; counted in ``gemm_fallbacks``): the caller runs tiled.py's kernels."""
         why = _not_for_cublaslt(K, a, b, out, bias)
         if not why:
             req = cublaslt.GemmRequest(OPS[layout], M, N, K, epilogue="none" if bias is None else "bias",

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import hpctrain.backend as backend
 
 NO_DRIVER = """
@@ -47,3 +49,40 @@ def test_the_driver_check_tries_numba_cudas_names_and_defers_to_numba_where_told
     monkeypatch.delenv("NUMBA_CUDA_DRIVER")
     monkeypatch.setattr("ctypes.CDLL", lambda path, *a, **k: object())
     assert backend._driver_loads() is True
+
+
+class _Ranks:
+    """A world of ranks whose GEMM providers are ``others`` (besides this one): Allreduce(MIN) over them."""
+
+    def __init__(self, *others):
+        self.others = others
+
+    def Allreduce(self, _in_place, buf, op):
+        buf[0] = min([int(buf[0]), *(1 if p == "cublaslt" else 0 for p in self.others)])
+
+
+class _DeviceBackend:
+    is_device = True
+
+    def __init__(self, provider):
+        self.gemm_provider, self.gemm_why = provider, ""
+
+    def use_numba(self, why):
+        self.gemm_provider, self.gemm_why = "numba", why
+
+
+@pytest.mark.parametrize("mine, others, want, said", [
+    ("cublaslt", ("cublaslt", "cublaslt"), "cublaslt", []),
+    ("cublaslt", ("cublaslt", "numba"), "numba",
+     ['cuda.gemm = "auto": the numba GEMM kernels on every rank, since another rank has no cuBLASLt']),
+    ("numba", ("cublaslt",), "numba", []),  # this rank said why when it chose (get_backend)
+])
+def test_every_rank_runs_the_same_gemm_provider(mine, others, want, said):
+    """cuda.gemm = "auto" on a node without cuBLASLt: every rank takes the numba kernels (train/startup.py's
+    agree_gemm, collective at start-up), so a product's bits do not depend on the rank that runs it."""
+    from hpctrain.train.startup import agree_gemm
+
+    be, lines = _DeviceBackend(mine), []
+    agree_gemm(be, _Ranks(*others), lines.append)
+    assert be.gemm_provider == want and lines == said
+    assert (be.gemm_why == "another rank has no cuBLASLt") == bool(said)

@@ -175,9 +175,9 @@ class Trainer:
     def _mesh_for(self, cfg, mesh):
         """The mesh given, or one made here from ``cfg.parallel`` over COMM_WORLD (freed by close()); a
         config this Trainer cannot run is refused first, on every rank alike."""
-        if cfg.parallel.mode != "sync":  # every rank alike, before any communicator: one error, as build errors
-            from mpi4py import MPI
+        from mpi4py import MPI
 
+        if cfg.parallel.mode != "sync":  # every rank alike, before any communicator: one error, as build errors
             def refuse():
                 raise ConfigError(f'parallel.mode = "{cfg.parallel.mode}": Trainer trains synchronously; the '
                                   "parameter server is hpctrain.train.async_ps.AsyncTrainer(cfg) (what hpctrain "
@@ -186,8 +186,6 @@ class Trainer:
             run_everywhere(mesh.world if mesh is not None else MPI.COMM_WORLD, refuse)
         self._own_mesh = mesh is None  # made here from cfg.parallel over COMM_WORLD; freed by close()
         if mesh is None:
-            from mpi4py import MPI
-
             from ..parallel.mesh import Mesh, resolve_layout
 
             p = cfg.parallel  # a misfit is one error from the lowest rank, before any communicator is made
@@ -217,6 +215,7 @@ class Trainer:
         check_same_everywhere(mesh.world, "backend", self.be.name,
                               lambda theirs: f"{self.be.name} here, {theirs} on rank 0 (train.backend = "
                                              f"{cfg.train.backend!r}; every rank must run the same backend)")
+        startup.agree_gemm(self.be, mesh.world, self.log)  # one GEMM provider on every rank (cuda.gemm)
 
     def _make_sync(self, cfg, mesh):
         """``self.sync``, the gradient sync over dp (parallel/data_parallel.py); returns how ZeRO sums a bucket

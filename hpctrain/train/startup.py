@@ -171,6 +171,22 @@ def scan_share(t) -> None:
         raise DataError(problem)
 
 
+def agree_gemm(be, world, log) -> None:
+    """``cuda.gemm``: one GEMM provider on every rank (collective over ``world``). Under "auto" a rank without
+    cuBLASLt takes the numba kernels (an explicit "cublaslt" refuses there), and then every rank does, so a
+    product computes the same bits whichever rank runs it (bit-identical layouts, ``train.deterministic``)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    if not be.is_device:
+        return
+    ok = np.array([1 if be.gemm_provider == "cublaslt" else 0], dtype=np.int32)
+    world.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
+    if not ok[0] and be.gemm_provider == "cublaslt":
+        be.use_numba("another rank has no cuBLASLt")
+        log('cuda.gemm = "auto": the numba GEMM kernels on every rank, since another rank has no cuBLASLt')
+
+
 def check_outputs(cfg) -> None:
     """On rank 0: the metrics file, the trace and the checkpoint folder can be written (creates nothing)."""
     outputs = {"train.metrics": (cfg.train.metrics, "metrics"), "train.trace": (cfg.train.trace, "trace")}

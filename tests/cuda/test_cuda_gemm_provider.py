@@ -126,6 +126,18 @@ def test_an_empty_product_runs_in_the_numba_kernels(be, fake, rng):
     assert fake[-1].calls == [] and be.gemm_fallbacks == {"K = 0 (cuBLASLt takes K >= 1)": 1}
 
 
+def test_use_numba_closes_the_provider_and_runs_every_product_in_the_numba_kernels(be, fake, rng):
+    """What start-up does on every rank when another has no cuBLASLt (train/startup.py's agree_gemm)."""
+    launches = be.launches
+    be.use_numba("another rank has no cuBLASLt")
+    assert fake[-1].closed and be.gemm_provider == "numba" and be.gemm_why == "another rank has no cuBLASLt"
+    a, w = rand(rng, 4, 6), rand(rng, 5, 6)
+    out = be.empty((4, 5))
+    be.matmul_nt(be.asarray(a), be.asarray(w), out)
+    np.testing.assert_allclose(be.to_host(out), a.astype(np.float64) @ w.T, **F32)
+    assert fake[-1].calls == [] and be.gemm_fallbacks == {} and be.launches > launches
+
+
 # ----------------------------------------------------------------- choosing the provider
 
 

@@ -75,6 +75,13 @@ class Gemm:
         self._cublaslt, self.gemm_provider, self.gemm_why = open_provider(gemm, self.simulator)
         self.gemm_fallbacks: dict = {}  # why cuBLASLt could not take a product -> how many it could not
 
+    def use_numba(self, why: str) -> None:
+        """tiled.py's kernels for every product from now on, cuBLASLt's handle closed (``cuda.gemm = "auto"``
+        where another rank has no cuBLASLt: train/startup.py's ``agree_gemm``)."""
+        if self._cublaslt is not None:
+            self._cublaslt.close()
+        self._cublaslt, self.gemm_provider, self.gemm_why = None, "numba", why
+
     def _gemm(self, layout, a, b, out, M, N, K, bias, epilogue):
         if M == 0 or N == 0:
             return

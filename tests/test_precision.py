@@ -151,16 +151,6 @@ def test_backend_choice_by_precision():
                      'train.precision = "tf32": the CPU has no TF32, its products compute in float32']
 
 
-def test_cuda_backend_refuses_tf32_in_one_line(monkeypatch):
-    """(bf16 on the CUDA backend: tests/cuda/test_cuda_bf16.py)"""
-    import hpctrain.backend as backends
-
-    monkeypatch.setattr(backends, "cuda_available", lambda: True)
-    with pytest.raises(BackendError, match=r'^train.precision = "tf32" is not built on the CUDA backend yet: its GEMMs '
-                                           r'are float32; use "fp32" or "bf16"$'):
-        get_backend("cuda", precision="tf32")
-
-
 @pytest.mark.parametrize("first,then", [("bf16", "fp32"), ("fp32", "bf16")])
 def test_a_checkpoint_resumes_in_the_other_precision(tmp_path, mesh, first, then):
     """Checkpoints hold the float32 master: a run killed after step 2 resumes in the other precision, from the

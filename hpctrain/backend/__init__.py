@@ -59,7 +59,7 @@ def get_backend(name: str, *, log=None, device_id: int = 0, precision: str = "fp
     ``arena`` (``cuda.arena``): the CUDA backend's step arena (backend/arena.py); ``graphs`` (``cuda.graphs``):
     its steps replayed as CUDA graphs (backend/cuda/graphs.py). ``precision`` (``train.precision``): on the CPU "bf16" is cpu/precision.py's reference and "tf32" computes
     in float32 (the CPU has no TF32; logged once); on the CUDA backend "bf16" is cuda/precision.py's rounding at
-    the reference's points, and "tf32" is refused.
+    the reference's points, and "tf32" the cuBLASLt products in TF32 (float32 in the numba kernels; logged).
 
     Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) ``auto`` takes the CPU: the simulator is for
     testing kernels, far too slow to train on; ``backend = "cuda"`` still uses it.
@@ -86,18 +86,19 @@ def get_backend(name: str, *, log=None, device_id: int = 0, precision: str = "fp
     if name in ("cuda", "auto"):
         if not cuda_available():
             raise BackendError('backend = "cuda" but no CUDA GPU is available (install hpctrain[cuda] and check nvidia-smi)')
-        if precision == "tf32":
-            raise BackendError('train.precision = "tf32" is not built on the CUDA backend yet: its GEMMs are float32; '
-                               'use "fp32" or "bf16"')
         try:
             from .cuda import CudaBackend
             from .cuda.precision import Bf16CudaBackend
         except ImportError as e:
             raise BackendError(f"the CUDA backend is not available: {e}") from None
         make = Bf16CudaBackend if precision == "bf16" else CudaBackend
-        backend = make(device_id=device_id, arena=arena, graphs=graphs, gemm=gemm)
+        backend = make(device_id=device_id, arena=arena, graphs=graphs, gemm=gemm, tf32=precision == "tf32")
         if backend.gemm_why and log is not None:
             log(f'cuda.gemm = "auto": the numba GEMM kernels, since {backend.gemm_why}')
+        if precision == "tf32" and log is not None:
+            log('train.precision = "tf32": the Linear products in TF32 through cuBLASLt, attention\'s in float32'
+                if backend.gemm_provider == "cublaslt" else
+                'train.precision = "tf32": the numba GEMM kernels have no TF32, the products compute in float32')
         if precision == "bf16" and log is not None:
             log('train.precision = "bf16": every product rounded to bfloat16 as the CPU reference rounds it, with '
                 "float32 accumulation; values held in float32 (no memory or tensor-core gain yet: docs/gpu.md)")

@@ -126,6 +126,26 @@ def test_an_empty_product_runs_in_the_numba_kernels(be, fake, rng):
     assert fake[-1].calls == [] and be.gemm_fallbacks == {"K = 0 (cuBLASLt takes K >= 1)": 1}
 
 
+def test_tf32_asks_cublaslt_for_tf32_products(fake, rng):
+    """train.precision = "tf32": the Linear products as TF32 requests (inputs rounded to 10 mantissa bits by the
+    emulator, as the tensor cores do), measurably off float32; under "auto" on the simulator the numba kernels,
+    which have no TF32, with one log line saying so."""
+    from cublaslt_fake import round_tf32
+
+    be = CudaBackend(gemm="cublaslt", tf32=True)
+    a, w = rand(rng, 9, 33), rand(rng, 7, 33)
+    out = be.empty((9, 7))
+    be.matmul_nt(be.asarray(a), be.asarray(w), out)
+    assert fake[-1].calls[-1][0].precision == "tf32"
+    np.testing.assert_allclose(be.to_host(out), round_tf32(a) @ round_tf32(w).T, rtol=1e-5, atol=1e-5)
+    assert np.abs(be.to_host(out) - a.astype(np.float64) @ w.T).max() > 1e-4
+    lines = []
+    plain = get_backend("cuda", precision="tf32", gemm="auto", log=lines.append)
+    assert plain.gemm_provider == "numba" and plain._lt_precision == "tf32"
+    assert lines[-1] == ('train.precision = "tf32": the numba GEMM kernels have no TF32, the products compute in '
+                         "float32")
+
+
 def test_use_numba_closes_the_provider_and_runs_every_product_in_the_numba_kernels(be, fake, rng):
     """What start-up does on every rank when another has no cuBLASLt (train/startup.py's agree_gemm)."""
     launches = be.launches

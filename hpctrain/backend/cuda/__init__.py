@@ -116,7 +116,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
     defers_step_values = True  # clipping and skipping decided on the device, the step's values read a step late
 
     def __init__(self, device_id: int = 0, *, tile=None, block: int | None = None, max_blocks: int | None = None,
-                 arena: bool = True, graphs: bool | str = "auto", gemm: str = "auto"):
+                 arena: bool = True, graphs: bool | str = "auto", gemm: str = "auto", tf32: bool = False):
         self.simulator = simulator()
         if not cuda.is_available():
             raise BackendError("the CUDA backend needs a GPU: numba.cuda sees none (check nvidia-smi, or set "
@@ -166,7 +166,7 @@ class CudaBackend(Linear, Gemm, Activations, Norm, Dropout, Embedding, Attention
         self.launches = 0  # kernels launched from Python, one by one (and cuBLASLt calls: gemm/)
         self.launch_trace = None  # a list: every launch appended as (kernel, grid, block, traced_arguments)
         self._init_replay(arena, graphs)  # replay.py: the step arena and the step's graphs
-        self._init_gemm(gemm)  # gemm/: cuBLASLt or tiled.py's kernels (cuda.gemm)
+        self._init_gemm(gemm, tf32)  # gemm/: cuBLASLt or tiled.py's kernels (cuda.gemm)
         self._vmm_driver = None  # (VmmDriver or None, why not), once zero = 2 asks (vmm.py)
         self._no_bias = self.zeros((1,))  # the GEMM kernel always takes a bias array
         self._scalars = self.zeros((3,), np.float64)  # device-side results of the reductions

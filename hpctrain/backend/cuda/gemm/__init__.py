@@ -13,7 +13,7 @@ tiled.py alone; "cublaslt" needs cuBLASLt (a one-line BackendError saying why no
 ``cublaslt_unavailable`` is None and the backend is not the simulator, else tiled.py (``gemm_why`` says why,
 get_backend logs it). With cuBLASLt, NT with a bias is one call with the BIAS epilogue (a bias view short of
 16-byte alignment copied to an aligned scratch first), TN accumulating is beta = 1, all on the backend's stream
-in float32 (request precision "fp32"). A product it cannot take as it is (K = 0, an operand not C-contiguous
+in float32 (request precision "fp32"; "tf32" under ``train.precision = "tf32"``, tiled.py's kernels staying float32). A product it cannot take as it is (K = 0, an operand not C-contiguous
 float32, cublaslt.Refused: no algorithm for the operands' alignments) runs in tiled.py's kernels instead,
 counted in ``gemm_fallbacks`` (reason -> products; the training step logs each new reason once: train/step.py).
 Attention's batched products (``_batched``) stay tiled.py's: their causal modes skip tiles cuBLASLt would
@@ -70,9 +70,11 @@ class Gemm:
     """CudaBackend's GEMM launches (a mixin: ``self.tiles``, ``self.tn_tiles`` and ``self.wave`` choose the
     tiling, ``self._launch`` launches; ``self._cublaslt``: the cuBLASLt provider, None where cuda.gemm took numba)."""
 
-    def _init_gemm(self, gemm: str) -> None:
-        """The provider ``cuda.gemm`` names (``open_provider``); ``gemm_provider`` says which one runs."""
+    def _init_gemm(self, gemm: str, tf32: bool = False) -> None:
+        """The provider ``cuda.gemm`` names (``open_provider``); ``gemm_provider`` says which one runs. ``tf32``
+        (``train.precision = "tf32"``): cuBLASLt's products in TF32 (tiled.py's stay float32)."""
         self._cublaslt, self.gemm_provider, self.gemm_why = open_provider(gemm, self.simulator)
+        self._lt_precision = "tf32" if tf32 else "fp32"
         self.gemm_fallbacks: dict = {}  # why cuBLASLt could not take a product -> how many it could not
 
     def use_numba(self, why: str) -> None:
@@ -101,7 +103,8 @@ class Gemm:
         perhaps the bias's aligned copy; counted in ``gemm_fallbacks``): the caller runs tiled.py's kernels."""
         why = _not_for_cublaslt(K, a, b, out, bias)
         if not why:
-            req = cublaslt.GemmRequest(OPS[layout], M, N, K, epilogue="none" if bias is None else "bias",
+            req = cublaslt.GemmRequest(OPS[layout], M, N, K, precision=self._lt_precision,
+                                       epilogue="none" if bias is None else "bias",
                                        accumulate=epilogue == EPI_ACCUMULATE)
             self._host_acts()  # not a numba launch: the step graphs' segments end here (graphs.py)
             if bias is not None and address(bias) % cublaslt.EPILOGUE_ALIGN:

@@ -115,7 +115,7 @@ class _DeviceShapes:
         del ids
 
     def embedding_backward(self, dout, idx, dwte, dwpe, **kwargs):
-        order = self.upload(np.zeros(3 * math.prod(idx.shape) + 2, np.int64))  # the rows sorted by id
+        order = self.empty((3 * math.prod(idx.shape) + 2,), np.int64)  # the rows sorted by id, uploaded
         del order
 
     def read_host(self, *arrays):
@@ -145,13 +145,13 @@ def step_slab_bytes(part, model, loss, mb_samples: int, chunk: int, *, bf16: boo
     with be.arena.step():
         if first:  # as the executor loads them: int64 ids stay on the host
             x = (np.zeros((mb_samples, model.positions), np.int64) if model.positions > 1
-                 else be.upload(np.zeros((mb_samples, width), np.float32)))
+                 else be.empty((mb_samples, width)))  # uploaded
         else:
             x = _array((rows, width))  # a receive ring's slot
         y = None
         if last:
             y = (np.zeros(rows, np.int64) if getattr(loss, "target_dtype", np.int64) == np.int64
-                 else be.upload(np.zeros((rows, part.chunk_widths[chunk][1]), np.float32)))
+                 else be.empty((rows, part.chunk_widths[chunk][1])))  # uploaded
         out, saved = part.forward(be, x, chunk=chunk)
         kept = nbytes_of(saved, ALIGN)
         if last:

@@ -178,7 +178,7 @@ def agree_gemm(be, world, log) -> None:
     import numpy as np
     from mpi4py import MPI
 
-    if not be.is_device:
+    if not be.is_device or not hasattr(be, "gemm_provider"):  # the same backend on every rank (checked before)
         return
     ok = np.array([1 if be.gemm_provider == "cublaslt" else 0], dtype=np.int32)
     world.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)

@@ -32,11 +32,6 @@ def ref():
     return Bf16CpuBackend()
 
 
-@pytest.fixture
-def rng():
-    return np.random.default_rng(7)
-
-
 def near(got, want, frac=0.9):
     """Every element within one bfloat16 step of the reference's, most of them equal."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)

@@ -107,16 +107,41 @@ def _pieces(hs: int) -> tuple:
 
     @device
     def place(T, H, longest_first):
-        """(row, lane, z, b, h, r0): this thread's row in the block and its lane (lane-major, so a warp's threads
-        share a lane), the block's head z = b·H + h and its first row r0; the blocks of a head ordered with the
-        last rows (the longest causal query rows) first, or else the first rows (the keys most queries see)."""
+        """(row, lane, z, h, r0, C, base, i, ok, own): this thread's row in the block and its lane (lane-major, so a
+        warp's threads share a lane), the block's head z = b·H + h and its first row r0; the blocks of a head ordered
+        with the last rows (the longest causal query rows) first, or else the first rows (the keys most queries see).
+        Then C = H·HS, the sample's first row ``base`` = b·T, this thread's row i = r0 + row of the head, whether it
+        is one (``ok``: i < T) and the qkv row it reads (``own``: row i, or the last row past T)."""
         tid = cuda.threadIdx.x
         nb = (T + BR - 1) // BR
         z = cuda.blockIdx.x // nb
         k = cuda.blockIdx.x % nb
         r0 = (nb - 1 - k if longest_first else k) * BR
         b = z // H
-        return tid % BR, tid // BR, z, b, z - b * H, r0
+        row = tid % BR
+        base = b * T
+        i = r0 + row
+        return row, tid // BR, z, z - b * H, r0, H * HS, base, i, i < T, base + min(i, T - 1)
+
+    @device
+    def load_own(own, src, r, col, lane, scale):
+        """own[k] = scale · src[r, col + d] for this lane's channels d (0 for a channel past HS)."""
+        for k in range(HL):
+            d = lane * HL + k
+            own[k] = src[r, col + d] * scale if WHOLE or d < HS else _ZERO
+
+    @device
+    def zero(acc):
+        for k in range(HL):
+            acc[k] = _ZERO
+
+    @device
+    def store_own(dst, r, col, acc, lane, scale):
+        """dst[r, col + d] = scale · acc[k] for this lane's channels d (those < HS)."""
+        for k in range(HL):
+            d = lane * HL + k
+            if WHOLE or d < HS:
+                dst[r, col + d] = acc[k] * scale
 
     @device
     def load_tile(tile, src, base, t0, T, col, scale):
@@ -153,12 +178,12 @@ def _pieces(hs: int) -> tuple:
             s += part[l, lane_row, c]
         return s
 
-    return (HS, TR, HL, WHOLE, BR, SP, sim.kernel_jit(NT), kept, row_start, place, load_tile, lane_dot, lane_axpy,
-            row_sum)
+    return (HS, TR, HL, WHOLE, BR, SP, sim.kernel_jit(NT), kept, row_start, place, load_own, zero, store_own,
+            load_tile, lane_dot, lane_axpy, row_sum)
 
 
-def _forward(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load_tile, lane_dot, lane_axpy,
-             row_sum):
+def _forward(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load_own, zero, store_own,
+             load_tile, lane_dot, lane_axpy, row_sum):
     """The forward kernel: out and lse, each block's query rows against every key tile up to the diagonal."""
 
     @kernel
@@ -171,16 +196,9 @@ def _forward(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load_til
         part = cuda.shared.array((TR, BR, SP), float32)  # each lane's part of q_i · k_j
         q = cuda.local.array(HL, float32)
         acc = cuda.local.array(HL, float32)
-        row, lane, z, b, h, r0 = place(T, H, True)
-        C = H * HS
-        base = b * T
-        i = r0 + row
-        ok = i < T
-        own = base + min(i, T - 1)
-        for k in range(HL):
-            d = lane * HL + k
-            q[k] = qkv[own, h * HS + d] * scale if WHOLE or d < HS else _ZERO
-            acc[k] = _ZERO
+        row, lane, z, h, r0, C, base, i, ok, own = place(T, H, True)
+        load_own(q, qkv, own, h * HS, lane, scale)
+        zero(acc)
         m = _NEG_INF
         total = _ZERO
         start = row_start(z * T + i, T, row0, group, stride) if drop else uint64(0)
@@ -210,19 +228,15 @@ def _forward(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load_til
                     p = p * kscale if kept(key, cut, start + uint64(t0 + c)) else _ZERO
                 lane_axpy(acc, p, v_tile, c, lane)
         if ok:
-            inv = _ONE / total
-            for k in range(HL):
-                d = lane * HL + k
-                if WHOLE or d < HS:
-                    out[base + i, h * HS + d] = acc[k] * inv
+            store_own(out, base + i, h * HS, acc, lane, _ONE / total)
             if lane == 0:
                 lse[z * T + i] = m + math.log(total)
 
     return flash_forward
 
 
-def _backward_dq(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load_tile, lane_dot, lane_axpy,
-                 row_sum):
+def _backward_dq(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load_own, zero, store_own,
+                 load_tile, lane_dot, lane_axpy, row_sum):
     """The dq kernel, which also leaves dsum (each row's dout·out) for the dk/dv kernel."""
 
     @kernel
@@ -237,20 +251,14 @@ def _backward_dq(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load
         q = cuda.local.array(HL, float32)
         dy = cuda.local.array(HL, float32)
         dq = cuda.local.array(HL, float32)
-        row, lane, z, b, h, r0 = place(T, H, True)
-        C = H * HS
-        base = b * T
-        i = r0 + row
-        ok = i < T
-        own = base + min(i, T - 1)
+        row, lane, z, h, r0, C, base, i, ok, own = place(T, H, True)
+        load_own(q, qkv, own, h * HS, lane, scale)
+        load_own(dy, dout, own, h * HS, lane, _ONE)
+        zero(dq)
         mine = _ZERO
         for k in range(HL):
             d = lane * HL + k
-            live = WHOLE or d < HS
-            q[k] = qkv[own, h * HS + d] * scale if live else _ZERO
-            dy[k] = dout[own, h * HS + d] if live else _ZERO
-            mine += dy[k] * out[own, h * HS + d] if live else _ZERO
-            dq[k] = _ZERO
+            mine += dy[k] * out[own, h * HS + d] if WHOLE or d < HS else _ZERO
         s_part[lane, row, 0] = mine
         cuda.syncthreads()
         rsum = row_sum(s_part, row, 0)  # dout_i · out_i
@@ -276,16 +284,13 @@ def _backward_dq(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load
                     dp = dp * kscale if kept(key, cut, start + uint64(t0 + c)) else _ZERO
                 lane_axpy(dq, p * (dp - rsum), k_tile, c, lane)
         if ok:
-            for k in range(HL):
-                d = lane * HL + k
-                if WHOLE or d < HS:
-                    dqkv[base + i, h * HS + d] = dq[k] * scale
+            store_own(dqkv, base + i, h * HS, dq, lane, scale)
 
     return flash_backward_dq
 
 
-def _backward_dkdv(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load_tile, lane_dot, lane_axpy,
-                   row_sum):
+def _backward_dkdv(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, load_own, zero, store_own,
+                   load_tile, lane_dot, lane_axpy, row_sum):
     """The dk/dv kernel: each block's key rows against every query tile from the diagonal on."""
 
     @kernel
@@ -303,13 +308,8 @@ def _backward_dkdv(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, lo
         vr = cuda.local.array(HL, float32)
         dk = cuda.local.array(HL, float32)
         dv = cuda.local.array(HL, float32)
-        row, lane, z, b, h, r0 = place(T, H, False)
-        C = H * HS
-        base = b * T
-        j = r0 + row
-        ok = j < T
-        own = base + min(j, T - 1)
-        for k in range(HL):
+        row, lane, z, h, r0, C, base, j, ok, own = place(T, H, False)
+        for k in range(HL):  # one loop for both rows: as two load_own calls ptxas takes 194 registers on sm_80, not 168
             d = lane * HL + k
             live = WHOLE or d < HS
             kr[k] = qkv[own, C + h * HS + d] if live else _ZERO
@@ -342,11 +342,8 @@ def _backward_dkdv(HS, TR, HL, WHOLE, BR, SP, kernel, kept, row_start, place, lo
                 lane_axpy(dv, p_used, dy_tile, c, lane)
                 lane_axpy(dk, p * (dp - dsum_tile[c]), q_tile, c, lane)
         if ok:
-            for k in range(HL):
-                d = lane * HL + k
-                if WHOLE or d < HS:
-                    dqkv[base + j, C + h * HS + d] = dk[k]
-                    dqkv[base + j, 2 * C + h * HS + d] = dv[k]
+            store_own(dqkv, base + j, C + h * HS, dk, lane, _ONE)
+            store_own(dqkv, base + j, 2 * C + h * HS, dv, lane, _ONE)
 
     return flash_backward_dkdv
 

@@ -109,30 +109,33 @@ class Activations:
     """CpuBackend's activations and residual add (a mixin)."""
 
     def relu_forward(self, x, out):
-        self._unary_args("relu_forward", x, out)
-        _relu_forward(x, out)
+        self._unary("relu_forward", _relu_forward, x, out)
 
     def relu_backward(self, x, dout, dinp):
-        self._check_same("relu_backward", x=x, dout=dout, dinp=dinp)
-        _relu_backward(x, dout, dinp)
+        self._binary("relu_backward", _relu_backward, x=x, dout=dout, dinp=dinp)
 
     def gelu_forward(self, x, out):
-        self._unary_args("gelu_forward", x, out)
-        _gelu_forward(x, out)
+        self._unary("gelu_forward", _gelu_forward, x, out)
 
     def gelu_backward(self, x, dout, dinp):
-        self._check_same("gelu_backward", x=x, dout=dout, dinp=dinp)
-        _gelu_backward(x, dout, dinp)
+        self._binary("gelu_backward", _gelu_backward, x=x, dout=dout, dinp=dinp)
 
     def tanh_forward(self, x, out):
-        self._unary_args("tanh_forward", x, out)
-        _tanh_forward(x, out)
+        self._unary("tanh_forward", _tanh_forward, x, out)
 
     def tanh_backward(self, y, dout, dinp):
-        self._check_same("tanh_backward", y=y, dout=dout, dinp=dinp)
-        _tanh_backward(y, dout, dinp)
+        self._binary("tanh_backward", _tanh_backward, y=y, dout=dout, dinp=dinp)
 
     def add_(self, out, x):
         """out += x (same shapes): a residual connection and its gradient."""
-        self._check_same("add_", out=out, x=x)
-        add_inplace(out, x)
+        self._binary("add_", add_inplace, out=out, x=x)
+
+    def _unary(self, op, kernel, x, out):
+        """out = f(x) by ``kernel`` after ``op``'s argument checks (x and out of one shape)."""
+        self._unary_args(op, x, out)
+        kernel(x, out)
+
+    def _binary(self, op, kernel, **arrays):
+        """``kernel`` over ``arrays`` in their order, after ``op``'s check that all have the first one's shape."""
+        self._check_same(op, **arrays)
+        kernel(*arrays.values())

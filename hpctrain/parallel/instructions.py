@@ -43,7 +43,14 @@ class Op(NamedTuple):
 
 @dataclass(frozen=True, repr=False)
 class Instruction:
-    """Base of all instructions. ``str`` and ``repr`` read like the constructor call: ``Forward(3)``."""
+    """Base of all instructions. ``str`` and ``repr`` read like the constructor call: ``Forward(3)``.
+
+    Every subclass is made a frozen dataclass (``repr=False``) as it is defined, with no decorator of its own:
+    its fields, if any, are its annotations."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        dataclass(frozen=True, repr=False)(cls)
 
     def point_to_point(self) -> tuple:
         """The point-to-point instructions this one posts: itself, both halves of an Exchange, or none."""
@@ -60,7 +67,6 @@ class Instruction:
         return str(self)
 
 
-@dataclass(frozen=True, repr=False)
 class _MicroBatchInstruction(Instruction):
     mb: int
     chunk: int = 0  # interleaved schedules: which of the stage's model chunks (virtual stage chunk·P + stage)
@@ -77,32 +83,26 @@ class _MicroBatchInstruction(Instruction):
         return f"{type(self).__name__}({self.mb}{f', chunk={self.chunk}' if self.chunk else ''})"
 
 
-@dataclass(frozen=True, repr=False)
 class LoadMicroBatch(_MicroBatchInstruction):
     """Read micro-batch ``mb``: inputs on the first stage, targets on the last."""
 
 
-@dataclass(frozen=True, repr=False)
 class Forward(_MicroBatchInstruction):
     """Forward pass of micro-batch ``mb`` (with the loss and its gradient on the last stage)."""
 
 
-@dataclass(frozen=True, repr=False)
 class Backward(_MicroBatchInstruction):
     """Backward pass of micro-batch ``mb``; accumulates into the parameter gradients."""
 
 
-@dataclass(frozen=True, repr=False)
 class BackwardInput(_MicroBatchInstruction):
     """B of micro-batch ``mb``: the input gradient (sent on at once); keeps what its BackwardWeight needs."""
 
 
-@dataclass(frozen=True, repr=False)
 class BackwardWeight(_MicroBatchInstruction):
     """W of micro-batch ``mb``: the weight gradients its BackwardInput left, accumulated."""
 
 
-@dataclass(frozen=True, repr=False)
 class _PointToPoint(_MicroBatchInstruction):
     kind: ClassVar[str]
     is_send: ClassVar[bool]
@@ -146,28 +146,24 @@ class _PointToPoint(_MicroBatchInstruction):
         return (self,)
 
 
-@dataclass(frozen=True, repr=False)
 class SendActivation(_PointToPoint):
     """Send the output of Forward(mb) from stage s to s+1."""
 
     kind, is_send, step = ACTIVATION, True, +1
 
 
-@dataclass(frozen=True, repr=False)
 class RecvActivation(_PointToPoint):
     """Receive the input of Forward(mb) from stage s-1."""
 
     kind, is_send, step = ACTIVATION, False, -1
 
 
-@dataclass(frozen=True, repr=False)
 class SendGrad(_PointToPoint):
     """Send the input gradient from Backward(mb) of stage s to s-1."""
 
     kind, is_send, step = GRAD, True, -1
 
 
-@dataclass(frozen=True, repr=False)
 class RecvGrad(_PointToPoint):
     """Receive the output gradient for Backward(mb) from stage s+1."""
 
@@ -177,7 +173,6 @@ class RecvGrad(_PointToPoint):
 _PARTNERS = {SendActivation: RecvActivation, RecvActivation: SendActivation, SendGrad: RecvGrad, RecvGrad: SendGrad}
 
 
-@dataclass(frozen=True, repr=False)
 class Exchange(Instruction):
     """A send and a receive posted together and completed together, so neither waits on the other."""
 
@@ -200,12 +195,10 @@ class Exchange(Instruction):
         return f"Exchange({self.send}, {self.recv})"
 
 
-@dataclass(frozen=True, repr=False)
 class ReduceGrads(Instruction):
     """This stage's data-parallel gradient reduction; collective over its data-parallel group."""
 
 
-@dataclass(frozen=True, repr=False)
 class OptimizerStep(Instruction):
     """Update this stage's parameters from the reduced gradients."""
 

@@ -52,14 +52,18 @@ def checkpoint_name(step: int) -> str:
     return f"ckpt-{step:08d}.h5"
 
 
-def list_checkpoints(directory: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every ``ckpt-<step>.h5`` in ``directory``, oldest step first; temp files never match."""
+def names_in(directory: str) -> list[str]:
+    """The names in ``directory``; none where it does not exist (yet: nothing saved there)."""
     try:
-        names = os.listdir(directory)
+        return os.listdir(directory)
     except FileNotFoundError:
         return []
+
+
+def list_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every ``ckpt-<step>.h5`` in ``directory``, oldest step first; temp files never match."""
     found = []
-    for name in names:
+    for name in names_in(directory):
         m = _NAME_RE.match(name)
         if m:
             found.append((int(m.group(1)), os.path.join(directory, name)))

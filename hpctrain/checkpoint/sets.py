@@ -150,10 +150,7 @@ def remove_set(index_path: str, log=None) -> bool:
 def clean_orphans(directory: str, keep: str = "") -> list[str]:
     """Remove set folders that no file of their step names (``ckpt-<step>.h5``, or one set aside as
     ``.skipped``): saves that never committed. ``keep``: the folder of a save in progress."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
+    names = fmt.names_in(directory)
     removed = []
     for name in names:
         m = SET_RE.match(name)

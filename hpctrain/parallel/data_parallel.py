@@ -452,8 +452,6 @@ class GradSync:
 
     def close(self) -> None:
         """Stop the communication thread, if any (not collective)."""
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        self._worker = CommThread.stop(self._worker)
         if self.wire is not None:
             self.wire.close()

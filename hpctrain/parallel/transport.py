@@ -144,6 +144,13 @@ class CommThread:
         """Stop the thread once what was submitted is done."""
         self.queue.put(None)
 
+    @staticmethod
+    def stop(thread: CommThread | None) -> None:
+        """Close an owner's thread, if it has one (not collective); None, for the owner to hold from now on:
+        ``self._worker = CommThread.stop(self._worker)``."""
+        if thread is not None:
+            thread.close()
+
     def _run(self):
         try:
             if self.on_start is not None:
@@ -331,9 +338,7 @@ class PointToPoint:
 
     def free(self) -> None:
         """Free the fingerprints' duplicate communicator (collective over ``comm``) and stop the sender thread."""
-        if self._sender is not None:
-            self._sender.close()
-            self._sender = None
+        self._sender = CommThread.stop(self._sender)
         if self._fp is not None:
             self._fp.Free()
             self._fp = None

@@ -47,8 +47,8 @@ class _DeviceShapes:
 
     name, is_device = "shapes", True
 
-    def __init__(self, bf16: bool = False):
-        self.bf16 = bf16
+    def __init__(self, bf16: bool = False, gemm: str = "cublaslt"):
+        self.bf16, self.cublaslt = bf16, gemm != "numba"
         self.arena = StepArena(fresh=_array, slab=lambda nbytes: None,
                                carve=lambda slab, offset, shape, dtype: _array(shape, dtype),
                                refs=_refs, root=lambda a: a.base)
@@ -69,20 +69,36 @@ class _DeviceShapes:
         return np.ones(arr.shape, arr.dtype)  # ones: the vocab-parallel loss takes logarithms of sums
 
     # the CUDA backend's ops that request arrays of their own (backend/cuda/attention.py, flash.py, loss.py), and
-    # under train.precision = "bf16" the rounded copies of their inputs (backend/cuda/precision.py), in its order
+    # under train.precision = "bf16" the copies each product reads (backend/cuda/precision.py, gemm/__init__.py),
+    # in its order
+
+    def product_input(self, x):
+        return self.empty(x.shape, np.uint16) if self.bf16 and x.dtype != np.uint16 else x
 
     def _copies(self, *arrays) -> list:
         return [self.empty(a.shape) for a in arrays if a is not None] if self.bf16 else []
 
+    def _operands(self, a, b, bias=None) -> list:
+        """The copies a bf16 product makes: each operand as the provider takes it (cuBLASLt: bfloat16, a
+        float32 one copied; tiled.py: float32, a float32 one rounded into a copy), the bias rounded, and for
+        tiled.py each bfloat16 operand widened."""
+        if not self.bf16:
+            return []
+        made = [self.product_input(x) if self.cublaslt else self.empty(x.shape)
+                for x in (a, b) if x.dtype != np.uint16] + self._copies(bias)
+        if not self.cublaslt:
+            made += [self.empty(x.shape) for x in (a, b) if x.dtype == np.uint16]
+        return made
+
     def matmul_nt(self, a, b, out, bias=None):
-        self._copies(a, b, bias)  # made and let go within the call
+        self._operands(a, b, bias)  # made and let go within the call
 
     def matmul_nn(self, a, b, out):
-        self._copies(a, b)
+        self._operands(a, b)
 
     def matmul_tn(self, a, b, out, accumulate=False):
         product = self.empty(out.shape) if self.bf16 and accumulate else None
-        copies = self._copies(a, b)
+        copies = self._operands(a, b)
         del product, copies
 
     def attention_forward(self, qkv, T, n_head, out, att, *, dropout=None):
@@ -129,15 +145,18 @@ def _is_ours(arr) -> bool:
     return isinstance(arr, np.ndarray) and arr.ndim > 0 and not any(arr.strides)
 
 
-def step_slab_bytes(part, model, loss, mb_samples: int, chunk: int, *, bf16: bool = False) -> tuple[int, int, int]:
+def step_slab_bytes(part, model, loss, mb_samples: int, chunk: int, *, bf16: bool = False,
+                    gemm: str = "cublaslt") -> tuple[int, int, int]:
     """(the arena's slab for one micro-batch's forward, loss and backward of ``chunk`` of ``part``, the bytes that
     micro-batch saves for its backward, the bytes it sends to a neighbouring stage), planned as the CUDA backend's
     step arena plans them. A pipeline's received activations and gradients live in its receive rings, outside the
-    arena; what it sends is lent to its sender thread, so the arena keeps it to the step's end."""
+    arena; what it sends is lent to its sender thread, so the arena keeps it to the step's end. ``gemm``: the
+    provider of the Linears' products ("numba": tiled.py's kernels, whose bf16 copies are float32; else
+    cuBLASLt, as ``cuda.gemm = "auto"`` takes on a GPU with nvmath-python)."""
     from .params import FlatBuffer
     from .parallel.executor import nbytes_of
 
-    be = _DeviceShapes(bf16)
+    be = _DeviceShapes(bf16, gemm)
     buf = FlatBuffer(be, part.layout)
     part.bind(buf, buf)
     width, rows = part.chunk_widths[chunk][0], mb_samples * model.positions

@@ -143,7 +143,8 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
             if device and cfg.cuda.arena:  # the step arena's slab, planned as the arena plans it (arena_plan.py)
                 acts = _arena_bytes(part, model, cfg, mb_samples, stats.peak_live[s], run.micro_batches)
             else:
-                acts = _activation_bytes(part, model, mb_samples, stats.peak_live[s], device)
+                acts = _activation_bytes(part, model, mb_samples, stats.peak_live[s], device,
+                                         bf16=run.precision == "bf16")
             rows = micro_rows(local_rows, run.micro_batches) * model.positions  # one micro-batch a ring slot
             rings = _ring_bytes(part, stats, s, rows) if pp > 1 else 0
             for d in range(dp):
@@ -191,15 +192,17 @@ def _ring_bytes(part, stats, s: int, rows: int) -> int:
     return rings
 
 
-def _activation_bytes(part, model, mb_samples: int, peak_live: int, device: bool = False) -> int:
+def _activation_bytes(part, model, mb_samples: int, peak_live: int, device: bool = False, *,
+                      bf16: bool = False) -> int:
     """Saved bytes of ``peak_live`` micro-batches of ``mb_samples`` samples, plus the working set of one backward:
     the unit being recomputed (recompute), the part's output with its gradient, and the largest scratch a
     layer's kernels take (attention's [B, H, T, T] arrays: ``Layer.scratch_bytes``). With model chunks
-    (interleaved 1F1B) ``peak_live`` counts chunk passes, each taken at the largest chunk's bytes."""
+    (interleaved 1F1B) ``peak_live`` counts chunk passes, each taken at the largest chunk's bytes. ``bf16``
+    (train.precision): the Linears keep their inputs in bfloat16 (``product_input``)."""
     from .parallel.executor import nbytes_of
     from .params import FlatBuffer
 
-    be = _Shapes()
+    be = _Shapes(bf16)
     buf = FlatBuffer(be, part.layout)
     part.bind(buf, buf)
     kept = working = 0
@@ -235,7 +238,8 @@ def _arena_bytes(part, model, cfg, mb_samples: int, peak_live: int, micro_batche
 
     loss = make_loss(cfg.train.loss, vocab_shard=getattr(part.layers[-1], "vocab_shard", None))
     bf16 = cfg.train.precision == "bf16"
-    chunks = [step_slab_bytes(part, model, loss, mb_samples, c, bf16=bf16) for c in range(len(part.layer_ranges))]
+    chunks = [step_slab_bytes(part, model, loss, mb_samples, c, bf16=bf16, gemm=cfg.cuda.gemm)
+              for c in range(len(part.layer_ranges))]
     slab, _, sent = max(chunks)
     kept = max(k for _, k, _ in chunks)
     return slab + (peak_live - 1) * kept + micro_batches * sum(s for _, _, s in chunks) - sent
@@ -246,6 +250,12 @@ class _Shapes:
     and report the bytes a real array of that shape would hold. Every kernel is a no-op."""
 
     name, is_device = "shapes", False
+
+    def __init__(self, bf16: bool = False):
+        self.bf16 = bf16
+
+    def product_input(self, x):  # train.precision = "bf16": a bfloat16 copy, 2 bytes a value
+        return self.empty(x.shape, np.uint16) if self.bf16 else x
 
     def empty(self, shape, dtype=np.float32):
         return np.broadcast_to(np.zeros((), dtype=dtype), tuple(shape) if isinstance(shape, (tuple, list))

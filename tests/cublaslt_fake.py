@@ -319,8 +319,10 @@ class SimulatorCublaslt:
 
 
 def _host_memory(name, x):
-    """A simulated device array's memory as a flat numpy view (the provider takes contiguous rows only)."""
+    """A simulated device array's memory as a flat numpy view (the provider takes contiguous rows only); bfloat16
+    words (uint16, the CUDA backend's bf16 storage) as ml_dtypes' bfloat16."""
     ary = x._ary
     if not ary.flags.c_contiguous:
         raise AssertionError(f"{name}: a strided array of shape {ary.shape} handed to cuBLASLt")
-    return ary.reshape(-1)
+    flat = ary.reshape(-1)
+    return flat.view(ml_dtypes.bfloat16) if flat.dtype == np.uint16 else flat

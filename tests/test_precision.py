@@ -86,6 +86,61 @@ def test_attention_products_round_and_softmax_stays_float32():
     assert np.abs(out - want).max() > 1e-4 > np.abs(results["fp32"][0] - want).max()
 
 
+def test_a_linear_keeps_its_input_in_bfloat16_and_computes_the_same_bits():
+    """Under bf16 a Linear keeps the bfloat16 copy its products read (``product_input``: half the bytes, as autocast
+    keeps the cast its matmul made); its output and gradients are the bits the products give the float32 input,
+    which they round themselves. In fp32 it keeps the input itself."""
+    from hpctrain.nn.layers import Linear
+
+    rng = np.random.default_rng(1)
+    B, K, N = 7, 12, 5
+    x, dy = rng.standard_normal((B, K)).astype(np.float32), rng.standard_normal((B, N)).astype(np.float32)
+    lin = Linear(K, N)
+    w = lin.init(rng)
+    assert CpuBackend().product_input(x) is x
+    be = Bf16CpuBackend()
+    g = {k: np.zeros_like(v) for k, v in w.items()}
+    lin.bind(w, g)
+    out, saved = lin.forward(be, x)
+    assert saved.dtype == BF16 and saved.nbytes == x.nbytes // 2
+    assert be.product_input(saved) is saved
+    want = np.empty((B, N), np.float32)
+    be.matmul_nt(x, w["weight"], want, bias=w["bias"])
+    assert out.tobytes() == want.tobytes()
+    dinp = lin.backward(be, dy, saved)
+    dw, dx = np.empty((N, K), np.float32), np.empty((B, K), np.float32)
+    be.matmul_tn(dy, x, dw)
+    be.matmul_nn(dy, w["weight"], dx)
+    assert g["weight"].tobytes() == dw.tobytes() and dinp.tobytes() == dx.tobytes()
+    with pytest.raises(BackendError, match="matmul_nt: a must be float32, got float16"):
+        be.matmul_nt(x.astype(np.float16), w["weight"], want)
+
+
+def test_bf16_keeps_the_linears_inputs_in_half_the_bytes_and_the_plan_counts_them(tmp_path):
+    """A GPT's forward under bf16 keeps each Linear's input (qkv, the attention projection, the MLP's two, the head)
+    in bfloat16: 7·C of a block's kept values (ln_1 and ln_2 outputs, attention's, the GELU's 4·C) and the head's C
+    at 2 bytes instead of 4. ``hpctrain plan``'s host activations go down by exactly that."""
+    from hpctrain.parallel.executor import nbytes_of
+    from hpctrain.plan import plan
+
+    L, C, T, B = 2, 16, 8, 4
+    spec = GPTSpec(vocab_size=12, block_size=T, n_layer=L, n_head=2, n_embd=C)
+    idx = np.random.default_rng(0).integers(0, 12, (B, T)).astype(np.int64)
+    kept = {}
+    for name, be in (("fp32", CpuBackend()), ("bf16", Bf16CpuBackend())):
+        part = spec.part()
+        p = FlatBuffer(be, part.layout)
+        part.bind(p, FlatBuffer(be, part.layout))
+        p.load_host_dict(spec.init_params(0))
+        kept[name] = nbytes_of(part.forward(be, idx)[1])
+    assert kept["fp32"] - kept["bf16"] == B * T * (L * 7 * C + C) * 2
+    make_tokens(tmp_path / "t.h5", n=300)
+    planned = {precision: plan(gpt_config(tmp_path / "t.h5", model={"block_size": T, "n_embd": C},
+                                          train={"precision": precision}), 1)[0].activation_bytes
+               for precision in ("fp32", "bf16")}
+    assert planned["fp32"] - planned["bf16"] == kept["fp32"] - kept["bf16"]
+
+
 def _loss_and_grads(be, spec, params, idx, targets):
     """One forward and backward of the whole GPT on ``be``: (mean loss, gradients by name)."""
     part = spec.part()

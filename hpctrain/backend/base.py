@@ -153,7 +153,8 @@ class Backend:
 
     Memory: ``empty``, ``zeros``, ``asarray`` (host -> backend), ``to_host``,
     ``copy_``, ``synchronize``. Products: ``matmul_nt`` (X·Wᵀ + b),
-    ``matmul_nn`` (dY·W), ``matmul_tn`` (dYᵀ·X), ``bias_grad``. Element-wise:
+    ``matmul_nn`` (dY·W), ``matmul_tn`` (dYᵀ·X), ``bias_grad``; ``product_input`` (an operand as the products
+    read it: a bfloat16 copy under ``train.precision = "bf16"``, what a Linear keeps for its backward). Element-wise:
     ``relu/gelu/tanh_forward/backward``, ``add_`` (residuals), ``dropout`` (a counter-based mask, redrawn in
     backward: dropout_mask.py). ``layernorm_forward/backward``, and ``residual_layernorm_forward/backward`` (the
     residual add before a LayerNorm fused in).
@@ -187,6 +188,15 @@ class Backend:
     # a device backend decides a step's clipping and skipping on the device (``clip_gate``; the updates' ``gate``)
     # and its loss and gradient norm reach the host one step later (``read_later``): train/step.py
     defers_step_values = False
+
+    # train.precision = "bf16": the dtype a product's operand may be held in as bfloat16 (None: float32 only)
+    bf16_storage = None
+
+    def product_input(self, x):
+        """``x`` as a product reads it and a layer keeps it for its backward: ``x`` itself; under
+        ``train.precision = "bf16"`` a copy rounded to bfloat16 and held in half the bytes (``bf16_storage``),
+        which the products take as it is (precision.py of either backend)."""
+        return x
 
     def read_host(self, *arrays) -> list:
         """Host copies of backend arrays, made together (a device backend waits for its stream once)."""
@@ -300,20 +310,27 @@ class Backend:
     def _matmul_args(self, op, a, b, out, bias=None):
         """(M, N, K) of out[M,N] = a·b in the layout ``op`` names (nt: a[M,K], b[N,K]; nn: a[M,K], b[K,N];
         tn: a[K,M], b[K,N])."""
-        self._arg(op, "a", a, ndim=2)
+        self._arg(op, "a", a, ndim=2, dtype=self._operand_dtype(a))
+        held = self._operand_dtype(b)
         if op == "matmul_nt":
-            self._arg(op, "b", b, ndim=2, cols=a.shape[1])
+            self._arg(op, "b", b, ndim=2, cols=a.shape[1], dtype=held)
             M, N, K = a.shape[0], b.shape[0], a.shape[1]
         elif op == "matmul_nn":
-            self._arg(op, "b", b, ndim=2, rows=a.shape[1])
+            self._arg(op, "b", b, ndim=2, rows=a.shape[1], dtype=held)
             M, N, K = a.shape[0], b.shape[1], a.shape[1]
         else:
-            self._arg(op, "b", b, ndim=2, rows=a.shape[0])
+            self._arg(op, "b", b, ndim=2, rows=a.shape[0], dtype=held)
             M, N, K = a.shape[1], b.shape[1], a.shape[0]
         self._arg(op, "out", out, shape=(M, N))
         if bias is not None:
             self._arg(op, "bias", bias, shape=(N,))
         return M, N, K
+
+    def _operand_dtype(self, x):
+        """The dtype a product's operand ``x`` may have: float32, or this backend's ``bf16_storage`` where it has
+        one and ``x`` is held in it (made by ``product_input``)."""
+        held = self.bf16_storage
+        return held if held is not None and getattr(x, "dtype", None) == held else _F32
 
     def _bias_grad_args(self, dout, dbias):
         C = self._arg("bias_grad", "dout", dout, ndim=2).shape[1]

@@ -345,6 +345,7 @@ class Head(Layer):
 
     def forward(self, be, x):
         h, s_ln = self.ln_f.forward(be, x)
+        h = be.product_input(h)  # what the table's products read and the backward keeps
         logits = be.empty((x.shape[0], self.out_features))
         be.matmul_nt(h, self.w["wte.weight"], logits)
         return logits, (s_ln, h)

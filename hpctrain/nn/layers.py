@@ -74,6 +74,8 @@ class Linear(Layer):
         return out
 
     def forward(self, be, x):
+        """Keeps x as the products read it (``be.product_input``: bfloat16 under train.precision = "bf16")."""
+        x = be.product_input(x)
         out = be.empty((x.shape[0], self.out_features))
         be.matmul_nt(x, self.w["weight"], out, bias=self.w.get("bias"))
         return out, x

@@ -58,6 +58,7 @@ class RowParallelLinear(Linear):
         self.shards = {"weight": "cols"}
 
     def forward(self, be, x):
+        x = be.product_input(x)
         out = be.empty((x.shape[0], self.out_features))
         be.matmul_nt(x, self.w["weight"], out, bias=self.w.get("bias") if self.tp.rank == 0 else None)
         return self.reduce.forward(be, out), x

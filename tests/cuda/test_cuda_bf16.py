@@ -58,6 +58,27 @@ def test_rounding_is_ml_dtypes_bit_for_bit(bf16):
     assert bf16.to_host(out)[~nan].tobytes() == want[~nan].tobytes()
 
 
+def test_a_kept_operand_is_bfloat16_words_and_the_products_read_it_as_they_round(bf16, rng):
+    """``product_input`` holds ml_dtypes' bfloat16 bits in uint16 words (half the bytes); a product of it computes
+    the bits of the same product of the float32 array it came from, and a Linear keeps it for its backward."""
+    from hpctrain.nn.layers import Linear
+
+    x = rand(rng, 5, 7) * np.float32(1e3)
+    kept = bf16.product_input(bf16.asarray(x))
+    assert kept.dtype == np.uint16 and kept.nbytes == x.nbytes // 2
+    assert bf16.to_host(kept).tobytes() == x.astype(ml_dtypes.bfloat16).tobytes()
+    w = bf16.asarray(rand(rng, 3, 7))
+    got, want = bf16.empty((5, 3)), bf16.empty((5, 3))
+    bf16.matmul_nt(kept, w, got)
+    bf16.matmul_nt(bf16.asarray(x), w, want)
+    assert bf16.to_host(got).tobytes() == bf16.to_host(want).tobytes()
+    lin = Linear(7, 3)
+    lin.bind({k: bf16.asarray(v) for k, v in lin.init(rng).items()}, {"weight": bf16.empty((3, 7)),
+                                                                        "bias": bf16.empty((3,))})
+    _, saved = lin.forward(bf16, bf16.asarray(x))
+    assert saved.dtype == np.uint16
+
+
 @pytest.mark.parametrize("M,N,K", [(5, 7, 9), (17, 12, 33)])
 def test_products_round_where_the_reference_rounds(bf16, ref, rng, M, N, K):
     a, w, bias, dy = rand(rng, M, K), rand(rng, N, K), rand(rng, N), rand(rng, M, N)

@@ -274,6 +274,30 @@ def test_bf16_rounds_around_the_cublaslt_products(fake, rng):
         be.matmul_nn(be.asarray(dy), be.asarray(w), dx)
         be.matmul_tn(be.asarray(dy), be.asarray(x), dw, accumulate=True)
         results.append([be.to_host(a) for a in (out, dx, dw)])
-    assert [req.op for req, _, _ in fake[-1].calls] == ["nt", "nn", "tn"]
+    assert [(req.op, req.precision, req.out) for req, _, _ in fake[-1].calls] == [
+        ("nt", "bf16", "fp32"), ("nn", "bf16", "fp32"), ("tn", "bf16", "fp32")]  # bf16 operands: tensor cores
     for lt, numba in zip(*results):
         np.testing.assert_allclose(lt, numba, rtol=2 ** -7, atol=1e-6)
+
+
+def test_bf16_operands_cublaslt_refuses_are_widened_for_the_numba_kernels(fake, rng):
+    """A Linear's kept input is bfloat16 words (``product_input``); where cuBLASLt refuses the product, the numba
+    kernels get it widened to float32 (``from_bf16``) and compute the bits the numba provider computes."""
+    from hpctrain.backend.cuda.precision import Bf16CudaBackend
+
+    M, K, N = 6, 9, 5
+    x, w, dy = rand(rng, M, K), rand(rng, N, K), rand(rng, M, N)
+    fake.refuse = lambda req: "no algorithm (test)"
+    results = []
+    for gemm in ("cublaslt", "numba"):
+        be = Bf16CudaBackend(gemm=gemm)
+        xs = be.product_input(be.asarray(x))
+        assert xs.dtype == np.uint16 and be.product_input(xs) is xs
+        out, dw = be.empty((M, N)), be.empty((N, K))
+        be.matmul_nt(xs, be.asarray(w), out)
+        be.matmul_tn(be.asarray(dy), xs, dw)
+        results.append([be.to_host(a) for a in (out, dw)])
+        if gemm == "cublaslt":
+            assert be.gemm_fallbacks == {"no algorithm (test)": 2}
+    for refused, numba in zip(*results):
+        assert refused.tobytes() == numba.tobytes()

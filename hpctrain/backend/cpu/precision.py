@@ -9,8 +9,10 @@ float32 gradient (autocast's cast back to the float32 parameter). Everything els
 statistics, softmax (its 1/√hs scale applied in float32 inside it), GELU, dropout, the loss and its gradient,
 residual adds, the bias gradient, and the master state (parameters, gradients, optimizer state, checkpoints).
 
-Arrays keep the backend's contract (float32, C-contiguous): a bfloat16 value is held as the float32 of the same
-value, so the rest of the backend, MPI and the checkpoints see nothing new; the bytes held are fp32's.
+Arrays keep the backend's contract (float32, C-contiguous) but for one kind: what a product reads and a layer keeps
+for its backward, ``product_input(x)``, is a bfloat16 array (``ml_dtypes``, half the bytes), which the products take
+as it is. A Linear keeps its input so (nn/layers.py), as autocast keeps the bf16 copy its matmul made; everything
+else, MPI's messages and the checkpoints hold float32 (a bfloat16 value as the float32 of the same value).
 
     be = Bf16CpuBackend()      # get_backend("cpu", precision="bf16")
 """
@@ -45,6 +47,14 @@ class Bf16CpuBackend(CpuBackend):
     """CpuBackend whose products round their inputs and outputs to bfloat16 (this module's docstring)."""
 
     precision = "bf16"
+
+    @property
+    def bf16_storage(self):
+        return _bfloat16()
+
+    def product_input(self, x):
+        """A bfloat16 copy of ``x`` (rounded to nearest even; one already bfloat16 as it is)."""
+        return x if x.dtype == _bfloat16() else np.asarray(x).astype(_bfloat16())
 
     def matmul_nt(self, a, b, out, bias=None):
         """out[M,N] = bf16(bf16(a)·bf16(b)ᵀ + bf16(bias)), accumulated in float32."""

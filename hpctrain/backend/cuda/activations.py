@@ -13,7 +13,7 @@ import math
 from types import SimpleNamespace
 
 import numpy as np
-from numba import cuda
+from numba import cuda, uint16, uint32
 
 from . import blocks
 from .memory import flat
@@ -28,6 +28,16 @@ _INV_SQRT_2PI = np.float32(1.0 / math.sqrt(2.0 * math.pi))
 # float32 bit patterns for round_bf16
 _ABS_BITS, _INF_BITS, _QUIET_BIT = np.uint32(0x7FFFFFFF), np.uint32(0x7F800000), np.uint32(0x00400000)
 _BF16_BITS, _HALF_BF16_ULP, _ONE_BIT = np.uint32(0xFFFF0000), np.uint32(0x7FFF), np.uint32(1)
+_SHIFT = np.uint32(16)
+
+
+@cuda.jit(device=True)
+def _bf16_bits(u):
+    """The float32 bits ``u`` rounded to bfloat16 (to nearest even; the lower 16 bits zero). A NaN stays a NaN
+    (quiet, its sign and upper payload kept); a value past bfloat16's largest rounds to infinity."""
+    if (u & _ABS_BITS) > _INF_BITS:
+        return (u | _QUIET_BIT) & _BF16_BITS
+    return (u + _HALF_BF16_ULP + ((u >> _SHIFT) & _ONE_BIT)) & _BF16_BITS
 
 
 @functools.cache
@@ -83,18 +93,27 @@ def kernels(nt: int) -> SimpleNamespace:
     @kernel
     def round_bf16(x, out):
         """out[n] = x[n] rounded to bfloat16, to nearest even (ml_dtypes' cast), on float32 bits: both arrays are
-        float32 buffers viewed as uint32, out may be x. A NaN stays a NaN (quiet, its sign and upper payload
-        kept); a value past bfloat16's largest rounds to infinity."""
+        float32 buffers viewed as uint32, out may be x (``_bf16_bits``)."""
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-            u = x[i]
-            if (u & _ABS_BITS) > _INF_BITS:
-                out[i] = (u | _QUIET_BIT) & _BF16_BITS
-            else:
-                out[i] = (u + _HALF_BF16_ULP + ((u >> 16) & _ONE_BIT)) & _BF16_BITS
+            out[i] = _bf16_bits(x[i])
+
+    @kernel
+    def to_bf16(x, out):
+        """out[n] = the bfloat16 of x[n] as its 16 bits (uint16), rounded as ``round_bf16``; x a float32 buffer
+        viewed as uint32: a product's operand held in half the bytes (precision.py)."""
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            out[i] = uint16(_bf16_bits(x[i]) >> _SHIFT)
+
+    @kernel
+    def from_bf16(x, out):
+        """out[n] = the float32 of the bfloat16 bits x[n] (exact: the bits in the upper half); out a float32
+        buffer viewed as uint32."""
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            out[i] = uint32(x[i]) << _SHIFT
 
     return SimpleNamespace(relu_forward=relu_forward, relu_backward=relu_backward, gelu_forward=gelu_forward,
                            gelu_backward=gelu_backward, tanh_forward=tanh_forward, tanh_backward=tanh_backward, add=add,
-                           round_bf16=round_bf16)
+                           round_bf16=round_bf16, to_bf16=to_bf16, from_bf16=from_bf16)
 
 
 class Activations:

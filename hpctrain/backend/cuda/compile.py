@@ -54,7 +54,7 @@ def _types():
                            D3=types.float64[:, :, ::1], I1=types.int64[::1], I2=types.int64[:, ::1],
                            J1=types.int32[::1], i64=types.int64, f32=types.float32, f64=types.float64,
                            b1=types.boolean, U4=types.UniTuple(types.int64, 4), u64=types.uint64,
-                           U1=types.uint64[::1], W1=types.uint32[::1])
+                           U1=types.uint64[::1], W1=types.uint32[::1], H1=types.uint16[::1])
 
 
 def signatures() -> dict[str, tuple[tuple, ...]]:
@@ -86,6 +86,8 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "gelu_forward": ((F1, F1),), "gelu_backward": ((F1, F1, F1),),
         "tanh_forward": ((F1, F1),), "tanh_backward": ((F1, F1, F1),),
         "round_bf16": ((t.W1, t.W1),),  # float32 buffers viewed as their bits (train.precision = "bf16")
+        "to_bf16": ((t.W1, t.H1),),  # a float32 buffer's bits -> bfloat16 bits
+        "from_bf16": ((t.H1, t.W1),),
         "layernorm_forward": ((F2, F2, b1, F1, F1, f32, F2, F1, F1),),
         "layernorm_backward": ((F2, F2, F1, F1, F1, F2, F2, b1, D2, I1, F1, F1, b1),),
         "softmax_cross_entropy": ((F2, I1, F2, f32, D1, J1, I1, D1),),

@@ -8,10 +8,14 @@ output's rounding; a weight gradient accumulated over micro-batches is rounded b
 Everything else stays float32, as on the CPU: LayerNorm, softmax, GELU, dropout, the loss, residual adds, the
 bias gradient and the master state (parameters, gradients, optimizer state, checkpoints).
 
-What this is and is not yet: the numerics of bf16 autocast, checked against the CPU reference under the
-simulator (tests/cuda/test_cuda_bf16.py); the values are held as float32 arrays of bfloat16 values and the
-products run in the float32 GEMM, so it neither saves memory nor reaches tensor cores. Those come with bfloat16
-storage and the cuBLASLt provider's bf16 GEMMs (gemm/cublaslt.py), which this backend's rounding points define.
+Where the bfloat16 values are held: what a Linear keeps for its backward (``product_input``: nn/layers.py) is
+bfloat16, as 16-bit words (``bf16_storage`` uint16; ``to_bf16``, activations.py), half the bytes. A product's
+operands go to the GEMM provider as bfloat16 where it is cuBLASLt (a bf16 GEMM with float32 accumulation on the
+tensor cores, the output float32, then rounded; gemm/__init__.py), and as float32 arrays of bfloat16 values
+where it is tiled.py's kernels (a float32 operand rounded by ``round_bf16``, a bfloat16 one widened by
+``from_bf16``). Attention's products run in tiled.py's batched kernels on rounded float32 copies. The other
+activations, the gradients and the master state stay float32: the memory bf16 saves is the Linears' kept
+inputs (hpctrain plan counts them).
 Flash attention rounds inside its kernels on the CPU reference; its CUDA kernels do not, so
 ``model.attention = "flash"`` is refused here in one line.
 
@@ -34,6 +38,8 @@ class Bf16CudaBackend(CudaBackend):
 
     precision = "bf16"
 
+    bf16_storage = np.dtype(np.uint16)  # a bfloat16 array on the device: its 16-bit words
+
     def round_bf16_(self, x, out=None):
         """``out`` (default: ``x`` itself) = ``x`` rounded to bfloat16, to nearest even; both C-contiguous float32."""
         out = x if out is None else out
@@ -42,9 +48,26 @@ class Bf16CudaBackend(CudaBackend):
             self._elementwise(self._k.round_bf16, x.size, flat(x).view(np.uint32), flat(out).view(np.uint32))
         return out
 
+    def product_input(self, x):
+        """A bfloat16 copy of ``x`` (uint16 words, rounded as ``round_bf16``); one already bfloat16 as it is."""
+        if x.dtype == self.bf16_storage:
+            return x
+        self._arg("product_input", "x", x)
+        out = self._alloc("product_input", x.shape, self.bf16_storage)
+        if x.size:
+            self._elementwise(self._k.to_bf16, x.size, flat(x).view(np.uint32), flat(out))
+        return out
+
     def _rounded(self, op, x):
-        """A new array of ``x`` rounded to bfloat16 (None stays None)."""
+        """A new float32 array of ``x`` rounded to bfloat16 (None stays None)."""
         return None if x is None else self.round_bf16_(x, self._alloc(op, x.shape, np.float32))
+
+    def _operand(self, op, x):
+        """``x`` as the GEMM provider takes it: bfloat16 words for cuBLASLt, else float32 of bfloat16 values (a
+        bfloat16 operand as it is: gemm/__init__.py widens it where tiled.py's kernels run the product)."""
+        if x.dtype == self.bf16_storage:
+            return x
+        return self.product_input(x) if self._cublaslt is not None else self._rounded(op, x)
 
     def _product_input(self, op, x):
         return self._rounded(op, x)
@@ -55,21 +78,21 @@ class Bf16CudaBackend(CudaBackend):
     def matmul_nt(self, a, b, out, bias=None):
         """out[M,N] = bf16(bf16(a)·bf16(b)ᵀ + bf16(bias)), accumulated in float32."""
         self._matmul_args("matmul_nt", a, b, out, bias)
-        super().matmul_nt(self._rounded("matmul_nt", a), self._rounded("matmul_nt", b), out,
+        super().matmul_nt(self._operand("matmul_nt", a), self._operand("matmul_nt", b), out,
                           self._rounded("matmul_nt", bias))
         self.round_bf16_(out)
 
     def matmul_nn(self, a, b, out):
         """out[M,N] = bf16(bf16(a)·bf16(b))."""
         self._matmul_args("matmul_nn", a, b, out)
-        super().matmul_nn(self._rounded("matmul_nn", a), self._rounded("matmul_nn", b), out)
+        super().matmul_nn(self._operand("matmul_nn", a), self._operand("matmul_nn", b), out)
         self.round_bf16_(out)
 
     def matmul_tn(self, a, b, out, accumulate=False):
         """out[M,N] (+)= bf16(bf16(a)ᵀ·bf16(b)): the weight gradient rounded, then added in float32."""
         self._matmul_args("matmul_tn", a, b, out)
         product = self._alloc("matmul_tn", out.shape, np.float32) if accumulate else out
-        super().matmul_tn(self._rounded("matmul_tn", a), self._rounded("matmul_tn", b), product)
+        super().matmul_tn(self._operand("matmul_tn", a), self._operand("matmul_tn", b), product)
         self.round_bf16_(product)
         if accumulate:
             self.add_(out, product)

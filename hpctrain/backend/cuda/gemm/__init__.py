@@ -13,8 +13,11 @@ tiled.py alone; "cublaslt" needs cuBLASLt (a one-line BackendError saying why no
 ``cublaslt_unavailable`` is None and the backend is not the simulator, else tiled.py (``gemm_why`` says why,
 get_backend logs it). With cuBLASLt, NT with a bias is one call with the BIAS epilogue (a bias view short of
 16-byte alignment copied to an aligned scratch first), TN accumulating is beta = 1, all on the backend's stream
-in float32 (request precision "fp32"; "tf32" under ``train.precision = "tf32"``, tiled.py's kernels staying float32). A product it cannot take as it is (K = 0, an operand not C-contiguous
-float32, cublaslt.Refused: no algorithm for the operands' alignments) runs in tiled.py's kernels instead,
+in float32 (request precision "fp32"; "tf32" under ``train.precision = "tf32"``, tiled.py's kernels staying
+float32; "bf16" with a float32 output where the operands are bfloat16 words, uint16, under ``train.precision =
+"bf16"``: precision.py). A product it cannot take as it is (K = 0, an operand not C-contiguous float32 or
+bfloat16, cublaslt.Refused: no algorithm for the operands' alignments) runs in tiled.py's kernels instead
+(bfloat16 operands widened to float32 first: ``_widened``),
 counted in ``gemm_fallbacks`` (reason -> products; the training step logs each new reason once: train/step.py).
 Attention's batched products (``_batched``) stay tiled.py's: their causal modes skip tiles cuBLASLt would
 compute, and a head's operands sit at two strides (batch and head), which one strided batch cannot express.
@@ -89,6 +92,7 @@ class Gemm:
             return
         if self._cublaslt is not None and self._cublaslt_gemm(layout, a, b, out, M, N, K, bias, epilogue):
             return
+        a, b = self._widened(a), self._widened(b)  # tiled.py's kernels read float32
         tile = choose_tile(self.tn_tiles if layout == TN else self.tiles, self.wave, M, N)
         splits = k_splits(tile, self.wave, M, N, K) if layout == TN else 1
         if splits > 1:
@@ -103,8 +107,9 @@ class Gemm:
         perhaps the bias's aligned copy; counted in ``gemm_fallbacks``): the caller runs tiled.py's kernels."""
         why = _not_for_cublaslt(K, a, b, out, bias)
         if not why:
-            req = cublaslt.GemmRequest(OPS[layout], M, N, K, precision=self._lt_precision,
-                                       epilogue="none" if bias is None else "bias",
+            bf16 = a.dtype == np.uint16  # train.precision = "bf16": both operands bfloat16 words (precision.py)
+            req = cublaslt.GemmRequest(OPS[layout], M, N, K, precision="bf16" if bf16 else self._lt_precision,
+                                       out="fp32", epilogue="none" if bias is None else "bias",
                                        accumulate=epilogue == EPI_ACCUMULATE)
             self._host_acts()  # not a numba launch: the step graphs' segments end here (graphs.py)
             if bias is not None and address(bias) % cublaslt.EPILOGUE_ALIGN:
@@ -119,6 +124,15 @@ class Gemm:
                 why = str(e)
         self.gemm_fallbacks[why] = self.gemm_fallbacks.get(why, 0) + 1
         return False
+
+    def _widened(self, x):
+        """``x`` as tiled.py's kernels read it: a bfloat16 operand (uint16 words) as a new float32 array of the
+        same values (``from_bf16``), a float32 one as it is."""
+        if x.dtype != np.uint16:
+            return x
+        wide = self._alloc("gemm", x.shape, np.float32)
+        self._elementwise(self._k.from_bf16, x.size, flat(x), flat(wide).view(np.uint32))
+        return wide
 
     def _aligned_bias(self, bias):
         """A copy of ``bias`` (a view into the flat parameters, 4-byte aligned) where the BIAS epilogue can read
@@ -151,12 +165,15 @@ def address(x) -> int:
     return ary.__array_interface__["data"][0] if ary is not None else cublaslt.device_pointer(x)
 
 
-def _not_for_cublaslt(K, *arrays) -> str:
+def _not_for_cublaslt(K, a, b, out, bias) -> str:
     """Why cuBLASLt cannot take these operands as they are ("" where it can): a row-major product of C-contiguous
-    float32 arrays (None: no bias) with K >= 1."""
+    arrays with K >= 1, the operands both float32 or both bfloat16 words (uint16), out and bias (None: none)
+    float32."""
     if K < 1:
         return "K = 0 (cuBLASLt takes K >= 1)"
-    for x in arrays:
-        if x is not None and (x.dtype != np.float32 or not x.is_c_contiguous()):
-            return f"an operand of shape {tuple(x.shape)} is not C-contiguous float32"
+    if a.dtype != b.dtype or a.dtype not in (np.float32, np.uint16):
+        return f"operands {a.dtype} and {b.dtype} (cuBLASLt takes two float32 or two bfloat16)"
+    for x, dtype in ((a, a.dtype), (b, a.dtype), (out, np.float32), (bias, np.float32)):
+        if x is not None and (x.dtype != dtype or not x.is_c_contiguous()):
+            return f"an operand of shape {tuple(x.shape)} is not C-contiguous {np.dtype(dtype).name}"
     return ""

@@ -116,27 +116,29 @@ def kernels(nt: int) -> SimpleNamespace:
                            round_bf16=round_bf16, to_bf16=to_bf16, from_bf16=from_bf16)
 
 
+def _activation(kind: str, saved: str = "x"):
+    """(``<kind>_forward(x, out)``, ``<kind>_backward(<saved>, dout, dinp)``): the two methods of one activation,
+    launching the kernels of the same names after their argument checks; ``saved`` names what the backward
+    takes (tanh's is its output y)."""
+
+    def forward(self, x, out):
+        self._unary(f"{kind}_forward", getattr(self._k, f"{kind}_forward"), x=x, out=out)
+
+    def backward(self, s, dout, dinp):
+        self._binary(f"{kind}_backward", getattr(self._k, f"{kind}_backward"), **{saved: s}, dout=dout, dinp=dinp)
+
+    forward.__name__, backward.__name__ = f"{kind}_forward", f"{kind}_backward"
+    backward.__doc__ = f"dinp = dout · {kind}'({saved})"
+    return forward, backward
+
+
 class Activations:
     """CudaBackend's activations and residual add (a mixin: ``self._k`` holds the kernels, ``self._elementwise``
     launches them)."""
 
-    def relu_forward(self, x, out):
-        self._unary("relu_forward", self._k.relu_forward, x=x, out=out)
-
-    def relu_backward(self, x, dout, dinp):
-        self._binary("relu_backward", self._k.relu_backward, x=x, dout=dout, dinp=dinp)
-
-    def gelu_forward(self, x, out):
-        self._unary("gelu_forward", self._k.gelu_forward, x=x, out=out)
-
-    def gelu_backward(self, x, dout, dinp):
-        self._binary("gelu_backward", self._k.gelu_backward, x=x, dout=dout, dinp=dinp)
-
-    def tanh_forward(self, x, out):
-        self._unary("tanh_forward", self._k.tanh_forward, x=x, out=out)
-
-    def tanh_backward(self, y, dout, dinp):
-        self._binary("tanh_backward", self._k.tanh_backward, y=y, dout=dout, dinp=dinp)
+    relu_forward, relu_backward = _activation("relu")
+    gelu_forward, gelu_backward = _activation("gelu")
+    tanh_forward, tanh_backward = _activation("tanh", saved="y")
 
     def add_(self, out, x):
         """out += x (same shapes): a residual connection and its gradient."""

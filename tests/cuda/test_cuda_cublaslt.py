@@ -102,3 +102,31 @@ def test_the_backend_runs_its_linear_products_through_cublaslt(lib):
     be.matmul_tn(be.asarray(dy), be.asarray(x), dw, accumulate=True)
     np.testing.assert_allclose(be.to_host(dw), dy.T.astype(np.float64) @ x + 1, **tol)
     assert be.gemm_fallbacks == {}
+
+
+def test_bf16_linear_products_are_cublaslt_bf16_gemms(lib):
+    """``train.precision = "bf16"`` with cuBLASLt: a Linear's kept input (bfloat16 words) and its float32 weight go
+    to the real library as a bf16 GEMM with float32 output (tensor cores), and each product lands within one
+    bfloat16 step of the CPU reference's, most elements equal; none runs in the numba kernels."""
+    from hpctrain.backend.cpu.precision import Bf16CpuBackend
+    from hpctrain.backend.cuda.precision import Bf16CudaBackend
+
+    be, ref = Bf16CudaBackend(gemm="cublaslt"), Bf16CpuBackend()
+    rng = np.random.default_rng(4)
+    M, K, N = 64, 96, 48
+    x, w, b, dy = (rng.standard_normal(s).astype(np.float32) for s in ((M, K), (N, K), (N,), (M, N)))
+    kept = be.product_input(be.asarray(x))
+    got = {"out": be.empty((M, N)), "dx": be.empty((M, K)), "dw": be.empty((N, K))}
+    be.matmul_nt(kept, be.asarray(w), got["out"], bias=be.asarray(b))
+    be.matmul_nn(be.asarray(dy), be.asarray(w), got["dx"])
+    be.matmul_tn(be.asarray(dy), kept, got["dw"])
+    want = {"out": np.empty((M, N), np.float32), "dx": np.empty((M, K), np.float32),
+            "dw": np.empty((N, K), np.float32)}
+    ref.matmul_nt(x, w, want["out"], bias=b)
+    ref.matmul_nn(dy, w, want["dx"])
+    ref.matmul_tn(dy, x, want["dw"])
+    for name in got:
+        g, r = be.to_host(got[name]).astype(np.float64), want[name].astype(np.float64)
+        assert np.all(np.abs(g - r) <= 2.0 ** -7 * np.abs(r) + 1e-30), name
+        assert np.mean(g == r) >= 0.9, name
+    assert be.gemm_fallbacks == {}

@@ -33,8 +33,9 @@ def _bfloat16():
 
 
 def to_bf16(x) -> np.ndarray:
-    """A new float32 array of ``x`` rounded to bfloat16 (to nearest even)."""
-    return np.asarray(x).astype(_bfloat16()).astype(np.float32)
+    """A new float32 array of ``x`` rounded to bfloat16 (to nearest even; a bfloat16 ``x`` widened, no copy
+    of it made first)."""
+    return np.asarray(x).astype(_bfloat16(), copy=False).astype(np.float32)
 
 
 def round_bf16_(x: np.ndarray) -> np.ndarray:

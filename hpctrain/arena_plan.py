@@ -103,6 +103,13 @@ class _DeviceShapes:
 
     def attention_forward(self, qkv, T, n_head, out, att, *, dropout=None):
         scores = (qkv.shape[0] // T * n_head * T, T)
+        if self.cublaslt:  # contiguous heads, strided-batched products (backend/cuda/attention.py)
+            heads = self._heads(qkv, 3, n_head)
+            dropped = self.empty(scores) if dropout is not None else None
+            used = self.product_input(_array(scores)) if self.bf16 else None
+            y = self.empty((scores[0], qkv.shape[1] // 3 // n_head))
+            del heads, dropped, used, y
+            return
         src = self._copies(qkv)
         dropped = self.empty(scores) if dropout is not None else None
         used = self._copies(_array(scores))
@@ -110,11 +117,26 @@ class _DeviceShapes:
 
     def attention_backward(self, dout, qkv, att, T, n_head, dqkv, *, dropout=None):
         scores = (qkv.shape[0] // T * n_head * T, T)
+        if self.cublaslt:
+            heads, dy = self._heads(qkv, 3, n_head), self._heads(dout, 1, n_head)
+            dscores = self.empty(scores)
+            dropped = self.empty(scores) if dropout is not None else None
+            used = self.product_input(_array(scores)) if self.bf16 else None
+            grads = self.empty((3 * scores[0], qkv.shape[1] // 3 // n_head))
+            ds = self.product_input(dscores)
+            del heads, dy, dscores, dropped, used, grads, ds
+            return
         dscores = self.empty(scores)
         src = self._copies(qkv, dout)
         dropped = self.empty(scores) if dropout is not None else None
         used = self._copies(_array(scores))
         del dscores, src, dropped, used
+
+    def _heads(self, x, parts, n_head):
+        """attention.py's ``_heads``: x's column blocks as contiguous heads, bfloat16 words under bf16."""
+        rows, width = x.shape
+        return self.empty((rows * width // (width // parts // n_head), width // parts // n_head),
+                          np.uint16 if self.bf16 else np.float32)
 
     def flash_attention_backward(self, dout, qkv, out, lse, T, n_head, dqkv, *, dropout=None):
         dsum = self.empty((qkv.shape[0] // T * n_head * T,))

@@ -130,3 +130,28 @@ def test_bf16_linear_products_are_cublaslt_bf16_gemms(lib):
         assert np.all(np.abs(g - r) <= 2.0 ** -7 * np.abs(r) + 1e-30), name
         assert np.mean(g == r) >= 0.9, name
     assert be.gemm_fallbacks == {}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_math_attention_through_cublaslt_matches_the_numba_kernels(lib, precision):
+    """Math attention's products as strided-batched cuBLASLt calls over contiguous heads (backend/cuda/attention.py)
+    against the numba kernels' batched products, forward and backward, at a head size and length that align."""
+    from hpctrain.backend.cuda import CudaBackend
+    from hpctrain.backend.cuda.precision import Bf16CudaBackend
+
+    make = Bf16CudaBackend if precision == "bf16" else CudaBackend
+    rng = np.random.default_rng(5)
+    B, T, H, hs = 2, 64, 4, 32
+    C = H * hs
+    qkv, dout = (rng.standard_normal(s).astype(np.float32) for s in ((B * T, 3 * C), (B * T, C)))
+    results = []
+    for gemm in ("cublaslt", "numba"):
+        be = make(gemm=gemm)
+        out, att, dqkv = be.empty((B * T, C)), be.empty((B, H, T, T)), be.empty((B * T, 3 * C))
+        be.attention_forward(be.asarray(qkv), T, H, out, att)
+        be.attention_backward(be.asarray(dout), be.asarray(qkv), att, T, H, dqkv)
+        results.append([be.to_host(a) for a in (out, att, dqkv)])
+        assert be.gemm_fallbacks == {}
+    tol = dict(rtol=2 ** -6, atol=2 ** -6) if precision == "bf16" else dict(rtol=1e-4, atol=1e-5)
+    for lt, numba in zip(*results):
+        np.testing.assert_allclose(lt, numba, **tol)

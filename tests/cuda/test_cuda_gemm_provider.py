@@ -301,3 +301,53 @@ def test_bf16_operands_cublaslt_refuses_are_widened_for_the_numba_kernels(fake, 
             assert be.gemm_fallbacks == {"no algorithm (test)": 2}
     for refused, numba in zip(*results):
         assert refused.tobytes() == numba.tobytes()
+
+
+@pytest.mark.parametrize("dropout", [None, 0.3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_math_attention_runs_as_strided_batched_cublaslt_products(fake, rng, precision, dropout):
+    """With cuBLASLt, math attention's products are strided-batched calls over the B·H heads, copied out of qkv
+    (and dy) into contiguous heads (attention.py: ``attention_heads``, bfloat16 words in bf16) and back
+    (``attention_rows``): two calls forward and four backward, and the same values as the numba kernels' (within
+    float32 tolerance; in bf16 within one bfloat16 step, as both round the same values)."""
+    from hpctrain.backend.cuda.precision import Bf16CudaBackend
+    from hpctrain.nn.dropout import DropoutKey
+
+    make = Bf16CudaBackend if precision == "bf16" else CudaBackend
+    B, T, H, hs = 2, 5, 2, 3
+    C = H * hs
+    qkv, dout = rand(rng, B * T, 3 * C), rand(rng, B * T, C)
+    draw = None if dropout is None else DropoutKey(1, 2, 3).attention(dropout, 4, T, 0, H, H)
+    results = []
+    for gemm in ("cublaslt", "numba"):
+        be = make(gemm=gemm)
+        out, att, dqkv = be.empty((B * T, C)), be.empty((B, H, T, T)), be.empty((B * T, 3 * C))
+        be.attention_forward(be.asarray(qkv), T, H, out, att, dropout=draw)
+        be.attention_backward(be.asarray(dout), be.asarray(qkv), att, T, H, dqkv, dropout=draw)
+        results.append([be.to_host(a) for a in (out, att, dqkv)])
+    want = "bf16" if precision == "bf16" else "fp32"
+    assert [(req.op, req.batch, req.M, req.N, req.K, req.precision) for req, _, _ in fake[-1].calls] == [
+        ("nt", B * H, T, T, hs, want), ("nn", B * H, T, hs, T, want),  # scores, att·v
+        ("nt", B * H, T, T, hs, want), ("tn", B * H, T, hs, T, want),  # datt = dy·vᵀ, dv = attᵀ·dy
+        ("nn", B * H, T, hs, T, want), ("tn", B * H, T, hs, T, want)]  # dq = ds·k, dk = dsᵀ·q
+    tol = dict(rtol=2 ** -6, atol=2 ** -6) if precision == "bf16" else dict(rtol=1e-5, atol=1e-6)
+    for lt, numba in zip(*results):
+        np.testing.assert_allclose(lt, numba, **tol)
+
+
+def test_attention_products_cublaslt_refuses_run_in_the_numba_kernels(fake, rng):
+    """A strided product the provider refuses runs in tiled.py's batched kernels on the same contiguous heads:
+    the same values, the refusals counted."""
+    B, T, H, hs = 2, 4, 2, 4
+    C = H * hs
+    qkv = rand(rng, B * T, 3 * C)
+    fake.refuse = lambda req: "no algorithm (test)" if req.batch > 1 else None
+    outs = []
+    for gemm in ("cublaslt", "numba"):
+        be = CudaBackend(gemm=gemm)
+        out, att = be.empty((B * T, C)), be.empty((B, H, T, T))
+        be.attention_forward(be.asarray(qkv), T, H, out, att)
+        outs.append(be.to_host(out))
+        if gemm == "cublaslt":
+            assert be.gemm_fallbacks == {"no algorithm (test)": 2}
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-7)

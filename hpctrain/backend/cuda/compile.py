@@ -106,6 +106,9 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "embedding_backward_wpe": ((F2, i64, i64, F2, b1),),
         "attention_softmax_rows": ((F2, i64, f32),),
         "attention_softmax_backward_rows": ((F2, F2, i64, f32),),
+        # heads made contiguous for cuBLASLt: float32 bits copied, or rounded to bfloat16 words
+        "attention_heads": ((t.W1, i64, t.W1, i64, i64, i64, b1), (t.W1, i64, t.H1, i64, i64, i64, b1)),
+        "attention_rows": ((F1, F1, i64, i64, i64, i64),),
         # flash.py, at each of FLASH_HS (flash_forward_hs128, ..): dropout's key, cut, scale, row0, group,
         # stride and flag after T, H and the scale
         "flash_forward": ((F2, F2, F1) + flash,),

@@ -35,8 +35,8 @@ from ....errors import BackendError
 from ..launch import traced_arguments
 from ..memory import flat
 from . import cublaslt
-from .tiled import (EPI_ACCUMULATE, MAX_GRID_Z, MODE_SPLIT_K, batched_gemm_kernels, choose_tile, gemm_kernels,
-                    k_splits, launch_config)
+from .tiled import (EPI_ACCUMULATE, MAX_GRID_Z, MODE_PLAIN, MODE_SPLIT_K, batched_gemm_kernels, choose_tile,
+                    gemm_kernels, k_splits, launch_config)
 
 __all__ = ["Gemm", "NT", "NN", "TN", "GEMM_CHOICES", "open_provider", "cublaslt_unavailable"]
 
@@ -111,19 +111,43 @@ class Gemm:
             req = cublaslt.GemmRequest(OPS[layout], M, N, K, precision="bf16" if bf16 else self._lt_precision,
                                        out="fp32", epilogue="none" if bias is None else "bias",
                                        accumulate=epilogue == EPI_ACCUMULATE)
-            self._host_acts()  # not a numba launch: the step graphs' segments end here (graphs.py)
-            if bias is not None and address(bias) % cublaslt.EPILOGUE_ALIGN:
-                bias = self._aligned_bias(bias)
-            if self.launch_trace is not None:
-                self.launch_trace.append((f"cublaslt_{req.op}", None, None, traced_arguments((a, b, out, bias))))
-            try:
-                self._cublaslt.gemm(req, a=a, b=b, c=out, bias=bias, stream=self.stream)
-                self.launches += 1
-                return True
-            except cublaslt.Refused as e:
-                why = str(e)
+            return self._lt_call(req, a, b, out, bias)
         self.gemm_fallbacks[why] = self.gemm_fallbacks.get(why, 0) + 1
         return False
+
+    def _lt_call(self, req, a, b, c, bias) -> bool:
+        """``req`` by cuBLASLt on the stream; False where it refuses (counted in ``gemm_fallbacks``)."""
+        self._host_acts()  # not a numba launch: the step graphs' segments end here (graphs.py)
+        if bias is not None and address(bias) % cublaslt.EPILOGUE_ALIGN:
+            bias = self._aligned_bias(bias)
+        if self.launch_trace is not None:
+            self.launch_trace.append((f"cublaslt_{req.op}", None, None, traced_arguments((a, b, c, bias))))
+        try:
+            self._cublaslt.gemm(req, a=a, b=b, c=c, bias=bias, stream=self.stream)
+        except cublaslt.Refused as e:
+            self.gemm_fallbacks[str(e)] = self.gemm_fallbacks.get(str(e), 0) + 1
+            return False
+        self.launches += 1
+        return True
+
+    def _strided(self, layout, a, b, c, M, N, K, Z) -> None:
+        """Z products c_z = a_z·b_z in ``layout`` of contiguous operands (a [Z·rows, cols], the z-th product's rows
+        one after the other: attention's heads), stored, not accumulated: one strided-batched cuBLASLt call where
+        it takes them, else tiled.py's batched kernels (bfloat16 operands widened first)."""
+        why = _not_for_cublaslt(K, a, b, c, None) if self._cublaslt is not None else None
+        if why == "":
+            req = cublaslt.GemmRequest(OPS[layout], M, N, K, out="fp32", batch=Z, stride_a=M * K, stride_b=K * N,
+                                       stride_c=M * N,
+                                       precision="bf16" if a.dtype == np.uint16 else self._lt_precision)
+            if self._lt_call(req, a, b, c, None):
+                return
+        elif why is not None:
+            self.gemm_fallbacks[why] = self.gemm_fallbacks.get(why, 0) + 1
+        a, b = self._widened(a), self._widened(b)
+        a_rows = K if layout == TN else M  # rows of one product's operand as stored
+        b_rows = N if layout == NT else K
+        self._batched(self.attention_tile, layout, a, b, c, M, N, K, K, 1, Z, (a_rows, 0, 0, 0), (b_rows, 0, 0, 0),
+                      (M, 0, 0, 0), MODE_PLAIN)
 
     def _widened(self, x):
         """``x`` as tiled.py's kernels read it: a bfloat16 operand (uint16 words) as a new float32 array of the

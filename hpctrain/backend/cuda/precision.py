@@ -13,7 +13,8 @@ bfloat16, as 16-bit words (``bf16_storage`` uint16; ``to_bf16``, activations.py)
 operands go to the GEMM provider as bfloat16 where it is cuBLASLt (a bf16 GEMM with float32 accumulation on the
 tensor cores, the output float32, then rounded; gemm/__init__.py), and as float32 arrays of bfloat16 values
 where it is tiled.py's kernels (a float32 operand rounded by ``round_bf16``, a bfloat16 one widened by
-``from_bf16``). Attention's products run in tiled.py's batched kernels on rounded float32 copies. The other
+``from_bf16``). Math attention's products take its heads as bfloat16 copies with cuBLASLt (attention.py), rounded
+float32 copies in tiled.py's batched kernels. The other
 activations, the gradients and the master state stay float32: the memory bf16 saves is the Linears' kept
 inputs (hpctrain plan counts them).
 Flash attention rounds inside its kernels on the CPU reference; its CUDA kernels do not, so

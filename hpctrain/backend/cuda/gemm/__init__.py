@@ -19,8 +19,11 @@ float32; "bf16" with a float32 output where the operands are bfloat16 words, uin
 bfloat16, cublaslt.Refused: no algorithm for the operands' alignments) runs in tiled.py's kernels instead
 (bfloat16 operands widened to float32 first: ``_widened``),
 counted in ``gemm_fallbacks`` (reason -> products; the training step logs each new reason once: train/step.py).
-Attention's batched products (``_batched``) stay tiled.py's: their causal modes skip tiles cuBLASLt would
-compute, and a head's operands sit at two strides (batch and head), which one strided batch cannot express.
+Attention's products with cuBLASLt are strided-batched calls (``_strided``) over heads that attention.py first
+copies into contiguous [B·H, T, hs] arrays (a head's operands in qkv sit at two strides, batch and head, which
+one strided batch cannot express); cuBLASLt computes each T×T whole where tiled.py's causal modes skip the
+tiles above the diagonal. tiled.py's batched kernels (``_batched``) run them with the numba provider, and take a
+strided product cuBLASLt refuses.
 
 A cuBLASLt call is the host acting on the stream, not a numba launch: it is a boundary of the step graphs'
 segments (``_host_acts``; graphs.py), so the graphs replay the numba kernels around it and the call itself is

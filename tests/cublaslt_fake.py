@@ -300,6 +300,11 @@ class SimulatorCublaslt:
         self.closed = False
 
     def gemm(self, req, *, a, b, c, bias=None, aux=None, stream=None):
+        self.bind(req, a=a, b=b, c=c, bias=bias, aux=aux).run(stream)
+
+    def bind(self, req, *, a, b, c, bias=None, aux=None):
+        """The call on these operands' memory, refused as the real ``bind`` refuses; recorded in ``calls`` and
+        emulated when run (by the backend, or by an emulated step graph: graphs.py)."""
         from cublaslt_load import cublaslt
 
         if self.closed:
@@ -311,11 +316,25 @@ class SimulatorCublaslt:
         why = self.refuse(req) if self.refuse else None
         if why:
             raise cublaslt.Refused(why)
-        self.calls.append((req, stream, {name: x.ctypes.data for name, x in host.items()}))
-        emulate(cublaslt.plan(req), host["b"], host["a"], host["c"], bias=host.get("bias"), aux=host.get("aux"))
+        return _Bound(self, req, host)
 
     def close(self):
         self.closed = True
+
+
+class _Bound:
+    def __init__(self, lib, req, host):
+        self.lib, self.req, self.host = lib, req, host
+
+    def run(self, stream=None):
+        from cublaslt_load import cublaslt
+
+        if self.lib.closed:
+            raise AssertionError("gemm after close()")
+        host = self.host
+        self.lib.calls.append((self.req, stream, {name: x.ctypes.data for name, x in host.items()}))
+        emulate(cublaslt.plan(self.req), host["b"], host["a"], host["c"], bias=host.get("bias"),
+                aux=host.get("aux"))
 
 
 def _host_memory(name, x):

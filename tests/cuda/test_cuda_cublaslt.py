@@ -155,3 +155,34 @@ def test_math_attention_through_cublaslt_matches_the_numba_kernels(lib, precisio
     tol = dict(rtol=2 ** -6, atol=2 ** -6) if precision == "bf16" else dict(rtol=1e-4, atol=1e-5)
     for lt, numba in zip(*results):
         np.testing.assert_allclose(lt, numba, **tol)
+
+
+def test_step_graphs_capture_the_cublaslt_calls(lib, tmp_path):
+    """With cuda.graphs, a GPT step's cuBLASLt products (the Linears' and attention's strided ones) are captured
+    into the segments' graphs (launch.py's build_graph: run on the builder's capturing stream): once the graphs
+    replay, no launch is made from Python, and the parameters are the bits of the same run without graphs."""
+    import dataclasses
+
+    from helpers import gpt_config, make_tokens
+    from hpctrain.config import CudaConfig
+    from hpctrain.parallel.mesh import Mesh
+    from hpctrain.train import Trainer
+
+    make_tokens(tmp_path / "t.h5", n=2000)
+    cfg = gpt_config(tmp_path / "t.h5", model={"block_size": 32, "n_embd": 64, "n_head": 4},
+                     data={"val_fraction": 0.0}, train={"steps": 4, "batch_size": 8, "backend": "cuda"},
+                     optim={"name": "adamw", "lr": 0.01})
+    mesh, runs = Mesh(), {}
+    try:
+        for graphs in (False, True):
+            trainer = Trainer(dataclasses.replace(cfg, cuda=CudaConfig(gemm="cublaslt", graphs=graphs)), mesh=mesh,
+                              log=lambda *a: None)
+            seen = [trainer.train_step(step, 0.01) for step in range(4)]
+            runs[graphs] = trainer.be.to_host(trainer.params.data), seen, trainer.be.gemm_fallbacks
+            trainer.close()
+    finally:
+        mesh.free()
+    (plain, _, _), (graphed, seen, fallbacks) = runs[False], runs[True]
+    assert fallbacks == {}
+    assert [s["python_launches"] for s in seen[2:]] == [0, 0] and seen[3]["graph_launches"] > 0, seen
+    assert np.array_equal(graphed, plain)

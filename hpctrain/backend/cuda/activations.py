@@ -91,6 +91,12 @@ def kernels(nt: int) -> SimpleNamespace:
             out[i] += x[i]
 
     @kernel
+    def copy(x, out):
+        """out[n] = x[n]: a device copy that a step graph holds as a kernel (the cuBLASLt bias's aligned copy)."""
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            out[i] = x[i]
+
+    @kernel
     def round_bf16(x, out):
         """out[n] = x[n] rounded to bfloat16, to nearest even (ml_dtypes' cast), on float32 bits: both arrays are
         float32 buffers viewed as uint32, out may be x (``_bf16_bits``)."""
@@ -113,7 +119,7 @@ def kernels(nt: int) -> SimpleNamespace:
 
     return SimpleNamespace(relu_forward=relu_forward, relu_backward=relu_backward, gelu_forward=gelu_forward,
                            gelu_backward=gelu_backward, tanh_forward=tanh_forward, tanh_backward=tanh_backward, add=add,
-                           round_bf16=round_bf16, to_bf16=to_bf16, from_bf16=from_bf16)
+                           copy=copy, round_bf16=round_bf16, to_bf16=to_bf16, from_bf16=from_bf16)
 
 
 def _activation(kind: str, saved: str = "x"):

@@ -85,6 +85,7 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "relu_forward": ((F1, F1),), "relu_backward": ((F1, F1, F1),),
         "gelu_forward": ((F1, F1),), "gelu_backward": ((F1, F1, F1),),
         "tanh_forward": ((F1, F1),), "tanh_backward": ((F1, F1, F1),),
+        "copy": ((F1, F1),),
         "round_bf16": ((t.W1, t.W1),),  # float32 buffers viewed as their bits (train.precision = "bf16")
         "to_bf16": ((t.W1, t.H1),),  # a float32 buffer's bits -> bfloat16 bits
         "from_bf16": ((t.H1, t.W1),),

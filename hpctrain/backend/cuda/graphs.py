@@ -20,6 +20,10 @@ traces are equal. ``StepGraphs`` turns that into fewer launches from the host:
    order, on the same stream, so nothing is lost or reordered), the rest of the step launches as before, and
    the next planned step records again. ``reason`` says why. Values are never wrong, only not replayed.
 
+A cuBLASLt product (gemm/__init__.py) is recorded as a launch too, its frozen form the call bound to its operands'
+addresses: a graph captures it (the library's kernels enqueued on the builder's capturing stream), so a step with
+cuBLASLt products replays in as few segments as one without.
+
 Under the CUDA simulator a "graph" is an emulation (``Emulated``): the frozen launches run in order at the
 segment's launch, on arrays rebuilt from the recorded addresses (a real graph holds addresses too, not
 objects). So the simulator runs the same bookkeeping, and a host action the backend forgot to mark as a
@@ -123,9 +127,11 @@ class StepGraphs:
 
     # ------------------------------------------------------------------ launches and host actions
 
-    def launch(self, kernel, grid, block, args) -> bool:
+    def launch(self, kernel, grid, block, args, frozen=None) -> bool:
         """The backend's launch, on the thread that owns the step: True when the graphs take it (replay: it runs
-        with its segment), False when the backend launches it itself now."""
+        with its segment), False when the backend launches it itself now. ``frozen``: the launch already in its
+        frozen form, for a library call rather than a kernel (a cuBLASLt product bound to its addresses, whose
+        ``run(stream)`` enqueues it: gemm/cublaslt.py's BoundCall), keyed by ``kernel`` and ``args`` alike."""
         mode = self._mode
         if mode is None or mode == "direct" or threading.get_ident() != self._owner:
             return False
@@ -148,7 +154,7 @@ class StepGraphs:
                 self._leave(f"the step launched {kernel_name(kernel)} after the recorded segments")
             return False
         try:  # record
-            frozen = self._freeze(kernel, grid, block, args)
+            frozen = self._freeze(kernel, grid, block, args) if frozen is None else frozen
         except CannotReplay as e:
             self.off = f"{kernel_name(kernel)} cannot be replayed: {e}"
             self._mode, self._recorded, self._current = "direct", None, None
@@ -244,6 +250,9 @@ def freeze_simulated(kernel, grid, block, args):
 
 
 def run_simulated(frozen, stream) -> None:
+    if hasattr(frozen, "run"):  # a library call (a cuBLASLt product), bound to its addresses
+        frozen.run(stream)
+        return
     kernel, grid, block, args = frozen
     kernel[grid, block, stream](*_thaw_args(args, stream))
 

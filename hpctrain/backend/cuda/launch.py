@@ -145,9 +145,10 @@ def _name(dispatcher) -> str:
 
 
 def kernel_name(kernel) -> str:
-    """A kernel's Python name, numba's or the simulator's (which keeps the function as ``fn``)."""
+    """A kernel's Python name, numba's or the simulator's (which keeps the function as ``fn``); else the object's
+    own ``__name__`` (a library call's stand-in: gemm/__init__.py's CUBLASLT)."""
     fn = getattr(kernel, "py_func", None) or getattr(kernel, "fn", None)
-    return getattr(fn, "__name__", type(kernel).__name__)
+    return getattr(fn, "__name__", None) or getattr(kernel, "__name__", type(kernel).__name__)
 
 
 class _Entry:
@@ -243,7 +244,10 @@ class Launcher:
         return config, entry.handle, tuple(entry.parameters(args))
 
     def run_frozen(self, frozen) -> None:
-        """Launch a ``freeze``-d launch on the stream now."""
+        """Launch a ``freeze``-d launch on the stream now (a library call: its ``run`` on the stream)."""
+        if hasattr(frozen, "run"):
+            frozen.run(self.stream)
+            return
         config, handle, parameters = frozen
         self._launch(self._core_stream, config, handle, *parameters)
         self.fast += 1
@@ -254,7 +258,11 @@ class Launcher:
         builder = self._core_stream.create_graph_builder()
         builder.begin_building()
         try:
-            for config, handle, parameters in frozen_list:
+            for frozen in frozen_list:
+                if hasattr(frozen, "run"):  # a library call (cuBLASLt): captured from the builder's stream
+                    frozen.run(builder.stream)
+                    continue
+                config, handle, parameters = frozen
                 self._launch(builder, config, handle, *parameters)
         finally:
             builder.end_building()

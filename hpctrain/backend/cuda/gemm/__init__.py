@@ -25,9 +25,12 @@ one strided batch cannot express); cuBLASLt computes each T×T whole where tiled
 tiles above the diagonal. tiled.py's batched kernels (``_batched``) run them with the numba provider, and take a
 strided product cuBLASLt refuses.
 
-A cuBLASLt call is the host acting on the stream, not a numba launch: it is a boundary of the step graphs'
-segments (``_host_acts``; graphs.py), so the graphs replay the numba kernels around it and the call itself is
-made from Python every step, counted in ``launches``. Capturing it into the graphs is the next step.
+A cuBLASLt call is bound to its operands' addresses first (``Cublaslt.bind``: refused there, before anything is
+queued) and then goes through the step graphs like a kernel launch (``CUBLASLT`` its "kernel" in their keys and in
+``launch_trace``): recorded with the step, captured into the segment's graph (the library's kernels enqueued on the
+graph builder's capturing stream: launch.py's ``build_graph``) and replayed with it, so it costs no launch from
+Python once the graphs replay. The BIAS epilogue's aligned copy of a bias is a kernel (``copy``) for the same
+reason.
 """
 
 from __future__ import annotations
@@ -119,17 +122,22 @@ class Gemm:
         return False
 
     def _lt_call(self, req, a, b, c, bias) -> bool:
-        """``req`` by cuBLASLt on the stream; False where it refuses (counted in ``gemm_fallbacks``)."""
-        self._host_acts()  # not a numba launch: the step graphs' segments end here (graphs.py)
+        """``req`` by cuBLASLt on the stream, or recorded into (and replayed by) the step graphs as a launch of its
+        own; False where cuBLASLt refuses it (nothing queued but perhaps the bias's aligned copy; counted in
+        ``gemm_fallbacks``)."""
         if bias is not None and address(bias) % cublaslt.EPILOGUE_ALIGN:
             bias = self._aligned_bias(bias)
-        if self.launch_trace is not None:
-            self.launch_trace.append((f"cublaslt_{req.op}", None, None, traced_arguments((a, b, c, bias))))
         try:
-            self._cublaslt.gemm(req, a=a, b=b, c=c, bias=bias, stream=self.stream)
+            bound = self._cublaslt.bind(req, a=a, b=b, c=c, bias=bias)
         except cublaslt.Refused as e:
             self.gemm_fallbacks[str(e)] = self.gemm_fallbacks.get(str(e), 0) + 1
             return False
+        args = (req, a, b, c, bias)
+        if self.launch_trace is not None:
+            self.launch_trace.append((f"cublaslt_{req.op}", None, None, traced_arguments(args)))
+        if self.graphs is not None and self.graphs.launch(CUBLASLT, None, None, args, frozen=bound):
+            return True  # replayed: it runs with its segment's graph
+        bound.run(self.stream)
         self.launches += 1
         return True
 
@@ -163,9 +171,10 @@ class Gemm:
 
     def _aligned_bias(self, bias):
         """A copy of ``bias`` (a view into the flat parameters, 4-byte aligned) where the BIAS epilogue can read
-        it: the backend's allocations start on 512-byte boundaries (memory.py), the simulator's on numpy's 16."""
+        it: the backend's allocations start on 512-byte boundaries (memory.py), the simulator's on numpy's 16. A
+        kernel's copy, which the step graphs hold like any other launch."""
         copy = self._alloc("matmul_nt", bias.shape, np.float32)
-        copy.copy_to_device(bias, stream=self.stream)  # device to device, on the stream
+        self._elementwise(self._k.copy, bias.size, bias, copy)
         return copy
 
     def _split_k(self, tile, a, b, out, M, N, K, splits, accumulate):
@@ -184,6 +193,18 @@ class Gemm:
         for z0 in range(0, Z, MAX_GRID_Z):
             grid, threads = launch_config(tile, M, N, min(MAX_GRID_Z, Z - z0))
             self._launch(kernel, grid, threads, a, b, c, M, N, K, k_total, H, z0, ao, bo, co, mode)
+
+
+class _Cublaslt:
+    """What a cuBLASLt product is to the step graphs' keys and traces: the "kernel" of its launches."""
+
+    __name__ = "cublaslt"
+
+    def __repr__(self):
+        return "cublaslt"
+
+
+CUBLASLT = _Cublaslt()
 
 
 def address(x) -> int:

@@ -42,7 +42,7 @@ import numpy as np
 
 from hpctrain.errors import BackendError
 
-__all__ = ["GemmRequest", "Layout", "CublasltCall", "plan", "Cublaslt", "Refused", "unavailable", "OPS",
+__all__ = ["GemmRequest", "Layout", "CublasltCall", "plan", "Cublaslt", "BoundCall", "Refused", "unavailable", "OPS",
            "EPILOGUES", "PRECISIONS", "WORKSPACE_BYTES", "EPILOGUE_ALIGN"]
 
 OPS = ("nt", "nn", "tn")
@@ -280,6 +280,12 @@ class Cublaslt:
         """Enqueue ``req`` on ``stream``: c (+)= op(a)·op(b) with the request's epilogue, whose vector is
         ``bias`` (read for bias/gelu_aux_bias, written for bgradb) and whose pre-activation buffer is ``aux``
         (written for gelu_aux_bias, read for dgelu)."""
+        self.bind(req, a=a, b=b, c=c, bias=bias, aux=aux).run(stream)
+
+    def bind(self, req: GemmRequest, *, a, b, c, bias=None, aux=None) -> "BoundCall":
+        """``req`` on these operands, ready to enqueue (``run(stream)``) on any stream, or on a graph builder's
+        while it captures (the step graphs: backend/cuda/graphs.py); it holds addresses, no array. Raises
+        Refused (nothing queued) as ``gemm`` does."""
         if self._handle is None:
             raise BackendError("cublaslt: gemm after close()")
         ptrs = {"a": device_pointer(a), "b": device_pointer(b), "c": device_pointer(c)}
@@ -298,6 +304,11 @@ class Cublaslt:
             except Refused as e:
                 self._refused[key] = str(e)
                 raise
+        return BoundCall(self, req, prep, ptrs)
+
+    def _run(self, req, prep, ptrs, stream) -> None:
+        if self._handle is None:
+            raise BackendError("cublaslt: gemm after close()")
         lt = self._lib.lt
         attr = lt.MatmulDescAttribute
         if "bias" in ptrs:
@@ -409,6 +420,19 @@ class Cublaslt:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class BoundCall:
+    """One cuBLASLt product bound to its operands' addresses (``Cublaslt.bind``): ``run(stream)`` enqueues it.
+    The epilogue pointers are set on the request's descriptor at each run, so a capture holds this call's."""
+
+    __slots__ = ("lib", "req", "prep", "ptrs")
+
+    def __init__(self, lib, req, prep, ptrs):
+        self.lib, self.req, self.prep, self.ptrs = lib, req, prep, ptrs
+
+    def run(self, stream=None) -> None:
+        self.lib._run(self.req, self.prep, self.ptrs, stream)
 
 
 def _describe(req: GemmRequest) -> str:

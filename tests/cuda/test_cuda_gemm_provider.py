@@ -309,16 +309,18 @@ def test_bf16_operands_cublaslt_refuses_are_widened_for_the_numba_kernels(fake, 
 
 
 @pytest.mark.parametrize("dropout", [None, 0.3])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_math_attention_runs_as_strided_batched_cublaslt_products(fake, rng, precision, dropout):
     """With cuBLASLt, math attention's products are strided-batched calls over the B·H heads, copied out of qkv
     (and dy) into contiguous heads (attention.py: ``attention_heads``, bfloat16 words in bf16) and back
     (``attention_rows``): two calls forward and four backward, and the same values as the numba kernels' (within
-    float32 tolerance; in bf16 within one bfloat16 step, as both round the same values)."""
+    float32 tolerance; in bf16 within one bfloat16 step, as both round the same values; in tf32 the products are
+    TF32 requests, as PyTorch's allow_tf32 makes its attention matmuls, within TF32's rounding of float32)."""
     from hpctrain.backend.cuda.precision import Bf16CudaBackend
     from hpctrain.nn.dropout import DropoutKey
 
-    make = Bf16CudaBackend if precision == "bf16" else CudaBackend
+    make = {"fp32": CudaBackend, "bf16": Bf16CudaBackend,
+            "tf32": lambda gemm: CudaBackend(gemm=gemm, tf32=True)}[precision]
     B, T, H, hs = 2, 5, 2, 3
     C = H * hs
     qkv, dout = rand(rng, B * T, 3 * C), rand(rng, B * T, C)
@@ -330,12 +332,13 @@ def test_math_attention_runs_as_strided_batched_cublaslt_products(fake, rng, pre
         be.attention_forward(be.asarray(qkv), T, H, out, att, dropout=draw)
         be.attention_backward(be.asarray(dout), be.asarray(qkv), att, T, H, dqkv, dropout=draw)
         results.append([be.to_host(a) for a in (out, att, dqkv)])
-    want = "bf16" if precision == "bf16" else "fp32"
+    want = precision
     assert [(req.op, req.batch, req.M, req.N, req.K, req.precision) for req, _, _ in fake[-1].calls] == [
         ("nt", B * H, T, T, hs, want), ("nn", B * H, T, hs, T, want),  # scores, att·v
         ("nt", B * H, T, T, hs, want), ("tn", B * H, T, hs, T, want),  # datt = dy·vᵀ, dv = attᵀ·dy
         ("nn", B * H, T, hs, T, want), ("tn", B * H, T, hs, T, want)]  # dq = ds·k, dk = dsᵀ·q
-    tol = dict(rtol=2 ** -6, atol=2 ** -6) if precision == "bf16" else dict(rtol=1e-5, atol=1e-6)
+    tol = {"fp32": dict(rtol=1e-5, atol=1e-6), "tf32": dict(rtol=2 ** -8, atol=2 ** -8),
+           "bf16": dict(rtol=2 ** -6, atol=2 ** -6)}[precision]
     for lt, numba in zip(*results):
         np.testing.assert_allclose(lt, numba, **tol)
 

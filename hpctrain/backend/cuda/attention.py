@@ -38,6 +38,19 @@ _ZERO, _ONE, _NEG_INF = blocks.ZERO, blocks.ONE, blocks.NEG_INF
 _SHIFT = np.uint32(16)
 
 
+@cuda.jit(device=True)
+def _row_index(e, part, W, T, H, hs):
+    """Where element e of contiguous heads [parts, B·H, T, hs] (``part`` elements a part: B·T·C) sits in the
+    flat rows x[B·T, W] it was copied from: row b·T + t, column p·C + h·hs + d (C = H·hs)."""
+    p = e // part
+    r = e - p * part
+    z = r // (T * hs)
+    r -= z * T * hs
+    t = r // hs
+    b = z // H
+    return (b * T + t) * W + p * H * hs + (z - b * H) * hs + r - t * hs
+
+
 @functools.cache
 def kernels(nt: int) -> SimpleNamespace:
     """The softmax row kernels for blocks of ``nt`` threads; compiled lazily, once per process."""
@@ -99,18 +112,9 @@ def kernels(nt: int) -> SimpleNamespace:
         (B·H·T·hs) parts: q, k, v from qkv, or dy alone): heads made contiguous. On float32 bits (src a float32
         [B·T, W] array viewed flat as uint32): dst uint32 (a copy) or, with ``bf16``, uint16 words rounded to
         nearest even (``_bf16_bits``)."""
-        n = dst.size
-        rows = src.size // W
-        part = rows * H * hs  # B·T·C: one of q, k, v
-        C = H * hs
-        for e in range(cuda.grid(1), n, cuda.gridsize(1)):
-            p = e // part
-            r = e - p * part
-            z = r // (T * hs)
-            r -= z * T * hs
-            t = r // hs
-            b = z // H
-            u = src[(b * T + t) * W + p * C + (z - b * H) * hs + r - t * hs]
+        part = src.size // W * H * hs  # B·T·C: one of q, k, v
+        for e in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
+            u = src[_row_index(e, part, W, T, H, hs)]
             if bf16:
                 dst[e] = uint16(_bf16_bits(u) >> _SHIFT)
             else:
@@ -120,18 +124,9 @@ def kernels(nt: int) -> SimpleNamespace:
     def attention_rows(src, dst, W, T, H, hs):
         """dst[b·T + t, p·C + h·hs + d] = src[p, b·H + h, t, d]: ``attention_heads``' inverse on float32 (dst a
         float32 [B·T, W] array viewed flat; src's parts fill dst's first parts·C columns)."""
-        n = src.size
-        rows = dst.size // W
-        part = rows * H * hs
-        C = H * hs
-        for e in range(cuda.grid(1), n, cuda.gridsize(1)):
-            p = e // part
-            r = e - p * part
-            z = r // (T * hs)
-            r -= z * T * hs
-            t = r // hs
-            b = z // H
-            dst[(b * T + t) * W + p * C + (z - b * H) * hs + r - t * hs] = src[e]
+        part = dst.size // W * H * hs
+        for e in range(cuda.grid(1), src.size, cuda.gridsize(1)):
+            dst[_row_index(e, part, W, T, H, hs)] = src[e]
 
     return SimpleNamespace(ROWS_PER_BLOCK=R, attention_softmax_rows=attention_softmax_rows,
                            attention_softmax_backward_rows=attention_softmax_backward_rows,

@@ -198,7 +198,8 @@ def _activation_bytes(part, model, mb_samples: int, peak_live: int, device: bool
     the unit being recomputed (recompute), the part's output with its gradient, and the largest scratch a
     layer's kernels take (attention's [B, H, T, T] arrays: ``Layer.scratch_bytes``). With model chunks
     (interleaved 1F1B) ``peak_live`` counts chunk passes, each taken at the largest chunk's bytes. ``bf16``
-    (train.precision): the Linears keep their inputs in bfloat16 (``product_input``)."""
+    (train.precision): the Linears keep their inputs in bfloat16 (``product_input``), and on the host a product
+    widens its operands to float32 copies (the largest forward product's, beside the working set)."""
     from .parallel.executor import nbytes_of
     from .params import FlatBuffer
 
@@ -224,6 +225,8 @@ def _activation_bytes(part, model, mb_samples: int, peak_live: int, device: bool
         first, last = part.chunk_layers[c]
         rows = mb_samples * model.positions
         mine += max(layer.scratch_bytes(rows, device) for layer in part.layers[first : last + 1])
+        if not device:  # a host bf16 product's float32 copies (``_Shapes._widened``), beside the rest
+            mine += be.transient
         working = max(working, mine)
     return peak_live * kept + working
 
@@ -252,10 +255,25 @@ class _Shapes:
     name, is_device = "shapes", False
 
     def __init__(self, bf16: bool = False):
-        self.bf16 = bf16
+        self.bf16, self.transient = bf16, 0
 
     def product_input(self, x):  # train.precision = "bf16": a bfloat16 copy, 2 bytes a value
         return self.empty(x.shape, np.uint16) if self.bf16 else x
+
+    # train.precision = "bf16" on the CPU (backend/cpu/precision.py): a product's operands widened to float32
+    # copies and its rounded product, alive together inside the call; ``transient`` the largest
+    def _widened(self, *arrays) -> None:
+        if self.bf16:
+            self.transient = max(self.transient, 4 * sum(int(a.size) for a in arrays if a is not None))
+
+    def matmul_nt(self, a, b, out, bias=None):
+        self._widened(a, b, bias)
+
+    def matmul_nn(self, a, b, out):
+        self._widened(a, b)
+
+    def matmul_tn(self, a, b, out, accumulate=False):
+        self._widened(a, b, out)
 
     def empty(self, shape, dtype=np.float32):
         return np.broadcast_to(np.zeros((), dtype=dtype), tuple(shape) if isinstance(shape, (tuple, list))

@@ -87,3 +87,21 @@ def test_a_device_whose_name_cannot_be_read_logs_no_mfu_and_does_not_raise(monke
     peak = Peak.of(Device())
     assert peak.flops == 0 and "no MFU" in peak.source
     assert Peak.of(Device(), override_tflops=2.0).flops == 2e12
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_the_peak_is_the_runs_precisions(tmp_path, mesh, monkeypatch, precision):
+    """MFU's denominator is the peak of the run's ``train.precision`` (docs/config.md's peak_tflops): a bf16 run on
+    a GPU against the tensor cores' bf16 figure, not the CUDA cores' float32 one."""
+    from hpctrain.train import loop
+
+    asked = []
+
+    def of(cls, backend, override_tflops=0.0, precision="fp32"):
+        asked.append(precision)
+        return cls(1e12, "test")
+
+    monkeypatch.setattr(loop.Peak, "of", classmethod(of))
+    make_classification(tmp_path / "d.h5")
+    run_trainer(config(tmp_path / "d.h5", train={"precision": precision, "steps": 1}), mesh)
+    assert asked == ([precision] if mesh.rank == 0 else [])

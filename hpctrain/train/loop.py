@@ -165,7 +165,7 @@ class Trainer:
             log=self.log))
         self.log(layout_line(self))
         # MFU's denominator, on the rank that logs (a CPU's is measured: a moment of BLAS at start-up)
-        self.peak = Peak.of(self.be, cfg.train.peak_tflops) if self.rank0 and cfg.train.steps > 0 else None
+        self.peak = Peak.of(self.be, cfg.train.peak_tflops, run.precision) if self.rank0 and cfg.train.steps else None
         if self.peak is not None:
             self.log(f"MFU against {self.peak.flops / 1e12:,.3g} TFLOP/s a rank ({self.peak.source})"
                      if self.peak.flops else f"no MFU: {self.peak.source}")

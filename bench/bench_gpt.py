@@ -356,6 +356,7 @@ def main():
             for who in list(runs)[:: 1 if r % 2 == 0 else -1]:
                 rates[who].append(a.steps * B * T / runs[who](lo, lo + a.steps)[0])
         report(a, rates, peer, f"numpy {np.__version__}, numba {numba.__version__}")
+        print_mfu(trainer, rates, T)
         lo = warm_end + a.repeats * a.steps
         if a.profile and a.backend == "cuda":  # after the figures are printed, so a profiler failure loses none
             profile_kernels(lambda: hpctrain_run(lo, lo + a.profile), a.profile)
@@ -395,6 +396,21 @@ def report(a, rates, peer, versions):
     ratio = statistics.median(rates["hpctrain"]) / statistics.median(rates["PyTorch"])
     target = 0.5 if a.backend == "cuda" else 1.0
     print(f"ratio hpctrain / PyTorch: {ratio:.2f} (target >= {target:g})", flush=True)
+
+
+def print_mfu(trainer, rates, T):
+    """Each side's median tokens/s as MFU: the model's training FLOPs (nanoGPT's estimate) against the peak of the
+    run's train.precision (hpctrain/train/mfu.py; a CPU's measured, a GPU's from the datasheet table)."""
+    from hpctrain.train.mfu import Peak
+
+    cfg = trainer.cfg
+    peak = Peak.of(trainer.be, cfg.train.peak_tflops, cfg.train.precision)
+    if not peak.flops:
+        print(f"mfu: none ({peak.source})")
+        return
+    per_sample = trainer.model.training_flops()
+    shares = ", ".join(f"{who} {peak.mfu(statistics.median(v) / T, per_sample, 1):.1%}" for who, v in rates.items())
+    print(f"mfu: {shares} of {peak.flops / 1e12:,.1f} TFLOP/s ({peak.source})", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@
 #    model.attention = "flash" (gpt_flash); gpt-char's again without the step arena (gpt_step_no_arena: the arena's
 #    gain is gpt_step against it, each printing its last step's allocations and launches from Python), and without
 #    the step's CUDA graphs (gpt_step_no_graphs: the graphs' gain, segment launches against kernel launches);
-#    nanoGPT's shape in train.precision = "bf16" against PyTorch's bf16 autocast (gpt_bf16);
+#    nanoGPT's shape in train.precision = "bf16" against PyTorch's bf16 autocast (gpt_bf16), and GPT-2 small's
+#    (12 layers, width 768, block 1024, vocabulary 50304, batch 8) the same way with its MFU (gpt2_small_bf16);
 # 6. the compile report of every kernel (bench/cuda_sass_report.py), beside the measured figures.
 # Its figures land in docs/performance.md ("GPU step", "GEMM"); each lease's runs in docs/performance-log.md.
 # Each step's full output is kept in OUT_DIR/<step>.log; a failing step is marked in the table and
@@ -56,7 +57,7 @@ PY
 # PYTEST_ARGS adds to the suite's pytest line (e.g. "-n 8" where pytest-xdist is there, to compile in parallel).
 lease_steps="gpt_step:130 gpt_nanogpt:150 gpt_step_no_graphs:80 cuda_suite:200"
 [ "${LEASE:-0}" = 1 ] && [ -z "${STEPS:-}" ] && STEPS="$lease_steps"
-all_steps="cuda_suite gemm_vs_cublas cublaslt gemm_variant_3 gemm_variant_4 mlp_step gpt_step gpt_step_no_arena gpt_step_no_graphs gpt_nanogpt gpt_dropout gpt_flash gpt_bf16 sass_report"
+all_steps="cuda_suite gemm_vs_cublas cublaslt gemm_variant_3 gemm_variant_4 mlp_step gpt_step gpt_step_no_arena gpt_step_no_graphs gpt_nanogpt gpt_dropout gpt_flash gpt_bf16 gpt2_small_bf16 sass_report"
 ran=""
 read -ra pytest_extra <<<"${PYTEST_ARGS:-}"
 for spec in ${STEPS:-$all_steps}; do
@@ -81,6 +82,9 @@ for spec in ${STEPS:-$all_steps}; do
                         --n-head 6 --block-size 256 --batch 64 --steps 5 --repeats 3 --attention flash) ;;
         gpt_bf16) cmd=("$py" bench/bench_gpt.py --backend cuda --torch-python "$py" --n-layer 6 --n-embd 384
                        --n-head 6 --block-size 256 --batch 64 --steps 5 --repeats 3 --precision bf16) ;;
+        gpt2_small_bf16) cmd=("$py" bench/bench_gpt.py --backend cuda --torch-python "$py" --n-layer 12 --n-embd 768
+                              --n-head 12 --block-size 1024 --batch 8 --steps 3 --repeats 3 --precision bf16
+                              --set model.vocab_size=50304) ;;
         sass_report) cmd=("$py" bench/cuda_sass_report.py) ;;
         *) echo "gpu_all.sh: no step named $name (steps: $all_steps)" >&2; exit 2 ;;
     esac
@@ -106,7 +110,8 @@ done
     row gpt_nanogpt "$(grep -E '^(hpctrain|PyTorch|ratio|profile|last step|graphs)' "$out/gpt_nanogpt.log" | tr '\n' ';')"
     row gpt_dropout "$(grep -E '^(hpctrain|PyTorch|ratio)' "$out/gpt_dropout.log" | tr '\n' ';')"
     row gpt_flash "$(grep -E '^(hpctrain|PyTorch|ratio)' "$out/gpt_flash.log" | tr '\n' ';')"
-    row gpt_bf16 "$(grep -E '^(hpctrain|PyTorch|ratio|check|  after)' "$out/gpt_bf16.log" | tr '\n' ';')"
+    row gpt_bf16 "$(grep -E '^(hpctrain|PyTorch|ratio|mfu|check|  after)' "$out/gpt_bf16.log" | tr '\n' ';')"
+    row gpt2_small_bf16 "$(grep -E '^(hpctrain|PyTorch|ratio|mfu|last step|graphs)' "$out/gpt2_small_bf16.log" | tr '\n' ';')"
     row sass_report "$(grep -E '^GEMM targets' "$out/sass_report.log")"
 } >"$summary"
 cat "$summary"

@@ -47,7 +47,7 @@ def test_gpu_all_runs_every_step_and_writes_one_table(tmp_path):
     rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ") and "---" not in line}
     assert set(rows) == {"step", "cuda_suite", "gemm_vs_cublas", "cublaslt", "gemm_variant_3", "gemm_variant_4",
                          "mlp_step", "gpt_step", "gpt_step_no_graphs", "gpt_nanogpt", "gpt_dropout", "gpt_flash",
-                         "gpt_bf16", "sass_report"}
+                         "gpt_bf16", "gpt2_small_bf16", "sass_report"}
     assert "157 passed" in rows["cuda_suite"] and "60.0 % -> met" in rows["gemm_vs_cublas"]
     assert "600.0 TFLOP/s, 0.98x PyTorch" in rows["cublaslt"]
     assert "12.000 ms" in rows["gemm_variant_4"] and "1.50x -> met" in rows["mlp_step"]

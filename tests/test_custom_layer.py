@@ -41,6 +41,9 @@ class ReferenceBackend:
     def empty(self, shape, dtype=np.float64):
         return np.empty(shape, np.float64)
 
+    def product_input(self, x):  # what a Linear keeps for its backward: x itself in full precision
+        return x
+
     def matmul_nt(self, x, w, out, bias=None):
         out[...] = ref.linear_forward(x, w, bias)
 

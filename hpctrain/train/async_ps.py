@@ -83,11 +83,11 @@ class AsyncTrainer:
         self.workers_comm = self.world.Split(MPI.UNDEFINED if self.is_server else 0, rank)
         self.model = make_model(cfg.model)
         self.ranges = server_ranges(self.model.layout.size, self.S)
-        run_everywhere(self.world, (lambda: startup.prepare_data(self)) if self.rank0 else lambda: None)
+        run_everywhere(self.world, (lambda: startup.prepare_data(cfg, self.log)) if self.rank0 else lambda: None)
         self.mesh = None
         run_everywhere(self.world, self._build_server if self.is_server else self._build_worker)
         # one job per checkpoint folder: world rank 0 locks it before anything in it is read or written
-        self._lock = run_everywhere(self.world, (lambda: startup.lock_checkpoint_dir(self)) if self.rank0
+        self._lock = run_everywhere(self.world, (lambda: startup.lock_checkpoint_dir(cfg, self.log)) if self.rank0
                                     else lambda: None)
         try:
             self._start()
@@ -135,7 +135,7 @@ class AsyncTrainer:
         self.mesh = Mesh(comm=self.workers_comm, dp=self.W)
         run = RunPlan.for_mesh(self.cfg, self.mesh)  # the workers' shape: data parallel over W ranks
         t = startup.build(self.cfg, run, self.mesh, lambda *a: None)
-        startup.scan_share(SimpleNamespace(mesh=self.mesh, data=t.data))  # inside the world's agreement: a bad
+        startup.scan_share(self.mesh, t.data)  # inside the world's agreement: a bad
         # value stops the servers too (no scan record here)
         self.be, self.part, self.loss, self.data, self.sampler = t.be, t.part, t.loss, t.data, t.sampler
         self.params, self.grads = FlatBuffer(self.be, self.part.layout), FlatBuffer(self.be, self.part.layout)

@@ -1,10 +1,10 @@
 """Sharded checkpoints of a synchronous run: every rank writes what it alone holds, any layout reads them back.
 
-    saver = Checkpointer(trainer)
+    saver = Checkpointer(rank)            # rank: train/startup.py's Rank (what the rank runs and holds)
     saver.save(state, background=True)    # collective: snapshot, then a thread writes this rank's shard
     saver.poll()                          # collective, each step: commits the set once every shard is written
     saver.finish()                        # collective: wait for a save in flight and commit it
-    state, whole = resume(trainer, paths, auto=True)   # collective: the first checkpoint that verifies everywhere,
+    state, whole = resume(rank, paths, auto=True)      # collective: the first checkpoint that verifies everywhere,
                                                        # each rank's pieces of it in its buffers
 
 What a rank writes is its pieces (checkpoint/pieces.py): data-parallel rank 0 of each pipeline
@@ -44,7 +44,8 @@ __all__ = ["Checkpointer", "resume", "save_pieces"]
 
 
 class Checkpointer:
-    """A Trainer's sharded saves: what this rank writes, a reused snapshot for saves in the background."""
+    """A rank's sharded saves (``t``: train/startup.py's Rank): what this rank writes, a reused snapshot for saves
+    in the background."""
 
     def __init__(self, t):
         self.t, self.mesh = t, t.mesh
@@ -247,7 +248,7 @@ def commit_set(world, directory: str, state, *, set_id: str, manifest, error, la
 def resume(t, candidates: list[str], *, auto: bool, load=None, place=None):
     """Collective: the first of ``candidates`` (checkpoint paths, given on world rank 0) that verifies
     everywhere, loaded. ``load(path)`` reads this rank's pieces of a sharded set and returns its root state
-    (default: a Trainer's, ``_load_here``), ``place()`` finishes once every rank loaded (default ``_place``)
+    (default: a Rank's, ``_load_here``), ``place()`` finishes once every rank loaded (default ``_place``)
     and returns ``agree_error``'s ``(bad, error)`` for what it read (a failure makes the candidate fail as a
     failed ``load`` does); the parameter server passes its servers' range reads. Returns ``(state, whole)``: a sharded set is read into this rank's buffers and
     ``state`` holds its root attributes (``whole`` False); a single-file checkpoint (version 2) is read
@@ -255,8 +256,9 @@ def resume(t, candidates: list[str], *, auto: bool, load=None, place=None):
     True); ``(None, False)`` when there is no candidate. With ``auto`` a failing one is logged, set aside
     once an older one loads, and the next tried; one of a newer hpctrain or another model stops the search."""
     mesh, world = t.mesh, t.mesh.world
-    load = load or (lambda path: _load_here(t, path))
-    place = place or (lambda: _place(t))
+    reading = {}  # what ``_load_here`` read for ``_place``: this rank's pieces, the column splits, the index
+    load = load or (lambda path: _load_here(t, path, reading))
+    place = place or (lambda: _place(t, reading))
     listing = bcast_text(world, "\n".join(candidates) if mesh.rank == 0 else None, 0)
     skipped = []
     for path in filter(None, listing.split("\n")):
@@ -319,8 +321,8 @@ def check_optimizer(t, path, name, slots) -> None:
                                      "use it as checkpoint.init with a new checkpoint.dir")
 
 
-def _load_here(t, path):
-    """This rank's pieces of one sharded checkpoint into host buffers (``t._loaded``); its root attributes.
+def _load_here(t, path, reading):
+    """This rank's pieces of one sharded checkpoint into host buffers (``reading["loaded"]``); its root attributes.
 
     What every data-parallel rank holds alike (the parameters; the optimizer state without ZeRO) is read and
     verified a 1/dp slice per data-parallel rank and all-gathered afterwards (``_place``): the disk and the
@@ -329,7 +331,8 @@ def _load_here(t, path):
     state = index.state
     check_optimizer(t, path, state.optim_name, set(index.labels[1:]))
     params, slots = held(t.part, t.optim.pieces)
-    opened, t._loaded, t._by_rows, t._index = {}, {}, [], index
+    opened = {}
+    reading.update(loaded={}, by_rows=[], index=index)
     try:
         kept = [(k, v) for k, v in t.optim.slots.items() if k in index.labels]  # a missing one: ZERO_START_SLOTS
         for label, buf in [("params", t.params)] + kept:
@@ -338,7 +341,7 @@ def _load_here(t, path):
             whole_shards = label == "params" or not t.shard
             if t.mesh.tp > 1 and whole_shards:  # column splits stored otherwise: read by rows and traded in _place
                 moved = _column_splits(index, label, wanted, t.mesh.tp_rank)
-                t._by_rows += [(label, out, w, rows) for w, rows in moved]  # read in _place, one at a time
+                reading["by_rows"] += [(label, out, w, rows) for w, rows in moved]  # read in _place, one at a time
                 wanted = [w for w in wanted if all(w is not m for m, _ in moved)]
             parts = None
             if t.mesh.dp > 1 and whole_shards:  # replicated over data parallelism
@@ -347,7 +350,7 @@ def _load_here(t, path):
             if label == "params" and getattr(getattr(t, "state", None), "gather", None) is not None:
                 parts, wanted = None, [w for a, b in t.shard.pieces for w in _clip(params, a, b)]  # zero = 3
             ckpt_read.read_set(index, label, wanted, out, opened=opened)
-            t._loaded[label] = (out, parts)
+            reading["loaded"][label] = (out, parts)
     finally:
         sharded.close_all(opened)
     return state
@@ -381,7 +384,7 @@ def _clip(pieces, a: int, b: int):
     return out
 
 
-def _place(t):
+def _place(t, reading):
     """After every rank loaded its pieces: the replicated buffers' slices to every data-parallel rank
     (``Allgatherv`` in place), the column splits read and traded over tensor parallelism, a tied tensor's
     replica from its owner, and on a device the copy into its buffers (inside an agreement: a device may run
@@ -389,7 +392,7 @@ def _place(t):
     ``(-1, None)`` when every block verified."""
     from mpi4py import MPI
 
-    loaded, by_rows, index = t.__dict__.pop("_loaded"), t.__dict__.pop("_by_rows"), t.__dict__.pop("_index")
+    loaded, by_rows, index = reading.pop("loaded"), reading.pop("by_rows"), reading.pop("index")
     for out, parts in loaded.values():
         if parts is not None:
             t.mesh.dp_comm.Allgatherv(MPI.IN_PLACE, [out, [b - a for a, b in parts], [a for a, _ in parts], MPI.FLOAT])

@@ -55,12 +55,6 @@ from .trace import Tracer
 __all__ = ["Trainer"]
 
 
-def _of(holder: str, name: str) -> property:
-    """``trainer.<name>``: read from what start-up made (``trainer.parts`` or ``trainer.state``)."""
-    return property(lambda self: getattr(getattr(self, holder), name),
-                    doc=f"``self.{holder}.{name}`` (train/startup.py: RankParts, RankState)")
-
-
 class Trainer:
     """One training job over a mesh. Building it, ``run()``, ``train_step``, ``evaluate``,
     ``save_checkpoint`` and ``state_dict`` are collective over ``mesh.world``.
@@ -84,10 +78,9 @@ class Trainer:
 
     # what this rank runs and trains, made once at start-up (train/startup.py: ``RankParts``, ``RankState``)
     be, cuda_aware, transport, model, stages, tensor, part, loss, data, sampler = (
-        _of("parts", name) for name in ("be", "cuda_aware", "transport", "model", "stages", "tensor", "part", "loss",
-                                        "data", "sampler"))
+        startup.holder_property("parts", name) for name in startup.PART_FIELDS)
     zero, shard, grad_memory, params, grads, optim = (
-        _of("state", name) for name in ("zero", "shard", "grad_memory", "params", "grads", "optim"))
+        startup.holder_property("state", name) for name in startup.STATE_FIELDS)
 
     def __init__(self, cfg, *, mesh=None, log=None, stop=None, on_record=None):
         self.on_record = on_record
@@ -142,19 +135,23 @@ class Trainer:
         self.diag = None
         mesh = self._watch(cfg, mesh)
         keep_freed_memory()  # a step's activations reuse the last step's memory (hpctrain/_memory.py)
-        run_everywhere(mesh.world, (lambda: startup.prepare_data(self)) if self.rank0 else lambda: None)
-        self.parts = run_everywhere(mesh.world, lambda: startup.build(cfg, run, mesh, self.log))
-        startup.scan_data(self)  # every value of the data file, or a record that this file passed before
+        log = self.log
+        run_everywhere(mesh.world, (lambda: startup.prepare_data(cfg, log)) if self.rank0 else lambda: None)
+        self.parts = run_everywhere(mesh.world, lambda: startup.build(cfg, run, mesh, log))
+        startup.scan_data(mesh, self.parts.data, log)  # every value of the data file, or a record of a clean scan
         # one job per checkpoint folder: rank 0 locks it before anything in it is read or written
-        self._lock = run_everywhere(mesh.world, (lambda: startup.lock_checkpoint_dir(self)) if self.rank0
+        self._lock = run_everywhere(mesh.world, (lambda: startup.lock_checkpoint_dir(cfg, log)) if self.rank0
                                     else lambda: None)
         self._check_same_everywhere(cfg, mesh)
         self.state = run_everywhere(mesh.world, lambda: startup.make_state(cfg, run, mesh, self.parts))
-        startup.load_start(self)  # a checkpoint (each rank reads its own pieces), a weights file or a fresh init
+        # what start-up's later steps and the checkpoints read; its log is the trainer's (run() wraps it)
+        rank = startup.Rank(cfg=cfg, run=run, mesh=mesh, log=lambda *a, **k: self.log(*a, **k), parts=self.parts,
+                            state=self.state)
+        self.step = startup.load_start(rank)  # a checkpoint (each rank its own pieces), weights or a fresh init
         zero_reduce, timed = self._make_sync(cfg, mesh)
         if self.state.gather is not None:  # zero = 3: evaluation gathers the whole model once (parallel/zero3.py)
             self.evaluate = gathered_whole(self.state.gather, self.evaluate)
-        self.saver = Checkpointer(self)
+        self.saver = Checkpointer(rank)
         self.tracer = Tracer(mesh) if cfg.train.trace else None
         self._p2p = p2p = PointToPoint(comm=mesh.pp_comm, transport=self.transport, diag=self.diag) \
             if mesh.pp > 1 else None

@@ -9,9 +9,10 @@ failure on one rank ends the job on all of them before any training message:
   anything in it is read or written (one job per folder; hpctrain/checkpoint/lock.py);
 * ``make_state``: the part's parameter, gradient and optimizer buffers, returned as one ``RankState``
   (the Trainer reads both through ``trainer.parts`` / ``trainer.state``);
-* ``load_start``: the starting point: each rank reads its own pieces of a sharded checkpoint
-  (train/checkpointing.py, collective); a single-file checkpoint or weights file is read whole on
-  world rank 0 and handed out by ``scatter_start``, one buffer at a time (parallel/sharding.py);
+* ``load_start``: the starting point, returned as the step to start at: each rank reads its own pieces of
+  a sharded checkpoint (train/checkpointing.py, collective); a single-file checkpoint or weights file is
+  read whole on world rank 0 and handed out by ``scatter_start``, one buffer at a time (parallel/sharding.py);
+  it reads the run through a ``Rank`` (its config, plan, mesh, log, parts and state), made once both exist;
 * ``candidates``, ``check_resume``, ``warn_about_resume`` (world rank 0): which checkpoints to try, whether
   the one found is this run's, what a resumed run should be told; the parameter server uses them too.
 """
@@ -47,18 +48,18 @@ from ..parallel.zero import ZeroShard, bucket_elems, page_unit
 from ..params import FlatBuffer
 from .resume_check import changed_settings, resume_problem
 
-__all__ = ["RankParts", "RankState", "prepare_data", "build", "scan_data", "scan_share", "lock_checkpoint_dir", "make_state", "load_start",
+__all__ = ["RankParts", "RankState", "Rank", "PART_FIELDS", "STATE_FIELDS", "holder_property", "prepare_data", "build", "scan_data", "scan_share", "lock_checkpoint_dir", "make_state", "load_start",
            "candidates", "check_resume", "order_offset", "warn_about_resume", "scatter_start"]
 
 
-def prepare_data(t) -> None:
+def prepare_data(cfg, log) -> None:
     """On world rank 0, before ``build``: write a bundled corpus (``data.corpus``) to ``data.path`` if missing."""
-    d = t.cfg.data
+    d = cfg.data
     if d.corpus and not os.path.exists(d.path):
         from ..text import write_corpus
 
         tok = write_corpus(d.corpus, d.path)
-        t.log(f"data.corpus {d.corpus!r}: wrote {d.path} ({len(tok)} characters in the vocabulary)")
+        log(f"data.corpus {d.corpus!r}: wrote {d.path} ({len(tok)} characters in the vocabulary)")
 
 
 @dataclass
@@ -99,6 +100,34 @@ class RankState:
     optim: object
     keeps_grads: str = ""  # zero = 2: why the whole gradient buffer stays ("" where it gives memory back)
     gather: object | None = None  # zero = 3: parallel/zero3.py's ParamGather (the parameters' gathers)
+
+
+PART_FIELDS = ("be", "cuda_aware", "transport", "model", "stages", "tensor", "part", "loss", "data", "sampler")
+STATE_FIELDS = ("zero", "shard", "grad_memory", "params", "grads", "optim")
+
+
+def holder_property(holder: str, name: str) -> property:
+    """``x.<name>``, read from ``x.<holder>`` (``parts``: a RankParts, or ``state``: a RankState)."""
+    return property(lambda self: getattr(getattr(self, holder), name),
+                    doc=f"``self.{holder}.{name}`` (train/startup.py: RankParts, RankState)")
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One rank of the run as start-up's later steps read it (``load_start``, train/checkpointing.py's
+    ``resume`` and ``Checkpointer``): the config, its RunPlan, the mesh, the log, what the rank runs
+    (``parts``) and holds (``state``), their fields readable here by name (``rank.optim``, ``rank.part``)."""
+
+    cfg: object
+    run: object
+    mesh: object
+    log: object
+    parts: RankParts
+    state: RankState
+
+    be, cuda_aware, transport, model, stages, tensor, part, loss, data, sampler = (
+        holder_property("parts", name) for name in PART_FIELDS)
+    zero, shard, grad_memory, params, grads, optim = (holder_property("state", name) for name in STATE_FIELDS)
 
 
 def build(cfg, run, mesh, log) -> RankParts:
@@ -148,23 +177,21 @@ def build(cfg, run, mesh, log) -> RankParts:
                      part=part, loss=loss, data=data, sampler=sampler)
 
 
-def scan_data(t) -> None:
+def scan_data(mesh, data, log) -> None:
     """Collective: every value of the data file checked once, each rank scanning its share (``data.scan``), unless
     world rank 0 finds a record that this file, unchanged, passed these checks before (scan_cache.py); after a
     clean scan rank 0 writes that record. A problem on any rank is one DataError on every rank."""
-    mesh, data = t.mesh, t.data
     key = scan_cache.scan_key(data.path, data.scan_checks) if mesh.rank == 0 and data.scan_checks else None
     if bcast_text(mesh.world, "clean" if key and scan_cache.is_clean(key) else "", 0) == "clean":
-        t.log(f"data: {data.path} is unchanged since a clean start-up scan; not scanned again")
+        log(f"data: {data.path} is unchanged since a clean start-up scan; not scanned again")
         return
-    run_everywhere(mesh.world, lambda: scan_share(t))
+    run_everywhere(mesh.world, lambda: scan_share(mesh, data))
     if key:
         scan_cache.remember_clean(key)
 
 
-def scan_share(t) -> None:
+def scan_share(mesh, data) -> None:
     """This rank's share of the data file's rows (or windows) checked; DataError naming the first problem."""
-    mesh, data = t.mesh, t.data
     n = data.n_train + data.n_val
     problem = data.scan(n * mesh.rank // mesh.size, n * (mesh.rank + 1) // mesh.size)
     if problem:
@@ -214,18 +241,18 @@ def check_outputs(cfg) -> None:
                 raise ConfigError(f"{out_key}: {out} is the lock file of checkpoint.dir; the {what} would overwrite it")
 
 
-def lock_checkpoint_dir(t):
+def lock_checkpoint_dir(cfg, log):
     """On world rank 0, before anything reads or writes ``checkpoint.dir``: its lock (a FolderLock), or None.
 
     Another job holding it is a CheckpointInUseError naming that job; release the lock in ``close()``.
     """
-    c = t.cfg.checkpoint
+    c = cfg.checkpoint
     if not c.dir:
         return None
     if not c.lock:
-        t.log(f"warning: checkpoint.lock = false: {c.dir} is not locked; make sure no other job uses it")
+        log(f"warning: checkpoint.lock = false: {c.dir} is not locked; make sure no other job uses it")
         return None
-    return FolderLock.take(c.dir, log=t.log)
+    return FolderLock.take(c.dir, log=log)
 
 
 def make_state(cfg, run, mesh, parts: RankParts) -> RankState:
@@ -285,10 +312,11 @@ def _why_full_gradients(be, cuda_aware: bool, world) -> str:
     return why or ("" if ok[0] else "another rank's device cannot give gradient memory back")
 
 
-def load_start(t) -> None:
+def load_start(t: Rank) -> int:
     """The run's starting point into every rank's buffers (collective over the mesh): the newest checkpoint
     that verifies (``resume = "auto"``) or the one named, each rank reading its own pieces of a sharded one
-    (train/checkpointing.py); else ``checkpoint.init``'s weights or a fresh init (``scatter_start``)."""
+    (train/checkpointing.py); else ``checkpoint.init``'s weights or a fresh init (``scatter_start``). Returns
+    the step the run starts at (the optimizer's own count and the sampler's place set with the buffers)."""
     from .checkpointing import resume
 
     mesh = t.mesh
@@ -303,7 +331,7 @@ def load_start(t) -> None:
                                                 getattr(t.data, "tokenizer", "")))
                    if mesh.rank == 0 and state is not None else lambda: None)
     if state is not None and not whole:  # every rank holds its pieces already
-        t.step, t.optim.step_count = state.step, state.optim_step
+        step, t.optim.step_count = state.step, state.optim_step
         t.log(f"resuming from {state.path} at step {state.step}"
               + (f" (checkpoint.init {t.cfg.checkpoint.init} ignored)" if t.cfg.checkpoint.init else ""))
         if mesh.rank == 0:
@@ -314,13 +342,14 @@ def load_start(t) -> None:
         c = t.cfg.checkpoint
         weights = run_everywhere(mesh.world, (lambda: _init_weights(c.init, t.model.layout))
                                  if mesh.rank == 0 and state is None and c.init else lambda: None)
-        scatter_start(t, state if whole else None, weights)
+        step = scatter_start(t, state if whole else None, weights)
     offset = np.array([run_everywhere(mesh.world, (lambda: order_offset(t.log, t.cfg, state, t.sampler.steps_per_epoch))
                                       if mesh.rank == 0 and state is not None else lambda: 0)], dtype=np.int64)
     mesh.world.Bcast(offset, root=0)  # where the checkpoint's data order stood (rank 0 read its state)
     t.sampler.offset = int(offset[0])
     if t.state.gather is not None:  # zero = 3: what a checkpoint or weights file gave beyond the chunks leaves
         t.state.gather.release_all()
+    return step
 
 
 def candidates(t) -> tuple[list[str], bool]:
@@ -413,8 +442,9 @@ def warn_about_resume(t, state) -> None:
         t.log(f"warning: the data order changed since the checkpoint was written ({saved} then, {now} now)")
 
 
-def scatter_start(t, state, weights) -> None:
-    """Rank 0's starting point (a checkpoint, a weights file or a fresh init) into every stage's buffers.
+def scatter_start(t, state, weights) -> int:
+    """Rank 0's starting point (a checkpoint, a weights file or a fresh init) into every stage's buffers; returns
+    its step (0 but for a checkpoint).
 
     Collective over the mesh. A fresh start sends nothing: each rank draws its own part from the seed. A
     checkpoint or weights file goes one buffer at a time: rank 0 packs the full tensors, ``scatter_flat`` hands
@@ -434,7 +464,7 @@ def scatter_start(t, state, weights) -> None:
     else:
         header[3] = 1
     mesh.world.Bcast(header, root=0)
-    t.step, t.optim.step_count = int(header[0]), int(header[1])
+    step, t.optim.step_count = int(header[0]), int(header[1])
     if header[3]:  # a fresh start: every rank draws its own part (nn/model.py: one stream per layer), nothing sent
         def draw():
             for name, arr in t.part.init_tensors(cfg.train.seed):  # one layer's tensors at a time
@@ -443,7 +473,7 @@ def scatter_start(t, state, weights) -> None:
                     t.state.gather.release_all()
 
         run_everywhere(mesh.world, draw)
-        return
+        return step
     ranges = stage_ranges(t.model, t.stages, mesh.pp)
     full = t.model.layout.pack(weights) if rank0 else None  # one full buffer at a time, on rank 0 only
     weights = None  # a fresh start's named arrays: dropped once packed
@@ -452,6 +482,7 @@ def scatter_start(t, state, weights) -> None:
     for slot, buf in t.optim.slots.items():  # a fresh start's optimizer state is the zeros it was made with
         if header[2]:
             _scatter_buffer(t, ranges, t.model.layout.pack(state.slots.get(slot)) if rank0 else None, buf)
+    return step
 
 
 def _scatter_buffer(t, ranges, full, buf) -> None:

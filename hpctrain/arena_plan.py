@@ -135,8 +135,8 @@ class _DeviceShapes:
     def _heads(self, x, parts, n_head):
         """attention.py's ``_heads``: x's column blocks as contiguous heads, bfloat16 words under bf16."""
         rows, width = x.shape
-        return self.empty((rows * width // (width // parts // n_head), width // parts // n_head),
-                          np.uint16 if self.bf16 else np.float32)
+        hs = width // parts // n_head
+        return self.empty((parts * rows * n_head, hs), np.uint16 if self.bf16 else np.float32)
 
     def flash_attention_backward(self, dout, qkv, out, lse, T, n_head, dqkv, *, dropout=None):
         dsum = self.empty((qkv.shape[0] // T * n_head * T,))

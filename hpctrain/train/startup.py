@@ -48,8 +48,8 @@ from ..parallel.zero import ZeroShard, bucket_elems, page_unit
 from ..params import FlatBuffer
 from .resume_check import changed_settings, resume_problem
 
-__all__ = ["RankParts", "RankState", "Rank", "PART_FIELDS", "STATE_FIELDS", "holder_property", "prepare_data", "build", "scan_data", "scan_share", "lock_checkpoint_dir", "make_state", "load_start",
-           "candidates", "check_resume", "order_offset", "warn_about_resume", "scatter_start"]
+__all__ = ["RankParts", "RankState", "Rank", "PART_FIELDS", "STATE_FIELDS", "holder_property", "prepare_data",
+           "build", "scan_data", "scan_share", "lock_checkpoint_dir", "make_state", "load_start", "candidates", "check_resume", "order_offset", "warn_about_resume", "scatter_start"]
 
 
 def prepare_data(cfg, log) -> None:

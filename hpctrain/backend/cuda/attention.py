@@ -226,8 +226,8 @@ class Attention:
         self._product_output_(dqkv)
 
     def _heads(self, op, x, parts, T, H, hs) -> list:
-        """The ``parts`` column blocks of x[B·T, parts·C] as contiguous heads, each [B·H·T, hs]: float32, or bfloat16
-        words where this backend's products take bfloat16 (``bf16_storage``; the copy is their rounding)."""
+        """The ``parts`` column blocks of x[B·T, parts·C] as contiguous heads, each [B·H·T, hs]: float32, or
+        bfloat16 words where this backend's products take bfloat16 (``bf16_storage``; the copy is their rounding)."""
         rows, W = x.shape
         dtype = np.float32 if self.bf16_storage is None else self.bf16_storage
         heads = self._alloc(op, (parts * rows * H, hs), dtype)

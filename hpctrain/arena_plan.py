@@ -75,6 +75,8 @@ class _DeviceShapes:
     def product_input(self, x):
         return self.empty(x.shape, np.uint16) if self.bf16 and x.dtype != np.uint16 else x
 
+    kept_output = product_input
+
     def _copies(self, *arrays) -> list:
         return [self.empty(a.shape) for a in arrays if a is not None] if self.bf16 else []
 

@@ -198,8 +198,9 @@ def _activation_bytes(part, model, mb_samples: int, peak_live: int, device: bool
     the unit being recomputed (recompute), the part's output with its gradient, and the largest scratch a
     layer's kernels take (attention's [B, H, T, T] arrays: ``Layer.scratch_bytes``). With model chunks
     (interleaved 1F1B) ``peak_live`` counts chunk passes, each taken at the largest chunk's bytes. ``bf16``
-    (train.precision): the Linears keep their inputs in bfloat16 (``product_input``), and on the host a product
-    widens its operands to float32 copies (the largest forward product's, beside the working set)."""
+    (train.precision): the Linears keep their inputs in bfloat16 (``product_input``), attention its q, k, v and
+    an activation after a Linear its input (``kept_output``), and on the host a product widens its operands to
+    float32 copies (the largest forward product's, beside the working set)."""
     from .parallel.executor import nbytes_of
     from .params import FlatBuffer
 
@@ -259,6 +260,8 @@ class _Shapes:
 
     def product_input(self, x):  # train.precision = "bf16": a bfloat16 copy, 2 bytes a value
         return self.empty(x.shape, np.uint16) if self.bf16 else x
+
+    kept_output = product_input  # an activation's input, a product's output
 
     # train.precision = "bf16" on the CPU (backend/cpu/precision.py): a product's operands widened to float32
     # copies and its rounded product, alive together inside the call; ``transient`` the largest

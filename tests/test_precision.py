@@ -116,10 +116,13 @@ def test_a_linear_keeps_its_input_in_bfloat16_and_computes_the_same_bits():
         be.matmul_nt(x.astype(np.float16), w["weight"], want)
 
 
-def test_bf16_keeps_the_linears_inputs_in_half_the_bytes_and_the_plan_counts_them(tmp_path):
-    """A GPT's forward under bf16 keeps each Linear's input (qkv, the attention projection, the MLP's two, the head)
-    in bfloat16: 7·C of a block's kept values (ln_1 and ln_2 outputs, attention's, the GELU's 4·C) and the head's C
-    at 2 bytes instead of 4. ``hpctrain plan``'s host activations go down by exactly that, less what a bf16
+def test_bf16_keeps_the_products_inputs_and_outputs_in_half_the_bytes_and_the_plan_counts_them(tmp_path):
+    """A GPT's forward under bf16 keeps in bfloat16 each Linear's input (c_attn's, c_proj's, the MLP's two, the
+    head's): 7·C of a block's kept values (ln_1 and ln_2 outputs, attention's, the GELU's 4·C) and the head's C;
+    and the two products' outputs a block keeps for a backward other than the product's: the q, k and v attention
+    reads (3·C) and the GELU's input (4·C). So 14·C a block and C at 2 bytes instead of 4 (the block's float32
+    values left: the residual stream at ln_1 and ln_2, the probabilities, the LayerNorms' statistics).
+    ``hpctrain plan``'s host activations go down by exactly that, less what a bf16
     product widens to float32 on the CPU beside the working set: the largest, the MLP's second Linear (its
     bfloat16 input [B·T, 4C], weight [C, 4C] and bias C as float32 copies)."""
     from hpctrain.parallel.executor import nbytes_of
@@ -135,7 +138,7 @@ def test_bf16_keeps_the_linears_inputs_in_half_the_bytes_and_the_plan_counts_the
         part.bind(p, FlatBuffer(be, part.layout))
         p.load_host_dict(spec.init_params(0))
         kept[name] = nbytes_of(part.forward(be, idx)[1])
-    assert kept["fp32"] - kept["bf16"] == B * T * (L * 7 * C + C) * 2
+    assert kept["fp32"] - kept["bf16"] == B * T * (L * 14 * C + C) * 2
     make_tokens(tmp_path / "t.h5", n=300)
     planned = {precision: plan(gpt_config(tmp_path / "t.h5", model={"block_size": T, "n_embd": C},
                                           train={"precision": precision}), 1)[0].activation_bytes
@@ -155,6 +158,72 @@ def _loss_and_grads(be, spec, params, idx, targets):
     value, _, d = make_loss("cross_entropy")(be, h, be.asarray(targets.reshape(-1)), 1.0 / n)
     part.backward(be, d, saved, need_dinp=False)
     return value / n, g.to_host_dict()
+
+
+class _KeepsFloat32(Bf16CpuBackend):
+    """The bf16 reference keeping what it keeps in float32: the products round their inputs themselves."""
+
+    def product_input(self, x):
+        return x
+
+
+@pytest.mark.parametrize("attention", ["math", "flash"])
+def test_what_bf16_keeps_in_bfloat16_changes_no_bit(attention):
+    """Keeping the Linears' inputs, attention's q, k, v and the GELU's input in bfloat16 rounds nothing a product
+    would not round, and the GELU's input is c_fc's output, rounded already: the loss and every gradient are the
+    bits of the same backend keeping them in float32, and what attention and the GELU keep is bfloat16 exactly."""
+    L, C, T, B, V = 2, 16, 8, 3, 12
+    spec = GPTSpec(vocab_size=V, block_size=T, n_layer=L, n_head=2, n_embd=C, attention=attention)
+    rng = np.random.default_rng(5)
+    idx, targets = (rng.integers(0, V, (B, T)).astype(np.int64) for _ in range(2))
+    params = spec.init_params(3)
+    got = _loss_and_grads(Bf16CpuBackend(), spec, params, idx, targets)
+    want = _loss_and_grads(_KeepsFloat32(), spec, params, idx, targets)
+    assert got[0] == want[0]
+    assert all(got[1][k].tobytes() == want[1][k].tobytes() for k in want[1])
+    be = _KeepsFloat32()
+    part = spec.part()
+    p = FlatBuffer(be, part.layout)
+    part.bind(p, FlatBuffer(be, part.layout))
+    p.load_host_dict(params)
+    saved = part.forward(be, idx)[1]
+    for block in saved[1:-1]:
+        qkv, gelu_input = block[2][0], block[6]
+        assert qkv.shape == (B * T, 3 * C) and gelu_input.shape == (B * T, 4 * C)
+        assert is_bf16(qkv) and is_bf16(gelu_input)
+
+
+def test_an_mlp_keeps_an_activations_input_in_bfloat16_where_a_product_wrote_it():
+    """An activation right after a Linear keeps its input as ``kept_output`` holds it (bfloat16 under bf16, the
+    same bits of gradient); after a LayerNorm it stays float32, and so it does after a tensor-parallel pair's
+    row-parallel Linear, whose output is a sum over the tp ranks."""
+    from types import SimpleNamespace
+
+    from hpctrain.config.sections import LayerSpec
+    from hpctrain.nn.model import ModelSpec
+
+    layers = [LayerSpec("linear", (("in", 6), ("out", 8))), LayerSpec("gelu"), LayerSpec("linear", (("in", 8),
+              ("out", 8))), LayerSpec("relu"), LayerSpec("layernorm", (("dim", 8),)), LayerSpec("tanh"),
+              LayerSpec("linear", (("in", 8), ("out", 3)))]
+    spec = ModelSpec(layers)
+    assert [getattr(l, "after_product", None) for l in spec.layers] == [None, True, None, True, None, False, None]
+    assert spec.tp_pairs == [(0, 2)]
+    split = [spec.tp_layer(i, SimpleNamespace(rank=0, size=2)) for i in range(len(layers))]
+    assert split[1].after_product and not split[3].after_product
+    be, wide = Bf16CpuBackend(), _KeepsFloat32()
+    x = np.random.default_rng(0).standard_normal((5, 6)).astype(np.float32)
+    grads = []
+    for b in (be, wide):
+        part = spec.part()
+        p, g = FlatBuffer(b, part.layout), FlatBuffer(b, part.layout)
+        part.bind(p, g)
+        p.load_host_dict(spec.init_params(0))
+        out, saved = part.forward(b, x)
+        if b is be:
+            assert [s.dtype for s in (saved[1], saved[3])] == [BF16, BF16] and saved[5].dtype == np.float32
+        part.backward(b, np.ones_like(out), saved)
+        grads.append(g.to_host_dict())
+    assert all(grads[0][k].tobytes() == grads[1][k].tobytes() for k in grads[0])
 
 
 def _sgd_run(step, params, steps=4, lr=0.3):

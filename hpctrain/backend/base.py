@@ -154,7 +154,8 @@ class Backend:
     Memory: ``empty``, ``zeros``, ``asarray`` (host -> backend), ``to_host``,
     ``copy_``, ``synchronize``. Products: ``matmul_nt`` (X·Wᵀ + b),
     ``matmul_nn`` (dY·W), ``matmul_tn`` (dYᵀ·X), ``bias_grad``; ``product_input`` (an operand as the products
-    read it: a bfloat16 copy under ``train.precision = "bf16"``, what a Linear keeps for its backward). Element-wise:
+    read it: a bfloat16 copy under ``train.precision = "bf16"``, what a Linear keeps for its backward; attention
+    keeps q, k and v so) and ``kept_output`` (a product's output kept for an activation's backward). Element-wise:
     ``relu/gelu/tanh_forward/backward``, ``add_`` (residuals), ``dropout`` (a counter-based mask, redrawn in
     backward: dropout_mask.py). ``layernorm_forward/backward``, and ``residual_layernorm_forward/backward`` (the
     residual add before a LayerNorm fused in).
@@ -197,6 +198,13 @@ class Backend:
         ``train.precision = "bf16"`` a copy rounded to bfloat16 and held in half the bytes (``bf16_storage``),
         which the products take as it is (precision.py of either backend)."""
         return x
+
+    def kept_output(self, x):
+        """A product's output ``x`` as a layer keeps it for an element-wise backward (an activation's input:
+        ``relu_backward`` and ``gelu_backward`` take it as it is): ``product_input(x)``, which under bf16 is exact
+        here, since the product rounded ``x`` to bfloat16 already; half the bytes, as autocast keeps a bf16
+        matmul's output for the activation after it."""
+        return self.product_input(x)
 
     def read_host(self, *arrays) -> list:
         """Host copies of backend arrays, made together (a device backend waits for its stream once)."""
@@ -455,8 +463,10 @@ class Backend:
         return B, H, C, hs, T
 
     def _attention_shapes(self, op, qkv, T, n_head):
-        """(B, H, C, hs) of a fused qkv[B·T, 3C] with ``n_head`` heads; BackendError if they do not fit."""
-        rows, width = self._arg(op, "qkv", qkv, ndim=2).shape
+        """(B, H, C, hs) of a fused qkv[B·T, 3C] with ``n_head`` heads; BackendError if they do not fit. A
+        backward's qkv may be held in ``bf16_storage`` (what the layer kept: ``product_input``)."""
+        dtype = self._operand_dtype(qkv) if op.endswith("_backward") else _F32
+        rows, width = self._arg(op, "qkv", qkv, ndim=2, dtype=dtype).shape
         T, H = int(T), int(n_head)
         if T < 1 or rows % T:
             raise BackendError(f"{op}: qkv has {rows} rows, not a multiple of T = {T}")

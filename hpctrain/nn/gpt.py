@@ -159,10 +159,10 @@ class CausalSelfAttention(Layer):
         if self.flash:
             lse = be.empty((B, self.n_head, self.T))
             be.flash_attention_forward(qkv, self.T, self.n_head, out, lse, dropout=draw)
-            return out, (qkv, (out, lse), draw)
+            return out, (be.product_input(qkv), (out, lse), draw)
         att = be.empty((B, self.n_head, self.T, self.T))
         be.attention_forward(qkv, self.T, self.n_head, out, att, dropout=draw)
-        return out, (qkv, att, draw)
+        return out, (be.product_input(qkv), att, draw)  # the backward reads q, k and v in products only
 
     def scratch_bytes(self, rows: int, device: bool) -> int:
         """The largest scratch of either pass. math: the backward's datt and dscores [B, H, T, T] on the CPU; on a
@@ -211,7 +211,7 @@ class Block(Layer):
         return self.attn.scratch_bytes(rows, device)
 
     def _assemble(self, subs, attn):
-        self.subs, self.attn, self.gelu = subs, attn, GELU()
+        self.subs, self.attn, self.gelu = subs, attn, GELU(after_product=True)  # it takes c_fc's output
         self.ln_1, self.c_attn, self.attn_proj, self.ln_2, self.c_fc, self.mlp_proj = (sub for _, sub in subs)
         self.params = tuple((prefix + name, shape) for prefix, sub in subs for name, shape in sub.params)
         self.shards = {prefix + name: kind for prefix, sub in subs for name, kind in getattr(sub, "shards", {}).items()}
@@ -257,11 +257,13 @@ class Block(Layer):
         h, s_ln1 = self.ln_1.forward(be, x)
         qkv, s_attn_in = self.c_attn.forward(be, h)
         a, s_attn = self.attn.forward(be, qkv, key)
+        del qkv  # under bf16 attention keeps its own bfloat16 copy: the float32 one goes now
         x2, s_proj = self.attn_proj.forward(be, a)
         _drop(be, x2, resid[0])
         h2, s_ln2 = self.ln_2.forward_residual(be, x2, x)  # the first residual (x2 += x), fused with ln_2
         f, s_fc = self.c_fc.forward(be, h2)
         g, s_gelu = self.gelu.forward(be, f)
+        del f  # likewise GELU's input
         out, s_mlp = self.mlp_proj.forward(be, g)
         _drop(be, out, resid[1])
         be.add_(out, x2)  # the second residual

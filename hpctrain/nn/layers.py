@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..layer_kinds import registered
 
-__all__ = ["Layer", "Linear", "ReLU", "GELU", "Tanh", "LayerNorm", "make_layer"]
+__all__ = ["Layer", "Linear", "Activation", "ReLU", "GELU", "Tanh", "LayerNorm", "make_layer"]
 
 
 class Layer:
@@ -106,16 +106,23 @@ class Linear(Layer):
             be.bias_grad(dout, self.g["bias"], accumulate=accumulate)
 
 
-class _Activation(Layer):
+class Activation(Layer):
     """An element-wise activation: ``<kernel>_forward(x, out)`` and ``<kernel>_backward(saved, dout, dinp)``."""
 
     kernel = ""
     saves_output = False  # tanh's backward needs tanh(x), the others need x
 
+    def __init__(self, after_product: bool = False):
+        # x is a product's output as it is (a Linear's, a column-parallel one's): the activation keeps it as
+        # ``be.kept_output`` holds it, bfloat16 under train.precision = "bf16" (exact: the product rounded x)
+        self.after_product = after_product and not self.saves_output
+
     def forward(self, be, x):
         out = be.empty(x.shape)
         getattr(be, f"{self.kernel}_forward")(x, out)
-        return out, (out if self.saves_output else x)
+        if self.saves_output:
+            return out, out
+        return out, (be.kept_output(x) if self.after_product else x)
 
     def backward(self, be, dout, saved, accumulate=False, need_dinp=True):
         dinp = be.empty(saved.shape)
@@ -123,17 +130,17 @@ class _Activation(Layer):
         return dinp
 
 
-class ReLU(_Activation):
+class ReLU(Activation):
     kernel = "relu"
 
 
-class GELU(_Activation):
+class GELU(Activation):
     """Exact GELU, 0.5·x·(1 + erf(x/√2)): torch.nn.GELU's default."""
 
     kernel = "gelu"
 
 
-class Tanh(_Activation):
+class Tanh(Activation):
     kernel = "tanh"
     saves_output = True
 

@@ -34,7 +34,7 @@ from ..layer_kinds import BUILTIN, registered
 from ..shards import shard
 from ..params import FlatBuffer, ParamLayout
 from .checked import CheckedLayer
-from .layers import LayerNorm, Linear, make_layer
+from .layers import LayerNorm, Linear, Activation, make_layer
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["ModelSpec", "ModelPart", "UnitInputs"]
@@ -79,6 +79,9 @@ class ModelSpec:
         starts = [i for i, layer in enumerate(layers) if layer.params]
         starts[0] = 0  # leading activations join the first unit
         units = [(lo, hi - 1) for lo, hi in zip(starts, starts[1:] + [len(layers)])]
+        for i in range(1, len(layers)):  # an activation right after a Linear keeps its product's output as such
+            if isinstance(layers[i], Activation) and type(layers[i - 1]) is Linear:
+                layers[i] = type(layers[i])(after_product=True)
         self._setup(layers, [f"{i}." for i in range(len(layers))], widths, first_width, units)
         self.tp_pairs = _linear_pairs(layers)
 
@@ -98,6 +101,8 @@ class ModelSpec:
                 return ColumnParallelLinear(self.layers[i], tp)
             if i == row:
                 return RowParallelLinear(self.layers[i], tp)
+            if i == row + 1 and getattr(self.layers[i], "after_product", False):
+                return type(self.layers[i])()  # a row-parallel Linear's output is a sum over tp, no product's
         return self.layers[i]
 
     def tp_units(self) -> list[tuple[int, int]]:

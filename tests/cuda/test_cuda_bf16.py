@@ -119,6 +119,44 @@ def test_math_attention_rounds_where_the_reference_rounds(bf16, ref, rng, dropou
     np.testing.assert_allclose(bf16.to_host(dqkv), c_dqkv, rtol=4 * ULP, atol=4 * ULP * np.abs(c_dqkv).max())
 
 
+@pytest.mark.parametrize("kind", ["gelu", "relu"])
+def test_an_activation_reads_its_kept_bfloat16_input_as_the_float32_values(bf16, ref, rng, kind):
+    """``kept_output`` of a product's output (bfloat16 values) is uint16 words; ``<kind>_backward`` of them
+    (``<kind>_backward_bf16``, widening as it reads) gives the bits of the float32 kernel on the same values, which
+    are the CPU reference's within float32's error (the kernels' erf and exp are the GPU's); shapes and dtypes
+    are checked in one line."""
+    x = to_bf16(rand(rng, 7, 9) * np.float32(3))
+    x[0, :3] = [0.0, -0.0, np.float32(2.0 ** -130)]  # zeros of both signs and a subnormal: exact in bfloat16
+    dout = rand(rng, 7, 9)
+    kept = bf16.kept_output(bf16.asarray(x))
+    assert kept.dtype == np.uint16 and bf16.to_host(kept).tobytes() == x.astype(ml_dtypes.bfloat16).tobytes()
+    got, want = bf16.empty(x.shape), bf16.empty(x.shape)
+    getattr(bf16, f"{kind}_backward")(kept, bf16.asarray(dout), got)
+    getattr(bf16, f"{kind}_backward")(bf16.asarray(x), bf16.asarray(dout), want)
+    assert bf16.to_host(got).tobytes() == bf16.to_host(want).tobytes()
+    cpu = np.empty_like(x)
+    getattr(ref, f"{kind}_backward")(ref.kept_output(x), dout, cpu)
+    np.testing.assert_allclose(bf16.to_host(got), cpu, rtol=1e-6, atol=1e-7)
+    with pytest.raises(BackendError, match=rf"^{kind}_backward: x has shape \(7, 8\), expected \(7, 9\)"):
+        getattr(bf16, f"{kind}_backward")(bf16.kept_output(bf16.empty((7, 8))), bf16.asarray(dout), got)
+
+
+def test_attention_reads_its_kept_bfloat16_qkv_as_the_float32_values(bf16, rng):
+    """The q, k and v attention keeps (``product_input``: bfloat16 words) give the backward the bits that the
+    float32 qkv they were rounded from gives it (the products round it the same)."""
+    B, T, H, hs = 2, 5, 2, 3
+    C = H * hs
+    qkv, dout = bf16.asarray(rand(rng, B * T, 3 * C)), bf16.asarray(rand(rng, B * T, C))
+    out, att = bf16.empty((B * T, C)), bf16.empty((B, H, T, T))
+    bf16.attention_forward(qkv, T, H, out, att)
+    got, want = bf16.empty((B * T, 3 * C)), bf16.empty((B * T, 3 * C))
+    bf16.attention_backward(dout, bf16.product_input(qkv), att, T, H, got)
+    bf16.attention_backward(dout, qkv, att, T, H, want)
+    assert bf16.to_host(got).tobytes() == bf16.to_host(want).tobytes()
+    with pytest.raises(BackendError, match=r"^attention_forward: qkv must be float32, got uint16"):
+        bf16.attention_forward(bf16.product_input(qkv), T, H, out, att)
+
+
 def test_flash_attention_is_refused_in_one_line(bf16):
     with pytest.raises(BackendError, match=r'^model.attention = "flash" with train.precision = "bf16" is not built '):
         bf16.flash_attention_forward(None, 1, 1, None, None)

@@ -343,6 +343,24 @@ def test_math_attention_runs_as_strided_batched_cublaslt_products(fake, rng, pre
         np.testing.assert_allclose(lt, numba, **tol)
 
 
+def test_bf16_attention_copies_its_kept_qkv_into_heads_as_they_are(fake, rng):
+    """Under bf16 attention keeps q, k and v as bfloat16 words; with cuBLASLt the backward copies them into its
+    heads as they are (``attention_heads`` on uint16), and dqkv has the bits of the float32 qkv's backward."""
+    from hpctrain.backend.cuda.precision import Bf16CudaBackend
+
+    B, T, H, hs = 2, 5, 2, 3
+    C = H * hs
+    be = Bf16CudaBackend(gemm="cublaslt")
+    qkv, dout = be.asarray(rand(rng, B * T, 3 * C)), be.asarray(rand(rng, B * T, C))
+    out, att = be.empty((B * T, C)), be.empty((B, H, T, T))
+    be.attention_forward(qkv, T, H, out, att)
+    got, want = be.empty((B * T, 3 * C)), be.empty((B * T, 3 * C))
+    be.attention_backward(dout, be.product_input(qkv), att, T, H, got)
+    be.attention_backward(dout, qkv, att, T, H, want)
+    assert be.to_host(got).tobytes() == be.to_host(want).tobytes()
+    assert [req.precision for req, _, _ in fake[-1].calls] == ["bf16"] * 10
+
+
 def test_attention_products_cublaslt_refuses_run_in_the_numba_kernels(fake, rng):
     """A strided product the provider refuses runs in tiled.py's batched kernels on the same contiguous heads:
     the same values, the refusals counted."""

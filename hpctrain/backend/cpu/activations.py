@@ -112,13 +112,13 @@ class Activations:
         self._unary("relu_forward", _relu_forward, x, out)
 
     def relu_backward(self, x, dout, dinp):
-        self._binary("relu_backward", _relu_backward, x=x, dout=dout, dinp=dinp)
+        self._binary("relu_backward", _relu_backward, x=self._kept("relu_backward", x, dout), dout=dout, dinp=dinp)
 
     def gelu_forward(self, x, out):
         self._unary("gelu_forward", _gelu_forward, x, out)
 
     def gelu_backward(self, x, dout, dinp):
-        self._binary("gelu_backward", _gelu_backward, x=x, dout=dout, dinp=dinp)
+        self._binary("gelu_backward", _gelu_backward, x=self._kept("gelu_backward", x, dout), dout=dout, dinp=dinp)
 
     def tanh_forward(self, x, out):
         self._unary("tanh_forward", _tanh_forward, x, out)
@@ -129,6 +129,14 @@ class Activations:
     def add_(self, out, x):
         """out += x (same shapes): a residual connection and its gradient."""
         self._binary("add_", add_inplace, out=out, x=x)
+
+    def _kept(self, op, x, dout):
+        """An activation's kept input as its kernel reads it: float32; one held in ``bf16_storage``
+        (``kept_output``) widened to a float32 copy (exact), after checking it has dout's shape."""
+        if self.bf16_storage is None or x.dtype != self.bf16_storage:
+            return x
+        self._arg(op, "x", x, shape=self._arg(op, "dout", dout).shape, dtype=self.bf16_storage)
+        return x.astype(np.float32)
 
     def _unary(self, op, kernel, x, out):
         """out = f(x) by ``kernel`` after ``op``'s argument checks (x and out of one shape)."""

@@ -11,8 +11,11 @@ residual adds, the bias gradient, and the master state (parameters, gradients, o
 
 Arrays keep the backend's contract (float32, C-contiguous) but for one kind: what a product reads and a layer keeps
 for its backward, ``product_input(x)``, is a bfloat16 array (``ml_dtypes``, half the bytes), which the products take
-as it is. A Linear keeps its input so (nn/layers.py), as autocast keeps the bf16 copy its matmul made; everything
-else, MPI's messages and the checkpoints hold float32 (a bfloat16 value as the float32 of the same value).
+as it is. A Linear keeps its input so (nn/layers.py), as autocast keeps the bf16 copy its matmul made, and
+attention its q, k and v (nn/gpt.py); an activation right after a Linear keeps its input, that product's output, as
+``kept_output(x)`` (the same copy, exact: the product rounded x), which ``relu_backward`` and ``gelu_backward`` widen
+to float32 for their kernels. Everything else, MPI's messages and the checkpoints hold float32 (a bfloat16 value as
+the float32 of the same value).
 
     be = Bf16CpuBackend()      # get_backend("cpu", precision="bf16")
 """

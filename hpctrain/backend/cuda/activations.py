@@ -13,9 +13,9 @@ import math
 from types import SimpleNamespace
 
 import numpy as np
-from numba import cuda, uint16, uint32
+from numba import cuda, int32, uint16, uint32
 
-from . import blocks
+from . import blocks, sim
 from .memory import flat
 
 __all__ = ["kernels", "Activations"]
@@ -41,9 +41,33 @@ def _bf16_bits(u):
 
 
 @functools.cache
+def bf16_widener():
+    """A device function: the float32 of bfloat16 bits ``w`` (a uint16 word; exact: the bits in the upper half of
+    a float32). On a GPU libdevice's ``int_as_float`` (a register move); the simulator, which has no libdevice,
+    reinterprets a numpy scalar's bits."""
+    if sim.simulator():
+        def widen(w):
+            return (np.uint32(w) << _SHIFT).view(np.float32)
+    else:
+        from numba.cuda import libdevice
+
+        def widen(w):
+            return libdevice.int_as_float(int32(uint32(w) << _SHIFT))
+    return cuda.jit(device=True)(widen)
+
+
+@cuda.jit(device=True)
+def _gelu_slope(v):
+    """GELU'(v) = Φ(v) + v·φ(v)."""
+    cdf = _HALF * (_ONE + math.erf(v * _SQRT_HALF))
+    return cdf + v * (_INV_SQRT_2PI * math.exp(-_HALF * v * v))
+
+
+@functools.cache
 def kernels(nt: int) -> SimpleNamespace:
     """The element-wise kernels for blocks of ``nt`` threads; compiled lazily, once per process."""
     NT, kernel = nt, blocks.kernel_decorator(nt)
+    widen = bf16_widener()
 
     @kernel
     def relu_forward(x, out):
@@ -57,6 +81,12 @@ def kernels(nt: int) -> SimpleNamespace:
             dinp[i] = dout[i] if x[i] > _ZERO else _ZERO
 
     @kernel
+    def relu_backward_bf16(x, dout, dinp):
+        """``relu_backward`` of x held as bfloat16 words (``kept_output``)."""
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            dinp[i] = dout[i] if widen(x[i]) > _ZERO else _ZERO
+
+    @kernel
     def gelu_forward(x, out):
         """Exact GELU: 0.5·x·(1 + erf(x/√2))."""
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
@@ -67,10 +97,13 @@ def kernels(nt: int) -> SimpleNamespace:
     def gelu_backward(x, dout, dinp):
         """dinp = dout·(Φ(x) + x·φ(x))."""
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-            v = x[i]
-            cdf = _HALF * (_ONE + math.erf(v * _SQRT_HALF))
-            pdf = _INV_SQRT_2PI * math.exp(-_HALF * v * v)
-            dinp[i] = dout[i] * (cdf + v * pdf)
+            dinp[i] = dout[i] * _gelu_slope(x[i])
+
+    @kernel
+    def gelu_backward_bf16(x, dout, dinp):
+        """``gelu_backward`` of x held as bfloat16 words (``kept_output``)."""
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            dinp[i] = dout[i] * _gelu_slope(widen(x[i]))
 
     @kernel
     def tanh_forward(x, out):
@@ -117,21 +150,29 @@ def kernels(nt: int) -> SimpleNamespace:
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
             out[i] = uint32(x[i]) << _SHIFT
 
-    return SimpleNamespace(relu_forward=relu_forward, relu_backward=relu_backward, gelu_forward=gelu_forward,
-                           gelu_backward=gelu_backward, tanh_forward=tanh_forward, tanh_backward=tanh_backward, add=add,
-                           copy=copy, round_bf16=round_bf16, to_bf16=to_bf16, from_bf16=from_bf16)
+    return SimpleNamespace(relu_forward=relu_forward, relu_backward=relu_backward,
+                           relu_backward_bf16=relu_backward_bf16, gelu_forward=gelu_forward,
+                           gelu_backward=gelu_backward, gelu_backward_bf16=gelu_backward_bf16,
+                           tanh_forward=tanh_forward, tanh_backward=tanh_backward, add=add, copy=copy,
+                           round_bf16=round_bf16, to_bf16=to_bf16, from_bf16=from_bf16)
 
 
 def _activation(kind: str, saved: str = "x"):
     """(``<kind>_forward(x, out)``, ``<kind>_backward(<saved>, dout, dinp)``): the two methods of one activation,
     launching the kernels of the same names after their argument checks; ``saved`` names what the backward
-    takes (tanh's is its output y)."""
+    takes (tanh's is its output y). A backward whose x is held in ``bf16_storage`` (``kept_output``: a
+    product's output under bf16) launches ``<kind>_backward_bf16``, which widens it as it reads it."""
 
     def forward(self, x, out):
         self._unary(f"{kind}_forward", getattr(self._k, f"{kind}_forward"), x=x, out=out)
 
     def backward(self, s, dout, dinp):
-        self._binary(f"{kind}_backward", getattr(self._k, f"{kind}_backward"), **{saved: s}, dout=dout, dinp=dinp)
+        op = f"{kind}_backward"
+        if saved == "x" and self.bf16_storage is not None and s.dtype == self.bf16_storage:
+            self._arg(op, saved, s, shape=self._arg(op, "dout", dout).shape, dtype=self.bf16_storage)
+            self._binary(op, getattr(self._k, f"{op}_bf16"), **{saved: s}, dout=dout, dinp=dinp, checked=(saved,))
+            return
+        self._binary(op, getattr(self._k, op), **{saved: s}, dout=dout, dinp=dinp)
 
     forward.__name__, backward.__name__ = f"{kind}_forward", f"{kind}_backward"
     backward.__doc__ = f"dinp = dout · {kind}'({saved})"
@@ -154,7 +195,9 @@ class Activations:
         self._unary_args(op, x, out)
         self._elementwise(kernel, x.size, flat(x), flat(out))
 
-    def _binary(self, op, kernel, **arrays):
-        self._check_same(op, **arrays)
+    def _binary(self, op, kernel, *, checked=(), **arrays):
+        """``kernel`` over ``arrays`` (flat), after ``op``'s check that all but those named in ``checked`` (checked
+        by the caller) are float32 arrays of the first one's shape."""
+        self._check_same(op, **{name: a for name, a in arrays.items() if name not in checked})
         first = next(iter(arrays.values()))
         self._elementwise(kernel, first.size, *(flat(a) for a in arrays.values()))

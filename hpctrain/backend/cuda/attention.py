@@ -111,7 +111,7 @@ def kernels(nt: int) -> SimpleNamespace:
         """dst[p, b·H + h, t, d] = src[b·T + t, p·C + h·hs + d] (C = H·hs) for each part p of dst (its size /
         (B·H·T·hs) parts: q, k, v from qkv, or dy alone): heads made contiguous. On float32 bits (src a float32
         [B·T, W] array viewed flat as uint32): dst uint32 (a copy) or, with ``bf16``, uint16 words rounded to
-        nearest even (``_bf16_bits``)."""
+        nearest even (``_bf16_bits``); on bfloat16 words (src and dst uint16, ``bf16`` false): a copy."""
         part = src.size // W * H * hs  # B·T·C: one of q, k, v
         for e in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
             u = src[_row_index(e, part, W, T, H, hs)]
@@ -232,8 +232,9 @@ class Attention:
         dtype = np.float32 if self.bf16_storage is None else self.bf16_storage
         heads = self._alloc(op, (parts * rows * H, hs), dtype)
         words = flat(heads).view(np.uint32) if dtype == np.float32 else flat(heads)
-        self._elementwise(self._k.attention_heads, heads.size, flat(x).view(np.uint32), W, words, T, H, hs,
-                          dtype != np.float32)
+        kept = x.dtype == dtype != np.float32  # q, k and v attention kept as bfloat16 words: copied as they are
+        self._elementwise(self._k.attention_heads, heads.size, flat(x) if kept else flat(x).view(np.uint32), W,
+                          words, T, H, hs, dtype != np.float32 and not kept)
         return [heads[i * rows * H : (i + 1) * rows * H] for i in range(parts)]
 
     def _to_rows(self, heads, x, T, H, hs) -> None:

@@ -82,8 +82,8 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "sum_squares_partial": ((F1, D1),),
         "sum_partials": ((D1, D1),),
         "bias_grad": ((F2, t.D3, I1, i64, F1, b1),),
-        "relu_forward": ((F1, F1),), "relu_backward": ((F1, F1, F1),),
-        "gelu_forward": ((F1, F1),), "gelu_backward": ((F1, F1, F1),),
+        "relu_forward": ((F1, F1),), "relu_backward": ((F1, F1, F1),), "relu_backward_bf16": ((t.H1, F1, F1),),
+        "gelu_forward": ((F1, F1),), "gelu_backward": ((F1, F1, F1),), "gelu_backward_bf16": ((t.H1, F1, F1),),
         "tanh_forward": ((F1, F1),), "tanh_backward": ((F1, F1, F1),),
         "copy": ((F1, F1),),
         "round_bf16": ((t.W1, t.W1),),  # float32 buffers viewed as their bits (train.precision = "bf16")
@@ -107,8 +107,10 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "embedding_backward_wpe": ((F2, i64, i64, F2, b1),),
         "attention_softmax_rows": ((F2, i64, f32),),
         "attention_softmax_backward_rows": ((F2, F2, i64, f32),),
-        # heads made contiguous for cuBLASLt: float32 bits copied, or rounded to bfloat16 words
-        "attention_heads": ((t.W1, i64, t.W1, i64, i64, i64, b1), (t.W1, i64, t.H1, i64, i64, i64, b1)),
+        # heads made contiguous for cuBLASLt: float32 bits copied, or rounded to bfloat16 words; kept bfloat16
+        # words copied
+        "attention_heads": ((t.W1, i64, t.W1, i64, i64, i64, b1), (t.W1, i64, t.H1, i64, i64, i64, b1),
+                            (t.H1, i64, t.H1, i64, i64, i64, b1)),
         "attention_rows": ((F1, F1, i64, i64, i64, i64),),
         # flash.py, at each of FLASH_HS (flash_forward_hs128, ..): dropout's key, cut, scale, row0, group,
         # stride and flag after T, H and the scale

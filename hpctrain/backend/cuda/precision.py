@@ -9,14 +9,16 @@ Everything else stays float32, as on the CPU: LayerNorm, softmax, GELU, dropout,
 bias gradient and the master state (parameters, gradients, optimizer state, checkpoints).
 
 Where the bfloat16 values are held: what a Linear keeps for its backward (``product_input``: nn/layers.py) is
-bfloat16, as 16-bit words (``bf16_storage`` uint16; ``to_bf16``, activations.py), half the bytes. A product's
+bfloat16, as 16-bit words (``bf16_storage`` uint16; ``to_bf16``, activations.py), half the bytes; so are the q, k
+and v attention keeps (read by its backward's products only), and an activation's input where a Linear wrote it
+(``kept_output``; ``gelu_backward_bf16`` and ``relu_backward_bf16`` widen the words as they read them). A product's
 operands go to the GEMM provider as bfloat16 where it is cuBLASLt (a bf16 GEMM with float32 accumulation on the
 tensor cores, the output float32, then rounded; gemm/__init__.py), and as float32 arrays of bfloat16 values
 where it is tiled.py's kernels (a float32 operand rounded by ``round_bf16``, a bfloat16 one widened by
 ``from_bf16``). Math attention's products take its heads as bfloat16 copies with cuBLASLt (attention.py), rounded
-float32 copies in tiled.py's batched kernels. The other
-activations, the gradients and the master state stay float32: the memory bf16 saves is the Linears' kept
-inputs (hpctrain plan counts them).
+float32 copies in tiled.py's batched kernels (kept bfloat16 q, k, v copied as they are, or widened). The other
+activations (the residual stream at each LayerNorm, attention's probabilities), the gradients and the master state
+stay float32 (hpctrain plan counts what each holds).
 Flash attention rounds inside its kernels on the CPU reference; its CUDA kernels do not, so
 ``model.attention = "flash"`` is refused here in one line.
 
@@ -71,7 +73,9 @@ class Bf16CudaBackend(CudaBackend):
         return self.product_input(x) if self._cublaslt is not None else self._rounded(op, x)
 
     def _product_input(self, op, x):
-        return self._rounded(op, x)
+        """tiled.py's attention products' operand: a float32 copy rounded to bfloat16, or of a bfloat16 ``x``
+        (the q, k and v attention keeps) widened."""
+        return self._widened(x) if x.dtype == self.bf16_storage else self._rounded(op, x)
 
     def _product_output_(self, x) -> None:
         self.round_bf16_(x)

@@ -33,13 +33,14 @@ import threading
 
 import numpy as np
 
-__all__ = ["install", "kernel_jit", "inlined_device_jit"]
+__all__ = ["install", "simulator", "kernel_jit", "inlined_device_jit"]
 
 _lock = threading.Lock()
 _installed = False
 
 
-def _simulator() -> bool:
+def simulator() -> bool:
+    """Whether numba-cuda's simulator is on (kernels then run as Python, and libdevice is absent)."""
     from numba.cuda.core import config
 
     return bool(config.ENABLE_CUDASIM)
@@ -53,7 +54,7 @@ def kernel_jit(threads: int):
     (tests/test_cuda_compile.py). The simulator has no launch bounds."""
     from numba import cuda
 
-    return cuda.jit if _simulator() or threads <= 256 else cuda.jit(launch_bounds=threads)
+    return cuda.jit if simulator() or threads <= 256 else cuda.jit(launch_bounds=threads)
 
 
 def inlined_device_jit():
@@ -68,7 +69,7 @@ def inlined_device_jit():
 
     from numba import cuda
 
-    if not _simulator() and "forceinline" in inspect.signature(cuda.jit).parameters:
+    if not simulator() and "forceinline" in inspect.signature(cuda.jit).parameters:
         return cuda.jit(device=True, forceinline=True)
     return cuda.jit(device=True, inline="always")
 
@@ -76,7 +77,7 @@ def inlined_device_jit():
 def install() -> None:
     """Make the simulator's static shared arrays thread-safe (idempotent; a no-op off the simulator)."""
     global _installed
-    if _installed or not _simulator():
+    if _installed or not simulator():
         return
     with _lock:
         if _installed:

@@ -23,6 +23,7 @@ The arena is exact by construction on the device; this is a plan of it, as exact
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -77,6 +78,22 @@ class _DeviceShapes:
 
     kept_output = product_input
 
+    @contextlib.contextmanager
+    def product_weights(self, data, refresh):
+        """bf16: inside a part's passes a weight's held bfloat16 copy (backend/product_weights.py) is what cuBLASLt
+        reads, no copy made; tiled.py's kernels still widen it into a float32 one. The copy itself is held across
+        steps, outside the arena (``hpctrain plan`` counts it among the parameters)."""
+        outer, self._held = self._held, data.base
+        try:
+            yield
+        finally:
+            self._held = outer
+
+    _held = None
+
+    def _is_held(self, x) -> bool:
+        return self.bf16 and self._held is not None and x.base is self._held
+
     def _copies(self, *arrays) -> list:
         return [self.empty(a.shape) for a in arrays if a is not None] if self.bf16 else []
 
@@ -87,8 +104,9 @@ class _DeviceShapes:
         if not self.bf16:
             return []
         made = [self.product_input(x) if self.cublaslt else self.empty(x.shape)
-                for x in (a, b) if x.dtype != np.uint16] + self._copies(bias)
-        if not self.cublaslt:
+                for x in (a, b) if x.dtype != np.uint16 and not (self.cublaslt and self._is_held(x))]
+        made += self._copies(bias)
+        if not self.cublaslt:  # a bfloat16 operand widened (a held weight was counted above, rounded or widened)
             made += [self.empty(x.shape) for x in (a, b) if x.dtype == np.uint16]
         return made
 

@@ -24,6 +24,7 @@ about 235 MB (gpt-char.toml's peak less its planned state and activations, 1 and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -158,6 +159,8 @@ def plan(cfg, world_size: int, *, device: bool = False, cuda_aware: bool = False
                                     released=released, slots=slots, bucket_elems=max(1, int(cut)),
                                     micro_batches=run.micro_batches,
                                     gather_bytes=ParamGather.pool_bytes(part) if zero == 3 else 0)
+                if run.precision == "bf16" and zero != 3:  # the products' bfloat16 copy of the parameters
+                    state["params_bytes"] += 2 * part.layout.size  # (backend/product_weights.py)
                 # Reduce_scatter's out (zero_reduce = "auto" may take Allreduce at dp 2, without it: a bound then)
                 buffers = rings + (4 * max((p[d][1] - p[d][0] for p in shard.parts), default=0)
                                    if shard and cfg.parallel.zero_reduce != "allreduce" else 0)
@@ -262,6 +265,9 @@ class _Shapes:
         return self.empty(x.shape, np.uint16) if self.bf16 else x
 
     kept_output = product_input  # an activation's input, a product's output
+
+    def product_weights(self, data, refresh):  # the held copy is a parameter's (``plan``), not an activation
+        return contextlib.nullcontext()
 
     # train.precision = "bf16" on the CPU (backend/cpu/precision.py): a product's operands widened to float32
     # copies and its rounded product, alive together inside the call; ``transient`` the largest

@@ -1,6 +1,7 @@
 """train.precision: the CPU backend's bf16 reference (backend/cpu/precision.py) rounds every product's inputs and
 output to bfloat16 and keeps the rest, and the master state, in float32; checkpoints move between precisions."""
 
+import contextlib
 import os
 
 import ml_dtypes
@@ -141,10 +142,13 @@ def test_bf16_keeps_the_products_inputs_and_outputs_in_half_the_bytes_and_the_pl
     assert kept["fp32"] - kept["bf16"] == B * T * (L * 14 * C + C) * 2
     make_tokens(tmp_path / "t.h5", n=300)
     planned = {precision: plan(gpt_config(tmp_path / "t.h5", model={"block_size": T, "n_embd": C},
-                                          train={"precision": precision}), 1)[0].activation_bytes
+                                          train={"precision": precision}), 1)[0]
                for precision in ("fp32", "bf16")}
     widened = 4 * (B * T * 4 * C + 4 * C * C + C)
-    assert planned["fp32"] - planned["bf16"] == kept["fp32"] - kept["bf16"] - widened
+    assert planned["fp32"].activation_bytes - planned["bf16"].activation_bytes == \
+        kept["fp32"] - kept["bf16"] - widened
+    # and the products' bfloat16 copy of the parameters (backend/product_weights.py), held across steps
+    assert planned["bf16"].params_bytes - planned["fp32"].params_bytes == 2 * spec.part().layout.size
 
 
 def _loss_and_grads(be, spec, params, idx, targets):
@@ -191,6 +195,54 @@ def test_what_bf16_keeps_in_bfloat16_changes_no_bit(attention):
         qkv, gelu_input = block[2][0], block[6]
         assert qkv.shape == (B * T, 3 * C) and gelu_input.shape == (B * T, 4 * C)
         assert is_bf16(qkv) and is_bf16(gelu_input)
+
+
+class _RoundsEachProduct(Bf16CpuBackend):
+    """The bf16 reference without the held copy of the weights: each product rounds its weight anew."""
+
+    def product_weights(self, data, refresh):
+        return contextlib.nullcontext()
+
+
+def test_the_products_read_a_parts_weights_from_one_bfloat16_copy_rounded_at_each_forward():
+    """Inside a part's passes the products read its weights from the backend's one bfloat16 copy of the flat
+    parameters (backend/product_weights.py): rounded once a forward, not at all in the backward, the bits of
+    rounding each weight at each product; parameters changed between passes are rounded again at the next
+    forward, and outside a part's passes no product reads the copy."""
+    L, C, T, B, V = 2, 16, 8, 3, 12
+    spec = GPTSpec(vocab_size=V, block_size=T, n_layer=L, n_head=2, n_embd=C)
+    rng = np.random.default_rng(7)
+    idx, targets = (rng.integers(0, V, (B, T)).astype(np.int64) for _ in range(2))
+    params = spec.init_params(4)
+    got = _loss_and_grads(Bf16CpuBackend(), spec, params, idx, targets)
+    want = _loss_and_grads(_RoundsEachProduct(), spec, params, idx, targets)
+    assert got[0] == want[0] and all(got[1][k].tobytes() == want[1][k].tobytes() for k in want[1])
+
+    be = Bf16CpuBackend()
+    rounds = []
+    be._round_into = lambda data, copy: (rounds.append(data.size), Bf16CpuBackend._round_into(data, copy))
+    part = spec.part()
+    p, g = FlatBuffer(be, part.layout), FlatBuffer(be, part.layout)
+    part.bind(p, g)
+    p.load_host_dict(params)
+    out, saved = part.forward(be, idx)
+    assert rounds == [part.layout.size]
+    assert be._held.copy.tobytes() == p.data.astype(BF16).tobytes() and be._held.copy.nbytes == p.data.nbytes // 2
+    part.backward(be, np.ones_like(out), saved, need_dinp=False)
+    assert rounds == [part.layout.size]  # the backward read the forward's copy
+    w = p["transformer.h.0.mlp.c_fc.weight"]
+    with be.product_weights(p.data, refresh=False):
+        assert be._held_weight(w).tobytes() == w.astype(BF16).tobytes()
+    assert be._held_weight(w) is None and len(rounds) == 1  # outside the part's passes: none
+    p.load_host_dict({k: v * np.float32(1.5) for k, v in params.items()})
+    out2, _ = part.forward(be, idx)
+    assert len(rounds) == 2
+    fresh = _RoundsEachProduct()
+    part2 = spec.part()
+    p2 = FlatBuffer(fresh, part2.layout)
+    part2.bind(p2, FlatBuffer(fresh, part2.layout))
+    p2.load_host_dict({k: v * np.float32(1.5) for k, v in params.items()})
+    assert out2.tobytes() == part2.forward(fresh, idx)[0].tobytes()
 
 
 def test_an_mlp_keeps_an_activations_input_in_bfloat16_where_a_product_wrote_it():

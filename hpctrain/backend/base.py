@@ -199,6 +199,13 @@ class Backend:
         which the products take as it is (precision.py of either backend)."""
         return x
 
+    def product_weights(self, data, refresh: bool):
+        """A scope in which the products read a part's weights (views of ``data``, its flat float32 parameters)
+        from a bfloat16 copy of ``data``, rounded first when ``refresh`` (nn/model.py opens it around a part's
+        forward and backward): nothing here; under bf16 the copy each product would otherwise round its weight
+        into anew (backend/product_weights.py)."""
+        return contextlib.nullcontext()
+
     def kept_output(self, x):
         """A product's output ``x`` as a layer keeps it for an element-wise backward (an activation's input:
         ``relu_backward`` and ``gelu_backward`` take it as it is): ``product_input(x)``, which under bf16 is exact

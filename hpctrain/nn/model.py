@@ -27,6 +27,8 @@ local names to the global ones, and how each split tensor is cut (``shards``).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ..errors import ConfigError, LayoutError
@@ -324,6 +326,7 @@ class ModelPart:
         self.units = [(x + start, y + start) for (start, _), us in zip(self.chunk_layers, self.chunk_units)
                       for x, y in us]  # all of them, local to the part
         self.recompute = False  # train.recompute = "blocks": keep each unit's input only, recompute in backward
+        self._params = None  # the parameters bound (``bind``)
         self.gather = None  # zero = 3: gathers each unit's parameters over dp around its use (parallel/zero3.py)
         # the local offset from which each layer's backward leaves every gradient final; None: it writes none
         # of its own (a tie to a tensor another layer of this part owns and writes later)
@@ -410,6 +413,7 @@ class ModelPart:
         return ranges
 
     def bind(self, params: FlatBuffer, grads: FlatBuffer) -> None:
+        self._params = params
         written = set()  # gradients written by a layer later in this part: its backward runs first
         for layer, prefix in reversed(list(zip(self.layers, self.prefixes))):
             local = {n: prefix + n for n, _ in layer.params}
@@ -423,6 +427,19 @@ class ModelPart:
         what each layer's backward needs, or, with ``recompute``, each unit's input only (a ``UnitInputs``).
         ``key``: the micro-batch's DropoutKey in training (None: evaluation, no dropout), handed to the layers
         that drop."""
+        with self._products(be, refresh=chunk == 0):
+            return self._forward(be, x, key, chunk)
+
+    def _products(self, be, refresh: bool):
+        """The scope in which this part's products read its weights from the backend's bfloat16 copy under bf16
+        (backend/product_weights.py), rounded afresh at ``refresh``: the forward of the first chunk, which begins
+        each pass of a micro-batch through the part, the parameters then fixed until after its backward. None
+        under ZeRO-3, whose units are gathered around their use."""
+        if self.gather is not None or self._params is None:
+            return contextlib.nullcontext()
+        return be.product_weights(self._params.data, refresh)
+
+    def _forward(self, be, x, key, chunk: int):
         start, end = self.chunk_layers[chunk]
         layers = self.layers[start : end + 1]
         if self.recompute:
@@ -464,20 +481,22 @@ class ModelPart:
         """
         start = self.chunk_layers[chunk][0]
         units = self.chunk_units[chunk]
-        for u in range(len(units) - 1, -1, -1):
-            a, b = units[u]
-            self._gathered(chunk, u, True)  # zero = 3: before the recomputed forward too
-            mine = self._unit_saved(be, saved, u, chunk)
-            for k in range(b, a - 1, -1):
-                last = k == 0 and not need_dinp
-                layer = start + k
-                if on_write is not None:
-                    on_write(self._writes[layer])
-                dout = self.layers[layer].backward(be, dout, mine[k - a], accumulate=accumulate, need_dinp=not last)
-                mine[k - a] = None  # this layer's activations can go now
-                if on_final is not None and self._first_offset[layer] is not None:
-                    on_final(self._first_offset[layer])
-            self._gathered(chunk, u, False)
+        with self._products(be, refresh=False):  # one frame: each gradient goes as the next replaces it
+            for u in range(len(units) - 1, -1, -1):
+                a, b = units[u]
+                self._gathered(chunk, u, True)  # zero = 3: before the recomputed forward too
+                mine = self._unit_saved(be, saved, u, chunk)
+                for k in range(b, a - 1, -1):
+                    last = k == 0 and not need_dinp
+                    layer = start + k
+                    if on_write is not None:
+                        on_write(self._writes[layer])
+                    dout = self.layers[layer].backward(be, dout, mine[k - a], accumulate=accumulate,
+                                                       need_dinp=not last)
+                    mine[k - a] = None  # this layer's activations can go now
+                    if on_final is not None and self._first_offset[layer] is not None:
+                        on_final(self._first_offset[layer])
+                self._gathered(chunk, u, False)
         return dout
 
     def _unit_saved(self, be, saved, u: int, chunk: int = 0) -> list:
@@ -498,18 +517,19 @@ class ModelPart:
         ``backward_weight`` needs per layer). Layers that do not split write their gradients here;
         ``on_write`` as in ``backward``."""
         wsaved = [None] * len(self.layers)
-        for u in range(len(self.units) - 1, -1, -1):
-            a, b = self.units[u]
-            self._gathered(0, u, True)  # zero = 3: B reads the unit's weights (W reads only saved values)
-            mine = self._unit_saved(be, saved, u)
-            for k in range(b, a - 1, -1):
-                last = k == 0 and not need_dinp
-                if on_write is not None:
-                    on_write(self._writes[k])
-                dout, wsaved[k] = self.layers[k].backward_input(be, dout, mine[k - a], accumulate=accumulate,
-                                                                need_dinp=not last)
-                mine[k - a] = None
-            self._gathered(0, u, False)
+        with self._products(be, refresh=False):
+            for u in range(len(self.units) - 1, -1, -1):
+                a, b = self.units[u]
+                self._gathered(0, u, True)  # zero = 3: B reads the unit's weights (W reads only saved values)
+                mine = self._unit_saved(be, saved, u)
+                for k in range(b, a - 1, -1):
+                    last = k == 0 and not need_dinp
+                    if on_write is not None:
+                        on_write(self._writes[k])
+                    dout, wsaved[k] = self.layers[k].backward_input(be, dout, mine[k - a], accumulate=accumulate,
+                                                                    need_dinp=not last)
+                    mine[k - a] = None
+                self._gathered(0, u, False)
         return dout, wsaved
 
     def backward_weight(self, be, wsaved, *, accumulate=False, on_final=None, on_write=None):

@@ -361,6 +361,51 @@ def test_bf16_attention_copies_its_kept_qkv_into_heads_as_they_are(fake, rng):
     assert [req.precision for req, _, _ in fake[-1].calls] == ["bf16"] * 10
 
 
+@pytest.mark.parametrize("gemm", ["cublaslt", "numba"])
+def test_bf16_products_read_the_weights_from_the_parts_held_copy(fake, gemm):
+    """Under bf16 a GPT's forward rounds its flat parameters into the backend's bfloat16 copy once (one ``to_bf16``
+    launch) and every Linear product reads its weight's view of it: with cuBLASLt no product rounds its weight
+    any more (2·(4·L + 1) - 1 fewer ``to_bf16`` launches a forward and backward than rounding each weight at each
+    product), with the numba kernels each widens its view instead of rounding the weight (``from_bf16`` for
+    ``round_bf16``). The loss and gradients are the same bits either way."""
+    import contextlib
+
+    from hpctrain.backend.cuda.precision import Bf16CudaBackend
+    from hpctrain.nn import make_loss
+    from hpctrain.nn.gpt import GPTSpec
+    from hpctrain.params import FlatBuffer
+
+    class RoundsEachProduct(Bf16CudaBackend):
+        def product_weights(self, data, refresh):
+            return contextlib.nullcontext()
+
+    L, C, T, B, V = 1, 8, 4, 2, 10
+    spec = GPTSpec(vocab_size=V, block_size=T, n_layer=L, n_head=2, n_embd=C)
+    rng = np.random.default_rng(3)
+    idx, targets = rng.integers(0, V, (B, T)).astype(np.int64), rng.integers(0, V, B * T).astype(np.int64)
+    runs = []
+    for make in (Bf16CudaBackend, RoundsEachProduct):
+        be = make(gemm=gemm)
+        part = spec.part()
+        p, g = FlatBuffer(be, part.layout), FlatBuffer(be, part.layout)
+        part.bind(p, g)
+        p.load_host_dict(spec.init_params(1))
+        be.launch_trace = []
+        h, saved = part.forward(be, be.asarray(idx))
+        value, _, d = make_loss("cross_entropy")(be, h, be.asarray(targets), 1.0 / targets.size)
+        part.backward(be, d, saved, need_dinp=False)
+        names = [name for name, *_ in be.launch_trace]
+        runs.append((value, g.to_host_dict(), {k: names.count(k) for k in ("to_bf16", "round_bf16", "from_bf16")}))
+    (held_value, held_grads, held), (value, grads, each) = runs
+    assert held_value == value and all(held_grads[k].tobytes() == grads[k].tobytes() for k in grads)
+    products = 2 * (4 * L + 1)  # each Linear's and the head's X·Wᵀ and dY·W
+    if gemm == "cublaslt":
+        assert each["to_bf16"] - held["to_bf16"] == products - 1
+    else:
+        assert each["round_bf16"] - held["round_bf16"] == products
+        assert held["from_bf16"] - each["from_bf16"] == products and held["to_bf16"] == each["to_bf16"] + 1
+
+
 def test_attention_products_cublaslt_refuses_run_in_the_numba_kernels(fake, rng):
     """A strided product the provider refuses runs in tiled.py's batched kernels on the same contiguous heads:
     the same values, the refusals counted."""

@@ -14,8 +14,9 @@ for its backward, ``product_input(x)``, is a bfloat16 array (``ml_dtypes``, half
 as it is. A Linear keeps its input so (nn/layers.py), as autocast keeps the bf16 copy its matmul made, and
 attention its q, k and v (nn/gpt.py); an activation right after a Linear keeps its input, that product's output, as
 ``kept_output(x)`` (the same copy, exact: the product rounded x), which ``relu_backward`` and ``gelu_backward`` widen
-to float32 for their kernels. Everything else, MPI's messages and the checkpoints hold float32 (a bfloat16 value as
-the float32 of the same value).
+to float32 for their kernels. Inside a part's passes the products read its weights from one bfloat16 copy of its
+flat parameters, rounded at each forward (``ProductWeights``, backend/product_weights.py). Everything else, MPI's
+messages and the checkpoints hold float32 (a bfloat16 value as the float32 of the same value).
 
     be = Bf16CpuBackend()      # get_backend("cpu", precision="bf16")
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..product_weights import ProductWeights
 from . import CpuBackend
 
 __all__ = ["Bf16CpuBackend", "to_bf16", "round_bf16_"]
@@ -47,10 +49,31 @@ def round_bf16_(x: np.ndarray) -> np.ndarray:
     return x
 
 
-class Bf16CpuBackend(CpuBackend):
-    """CpuBackend whose products round their inputs and outputs to bfloat16 (this module's docstring)."""
+class Bf16CpuBackend(ProductWeights, CpuBackend):
+    """CpuBackend whose products round their inputs and outputs to bfloat16 (this module's docstring); inside a
+    part's passes they read its weights from one bfloat16 copy (backend/product_weights.py)."""
 
     precision = "bf16"
+
+    def _bf16_copy(self, n):
+        return np.empty(n, _bfloat16())
+
+    @staticmethod
+    def _round_into(data, copy):
+        copy[...] = data  # ml_dtypes' cast: to nearest even
+
+    @staticmethod
+    def _address(x) -> int:
+        return x.__array_interface__["data"][0]
+
+    @staticmethod
+    def _contiguous(x) -> bool:
+        return x.flags.c_contiguous
+
+    def _weight(self, x):
+        """A product's operand: a weight's held bfloat16 copy where there is one (``_held_weight``), else x."""
+        held = self._held_weight(x)
+        return x if held is None else held
 
     @property
     def bf16_storage(self):
@@ -63,15 +86,15 @@ class Bf16CpuBackend(CpuBackend):
     def matmul_nt(self, a, b, out, bias=None):
         """out[M,N] = bf16(bf16(a)·bf16(b)ᵀ + bf16(bias)), accumulated in float32."""
         self._matmul_args("matmul_nt", a, b, out, bias)
-        np.matmul(to_bf16(a), to_bf16(b).T, out=out)
+        np.matmul(to_bf16(a), to_bf16(self._weight(b)).T, out=out)
         if bias is not None:
-            out += to_bf16(bias)
+            out += to_bf16(self._weight(bias))
         round_bf16_(out)
 
     def matmul_nn(self, a, b, out):
         """out[M,N] = bf16(bf16(a)·bf16(b))."""
         self._matmul_args("matmul_nn", a, b, out)
-        np.matmul(to_bf16(a), to_bf16(b), out=out)
+        np.matmul(to_bf16(a), to_bf16(self._weight(b)), out=out)
         round_bf16_(out)
 
     def matmul_tn(self, a, b, out, accumulate=False):

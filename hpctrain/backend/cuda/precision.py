@@ -11,7 +11,9 @@ bias gradient and the master state (parameters, gradients, optimizer state, chec
 Where the bfloat16 values are held: what a Linear keeps for its backward (``product_input``: nn/layers.py) is
 bfloat16, as 16-bit words (``bf16_storage`` uint16; ``to_bf16``, activations.py), half the bytes; so are the q, k
 and v attention keeps (read by its backward's products only), and an activation's input where a Linear wrote it
-(``kept_output``; ``gelu_backward_bf16`` and ``relu_backward_bf16`` widen the words as they read them). A product's
+(``kept_output``; ``gelu_backward_bf16`` and ``relu_backward_bf16`` widen the words as they read them). Inside a
+part's passes a product reads its weight from the part's one bfloat16 copy of its parameters, rounded at each
+forward (``ProductWeights``, backend/product_weights.py), rather than rounding it itself. A product's
 operands go to the GEMM provider as bfloat16 where it is cuBLASLt (a bf16 GEMM with float32 accumulation on the
 tensor cores, the output float32, then rounded; gemm/__init__.py), and as float32 arrays of bfloat16 values
 where it is tiled.py's kernels (a float32 operand rounded by ``round_bf16``, a bfloat16 one widened by
@@ -30,18 +32,34 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import BackendError
+from ..product_weights import ProductWeights
 from . import CudaBackend
+from .gemm import address
 from .memory import flat
 
 __all__ = ["Bf16CudaBackend"]
 
 
-class Bf16CudaBackend(CudaBackend):
-    """CudaBackend whose products round their inputs and outputs to bfloat16 (this module's docstring)."""
+class Bf16CudaBackend(ProductWeights, CudaBackend):
+    """CudaBackend whose products round their inputs and outputs to bfloat16 (this module's docstring); inside a
+    part's passes they read its weights from one bfloat16 copy (backend/product_weights.py)."""
 
     precision = "bf16"
 
     bf16_storage = np.dtype(np.uint16)  # a bfloat16 array on the device: its 16-bit words
+
+    def _bf16_copy(self, n):
+        """Held across steps: never from the step arena (made at a step's first forward)."""
+        return self._fresh((n,), self.bf16_storage)
+
+    def _round_into(self, data, copy):
+        self._elementwise(self._k.to_bf16, data.size, flat(data).view(np.uint32), copy)
+
+    _address = staticmethod(address)
+
+    @staticmethod
+    def _contiguous(x) -> bool:
+        return x.is_c_contiguous()
 
     def round_bf16_(self, x, out=None):
         """``out`` (default: ``x`` itself) = ``x`` rounded to bfloat16, to nearest even; both C-contiguous float32."""
@@ -70,6 +88,9 @@ class Bf16CudaBackend(CudaBackend):
         bfloat16 operand as it is: gemm/__init__.py widens it where tiled.py's kernels run the product)."""
         if x.dtype == self.bf16_storage:
             return x
+        held = self._held_weight(x)  # a weight inside a part's passes: its held copy (product_weights.py)
+        if held is not None:
+            return held
         return self.product_input(x) if self._cublaslt is not None else self._rounded(op, x)
 
     def _product_input(self, op, x):

@@ -78,6 +78,9 @@ class _DeviceShapes:
 
     kept_output = product_input
 
+    def empty_product_input(self, shape):
+        return self.empty(shape, np.uint16 if self.bf16 else np.float32)
+
     @contextlib.contextmanager
     def product_weights(self, data, refresh):
         """bf16: inside a part's passes a weight's held bfloat16 copy (backend/product_weights.py) is what cuBLASLt

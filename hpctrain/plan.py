@@ -266,6 +266,9 @@ class _Shapes:
 
     kept_output = product_input  # an activation's input, a product's output
 
+    def empty_product_input(self, shape):
+        return self.empty(shape, np.uint16 if self.bf16 else np.float32)
+
     def product_weights(self, data, refresh):  # the held copy is a parameter's (``plan``), not an activation
         return contextlib.nullcontext()
 

@@ -165,17 +165,23 @@ def _loss_and_grads(be, spec, params, idx, targets):
 
 
 class _KeepsFloat32(Bf16CpuBackend):
-    """The bf16 reference keeping what it keeps in float32: the products round their inputs themselves."""
+    """The bf16 reference keeping what it keeps in float32: the products round their inputs themselves, and the
+    LayerNorms and GELU before a product write float32."""
 
     def product_input(self, x):
         return x
+
+    def empty_product_input(self, shape):
+        return np.empty(shape, np.float32)
 
 
 @pytest.mark.parametrize("attention", ["math", "flash"])
 def test_what_bf16_keeps_in_bfloat16_changes_no_bit(attention):
     """Keeping the Linears' inputs, attention's q, k, v and the GELU's input in bfloat16 rounds nothing a product
-    would not round, and the GELU's input is c_fc's output, rounded already: the loss and every gradient are the
-    bits of the same backend keeping them in float32, and what attention and the GELU keep is bfloat16 exactly."""
+    would not round, and the GELU's input is c_fc's output, rounded already; the LayerNorms and the GELU writing
+    their outputs rounded to bfloat16 (``empty_product_input``) round them as the products after them would: the
+    loss and every gradient are the bits of the same backend keeping and writing them in float32, and what
+    attention and the GELU keep is bfloat16 exactly."""
     L, C, T, B, V = 2, 16, 8, 3, 12
     spec = GPTSpec(vocab_size=V, block_size=T, n_layer=L, n_head=2, n_embd=C, attention=attention)
     rng = np.random.default_rng(5)
@@ -195,6 +201,13 @@ def test_what_bf16_keeps_in_bfloat16_changes_no_bit(attention):
         qkv, gelu_input = block[2][0], block[6]
         assert qkv.shape == (B * T, 3 * C) and gelu_input.shape == (B * T, 4 * C)
         assert is_bf16(qkv) and is_bf16(gelu_input)
+        assert block[1].dtype == block[5].dtype == block[7].dtype == np.float32  # ln_1's, ln_2's, the GELU's outputs
+    be = Bf16CpuBackend()
+    part.bind(p, FlatBuffer(be, part.layout))
+    saved = part.forward(be, idx)[1]
+    for block in saved[1:-1]:  # written as bfloat16 by the LayerNorm and the GELU, kept as they are
+        assert block[1].dtype == block[5].dtype == block[7].dtype == BF16
+    assert saved[-1][1].dtype == BF16  # ln_f's output, which the head keeps
 
 
 class _RoundsEachProduct(Bf16CpuBackend):

@@ -206,6 +206,12 @@ class Backend:
         into anew (backend/product_weights.py)."""
         return contextlib.nullcontext()
 
+    def empty_product_input(self, shape):
+        """An array that a kernel writes and only a product reads (a LayerNorm's output before a Linear, the GELU's
+        before c_proj): float32; under bf16 ``bf16_storage``, which ``layernorm_forward`` and ``gelu_forward``
+        write rounded to bfloat16 as they write it, the products' rounding done there, no float32 copy made."""
+        return self.empty(shape)
+
     def kept_output(self, x):
         """A product's output ``x`` as a layer keeps it for an element-wise backward (an activation's input:
         ``relu_backward`` and ``gelu_backward`` take it as it is): ``product_input(x)``, which under bf16 is exact
@@ -370,7 +376,7 @@ class Backend:
         B, C = self._arg(op, "x", x, ndim=2).shape
         for name, arr in (("weight", weight), ("bias", bias)):
             self._arg(op, name, arr, shape=(C,))
-        self._arg(op, "out", out, shape=(B, C))
+        self._arg(op, "out", out, shape=(B, C), dtype=self._operand_dtype(out))  # bf16: empty_product_input's
         for name, arr in (("mean", mean), ("rstd", rstd)):
             self._arg(op, name, arr, shape=(B,))
         return B, C

@@ -211,7 +211,7 @@ class Block(Layer):
         return self.attn.scratch_bytes(rows, device)
 
     def _assemble(self, subs, attn):
-        self.subs, self.attn, self.gelu = subs, attn, GELU(after_product=True)  # it takes c_fc's output
+        self.subs, self.attn, self.gelu = subs, attn, GELU(after_product=True, before_product=True)  # c_fc to c_proj
         self.ln_1, self.c_attn, self.attn_proj, self.ln_2, self.c_fc, self.mlp_proj = (sub for _, sub in subs)
         self.params = tuple((prefix + name, shape) for prefix, sub in subs for name, shape in sub.params)
         self.shards = {prefix + name: kind for prefix, sub in subs for name, kind in getattr(sub, "shards", {}).items()}
@@ -254,13 +254,13 @@ class Block(Layer):
         """The residual branches' outputs are dropped (resid_dropout, the MLP's dropout) before they are added;
         the row-parallel c_proj's output is whole after its sum, so every tensor-parallel rank draws alike."""
         resid = self._residual_draws(key)
-        h, s_ln1 = self.ln_1.forward(be, x)
+        h, s_ln1 = self.ln_1.forward(be, x, for_product=True)
         qkv, s_attn_in = self.c_attn.forward(be, h)
         a, s_attn = self.attn.forward(be, qkv, key)
         del qkv  # under bf16 attention keeps its own bfloat16 copy: the float32 one goes now
         x2, s_proj = self.attn_proj.forward(be, a)
         _drop(be, x2, resid[0])
-        h2, s_ln2 = self.ln_2.forward_residual(be, x2, x)  # the first residual (x2 += x), fused with ln_2
+        h2, s_ln2 = self.ln_2.forward_residual(be, x2, x, for_product=True)  # the first residual (x2 += x)
         f, s_fc = self.c_fc.forward(be, h2)
         g, s_gelu = self.gelu.forward(be, f)
         del f  # likewise GELU's input
@@ -346,8 +346,8 @@ class Head(Layer):
         self.ln_f.bind({n: weights["ln_f." + n] for n in names}, {n: grads["ln_f." + n] for n in names})
 
     def forward(self, be, x):
-        h, s_ln = self.ln_f.forward(be, x)
-        h = be.product_input(h)  # what the table's products read and the backward keeps
+        h, s_ln = self.ln_f.forward(be, x, for_product=True)
+        h = be.product_input(h)  # what the table's products read and the backward keeps (under bf16: h itself)
         logits = be.empty((x.shape[0], self.out_features))
         be.matmul_nt(h, self.w["wte.weight"], logits)
         return logits, (s_ln, h)

@@ -112,13 +112,16 @@ class Activation(Layer):
     kernel = ""
     saves_output = False  # tanh's backward needs tanh(x), the others need x
 
-    def __init__(self, after_product: bool = False):
-        # x is a product's output as it is (a Linear's, a column-parallel one's): the activation keeps it as
-        # ``be.kept_output`` holds it, bfloat16 under train.precision = "bf16" (exact: the product rounded x)
+    def __init__(self, after_product: bool = False, before_product: bool = False):
+        # after_product: x is a product's output as it is (a Linear's, a column-parallel one's): the activation
+        # keeps it as ``be.kept_output`` holds it, bfloat16 under train.precision = "bf16" (exact: the product
+        # rounded x). before_product: only a product reads the output (a GPT block's GELU): it is written as
+        # ``be.empty_product_input`` holds it, rounded by the kernel as the product would round it
         self.after_product = after_product and not self.saves_output
+        self.before_product = before_product and not self.saves_output
 
     def forward(self, be, x):
-        out = be.empty(x.shape)
+        out = be.empty_product_input(x.shape) if self.before_product else be.empty(x.shape)
         getattr(be, f"{self.kernel}_forward")(x, out)
         if self.saves_output:
             return out, out
@@ -168,11 +171,17 @@ class LayerNorm(Layer):
             self._zero_bias, self._bias_grad_scratch = be.zeros((self.out_features,)), be.empty((self.out_features,))
         return self._zero_bias, self._bias_grad_scratch
 
-    def forward(self, be, x):
+    def forward(self, be, x, *, for_product: bool = False):
+        """``for_product``: only a product reads the output (a GPT's LayerNorms before c_attn, c_fc and the head):
+        it is written as ``be.empty_product_input`` holds it (bfloat16 under bf16, rounded by the kernel)."""
         B = x.shape[0]
-        out, mean, rstd = be.empty(x.shape), be.empty((B,)), be.empty((B,))
+        out, mean, rstd = self._out(be, x.shape, for_product), be.empty((B,)), be.empty((B,))
         be.layernorm_forward(x, self.w["weight"], self._bias(be)[0], self.eps, out, mean, rstd)
         return out, (x, mean, rstd)
+
+    @staticmethod
+    def _out(be, shape, for_product):
+        return be.empty_product_input(shape) if for_product else be.empty(shape)
 
     def backward(self, be, dout, saved, accumulate=False, need_dinp=True):
         x, mean, rstd = saved
@@ -181,11 +190,11 @@ class LayerNorm(Layer):
                               accumulate=accumulate)
         return dinp
 
-    def forward_residual(self, be, x, residual):
+    def forward_residual(self, be, x, residual, *, for_product: bool = False):
         """x += residual (in place: x becomes the residual stream after the add), then ``forward`` of it, fused
         (the backend's ``residual_layernorm_forward``); saves what ``backward_residual`` needs."""
         B = x.shape[0]
-        out, mean, rstd = be.empty(x.shape), be.empty((B,)), be.empty((B,))
+        out, mean, rstd = self._out(be, x.shape, for_product), be.empty((B,)), be.empty((B,))
         be.residual_layernorm_forward(x, residual, self.w["weight"], self._bias(be)[0], self.eps, out, mean, rstd)
         return out, (x, mean, rstd)
 

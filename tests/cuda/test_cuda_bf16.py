@@ -141,6 +141,36 @@ def test_an_activation_reads_its_kept_bfloat16_input_as_the_float32_values(bf16,
         getattr(bf16, f"{kind}_backward")(bf16.kept_output(bf16.empty((7, 8))), bf16.asarray(dout), got)
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_layernorm_and_gelu_write_bfloat16_for_the_product_after_them(bf16, rng, residual):
+    """Into ``empty_product_input`` (uint16 words) ``layernorm_forward`` (and its residual form) and
+    ``gelu_forward`` write their float32 results rounded to bfloat16, ml_dtypes' bits of the float32 kernels'
+    output; the statistics and the residual stream stay float32."""
+    B, C = 6, 40
+    x, res, w, b = rand(rng, B, C) * np.float32(3), rand(rng, B, C), rand(rng, C), rand(rng, C)
+    outs = {}
+    for kind in ("float32", "bf16"):
+        xs = bf16.asarray(x.copy())
+        out = bf16.empty((B, C)) if kind == "float32" else bf16.empty_product_input((B, C))
+        mean, rstd = bf16.empty((B,)), bf16.empty((B,))
+        if residual:
+            bf16.residual_layernorm_forward(xs, bf16.asarray(res), bf16.asarray(w), bf16.asarray(b), 1e-5, out,
+                                            mean, rstd)
+        else:
+            bf16.layernorm_forward(xs, bf16.asarray(w), bf16.asarray(b), 1e-5, out, mean, rstd)
+        g = bf16.empty((B, C)) if kind == "float32" else bf16.empty_product_input((B, C))
+        bf16.gelu_forward(bf16.asarray(x), g)
+        outs[kind] = [bf16.to_host(a) for a in (out, g, mean, rstd, xs)]
+    assert outs["bf16"][0].dtype == np.uint16
+    for wide, words in zip(outs["float32"][:2], outs["bf16"][:2]):
+        assert words.tobytes() == wide.astype(ml_dtypes.bfloat16).tobytes()
+    for a, c in zip(outs["float32"][2:], outs["bf16"][2:]):
+        assert a.tobytes() == c.tobytes()
+    with pytest.raises(BackendError, match=r"^layernorm_forward: out must be float32, got int32"):
+        bf16.layernorm_forward(bf16.asarray(x), bf16.asarray(w), bf16.asarray(b), 1e-5, bf16.empty((B, C), np.int32),
+                               bf16.empty((B,)), bf16.empty((B,)))
+
+
 def test_attention_reads_its_kept_bfloat16_qkv_as_the_float32_values(bf16, rng):
     """The q, k and v attention keeps (``product_input``: bfloat16 words) give the backward the bits that the
     float32 qkv they were rounded from gives it (the products round it the same)."""

@@ -406,6 +406,41 @@ def test_bf16_products_read_the_weights_from_the_parts_held_copy(fake, gemm):
         assert held["from_bf16"] - each["from_bf16"] == products and held["to_bf16"] == each["to_bf16"] + 1
 
 
+def test_bf16_layernorms_and_gelu_write_what_the_products_read(fake):
+    """Under bf16 a GPT block's two LayerNorms and its GELU, and the head's ln_f, write their outputs as bfloat16
+    words (``empty_product_input``) that the next product reads as they are: with cuBLASLt 3·L + 1 fewer
+    ``to_bf16`` launches a forward than writing float32 and rounding a copy, and the same loss and gradients."""
+    from hpctrain.backend.cuda.precision import Bf16CudaBackend
+    from hpctrain.nn import make_loss
+    from hpctrain.nn.gpt import GPTSpec
+    from hpctrain.params import FlatBuffer
+
+    class WritesFloat32(Bf16CudaBackend):
+        def empty_product_input(self, shape):
+            return self.empty(shape)
+
+    L, C, T, B, V = 2, 8, 4, 2, 10
+    spec = GPTSpec(vocab_size=V, block_size=T, n_layer=L, n_head=2, n_embd=C)
+    rng = np.random.default_rng(4)
+    idx, targets = rng.integers(0, V, (B, T)).astype(np.int64), rng.integers(0, V, B * T).astype(np.int64)
+    runs = []
+    for make in (Bf16CudaBackend, WritesFloat32):
+        be = make(gemm="cublaslt")
+        part = spec.part()
+        p, g = FlatBuffer(be, part.layout), FlatBuffer(be, part.layout)
+        part.bind(p, g)
+        p.load_host_dict(spec.init_params(2))
+        be.launch_trace = []
+        h, saved = part.forward(be, be.asarray(idx))
+        forward = [name for name, *_ in be.launch_trace].count("to_bf16")
+        value, _, d = make_loss("cross_entropy")(be, h, be.asarray(targets), 1.0 / targets.size)
+        part.backward(be, d, saved, need_dinp=False)
+        runs.append((value, g.to_host_dict(), forward))
+    (value, grads, fused), (value32, grads32, rounded) = runs
+    assert value == value32 and all(grads[k].tobytes() == grads32[k].tobytes() for k in grads)
+    assert rounded - fused == 3 * L + 1
+
+
 def test_attention_products_cublaslt_refuses_run_in_the_numba_kernels(fake, rng):
     """A strided product the provider refuses runs in tiled.py's batched kernels on the same contiguous heads:
     the same values, the refusals counted."""

@@ -115,7 +115,13 @@ class Activations:
         self._binary("relu_backward", _relu_backward, x=self._kept("relu_backward", x, dout), dout=dout, dinp=dinp)
 
     def gelu_forward(self, x, out):
-        self._unary("gelu_forward", _gelu_forward, x, out)
+        if self.bf16_storage is None or out.dtype != self.bf16_storage:
+            self._unary("gelu_forward", _gelu_forward, x, out)
+            return
+        self._arg("gelu_forward", "out", out, shape=self._arg("gelu_forward", "x", x).shape, dtype=out.dtype)
+        wide = np.empty(out.shape, np.float32)  # empty_product_input's bfloat16: rounded as the product would
+        _gelu_forward(x, wide)
+        out[...] = wide
 
     def gelu_backward(self, x, dout, dinp):
         self._binary("gelu_backward", _gelu_backward, x=self._kept("gelu_backward", x, dout), dout=dout, dinp=dinp)

@@ -79,6 +79,9 @@ class Bf16CpuBackend(ProductWeights, CpuBackend):
     def bf16_storage(self):
         return _bfloat16()
 
+    def empty_product_input(self, shape):
+        return np.empty(shape, _bfloat16())
+
     def product_input(self, x):
         """A bfloat16 copy of ``x`` (rounded to nearest even; one already bfloat16 as it is)."""
         return x if x.dtype == _bfloat16() else np.asarray(x).astype(_bfloat16())

@@ -3,7 +3,8 @@ rounding to bfloat16 of ``train.precision = "bf16"`` (precision.py).
 
 Shape letter n: elements of a flat buffer; the kernels are grid-stride loops over it, so any grid covers any n
 (the backend caps the grid; the simulator runs a tiny one). Arithmetic is float32 (float32 literals keep numba
-off the float64 units). The CPU backend's are cpu/activations.py.
+off the float64 units). The CPU backend's are cpu/activations.py. Under bf16 an activation may read its kept input
+as bfloat16 words and GELU may write its output as them (``*_bf16`` kernels: ``bf16_widener``, ``bf16_narrower``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,28 @@ def bf16_widener():
     return cuda.jit(device=True)(widen)
 
 
+@functools.cache
+def bf16_narrower():
+    """A device function: float32 ``v`` rounded to bfloat16 (to nearest even, ``_bf16_bits``) as its uint16 word.
+    On a GPU the float's bits by libdevice's ``float_as_int`` (a register move); the simulator reads a numpy
+    scalar's."""
+    if sim.simulator():
+        def narrow(v):
+            return uint16(_bf16_bits(np.float32(v).view(np.uint32)) >> _SHIFT)
+    else:
+        from numba.cuda import libdevice
+
+        def narrow(v):
+            return uint16(_bf16_bits(uint32(libdevice.float_as_int(v))) >> _SHIFT)
+    return cuda.jit(device=True)(narrow)
+
+
+@cuda.jit(device=True)
+def _gelu(v):
+    """GELU(v) = v·Φ(v), exact."""
+    return _HALF * v * (_ONE + math.erf(v * _SQRT_HALF))
+
+
 @cuda.jit(device=True)
 def _gelu_slope(v):
     """GELU'(v) = Φ(v) + v·φ(v)."""
@@ -67,7 +90,7 @@ def _gelu_slope(v):
 def kernels(nt: int) -> SimpleNamespace:
     """The element-wise kernels for blocks of ``nt`` threads; compiled lazily, once per process."""
     NT, kernel = nt, blocks.kernel_decorator(nt)
-    widen = bf16_widener()
+    widen, narrow = bf16_widener(), bf16_narrower()
 
     @kernel
     def relu_forward(x, out):
@@ -90,8 +113,13 @@ def kernels(nt: int) -> SimpleNamespace:
     def gelu_forward(x, out):
         """Exact GELU: 0.5·x·(1 + erf(x/√2))."""
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-            v = x[i]
-            out[i] = _HALF * v * (_ONE + math.erf(v * _SQRT_HALF))
+            out[i] = _gelu(x[i])
+
+    @kernel
+    def gelu_forward_bf16(x, out):
+        """``gelu_forward`` into bfloat16 words (``empty_product_input``: a product reads the output only)."""
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            out[i] = narrow(_gelu(x[i]))
 
     @kernel
     def gelu_backward(x, dout, dinp):
@@ -152,7 +180,8 @@ def kernels(nt: int) -> SimpleNamespace:
 
     return SimpleNamespace(relu_forward=relu_forward, relu_backward=relu_backward,
                            relu_backward_bf16=relu_backward_bf16, gelu_forward=gelu_forward,
-                           gelu_backward=gelu_backward, gelu_backward_bf16=gelu_backward_bf16,
+                           gelu_forward_bf16=gelu_forward_bf16, gelu_backward=gelu_backward,
+                           gelu_backward_bf16=gelu_backward_bf16,
                            tanh_forward=tanh_forward, tanh_backward=tanh_backward, add=add, copy=copy,
                            round_bf16=round_bf16, to_bf16=to_bf16, from_bf16=from_bf16)
 
@@ -161,10 +190,17 @@ def _activation(kind: str, saved: str = "x"):
     """(``<kind>_forward(x, out)``, ``<kind>_backward(<saved>, dout, dinp)``): the two methods of one activation,
     launching the kernels of the same names after their argument checks; ``saved`` names what the backward
     takes (tanh's is its output y). A backward whose x is held in ``bf16_storage`` (``kept_output``: a
-    product's output under bf16) launches ``<kind>_backward_bf16``, which widens it as it reads it."""
+    product's output under bf16) launches ``<kind>_backward_bf16``, which widens it as it reads it; a forward into
+    ``bf16_storage`` (``empty_product_input``), ``<kind>_forward_bf16`` where there is one (GELU's), which rounds
+    as it writes."""
 
     def forward(self, x, out):
-        self._unary(f"{kind}_forward", getattr(self._k, f"{kind}_forward"), x=x, out=out)
+        op = f"{kind}_forward"
+        if self.bf16_storage is not None and out.dtype == self.bf16_storage and hasattr(self._k, f"{op}_bf16"):
+            self._arg(op, "out", out, shape=self._arg(op, "x", x).shape, dtype=self.bf16_storage)
+            self._elementwise(getattr(self._k, f"{op}_bf16"), x.size, flat(x), flat(out))
+            return
+        self._unary(op, getattr(self._k, op), x=x, out=out)
 
     def backward(self, s, dout, dinp):
         op = f"{kind}_backward"

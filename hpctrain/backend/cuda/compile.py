@@ -54,7 +54,8 @@ def _types():
                            D3=types.float64[:, :, ::1], I1=types.int64[::1], I2=types.int64[:, ::1],
                            J1=types.int32[::1], i64=types.int64, f32=types.float32, f64=types.float64,
                            b1=types.boolean, U4=types.UniTuple(types.int64, 4), u64=types.uint64,
-                           U1=types.uint64[::1], W1=types.uint32[::1], H1=types.uint16[::1])
+                           U1=types.uint64[::1], W1=types.uint32[::1], H1=types.uint16[::1],
+                           H2=types.uint16[:, ::1])
 
 
 def signatures() -> dict[str, tuple[tuple, ...]]:
@@ -83,13 +84,15 @@ def signatures() -> dict[str, tuple[tuple, ...]]:
         "sum_partials": ((D1, D1),),
         "bias_grad": ((F2, t.D3, I1, i64, F1, b1),),
         "relu_forward": ((F1, F1),), "relu_backward": ((F1, F1, F1),), "relu_backward_bf16": ((t.H1, F1, F1),),
-        "gelu_forward": ((F1, F1),), "gelu_backward": ((F1, F1, F1),), "gelu_backward_bf16": ((t.H1, F1, F1),),
+        "gelu_forward": ((F1, F1),), "gelu_forward_bf16": ((F1, t.H1),),
+        "gelu_backward": ((F1, F1, F1),), "gelu_backward_bf16": ((t.H1, F1, F1),),
         "tanh_forward": ((F1, F1),), "tanh_backward": ((F1, F1, F1),),
         "copy": ((F1, F1),),
         "round_bf16": ((t.W1, t.W1),),  # float32 buffers viewed as their bits (train.precision = "bf16")
         "to_bf16": ((t.W1, t.H1),),  # a float32 buffer's bits -> bfloat16 bits
         "from_bf16": ((t.H1, t.W1),),
         "layernorm_forward": ((F2, F2, b1, F1, F1, f32, F2, F1, F1),),
+        "layernorm_forward_bf16": ((F2, F2, b1, F1, F1, f32, t.H2, F1, F1),),  # the output as bfloat16 words
         "layernorm_backward": ((F2, F2, F1, F1, F1, F2, F2, b1, D2, I1, F1, F1, b1),),
         "softmax_cross_entropy": ((F2, I1, F2, f32, D1, J1, I1, D1),),
         "ce_shard_stats": ((F2, I1, i64, F1, I1, F1),),

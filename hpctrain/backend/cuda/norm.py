@@ -19,10 +19,16 @@ import numpy as np
 from numba import cuda, float32, float64, int64
 
 from . import blocks
+from .activations import bf16_narrower
 
 __all__ = ["kernels", "Norm"]
 
 _ONE = np.float32(1.0)
+
+
+@cuda.jit(device=True)
+def _as_is(v):
+    return v
 
 
 @functools.cache
@@ -33,34 +39,43 @@ def kernels(nt: int) -> SimpleNamespace:
     block_sum = red.block_sum
     last_to_finish = blocks.last_to_finish
 
-    @kernel
-    def layernorm_forward(x, residual, add_residual, weight, bias, eps, out, mean, rstd):
-        """out[B,C] = (x − mean)·rstd·weight + bias per row; saves mean[B], rstd[B] (two-pass variance). With
-        ``add_residual``, x += residual[B,C] first (the residual add fused: each thread adds, stores and then
-        reads back only its own elements)."""
-        sh = cuda.shared.array(NT, float32)
-        B, C = x.shape
-        inv_c = _ONE / float32(C)
-        t = cuda.threadIdx.x
-        for row in range(cuda.blockIdx.x, B, cuda.gridDim.x):
-            acc = float32(0.0)
-            for j in range(t, C, NT):
-                v = x[row, j]
-                if add_residual:
-                    v += residual[row, j]
-                    x[row, j] = v
-                acc += v
-            m = block_sum(sh, acc) * inv_c
-            acc = float32(0.0)
-            for j in range(t, C, NT):
-                d = x[row, j] - m
-                acc += d * d
-            r = _ONE / math.sqrt(block_sum(sh, acc) * inv_c + eps)
-            for j in range(t, C, NT):
-                out[row, j] = (x[row, j] - m) * r * weight[j] + bias[j]
-            if t == 0:
-                mean[row] = m
-                rstd[row] = r
+    def forward(store, name):
+        """The forward kernel, each output value written as ``store`` makes it: float32 as it is, or bfloat16
+        words (``layernorm_forward_bf16``, whose output a product alone reads: ``empty_product_input``)."""
+
+        def layernorm_forward(x, residual, add_residual, weight, bias, eps, out, mean, rstd):
+            """out[B,C] = (x − mean)·rstd·weight + bias per row; saves mean[B], rstd[B] (two-pass variance). With
+            ``add_residual``, x += residual[B,C] first (the residual add fused: each thread adds, stores and then
+            reads back only its own elements)."""
+            sh = cuda.shared.array(NT, float32)
+            B, C = x.shape
+            inv_c = _ONE / float32(C)
+            t = cuda.threadIdx.x
+            for row in range(cuda.blockIdx.x, B, cuda.gridDim.x):
+                acc = float32(0.0)
+                for j in range(t, C, NT):
+                    v = x[row, j]
+                    if add_residual:
+                        v += residual[row, j]
+                        x[row, j] = v
+                    acc += v
+                m = block_sum(sh, acc) * inv_c
+                acc = float32(0.0)
+                for j in range(t, C, NT):
+                    d = x[row, j] - m
+                    acc += d * d
+                r = _ONE / math.sqrt(block_sum(sh, acc) * inv_c + eps)
+                for j in range(t, C, NT):
+                    out[row, j] = store((x[row, j] - m) * r * weight[j] + bias[j])
+                if t == 0:
+                    mean[row] = m
+                    rstd[row] = r
+
+        layernorm_forward.__name__ = layernorm_forward.__qualname__ = name
+        return kernel(layernorm_forward)
+
+    layernorm_forward = forward(_as_is, "layernorm_forward")
+    layernorm_forward_bf16 = forward(bf16_narrower(), "layernorm_forward_bf16")
 
     @kernel
     def layernorm_backward(dout, x, weight, mean, rstd, dinp, dresidual, add_residual, partial, counters, dweight,
@@ -112,18 +127,23 @@ def kernels(nt: int) -> SimpleNamespace:
                 dweight[j] = float32(total_w)
                 dbias[j] = float32(total_b)
 
-    return SimpleNamespace(layernorm_forward=layernorm_forward, layernorm_backward=layernorm_backward)
+    return SimpleNamespace(layernorm_forward=layernorm_forward, layernorm_forward_bf16=layernorm_forward_bf16,
+                           layernorm_backward=layernorm_backward)
 
 
 class Norm:
     """CudaBackend's LayerNorm (a mixin), and LayerNorm with the residual add before it fused in."""
 
     def layernorm_forward(self, x, weight, bias, eps, out, mean, rstd):
-        """out[B,C] = (x − mean)·rstd·weight + bias; saves mean[B] and rstd[B] for the backward pass."""
+        """out[B,C] = (x − mean)·rstd·weight + bias; saves mean[B] and rstd[B] for the backward pass. An ``out``
+        held in ``bf16_storage`` (``empty_product_input``) is written rounded to bfloat16 by the same launch."""
         B, C = self._layernorm_forward_args(x, weight, bias, out, mean, rstd)
         if B and C:
-            self._launch(self._k.layernorm_forward, self._rows_grid(B), self.block,
+            self._launch(self._forward_kernel(out), self._rows_grid(B), self.block,
                          x, x, False, weight, bias, np.float32(eps), out, mean, rstd)
+
+    def _forward_kernel(self, out):
+        return self._k.layernorm_forward_bf16 if out.dtype == self.bf16_storage else self._k.layernorm_forward
 
     def layernorm_backward(self, dout, x, weight, mean, rstd, dinp, dweight, dbias, accumulate=False):
         """dinp[B,C]; dweight[C], dbias[C] (+)= their sums over the rows, in one launch."""
@@ -134,7 +154,7 @@ class Norm:
         """x[B,C] += residual, then ``layernorm_forward`` of it, in one launch."""
         B, C = self._residual_layernorm_forward_args(x, residual, weight, bias, out, mean, rstd)
         if B and C:
-            self._launch(self._k.layernorm_forward, self._rows_grid(B), self.block,
+            self._launch(self._forward_kernel(out), self._rows_grid(B), self.block,
                          x, residual, True, weight, bias, np.float32(eps), out, mean, rstd)
 
     def residual_layernorm_backward(self, dout, dresidual, x, weight, mean, rstd, dinp, dweight, dbias,

@@ -69,6 +69,9 @@ class Bf16CudaBackend(ProductWeights, CudaBackend):
             self._elementwise(self._k.round_bf16, x.size, flat(x).view(np.uint32), flat(out).view(np.uint32))
         return out
 
+    def empty_product_input(self, shape):
+        return self._alloc("empty_product_input", shape, self.bf16_storage)
+
     def product_input(self, x):
         """A bfloat16 copy of ``x`` (uint16 words, rounded as ``round_bf16``); one already bfloat16 as it is."""
         if x.dtype == self.bf16_storage:

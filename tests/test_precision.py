@@ -134,10 +134,7 @@ def test_bf16_keeps_the_products_inputs_and_outputs_in_half_the_bytes_and_the_pl
     idx = np.random.default_rng(0).integers(0, 12, (B, T)).astype(np.int64)
     kept = {}
     for name, be in (("fp32", CpuBackend()), ("bf16", Bf16CpuBackend())):
-        part = spec.part()
-        p = FlatBuffer(be, part.layout)
-        part.bind(p, FlatBuffer(be, part.layout))
-        p.load_host_dict(spec.init_params(0))
+        part = _bound(be, spec, spec.init_params(0))[0]
         kept[name] = nbytes_of(part.forward(be, idx)[1])
     assert kept["fp32"] - kept["bf16"] == B * T * (L * 14 * C + C) * 2
     make_tokens(tmp_path / "t.h5", n=300)
@@ -151,12 +148,18 @@ def test_bf16_keeps_the_products_inputs_and_outputs_in_half_the_bytes_and_the_pl
     assert planned["bf16"].params_bytes - planned["fp32"].params_bytes == 2 * spec.part().layout.size
 
 
-def _loss_and_grads(be, spec, params, idx, targets):
-    """One forward and backward of the whole GPT on ``be``: (mean loss, gradients by name)."""
+def _bound(be, spec, params):
+    """(part, parameters, gradients): the whole of ``spec`` on ``be``, its parameters ``params``."""
     part = spec.part()
     p, g = FlatBuffer(be, part.layout), FlatBuffer(be, part.layout)
     part.bind(p, g)
     p.load_host_dict(params)
+    return part, p, g
+
+
+def _loss_and_grads(be, spec, params, idx, targets):
+    """One forward and backward of the whole GPT on ``be``: (mean loss, gradients by name)."""
+    part, p, g = _bound(be, spec, params)
     h, saved = part.forward(be, be.asarray(idx))
     n = idx.size
     value, _, d = make_loss("cross_entropy")(be, h, be.asarray(targets.reshape(-1)), 1.0 / n)
@@ -192,10 +195,7 @@ def test_what_bf16_keeps_in_bfloat16_changes_no_bit(attention):
     assert got[0] == want[0]
     assert all(got[1][k].tobytes() == want[1][k].tobytes() for k in want[1])
     be = _KeepsFloat32()
-    part = spec.part()
-    p = FlatBuffer(be, part.layout)
-    part.bind(p, FlatBuffer(be, part.layout))
-    p.load_host_dict(params)
+    part = _bound(be, spec, params)[0]
     saved = part.forward(be, idx)[1]
     for block in saved[1:-1]:
         qkv, gelu_input = block[2][0], block[6]
@@ -203,8 +203,7 @@ def test_what_bf16_keeps_in_bfloat16_changes_no_bit(attention):
         assert is_bf16(qkv) and is_bf16(gelu_input)
         assert block[1].dtype == block[5].dtype == block[7].dtype == np.float32  # ln_1's, ln_2's, the GELU's outputs
     be = Bf16CpuBackend()
-    part.bind(p, FlatBuffer(be, part.layout))
-    saved = part.forward(be, idx)[1]
+    saved = _bound(be, spec, params)[0].forward(be, idx)[1]
     for block in saved[1:-1]:  # written as bfloat16 by the LayerNorm and the GELU, kept as they are
         assert block[1].dtype == block[5].dtype == block[7].dtype == BF16
     assert saved[-1][1].dtype == BF16  # ln_f's output, which the head keeps
@@ -234,10 +233,7 @@ def test_the_products_read_a_parts_weights_from_one_bfloat16_copy_rounded_at_eac
     be = Bf16CpuBackend()
     rounds = []
     be._round_into = lambda data, copy: (rounds.append(data.size), Bf16CpuBackend._round_into(data, copy))
-    part = spec.part()
-    p, g = FlatBuffer(be, part.layout), FlatBuffer(be, part.layout)
-    part.bind(p, g)
-    p.load_host_dict(params)
+    part, p, _ = _bound(be, spec, params)
     out, saved = part.forward(be, idx)
     assert rounds == [part.layout.size]
     assert be._held.copy.tobytes() == p.data.astype(BF16).tobytes() and be._held.copy.nbytes == p.data.nbytes // 2
@@ -251,10 +247,7 @@ def test_the_products_read_a_parts_weights_from_one_bfloat16_copy_rounded_at_eac
     out2, _ = part.forward(be, idx)
     assert len(rounds) == 2
     fresh = _RoundsEachProduct()
-    part2 = spec.part()
-    p2 = FlatBuffer(fresh, part2.layout)
-    part2.bind(p2, FlatBuffer(fresh, part2.layout))
-    p2.load_host_dict({k: v * np.float32(1.5) for k, v in params.items()})
+    part2 = _bound(fresh, spec, {k: v * np.float32(1.5) for k, v in params.items()})[0]
     assert out2.tobytes() == part2.forward(fresh, idx)[0].tobytes()
 
 
@@ -279,10 +272,7 @@ def test_an_mlp_keeps_an_activations_input_in_bfloat16_where_a_product_wrote_it(
     x = np.random.default_rng(0).standard_normal((5, 6)).astype(np.float32)
     grads = []
     for b in (be, wide):
-        part = spec.part()
-        p, g = FlatBuffer(b, part.layout), FlatBuffer(b, part.layout)
-        part.bind(p, g)
-        p.load_host_dict(spec.init_params(0))
+        part, _, g = _bound(b, spec, spec.init_params(0))
         out, saved = part.forward(b, x)
         if b is be:
             assert [s.dtype for s in (saved[1], saved[3])] == [BF16, BF16] and saved[5].dtype == np.float32

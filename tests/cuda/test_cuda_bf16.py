@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cudatest import rand
+from cudatest import kept_qkv_backward, rand
 from helpers import gpt_config, make_tokens
 from hpctrain.backend.cpu.precision import Bf16CpuBackend, to_bf16
 from hpctrain.backend.cuda.precision import Bf16CudaBackend
@@ -174,17 +174,10 @@ def test_layernorm_and_gelu_write_bfloat16_for_the_product_after_them(bf16, rng,
 def test_attention_reads_its_kept_bfloat16_qkv_as_the_float32_values(bf16, rng):
     """The q, k and v attention keeps (``product_input``: bfloat16 words) give the backward the bits that the
     float32 qkv they were rounded from gives it (the products round it the same)."""
-    B, T, H, hs = 2, 5, 2, 3
-    C = H * hs
-    qkv, dout = bf16.asarray(rand(rng, B * T, 3 * C)), bf16.asarray(rand(rng, B * T, C))
-    out, att = bf16.empty((B * T, C)), bf16.empty((B, H, T, T))
-    bf16.attention_forward(qkv, T, H, out, att)
-    got, want = bf16.empty((B * T, 3 * C)), bf16.empty((B * T, 3 * C))
-    bf16.attention_backward(dout, bf16.product_input(qkv), att, T, H, got)
-    bf16.attention_backward(dout, qkv, att, T, H, want)
-    assert bf16.to_host(got).tobytes() == bf16.to_host(want).tobytes()
+    got, want, (qkv, out, att) = kept_qkv_backward(bf16, rng, T=5, H=2)
+    assert got.tobytes() == want.tobytes()
     with pytest.raises(BackendError, match=r"^attention_forward: qkv must be float32, got uint16"):
-        bf16.attention_forward(bf16.product_input(qkv), T, H, out, att)
+        bf16.attention_forward(bf16.product_input(qkv), 5, 2, out, att)
 
 
 def test_flash_attention_is_refused_in_one_line(bf16):

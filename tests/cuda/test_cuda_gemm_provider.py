@@ -13,7 +13,7 @@ import pytest
 from cublaslt_fake import SimulatorCublaslt
 from cublaslt_load import cublaslt
 
-from cudatest import F32, SIM, rand
+from cudatest import F32, SIM, kept_qkv_backward, rand
 from helpers import config, gpt_config, make_classification, make_tokens
 from hpctrain.backend import get_backend
 from hpctrain.backend.cuda import CudaBackend
@@ -348,17 +348,36 @@ def test_bf16_attention_copies_its_kept_qkv_into_heads_as_they_are(fake, rng):
     heads as they are (``attention_heads`` on uint16), and dqkv has the bits of the float32 qkv's backward."""
     from hpctrain.backend.cuda.precision import Bf16CudaBackend
 
-    B, T, H, hs = 2, 5, 2, 3
-    C = H * hs
-    be = Bf16CudaBackend(gemm="cublaslt")
-    qkv, dout = be.asarray(rand(rng, B * T, 3 * C)), be.asarray(rand(rng, B * T, C))
-    out, att = be.empty((B * T, C)), be.empty((B, H, T, T))
-    be.attention_forward(qkv, T, H, out, att)
-    got, want = be.empty((B * T, 3 * C)), be.empty((B * T, 3 * C))
-    be.attention_backward(dout, be.product_input(qkv), att, T, H, got)
-    be.attention_backward(dout, qkv, att, T, H, want)
-    assert be.to_host(got).tobytes() == be.to_host(want).tobytes()
+    got, want, _ = kept_qkv_backward(Bf16CudaBackend(gemm="cublaslt"), rng)
+    assert got.tobytes() == want.tobytes()
     assert [req.precision for req, _, _ in fake[-1].calls] == ["bf16"] * 10
+
+
+def _gpt_pass(be, L, seed):
+    """One forward and backward of a small GPT (L blocks) on ``be``, from ``seed``: (the loss, the gradients, the
+    kernels launched in the forward, in the whole pass)."""
+    from hpctrain.nn import make_loss
+    from hpctrain.nn.gpt import GPTSpec
+    from hpctrain.params import FlatBuffer
+
+    spec = GPTSpec(vocab_size=10, block_size=4, n_layer=L, n_head=2, n_embd=8)
+    rng = np.random.default_rng(seed)
+    idx, targets = rng.integers(0, 10, (2, 4)).astype(np.int64), rng.integers(0, 10, 8).astype(np.int64)
+    part = spec.part()
+    p, g = FlatBuffer(be, part.layout), FlatBuffer(be, part.layout)
+    part.bind(p, g)
+    p.load_host_dict(spec.init_params(seed))
+    be.launch_trace = []
+    h, saved = part.forward(be, be.asarray(idx))
+    forward = [name for name, *_ in be.launch_trace]
+    value, _, d = make_loss("cross_entropy")(be, h, be.asarray(targets), 1.0 / targets.size)
+    part.backward(be, d, saved, need_dinp=False)
+    return value, g.to_host_dict(), forward, [name for name, *_ in be.launch_trace]
+
+
+def _same_bits(a, b) -> bool:
+    """Two _gpt_pass results with the same loss and gradients, bit for bit."""
+    return a[0] == b[0] and all(a[1][k].tobytes() == b[1][k].tobytes() for k in b[1])
 
 
 @pytest.mark.parametrize("gemm", ["cublaslt", "numba"])
@@ -371,33 +390,15 @@ def test_bf16_products_read_the_weights_from_the_parts_held_copy(fake, gemm):
     import contextlib
 
     from hpctrain.backend.cuda.precision import Bf16CudaBackend
-    from hpctrain.nn import make_loss
-    from hpctrain.nn.gpt import GPTSpec
-    from hpctrain.params import FlatBuffer
 
     class RoundsEachProduct(Bf16CudaBackend):
         def product_weights(self, data, refresh):
             return contextlib.nullcontext()
 
-    L, C, T, B, V = 1, 8, 4, 2, 10
-    spec = GPTSpec(vocab_size=V, block_size=T, n_layer=L, n_head=2, n_embd=C)
-    rng = np.random.default_rng(3)
-    idx, targets = rng.integers(0, V, (B, T)).astype(np.int64), rng.integers(0, V, B * T).astype(np.int64)
-    runs = []
-    for make in (Bf16CudaBackend, RoundsEachProduct):
-        be = make(gemm=gemm)
-        part = spec.part()
-        p, g = FlatBuffer(be, part.layout), FlatBuffer(be, part.layout)
-        part.bind(p, g)
-        p.load_host_dict(spec.init_params(1))
-        be.launch_trace = []
-        h, saved = part.forward(be, be.asarray(idx))
-        value, _, d = make_loss("cross_entropy")(be, h, be.asarray(targets), 1.0 / targets.size)
-        part.backward(be, d, saved, need_dinp=False)
-        names = [name for name, *_ in be.launch_trace]
-        runs.append((value, g.to_host_dict(), {k: names.count(k) for k in ("to_bf16", "round_bf16", "from_bf16")}))
-    (held_value, held_grads, held), (value, grads, each) = runs
-    assert held_value == value and all(held_grads[k].tobytes() == grads[k].tobytes() for k in grads)
+    L = 1
+    runs = [_gpt_pass(make(gemm=gemm), L, seed=3) for make in (Bf16CudaBackend, RoundsEachProduct)]
+    assert _same_bits(*runs)
+    held, each = ({k: run[3].count(k) for k in ("to_bf16", "round_bf16", "from_bf16")} for run in runs)
     products = 2 * (4 * L + 1)  # each Linear's and the head's X·Wᵀ and dY·W
     if gemm == "cublaslt":
         assert each["to_bf16"] - held["to_bf16"] == products - 1
@@ -411,34 +412,15 @@ def test_bf16_layernorms_and_gelu_write_what_the_products_read(fake):
     words (``empty_product_input``) that the next product reads as they are: with cuBLASLt 3·L + 1 fewer
     ``to_bf16`` launches a forward than writing float32 and rounding a copy, and the same loss and gradients."""
     from hpctrain.backend.cuda.precision import Bf16CudaBackend
-    from hpctrain.nn import make_loss
-    from hpctrain.nn.gpt import GPTSpec
-    from hpctrain.params import FlatBuffer
 
     class WritesFloat32(Bf16CudaBackend):
         def empty_product_input(self, shape):
             return self.empty(shape)
 
-    L, C, T, B, V = 2, 8, 4, 2, 10
-    spec = GPTSpec(vocab_size=V, block_size=T, n_layer=L, n_head=2, n_embd=C)
-    rng = np.random.default_rng(4)
-    idx, targets = rng.integers(0, V, (B, T)).astype(np.int64), rng.integers(0, V, B * T).astype(np.int64)
-    runs = []
-    for make in (Bf16CudaBackend, WritesFloat32):
-        be = make(gemm="cublaslt")
-        part = spec.part()
-        p, g = FlatBuffer(be, part.layout), FlatBuffer(be, part.layout)
-        part.bind(p, g)
-        p.load_host_dict(spec.init_params(2))
-        be.launch_trace = []
-        h, saved = part.forward(be, be.asarray(idx))
-        forward = [name for name, *_ in be.launch_trace].count("to_bf16")
-        value, _, d = make_loss("cross_entropy")(be, h, be.asarray(targets), 1.0 / targets.size)
-        part.backward(be, d, saved, need_dinp=False)
-        runs.append((value, g.to_host_dict(), forward))
-    (value, grads, fused), (value32, grads32, rounded) = runs
-    assert value == value32 and all(grads[k].tobytes() == grads32[k].tobytes() for k in grads)
-    assert rounded - fused == 3 * L + 1
+    L = 2
+    fused, rounded = (_gpt_pass(make(gemm="cublaslt"), L, seed=4) for make in (Bf16CudaBackend, WritesFloat32))
+    assert _same_bits(fused, rounded)
+    assert rounded[2].count("to_bf16") - fused[2].count("to_bf16") == 3 * L + 1
 
 
 def test_attention_products_cublaslt_refuses_run_in_the_numba_kernels(fake, rng):
